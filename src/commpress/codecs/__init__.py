@@ -1,0 +1,31 @@
+"""Codecs: encode a tensor to a :class:`Packet` of bytes and decode it back.
+
+Importing this package registers every built-in codec; :func:`list_codecs` lists them.
+"""
+
+from commpress.codecs import cast, nvcomp, quantize, topk, zfp  # noqa: F401  (register)
+from commpress.codecs.base import (
+    Codec,
+    Packet,
+    codec,
+    codec_options,
+    list_codecs,
+    packet_to_bytes,
+    parse_spec,
+    register_codec,
+)
+from commpress.codecs.delta import Delta
+from commpress.codecs.error_feedback import ErrorFeedback
+
+__all__ = [
+    "Codec",
+    "Delta",
+    "ErrorFeedback",
+    "Packet",
+    "codec",
+    "codec_options",
+    "list_codecs",
+    "packet_to_bytes",
+    "parse_spec",
+    "register_codec",
+]

@@ -1,0 +1,292 @@
+"""The codec contract: ``encode(x) -> Packet``, ``decode(packet) -> x̂``, exact wire size.
+
+A :class:`Packet` is what crosses the wire — a tuple of tensors — plus the local
+context needed to decode it (numel, shape, dtype), which the receiver of a
+collective already knows and which is never sent. Nothing is pickled: a collective
+moves ``packet.tensors`` as raw bytes (:func:`packet_to_bytes`) and rebuilds the
+packet from bytes with :meth:`Codec.packet_from_bytes`.
+
+Codecs are small dataclasses whose fields are their options; :func:`codec` builds
+one from a name, an option string (``"int4:group=128,hadamard=128"``) or a dict, and
+the registry refuses duplicate names. A codec's only mutable state is what it needs
+to be reproducible (the stochastic-rounding call counter), with
+``state_dict()``/``load_state_dict()`` for checkpoints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class Packet:
+    """An encoded tensor: ``tensors`` cross the wire; the rest is local context."""
+
+    tensors: tuple[torch.Tensor, ...]
+    numel: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes on the wire: the sum of the tensors' sizes."""
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+
+def packet_to_bytes(packet: Packet) -> torch.Tensor:
+    """Concatenate a packet's tensors into one flat uint8 tensor (no pickling)."""
+    parts = [t.contiguous().view(-1).view(torch.uint8) for t in packet.tensors]
+    if len(parts) == 1:
+        return parts[0]
+    return torch.cat(parts)
+
+
+class Codec:
+    """Base class. Subclasses are dataclasses whose fields are the codec's options.
+
+    Class attributes: ``name`` (registry key), ``lossless``, ``fixed_rate`` (the wire
+    size depends only on numel and dtype), ``supported_dtypes``.
+    """
+
+    name: ClassVar[str] = ""
+    lossless: ClassVar[bool] = False
+    fixed_rate: ClassVar[bool] = True
+    supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = FLOAT_DTYPES
+
+    # -- the contract ---------------------------------------------------------
+    def encode(self, x: torch.Tensor, *, stream: int = 0) -> Packet:
+        """Encode ``x``. ``stream`` separates random streams (e.g. by rank)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement encode")
+
+    def decode(self, packet: Packet, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Decode to a tensor of the packet's shape and dtype (into ``out`` if given)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement decode")
+
+    def packet_layout(self, numel: int, dtype: torch.dtype) -> list[tuple[torch.dtype, int]]:
+        """``(dtype, count)`` of each packet tensor, for fixed-rate codecs."""
+        raise NotImplementedError(f"{type(self).__name__} is variable-rate: no fixed layout")
+
+    @property
+    def alignment(self) -> int:
+        """Element count ``a`` such that the packet of ``n·a`` elements splits, tensor by
+        tensor, into ``n`` equal packets that each decode one piece of ``a`` elements:
+        a collective encodes once and sends each destination its slice. 0 means the
+        packet cannot be split (encode each piece on its own)."""
+        return 1
+
+    # -- derived --------------------------------------------------------------
+    def wire_bytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int | None:
+        """Exact bytes the packet of ``numel`` elements puts on the wire (None if variable)."""
+        if not self.fixed_rate:
+            return None
+        return sum(count * _itemsize(dt) for dt, count in self.packet_layout(numel, dtype))
+
+    def bits_per_element(self, numel: int, dtype: torch.dtype = torch.float32) -> float | None:
+        wb = self.wire_bytes(numel, dtype)
+        return None if wb is None or numel == 0 else 8.0 * wb / numel
+
+    def packet_from_bytes(
+        self, buf: torch.Tensor, numel: int, shape: tuple[int, ...], dtype: torch.dtype
+    ) -> Packet:
+        """Rebuild a packet from the bytes of :func:`packet_to_bytes`."""
+        if not self.fixed_rate:
+            return Packet((buf,), numel, tuple(shape), dtype)
+        tensors, offset = [], 0
+        for dt, count in self.packet_layout(numel, dtype):
+            nbytes = count * _itemsize(dt)
+            tensors.append(buf[offset : offset + nbytes].view(dt))
+            offset += nbytes
+        if offset != buf.numel():
+            raise ValueError(
+                f"{self.spec()}: got {buf.numel()} bytes for {numel} elements, expected {offset}"
+            )
+        return Packet(tuple(tensors), numel, tuple(shape), dtype)
+
+    def check_input(self, x: torch.Tensor) -> None:
+        if x.dtype not in self.supported_dtypes:
+            allowed = ", ".join(str(d).removeprefix("torch.") for d in self.supported_dtypes)
+            raise ValueError(
+                f"codec {self.name!r} does not support dtype "
+                f"{str(x.dtype).removeprefix('torch.')}; allowed: {allowed}"
+            )
+
+    def spec(self) -> str:
+        """Canonical option string, e.g. ``"int4:group=128,hadamard=0,..."`` (all options)."""
+        opts = [f"{f.name}={_format(getattr(self, f.name))}" for f in _option_fields(type(self))]
+        return self.name + (":" + ",".join(opts) if opts else "")
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"name": self.name}
+        d.update({f.name: getattr(self, f.name) for f in _option_fields(type(self))})
+        return d
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state:
+            raise ValueError(f"codec {self.name!r} has no state; got keys {sorted(state)}")
+
+    def __repr__(self) -> str:
+        return f"codec({self.spec()!r})"
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _format(value: Any) -> str:
+    if isinstance(value, float):
+        return repr(value)
+    return str(value)
+
+
+def _option_fields(cls: type) -> list[dataclasses.Field]:
+    if not dataclasses.is_dataclass(cls):
+        return []
+    return [f for f in dataclasses.fields(cls) if f.init and not f.name.startswith("_")]
+
+
+# -- registry -------------------------------------------------------------------
+
+_REGISTRY: dict[str, type[Codec]] = {}
+
+
+def register_codec(cls: type[Codec]) -> type[Codec]:
+    """Class decorator: add a codec under ``cls.name``; a duplicate name is an error."""
+    if not cls.name:
+        raise ValueError(f"{cls.__name__} needs a non-empty class attribute 'name'")
+    if cls.name in _REGISTRY:
+        raise ValueError(f"codec name {cls.name!r} is already registered by "
+                         f"{_REGISTRY[cls.name].__name__}")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def list_codecs() -> list[str]:
+    """Names of all registered codecs."""
+    return sorted(_REGISTRY)
+
+
+def codec_options(name: str) -> dict[str, Any]:
+    """Option names of codec ``name`` with their defaults."""
+    cls = _lookup(name)
+    return {f.name: (f.default if f.default is not dataclasses.MISSING else None)
+            for f in _option_fields(cls)}
+
+
+def _lookup(name: str) -> type[Codec]:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown codec {name!r}; allowed: {', '.join(list_codecs())}"
+        ) from None
+
+
+def parse_spec(spec: str) -> dict[str, Any]:
+    """``"int4:group=128,hadamard=128"`` → ``{"name": "int4", "group": "128", ...}``."""
+    name, _, rest = spec.strip().partition(":")
+    out: dict[str, Any] = {"name": name.strip()}
+    for item in filter(None, (s.strip() for s in rest.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(
+                f"codec spec {spec!r}: option {item!r} is not of the form key=value"
+            )
+        out[key.strip()] = value.strip()
+    return out
+
+
+def codec(spec: str | dict[str, Any] | Codec, **options: Any) -> Codec:
+    """Build a codec from a name, an option string or a dict; ``options`` override.
+
+    Example::
+
+        codec("int4:group=128,hadamard=128,rounding=stochastic,seed=3")
+        codec({"name": "int8", "group": 64})
+        codec("int4", group=256)
+    """
+    if isinstance(spec, Codec):
+        if options:
+            d = spec.to_dict()
+            d.update(options)
+            return codec(d)
+        return spec
+    if isinstance(spec, str):
+        d = parse_spec(spec)
+    elif isinstance(spec, dict):
+        d = dict(spec)
+    else:
+        raise ValueError(f"codec spec must be a str, dict or Codec; got {type(spec).__name__}")
+    d.update(options)
+    if "name" not in d:
+        raise ValueError(f"codec dict {spec!r} has no 'name'; allowed names: "
+                         f"{', '.join(list_codecs())}")
+    name = d.pop("name")
+    cls = _lookup(str(name))
+    fields = {f.name: f for f in _option_fields(cls)}
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for key, value in d.items():
+        if key not in fields:
+            allowed = ", ".join(fields) or "(none)"
+            raise ValueError(f"codec {name!r} has no option {key!r}; allowed: {allowed}")
+        kwargs[key] = _coerce(name, key, value, hints[key])
+    return cls(**kwargs)
+
+
+def _coerce(codec_name: str, key: str, value: Any, hint: Any) -> Any:
+    """Convert an option value (often a string from a spec) to the field's type."""
+    origin = typing.get_origin(hint)
+    if origin is typing.Literal:
+        allowed = typing.get_args(hint)
+        if value not in allowed:
+            raise ValueError(f"codec {codec_name!r}: {key}={value!r} is not allowed; "
+                             f"allowed: {', '.join(map(str, allowed))}")
+        return value
+    try:
+        if hint is bool:
+            if isinstance(value, str):
+                if value.lower() not in ("true", "false", "1", "0"):
+                    raise ValueError(value)
+                return value.lower() in ("true", "1")
+            return bool(value)
+        if hint is int:
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError(value)
+            return int(value)
+        if hint is float:
+            return float(value)
+        if hint is str:
+            return str(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"codec {codec_name!r}: {key}={value!r} is not a valid "
+                         f"{getattr(hint, '__name__', hint)}") from None
+    return value
+
+
+def option_error(codec_name: str, key: str, value: Any, allowed: str) -> ValueError:
+    """A uniform message for a bad option value."""
+    return ValueError(f"codec {codec_name!r}: {key}={value!r} is not allowed; {allowed}")
+
+
+__all__ = [
+    "FLOAT_DTYPES",
+    "Codec",
+    "Packet",
+    "codec",
+    "codec_options",
+    "list_codecs",
+    "option_error",
+    "packet_to_bytes",
+    "parse_spec",
+    "register_codec",
+]

@@ -1,0 +1,76 @@
+"""Cast codecs: ``none`` (identity), ``bf16`` and ``fp16``.
+
+``none`` sends the tensor as it is (its own dtype's bytes), so every collective run
+with it must equal torch's own collective bit for bit. The casts send 2 bytes per
+element. ``fp16`` overflows to ±Inf above 65504, as torch's ``fp16_compress_hook``
+does: the overflow is visible (non-finite), never silently clipped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from commpress.codecs.base import Codec, Packet, register_codec
+
+
+def _decode_into(values: torch.Tensor, packet: Packet, out: torch.Tensor | None) -> torch.Tensor:
+    if out is None:
+        return values.to(packet.dtype).view(packet.shape)
+    out.copy_(values.view(out.shape))
+    return out
+
+
+@register_codec
+@dataclass
+class NoCompression(Codec):
+    """Identity: the tensor's own bytes cross the wire (``element_size`` bytes per element)."""
+
+    name: ClassVar[str] = "none"
+    lossless: ClassVar[bool] = True
+
+    def encode(self, x: torch.Tensor, *, stream: int = 0) -> Packet:
+        self.check_input(x)
+        return Packet((x.reshape(-1).contiguous(),), x.numel(), tuple(x.shape), x.dtype)
+
+    def decode(self, packet: Packet, out: torch.Tensor | None = None) -> torch.Tensor:
+        return _decode_into(packet.tensors[0], packet, out)
+
+    def packet_layout(self, numel: int, dtype: torch.dtype) -> list[tuple[torch.dtype, int]]:
+        return [(dtype, numel)]
+
+
+@dataclass
+class _Cast(Codec):
+    wire_dtype: ClassVar[torch.dtype]
+
+    def encode(self, x: torch.Tensor, *, stream: int = 0) -> Packet:
+        self.check_input(x)
+        flat = x.reshape(-1).to(self.wire_dtype).contiguous()
+        return Packet((flat,), x.numel(), tuple(x.shape), x.dtype)
+
+    def decode(self, packet: Packet, out: torch.Tensor | None = None) -> torch.Tensor:
+        return _decode_into(packet.tensors[0], packet, out)
+
+    def packet_layout(self, numel: int, dtype: torch.dtype) -> list[tuple[torch.dtype, int]]:
+        return [(self.wire_dtype, numel)]
+
+
+@register_codec
+@dataclass
+class BF16Cast(_Cast):
+    """Cast to bfloat16: 16 bits per element, fp32's range, 8 mantissa bits."""
+
+    name: ClassVar[str] = "bf16"
+    wire_dtype: ClassVar[torch.dtype] = torch.bfloat16
+
+
+@register_codec
+@dataclass
+class FP16Cast(_Cast):
+    """Cast to float16: 16 bits per element, 11 mantissa bits, overflow above 65504."""
+
+    name: ClassVar[str] = "fp16"
+    wire_dtype: ClassVar[torch.dtype] = torch.float16

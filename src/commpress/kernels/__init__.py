@@ -1,0 +1,99 @@
+"""Kernels: group quantization with optional Hadamard smoothing, on any device.
+
+Each entry point picks its implementation once per call site from the tensor's
+device: the Triton kernels on CUDA (when Triton is installed and the configuration
+is one they support), the torch reference elsewhere. ``COMMPRESS_KERNELS=reference``
+forces the reference everywhere (for debugging or comparison);
+``COMMPRESS_KERNELS=triton`` forces Triton (on CPU that needs ``TRITON_INTERPRET=1``).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from types import ModuleType
+
+import torch
+
+from commpress.kernels import reference
+from commpress.kernels.reference import (
+    padded_numel,
+    padded_unit,
+    qmax_for_bits,
+    stream_keys,
+)
+
+KERNEL_CHOICES = ("auto", "reference", "triton")
+
+
+@functools.cache
+def _triton_module() -> ModuleType | None:
+    try:
+        from commpress.kernels import triton_quant
+    except ImportError:
+        return None
+    return triton_quant
+
+
+def backend_for(device: torch.device, bits: int, group: int, hadamard: int) -> ModuleType:
+    """The module (reference or Triton) that runs this configuration on ``device``."""
+    choice = os.environ.get("COMMPRESS_KERNELS", "auto")
+    if choice not in KERNEL_CHOICES:
+        raise ValueError(
+            f"COMMPRESS_KERNELS={choice!r} is not valid; allowed: {', '.join(KERNEL_CHOICES)}"
+        )
+    if choice == "reference":
+        return reference
+    tq = _triton_module()
+    if choice == "triton":
+        if tq is None:
+            raise ImportError("COMMPRESS_KERNELS=triton needs Triton: pip install triton")
+        return tq
+    if device.type == "cuda" and tq is not None and tq.supports(bits, group, hadamard):
+        return tq
+    return reference
+
+
+def quantize(x: torch.Tensor, *, bits: int, group: int, hadamard: int = 0,
+             scale_dtype: torch.dtype = torch.float32,
+             keys: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Encode ``x`` to ``(codes, scales)``; see :func:`reference.quantize`."""
+    impl = backend_for(x.device, bits, group, hadamard)
+    return impl.quantize(x, bits=bits, group=group, hadamard=hadamard,
+                         scale_dtype=scale_dtype, keys=keys)
+
+
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, numel: int, *, bits: int,
+               group: int, hadamard: int = 0,
+               out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Decode ``(codes, scales)`` to a flat tensor of ``numel`` elements."""
+    impl = backend_for(codes.device, bits, group, hadamard)
+    return impl.dequantize(codes, scales, numel, bits=bits, group=group, hadamard=hadamard,
+                           out_dtype=out_dtype)
+
+
+def dequant_reduce_requant(codes: torch.Tensor, scales: torch.Tensor, *, bits_in: int,
+                           group_in: int, bits_out: int, group_out: int,
+                           scale_dtype: torch.dtype = torch.float32,
+                           keys: tuple[int, int] | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum ``k`` encoded chunks and re-encode; see :func:`reference.dequant_reduce_requant`."""
+    impl = backend_for(codes.device, bits_in, group_in, 0)
+    if impl is not reference and not impl.supports(bits_out, group_out, 0):
+        impl = reference
+    return impl.dequant_reduce_requant(codes, scales, bits_in=bits_in, group_in=group_in,
+                                       bits_out=bits_out, group_out=group_out,
+                                       scale_dtype=scale_dtype, keys=keys)
+
+
+__all__ = [
+    "backend_for",
+    "dequant_reduce_requant",
+    "dequantize",
+    "padded_numel",
+    "padded_unit",
+    "qmax_for_bits",
+    "quantize",
+    "reference",
+    "stream_keys",
+]

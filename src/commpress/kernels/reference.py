@@ -1,0 +1,246 @@
+"""Torch reference kernels: block Hadamard, group quantization, bit packing.
+
+These functions are the specification. They run on any device (the CPU path of
+commpress uses them directly) and every Triton kernel is tested against them.
+
+Conventions shared with the Triton kernels, so that both give the same codes:
+
+* The input is viewed flat and zero-padded to a multiple of ``padded_unit``.
+* Hadamard uses the unnormalized ±1 Sylvester matrix ``H`` (``H @ H = h·I``):
+  encode quantizes ``y = x·H`` and decode returns ``ŷ·H / h``. ``1/h`` is a power
+  of two, so no ``1/√h`` rounding enters either side; the transmitted scale lives in
+  the unnormalized rotated domain.
+* Symmetric codes in ``[-qmax, qmax]`` with ``qmax = 2**(bits-1) - 1`` are stored
+  offset-binary (``q + 2**(bits-1)``); element ``j`` of a byte sits at bits
+  ``j*bits`` (little end first).
+* ``scale = absmax / qmax``, cast to the scale dtype (fp16 rounds up, so no element
+  clips); codes are computed with the cast scale (``q = x · (1/scale)``), so decode
+  is exactly ``q · scale``.
+* Nearest rounding is ``floor(y + 0.5)``; stochastic rounding is ``floor(y + u)``
+  with ``u`` from :func:`uniform_from_counter`, a counter-based hash of
+  (key, element index): identical on every device and every run.
+* A group holding NaN or ±Inf gets scale NaN and codes 0: it decodes to NaN,
+  never to finite values.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+MASK32 = 0xFFFFFFFF
+# Multipliers below 2**31 keep int64 products exact in torch (no overflow), and
+# equal the uint32 arithmetic of the Triton kernels modulo 2**32.
+HASH_MUL_1 = 0x7FEB352D
+HASH_MUL_2 = 0x2C1B3C6D
+
+
+def qmax_for_bits(bits: int) -> int:
+    """Largest code magnitude of a symmetric ``bits``-bit quantizer (7 for int4)."""
+    return (1 << (bits - 1)) - 1
+
+
+def scale_floor(scale_dtype: torch.dtype) -> float:
+    """Smallest scale a nonzero group gets: fp16's least subnormal, fp32's least normal."""
+    return 2.0**-24 if scale_dtype == torch.float16 else 2.0**-126
+
+
+def padded_unit(bits: int, group: int, hadamard: int) -> int:
+    """Smallest element count whose codes pack into whole bytes and whole groups/blocks."""
+    per_byte = 8 // bits
+    return math.lcm(group, max(hadamard, 1), per_byte)
+
+
+def padded_numel(numel: int, bits: int, group: int, hadamard: int) -> int:
+    unit = padded_unit(bits, group, hadamard)
+    return -(-numel // unit) * unit
+
+
+def hash32(x: torch.Tensor) -> torch.Tensor:
+    """Mix 32-bit values held in an int64 tensor (lowbias32-style; exact, no overflow)."""
+    x = x ^ (x >> 16)
+    x = (x * HASH_MUL_1) & MASK32
+    x = x ^ (x >> 15)
+    x = (x * HASH_MUL_2) & MASK32
+    x = x ^ (x >> 16)
+    return x
+
+
+def hash32_int(x: int) -> int:
+    """:func:`hash32` on a Python int (used to derive per-call keys)."""
+    x &= MASK32
+    x ^= x >> 16
+    x = (x * HASH_MUL_1) & MASK32
+    x ^= x >> 15
+    x = (x * HASH_MUL_2) & MASK32
+    x ^= x >> 16
+    return x
+
+
+def stream_keys(seed: int, counter: int, stream: int = 0) -> tuple[int, int]:
+    """Two 32-bit keys for one encode call, from the seed, the call counter and a stream id."""
+    k1 = hash32_int(hash32_int(seed) ^ (counter & MASK32))
+    k2 = hash32_int(k1 ^ hash32_int((stream & MASK32) ^ ((counter >> 32) & MASK32) ^ 0x5BD1E995))
+    return k1, k2
+
+
+def uniform_from_counter(start: int, numel: int, keys: tuple[int, int], device) -> torch.Tensor:
+    """Uniform floats in [0, 1) for element indices ``start .. start+numel-1`` (fp32, 24 bits)."""
+    idx = torch.arange(start, start + numel, device=device, dtype=torch.int64) & MASK32
+    h = hash32(hash32(idx ^ keys[0]) ^ keys[1])
+    return (h >> 8).to(torch.float32) * (1.0 / (1 << 24))
+
+
+@functools.cache
+def _hadamard_pm1(h: int, device_str: str) -> torch.Tensor:
+    mat = torch.ones(1, 1, dtype=torch.float32)
+    while mat.shape[0] < h:
+        mat = torch.cat([torch.cat([mat, mat], 1), torch.cat([mat, -mat], 1)], 0)
+    return mat.to(device_str)
+
+
+def hadamard_pm1(h: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The unnormalized ``h × h`` Sylvester Hadamard matrix of ±1 (fp32, symmetric)."""
+    return _hadamard_pm1(h, str(torch.device(device)))
+
+
+def hadamard_transform(y: torch.Tensor, h: int) -> torch.Tensor:
+    """Multiply each block of ``h`` consecutive elements of flat fp32 ``y`` by ``H``."""
+    if h <= 1:
+        return y
+    H = hadamard_pm1(h, y.device)
+    return (y.view(-1, h) @ H).view(-1)
+
+
+def pack_codes(u: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack offset-binary codes (int32, values < 2**bits) into uint8, ``8 // bits`` per byte."""
+    per_byte = 8 // bits
+    if per_byte == 1:
+        return u.to(torch.uint8)
+    shifts = torch.arange(per_byte, device=u.device, dtype=torch.int32) * bits
+    return (u.view(-1, per_byte) << shifts).sum(dim=1, dtype=torch.int32).to(torch.uint8)
+
+
+def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of :func:`pack_codes`: int32 codes, ``8 // bits`` per byte."""
+    per_byte = 8 // bits
+    p = packed.to(torch.int32)
+    if per_byte == 1:
+        return p
+    shifts = torch.arange(per_byte, device=p.device, dtype=torch.int32) * bits
+    return ((p.view(-1, 1) >> shifts) & ((1 << bits) - 1)).view(-1)
+
+
+def quantize_rotated(
+    y: torch.Tensor,
+    *,
+    bits: int,
+    group: int,
+    scale_dtype: torch.dtype,
+    keys: tuple[int, int] | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize flat fp32 ``y`` (numel a multiple of ``group`` and of the packing).
+
+    Returns ``(codes, scales)``: packed uint8 codes and one scale per group.
+    ``keys`` selects stochastic rounding (None: nearest).
+    """
+    qmax = qmax_for_bits(bits)
+    g = y.view(-1, group)
+    finite = torch.isfinite(g).all(dim=1, keepdim=True)
+    absmax = torch.where(finite, g.abs(), 0.0).amax(dim=1, keepdim=True)
+    scale = absmax / qmax
+    if scale_dtype == torch.float16:
+        # Round the fp16 scale up (never down), so no element exceeds qmax steps and
+        # |x − x̂| ≤ scale/2 holds even where fp16 is subnormal and coarse.
+        s16 = scale.to(torch.float16)
+        s16 = torch.where(s16.float() < scale, (s16.view(torch.int16) + 1).view(torch.float16), s16)
+        scale = s16.float()
+    # A nonzero group keeps a scale no smaller than scale_floor: it is never zeroed
+    # by underflow, and 1/scale stays finite.
+    scale = torch.where(absmax > 0, scale.clamp_min(scale_floor(scale_dtype)), scale)
+    inv = torch.where(scale > 0, 1.0 / scale, 0.0)
+    v = g * inv
+    if keys is None:
+        v = v + 0.5
+    else:
+        v = v + uniform_from_counter(0, y.numel(), keys, y.device).view_as(g)
+    q = torch.floor(v).clamp_(-qmax, qmax)
+    q = torch.where(finite & torch.isfinite(q), q, 0.0)
+    u = q.to(torch.int32) + (1 << (bits - 1))
+    scale = torch.where(finite, scale, float("nan"))
+    return pack_codes(u.view(-1), bits), scale.view(-1).to(scale_dtype)
+
+
+def dequantize_rotated(
+    codes: torch.Tensor, scales: torch.Tensor, *, bits: int, group: int
+) -> torch.Tensor:
+    """Flat fp32 values in the rotated domain: ``q · scale``."""
+    q = unpack_codes(codes, bits) - (1 << (bits - 1))
+    return (q.view(-1, group).to(torch.float32) * scales.float().view(-1, 1)).view(-1)
+
+
+def quantize(
+    x: torch.Tensor,
+    *,
+    bits: int,
+    group: int,
+    hadamard: int = 0,
+    scale_dtype: torch.dtype = torch.float32,
+    keys: tuple[int, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Encode any float tensor: pad, rotate (``hadamard > 0``), quantize, pack.
+
+    Returns ``(codes, scales)`` with ``padded_numel(...) * bits / 8`` bytes of codes
+    and ``padded_numel(...) / group`` scales.
+    """
+    flat = x.reshape(-1)
+    n = flat.numel()
+    total = padded_numel(n, bits, group, hadamard)
+    y = torch.zeros(total, dtype=torch.float32, device=x.device)
+    y[:n] = flat
+    y = hadamard_transform(y, hadamard)
+    return quantize_rotated(y, bits=bits, group=group, scale_dtype=scale_dtype, keys=keys)
+
+
+def dequantize(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    numel: int,
+    *,
+    bits: int,
+    group: int,
+    hadamard: int = 0,
+    out_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Decode to a flat tensor of ``numel`` elements of ``out_dtype``."""
+    y = dequantize_rotated(codes, scales, bits=bits, group=group)
+    if hadamard > 1:
+        y = hadamard_transform(y, hadamard) * (1.0 / hadamard)
+    return y[:numel].to(out_dtype)
+
+
+def dequant_reduce_requant(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    *,
+    bits_in: int,
+    group_in: int,
+    bits_out: int,
+    group_out: int,
+    scale_dtype: torch.dtype = torch.float32,
+    keys: tuple[int, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode ``k`` chunks, sum them in fp32, re-encode the sum — all in the rotated domain.
+
+    ``codes`` is ``(k, bytes_per_chunk)`` uint8 and ``scales`` ``(k, groups_per_chunk)``;
+    chunks are summed in row order (deterministic). This is the middle step of the
+    two-level reduce-scatter (TLq-HS): no Hadamard is applied here because both
+    levels work on the same rotated values.
+    """
+    k = codes.shape[0]
+    total = torch.zeros(codes.shape[1] * 8 // bits_in, dtype=torch.float32, device=codes.device)
+    for i in range(k):
+        total += dequantize_rotated(codes[i], scales[i], bits=bits_in, group=group_in)
+    return quantize_rotated(total, bits=bits_out, group=group_out, scale_dtype=scale_dtype, keys=keys)

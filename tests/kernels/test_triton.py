@@ -1,0 +1,111 @@
+"""Triton kernels against the torch reference, in interpreter mode on CPU.
+
+The codes must be identical; decoded values within 1 ulp of the output dtype. Where
+Hadamard is on, the matrix product may sum in another order than torch's, so a code
+may differ only for a value within float rounding of a rounding boundary (the test
+checks that every differing code is such a tie), and decoded values may differ by
+the fp32 summation error of the inverse rotation.
+"""
+
+import os
+
+import pytest
+import torch
+
+from commpress.kernels import reference as ref
+
+triton_quant = pytest.importorskip("commpress.kernels.triton_quant",
+                                   reason="Triton is not installed (pip install triton)")
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+    reason="Triton needs TRITON_INTERPRET=1 on a machine without CUDA",
+)
+
+CASES = [(8, 128, 0), (4, 128, 0), (2, 64, 0), (4, 128, 128), (4, 32, 128), (8, 256, 32),
+         (4, 2048, 128), (8, 128, 16)]
+
+
+def _ulp(x: torch.Tensor) -> torch.Tensor:
+    eps = torch.finfo(x.dtype).eps
+    tiny = torch.finfo(x.dtype).tiny
+    return (x.float().abs() * eps).clamp_min(tiny)
+
+
+def _assert_codes_match(x, bits, group, had, sd, keys, c_ref, c_tri):
+    if torch.equal(c_ref, c_tri):
+        return
+    assert had > 0, "codes differ without Hadamard"
+    # recompute the pre-rounding values and check every difference is a near-tie
+    total = ref.padded_numel(x.numel(), bits, group, had)
+    y = torch.zeros(total)
+    y[: x.numel()] = x.float()
+    y = ref.hadamard_transform(y, had)
+    _, s_ref = ref.quantize_rotated(y, bits=bits, group=group, scale_dtype=sd, keys=keys)
+    v = y.view(-1, group) * (1.0 / s_ref.float().view(-1, 1))
+    if keys is None:
+        frac = (v + 0.5) - torch.floor(v + 0.5)
+    else:
+        u = ref.uniform_from_counter(0, total, keys, "cpu").view_as(v)
+        frac = (v + u) - torch.floor(v + u)
+    near_tie = torch.minimum(frac, 1 - frac).view(-1) < 1e-4
+    q_ref, q_tri = ref.unpack_codes(c_ref, bits), ref.unpack_codes(c_tri, bits)
+    differs = q_ref != q_tri
+    assert (q_ref - q_tri)[differs].abs().max() == 1, "a code differs by more than one step"
+    assert near_tie[differs].all(), "a code differs away from a rounding tie"
+
+
+@pytest.mark.parametrize(("bits", "group", "had"), CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("stochastic", [False, True])
+@pytest.mark.parametrize("numel", [1, 1000, 9000])
+def test_encode_decode_match_reference(bits, group, had, dtype, stochastic, numel):
+    x = (torch.randn(numel) * 2).to(dtype)
+    x[numel // 2] = float("nan") if numel > 1 else x[0]
+    keys = ref.stream_keys(5, 9, 2) if stochastic else None
+    for sd in (torch.float32, torch.float16):
+        c_ref, s_ref = ref.quantize(x, bits=bits, group=group, hadamard=had, scale_dtype=sd,
+                                    keys=keys)
+        c_tri, s_tri = triton_quant.quantize(x, bits=bits, group=group, hadamard=had,
+                                             scale_dtype=sd, keys=keys)
+        assert c_tri.shape == c_ref.shape and s_tri.dtype == s_ref.dtype
+        _assert_codes_match(x, bits, group, had, sd, keys, c_ref, c_tri)
+        torch.testing.assert_close(s_tri, s_ref, rtol=1e-5, atol=0, equal_nan=True)
+        d_ref = ref.dequantize(c_ref, s_ref, numel, bits=bits, group=group, hadamard=had,
+                               out_dtype=dtype)
+        d_tri = triton_quant.dequantize(c_ref, s_ref, numel, bits=bits, group=group,
+                                        hadamard=had, out_dtype=dtype)
+        assert torch.equal(d_ref.isnan(), d_tri.isnan())
+        bound = _ulp(d_ref) * 1.01
+        if had:
+            # the inverse rotation sums h terms of |ŷ|/h in another order than torch:
+            # fp32 summation error ≤ log2(h)·eps·max|ŷ| over the block
+            y_hat = ref.dequantize_rotated(c_ref, s_ref, bits=bits, group=group).view(-1, had)
+            block_max = y_hat.abs().amax(1).repeat_interleave(had)[:numel]
+            bound = bound + had.bit_length() * torch.finfo(torch.float32).eps * block_max
+        ok = ~d_ref.isnan()
+        gap = (d_ref[ok].float() - d_tri[ok].float()).abs()
+        assert torch.all(gap <= bound[ok])
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+@pytest.mark.parametrize(("bits_in", "bits_out", "group"), [(8, 4, 128), (8, 8, 64), (4, 2, 32)])
+def test_dequant_reduce_requant_matches_reference(k, bits_in, bits_out, group):
+    chunk = 4096 + 2 * group
+    enc = [ref.quantize_rotated(torch.randn(chunk), bits=bits_in, group=group,
+                                scale_dtype=torch.float32, keys=None) for _ in range(k)]
+    codes = torch.stack([e[0] for e in enc])
+    scales = torch.stack([e[1] for e in enc])
+    for keys in (None, ref.stream_keys(1, 2, 3)):
+        c_ref, s_ref = ref.dequant_reduce_requant(codes, scales, bits_in=bits_in, group_in=group,
+                                                  bits_out=bits_out, group_out=group, keys=keys)
+        c_tri, s_tri = triton_quant.dequant_reduce_requant(
+            codes, scales, bits_in=bits_in, group_in=group, bits_out=bits_out, group_out=group,
+            keys=keys)
+        assert torch.equal(c_ref, c_tri)
+        assert torch.equal(s_ref, s_tri)
+
+
+def test_supports():
+    assert triton_quant.supports(4, 128, 128)
+    assert not triton_quant.supports(4, 100, 0)
+    assert not triton_quant.supports(4, 128, 8)
