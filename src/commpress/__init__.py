@@ -15,10 +15,42 @@ from commpress.codecs import (
     codec,
     list_codecs,
 )
+from commpress.collectives import (
+    CollectiveMismatchError,
+    Handle,
+    P2POp,
+    Topology,
+    all_gather,
+    all_reduce,
+    batch_isend_irecv,
+    hierarchical_reduce_scatter,
+    irecv,
+    isend,
+    recv,
+    reduce_scatter,
+    reset_stats,
+    send,
+    stats,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CollectiveMismatchError",
+    "Handle",
+    "P2POp",
+    "Topology",
+    "all_gather",
+    "all_reduce",
+    "batch_isend_irecv",
+    "hierarchical_reduce_scatter",
+    "irecv",
+    "isend",
+    "recv",
+    "reduce_scatter",
+    "reset_stats",
+    "send",
+    "stats",
     "Codec",
     "Delta",
     "ErrorFeedback",

@@ -1,0 +1,30 @@
+"""Compressed collectives over any torch.distributed process group."""
+
+from commpress.collectives.agreement import CollectiveMismatchError, check_agreement
+from commpress.collectives.all_gather import all_gather
+from commpress.collectives.all_reduce import all_reduce
+from commpress.collectives.handle import Handle
+from commpress.collectives.hierarchical import hierarchical_reduce_scatter
+from commpress.collectives.p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
+from commpress.collectives.reduce_scatter import reduce_scatter
+from commpress.collectives.stats import reset_stats, stats
+from commpress.collectives.topology import Topology
+
+__all__ = [
+    "CollectiveMismatchError",
+    "Handle",
+    "P2POp",
+    "Topology",
+    "all_gather",
+    "all_reduce",
+    "batch_isend_irecv",
+    "check_agreement",
+    "hierarchical_reduce_scatter",
+    "irecv",
+    "isend",
+    "recv",
+    "reduce_scatter",
+    "reset_stats",
+    "send",
+    "stats",
+]

@@ -1,0 +1,92 @@
+"""Encode a tensor as per-destination byte rows, and decode rows back to values.
+
+A collective that sends chunk ``i`` of its input to rank ``i`` pads each chunk to the
+codec's alignment, encodes all chunks in **one** codec call when the codec allows it
+(fixed-rate, splittable: the packet's tensors split evenly by chunk), and lays the
+bytes out as a ``(world, row_bytes)`` tensor whose row ``i`` goes to rank ``i``.
+Variable-rate or unsplittable codecs (zfp, nvcomp, topk) encode chunk by chunk into
+a list of byte tensors of different sizes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from commpress.codecs import Codec, ErrorFeedback, Packet, packet_to_bytes
+from commpress.codecs.base import _itemsize
+
+AnyCodec = Codec | ErrorFeedback
+
+
+def padded_chunk(codec: AnyCodec, m: int) -> int:
+    """Chunk length after padding to the codec's alignment (unchanged if it has none)."""
+    a = codec.alignment
+    return m if a <= 1 else -(-m // a) * a
+
+
+def splittable(codec: AnyCodec) -> bool:
+    return codec.fixed_rate and codec.alignment > 0
+
+
+def encode(codec: AnyCodec, x: torch.Tensor, *, stream: int, key: str) -> Packet:
+    if isinstance(codec, ErrorFeedback):
+        return codec.encode(x, key=key, stream=stream)
+    return codec.encode(x, stream=stream)
+
+
+def encode_rows(codec: AnyCodec, x: torch.Tensor, *, stream: int,
+                key: str) -> torch.Tensor | list[torch.Tensor]:
+    """Encode ``x`` of shape ``(n, m_pad)`` into byte rows, one per chunk."""
+    n = x.shape[0]
+    if splittable(codec):
+        packet = encode(codec, x.reshape(-1), stream=stream, key=key)
+        parts = [t.contiguous().view(torch.uint8).view(n, -1) for t in packet.tensors]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+    return [packet_to_bytes(encode(codec, x[i], stream=stream, key=f"{key}#{i}"))
+            for i in range(n)]
+
+
+def decode_rows(codec: AnyCodec, rows: torch.Tensor | list[torch.Tensor], m_pad: int,
+                wire_dtype: torch.dtype) -> torch.Tensor:
+    """Decode byte rows (as produced by :func:`encode_rows`) to ``(n, m_pad)`` fp32.
+
+    ``wire_dtype`` is the dtype the sender encoded (it fixes the layout of codecs that
+    send values in the input's dtype, such as ``none`` and ``topk``).
+    """
+    if isinstance(rows, list):
+        return torch.stack([
+            codec.decode(_as_fp32(codec.packet_from_bytes(r, m_pad, (m_pad,), wire_dtype)))
+            for r in rows
+        ])
+    n = rows.shape[0]
+    tensors, offset = [], 0
+    for dt, count in codec.packet_layout(n * m_pad, wire_dtype):
+        width = count * _itemsize(dt) // n
+        part = rows[:, offset : offset + width]
+        tensors.append(part.contiguous().view(-1).view(dt))
+        offset += width
+    packet = Packet(tuple(tensors), n * m_pad, (n, m_pad), torch.float32)
+    return codec.decode(packet)
+
+
+def _as_fp32(packet: Packet) -> Packet:
+    return Packet(packet.tensors, packet.numel, packet.shape, torch.float32)
+
+
+def row_bytes(rows: torch.Tensor | list[torch.Tensor], skip: int) -> tuple[int, int]:
+    """(bytes, rows) over all rows except row ``skip`` (this rank's own)."""
+    if isinstance(rows, list):
+        return sum(r.numel() for i, r in enumerate(rows) if i != skip), len(rows) - 1
+    return rows[0].numel() * (rows.shape[0] - 1), rows.shape[0] - 1
+
+
+def pad_chunks(flat: torch.Tensor, n: int, m: int, m_pad: int) -> torch.Tensor:
+    """View ``flat`` (numel ≤ n·m) as ``(n, m_pad)``: chunk ``i`` is ``flat[i·m:(i+1)·m]``,
+    zero-padded. No copy when no padding is needed."""
+    if flat.numel() == n * m and m == m_pad:
+        return flat.view(n, m)
+    out = torch.zeros(n, m_pad, dtype=flat.dtype, device=flat.device)
+    full = torch.zeros(n * m, dtype=flat.dtype, device=flat.device)
+    full[: flat.numel()] = flat
+    out[:, :m] = full.view(n, m)
+    return out

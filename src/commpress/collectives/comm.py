@@ -1,0 +1,99 @@
+"""Thin wrappers over torch.distributed: group defaults, API-version compatibility,
+and the byte exchanges (all-to-all, all-gather) that the compressed collectives use."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+ReduceOpName = str  # "avg" | "sum"
+REDUCE_OPS = {"avg": dist.ReduceOp.AVG, "sum": dist.ReduceOp.SUM}
+
+
+def resolve_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    if not dist.is_initialized():
+        raise RuntimeError("commpress collectives need torch.distributed to be initialized "
+                           "(torch.distributed.init_process_group)")
+    return group if group is not None else dist.group.WORLD
+
+
+def check_op(op: str) -> None:
+    if op not in REDUCE_OPS:
+        raise ValueError(f"op={op!r} is not allowed; allowed: {', '.join(REDUCE_OPS)}")
+
+
+def all_gather_single(output: torch.Tensor, input: torch.Tensor, group, async_op: bool = False):
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(output, input, group=group, async_op=async_op)
+
+
+def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, op: str, group,
+                          async_op: bool = False):
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(output, input, op=REDUCE_OPS[op], group=group, async_op=async_op)
+
+
+class Exchange:
+    """An all-to-all of per-destination byte rows, started at construction.
+
+    ``rows`` is either a ``(world, row_bytes)`` uint8 tensor (fixed-rate codecs: every
+    row has the same size) or a list of ``world`` 1-D uint8 tensors of any sizes
+    (variable-rate codecs: sizes are exchanged first). ``wait()`` returns what each
+    source rank sent this rank, in the same form.
+    """
+
+    def __init__(self, rows: torch.Tensor | list[torch.Tensor], group) -> None:
+        self.group = group
+        if isinstance(rows, torch.Tensor):
+            self.sizes = None
+            self.recv = torch.empty_like(rows)
+            self.work = dist.all_to_all_single(self.recv, rows, group=group, async_op=True)
+        else:
+            send_sizes = [r.numel() for r in rows]
+            sizes_t = torch.tensor(send_sizes, dtype=torch.int64, device=rows[0].device)
+            recv_sizes_t = torch.empty_like(sizes_t)
+            dist.all_to_all_single(recv_sizes_t, sizes_t, group=group)
+            self.sizes = recv_sizes_t.tolist()
+            self.recv = torch.empty(sum(self.sizes), dtype=torch.uint8, device=rows[0].device)
+            self.work = dist.all_to_all_single(
+                self.recv, torch.cat(rows), output_split_sizes=self.sizes,
+                input_split_sizes=send_sizes, group=group, async_op=True)
+
+    def wait(self) -> torch.Tensor | list[torch.Tensor]:
+        self.work.wait()
+        if self.sizes is None:
+            return self.recv
+        return list(torch.split(self.recv, self.sizes))
+
+
+class Gather:
+    """An all-gather of one byte row per rank (any sizes), started at construction."""
+
+    def __init__(self, row: torch.Tensor, fixed_size: bool, group) -> None:
+        world = dist.get_world_size(group)
+        self.sizes: list[int] | None = None
+        if not fixed_size:
+            size = torch.tensor([row.numel()], dtype=torch.int64, device=row.device)
+            all_sizes = torch.empty(world, dtype=torch.int64, device=row.device)
+            all_gather_single(all_sizes, size, group)
+            self.sizes = all_sizes.tolist()
+            padded = torch.zeros(max(self.sizes), dtype=torch.uint8, device=row.device)
+            padded[: row.numel()] = row
+            row = padded
+        self.recv = torch.empty(world * row.numel(), dtype=torch.uint8, device=row.device)
+        self.work = all_gather_single(self.recv, row, group, async_op=True)
+        self.width = row.numel()
+
+    def wait(self) -> torch.Tensor | list[torch.Tensor]:
+        self.work.wait()
+        rows = self.recv.view(-1, self.width) if self.width else self.recv.view(-1, 0)
+        if self.sizes is None:
+            return rows
+        return [rows[i, :s] for i, s in enumerate(self.sizes)]
+
+
+def describe(x: torch.Tensor) -> dict[str, Any]:
+    return {"shape": tuple(x.shape), "dtype": str(x.dtype).removeprefix("torch."),
+            "device": x.device.type}

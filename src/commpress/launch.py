@@ -1,0 +1,123 @@
+"""Run a function on N local ranks (Gloo on CPU) and collect what each returns.
+
+The CLI uses it to train on CPU without ``torchrun``; tests use it for real
+multi-process runs. Each rank is a fresh process (``spawn``) with the usual
+``torchrun`` environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_*).
+A rank that raises, dies or outlives ``timeout`` ends the whole launch with an error
+that carries the rank's traceback — never a hang.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch.multiprocessing as mp
+
+
+class LaunchError(RuntimeError):
+    """A rank failed, died, or the launch timed out."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(fn, rank, world, ranks_per_node, port, pg_timeout_s, args, results, env):
+    os.environ.update(env)
+    os.environ.update({
+        "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank % ranks_per_node),
+        "LOCAL_WORLD_SIZE": str(ranks_per_node), "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    })
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=pg_timeout_s))
+        value = fn(rank, world, *args)
+        results.put((rank, "ok", value))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent with its traceback
+        results.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - already failing or exiting
+                pass
+
+
+def spawn(
+    fn: Callable[..., Any],
+    nprocs: int,
+    args: tuple = (),
+    *,
+    ranks_per_node: int | None = None,
+    timeout: float = 300.0,
+    pg_timeout_s: float = 60.0,
+    env: dict[str, str] | None = None,
+    allow_errors: bool = False,
+) -> list[Any]:
+    """Run ``fn(rank, world, *args)`` on ``nprocs`` ranks; return the values by rank.
+
+    ``fn`` must be importable (a module-level function). With ``allow_errors`` a failed
+    rank's entry is the :class:`LaunchError` instead of raising (for fault tests).
+    """
+    if nprocs < 1:
+        raise ValueError(f"nprocs={nprocs} is not allowed; allowed: >= 1")
+    rpn = ranks_per_node or nprocs
+    if nprocs % rpn:
+        raise ValueError(f"nprocs={nprocs} is not divisible by ranks_per_node={rpn}")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(fn, r, nprocs, rpn, port, pg_timeout_s, args,
+                                               results, env or {}), daemon=True)
+             for r in range(nprocs)]
+    for p in procs:
+        p.start()
+    values: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(values) + len(errors) < nprocs:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = sorted(set(range(nprocs)) - set(values) - set(errors))
+                raise LaunchError(f"ranks {missing} did not finish within {timeout:.0f} s")
+            try:
+                rank, status, value = results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                # a process that exited non-zero without reporting died (killed, segfault);
+                # one that exited 0 has its result in the queue already
+                for r, p in enumerate(procs):
+                    if (r not in values and r not in errors and not p.is_alive()
+                            and p.exitcode not in (0, None)):
+                        errors[r] = f"rank {r} exited with code {p.exitcode} without a result"
+                if errors and not allow_errors:
+                    break
+                continue
+            (values if status == "ok" else errors)[rank] = value
+            if errors and not allow_errors:
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=0.5 if errors else 5)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    if errors and not allow_errors:
+        rank = min(errors)
+        raise LaunchError(f"rank {rank} failed: {errors[rank]}")
+    return [values.get(r, LaunchError(errors.get(r, "no result"))) for r in range(nprocs)]

@@ -1,0 +1,97 @@
+"""Compressed collectives on real Gloo process groups (2, 4 and 8 ranks)."""
+
+import pytest
+
+from commpress.launch import spawn
+from tests.collectives import workers
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_none_codec_equals_torch_collectives_bitwise(world):
+    for rank_result in spawn(workers.none_matches_torch, world):
+        bad = [k for k, ok in rank_result.items() if not ok]
+        assert not bad, f"differs from torch: {bad}"
+
+
+@pytest.fixture(scope="module")
+def errors_by_world():
+    specs = ["int8", "int4", "int4:hadamard=128"]
+    return {w: spawn(workers.compressed_errors, w, (specs, 60_000 - 7)) for w in (2, 8)}
+
+
+def test_compressed_error_is_at_most_1_5x_a_single_round_trip(errors_by_world):
+    for world, ranks in errors_by_world.items():
+        for key, (err, single, _) in ranks[0].items():
+            # all_reduce quantizes twice (≈ √2 × single for independent errors); bf16 and
+            # fp16 outputs add their own rounding
+            assert err <= 1.5 * single, f"world {world} {key}: {err:.4f} > 1.5 × {single:.4f}"
+
+
+def test_error_does_not_grow_with_ranks(errors_by_world):
+    two, eight = errors_by_world[2][0], errors_by_world[8][0]
+    for key in two:
+        # 5% slack: the data differ between world sizes, the error per element does not
+        assert eight[key][0] <= 1.05 * two[key][0] + 1e-4, key
+
+
+def test_all_reduce_and_all_gather_are_bitwise_identical_on_all_ranks(errors_by_world):
+    for ranks in errors_by_world.values():
+        for key in ranks[0]:
+            if ranks[0][key][2] is not None:
+                assert len({r[key][2] for r in ranks}) == 1, key
+
+
+def test_two_level_reduce_scatter_error_and_wire_bytes():
+    numel = 4096 * 3 + 128  # per rank; a multiple of 128 (no padding in the byte formula)
+    ranks = spawn(workers.hierarchical, 8, (4, numel), ranks_per_node=4)
+    L, nodes = 4, 2
+    for r in ranks:
+        assert r["err"] <= 1.5 * r["single"], (r["err"], r["single"])
+        assert r["err_generic"] <= 1.5 * r["single"]
+        s = r["stats"]
+        intra, inter = s["dp.grad.intra"], s["dp.grad.inter"]
+        # 8-bit codes + one fp32 scale per 128: (L−1)·nodes chunks leave the rank
+        assert intra["elements"] == (L - 1) * nodes * numel
+        assert intra["wire_bytes"] == (L - 1) * nodes * (numel + 4 * numel // 128)
+        # 4-bit codes + fp32 scales: (nodes−1) chunks cross nodes
+        assert inter["elements"] == (nodes - 1) * numel
+        assert inter["wire_bytes"] == (nodes - 1) * (numel // 2 + 4 * numel // 128)
+        assert 8 * intra["wire_bytes"] / intra["elements"] == pytest.approx(8.25)
+        assert 8 * inter["wire_bytes"] / inter["elements"] == pytest.approx(4.25)
+
+
+@pytest.mark.parametrize("rpn", [1, 4])
+def test_two_level_falls_back_to_one_level(rpn):
+    # 4 ranks: one node of 4, or 4 nodes of 1 — one level, still correct
+    for r in spawn(workers.hierarchical, 4, (rpn, 1024), ranks_per_node=rpn):
+        assert r["err"] <= 1.5 * r["single"]
+
+
+def test_mismatched_shapes_raise_on_every_rank_not_hang():
+    messages = spawn(workers.mismatched_shapes, 3, timeout=60)
+    for m in messages:
+        assert "ranks disagree" in m and "rank 1: shape=(101,) (rank 0: (100,))" in m, m
+        assert "rank 2: shape=(102,)" in m
+
+
+@pytest.mark.parametrize("spec", ["topk:ratio=0.2", "zfp:rate=12"])
+def test_variable_rate_codecs_in_every_collective(spec):
+    ranks = spawn(workers.variable_rate, 3, (spec,))
+    bound = {"topk:ratio=0.2": 0.95, "zfp:rate=12"[:3]: 0.02}
+    for r in ranks:
+        limit = 0.95 if spec.startswith("topk") else 0.02
+        assert max(r["ar"], r["rs"], r["ag"]) < limit, r
+    assert len({r["digest"] for r in ranks}) == 1
+    del bound
+
+
+def test_async_handles_and_point_to_point():
+    for r in spawn(workers.async_and_p2p, 3):
+        assert all(r.values()), r
+
+
+def test_error_feedback_through_all_reduce():
+    ranks = spawn(workers.error_feedback_all_reduce, 2)
+    for r in ranks:
+        assert r["ef"] < 0.5 * r["plain"], r
+    assert len({r["digest"] for r in ranks}) == 1

@@ -1,0 +1,165 @@
+"""Functions that run on every rank of a multi-process test (module level: picklable)."""
+
+import hashlib
+
+import torch
+import torch.distributed as dist
+
+import commpress
+from commpress.collectives.comm import all_gather_single, reduce_scatter_single
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _data(rank, numel, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    return torch.randn(numel, generator=g).to(dtype)
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def _digest(t):
+    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def none_matches_torch(rank, world):
+    """codec='none' through every collective equals torch's own, bit for bit."""
+    out = {}
+    for dtype in DTYPES:
+        for numel in (1, 37, 1000):
+            x = _data(rank, numel * world, dtype)
+            # all_reduce
+            a, b = x.clone(), x.clone()
+            commpress.all_reduce(a, "none", op="sum")
+            dist.all_reduce(b)
+            out[("ar", dtype, numel)] = torch.equal(a, b)
+            # reduce_scatter
+            o1, o2 = torch.empty(numel, dtype=dtype), torch.empty(numel, dtype=dtype)
+            commpress.reduce_scatter(o1, x, "none", op="sum")
+            reduce_scatter_single(o2, x, "sum", dist.group.WORLD)
+            out[("rs", dtype, numel)] = torch.equal(o1, o2)
+            # all_gather
+            s = _data(rank, numel, dtype, seed=1)
+            g1, g2 = torch.empty(world * numel, dtype=dtype), torch.empty(world * numel, dtype=dtype)
+            commpress.all_gather(g1, s, "none")
+            all_gather_single(g2, s, dist.group.WORLD)
+            out[("ag", dtype, numel)] = torch.equal(g1, g2)
+    return out
+
+
+def compressed_errors(rank, world, specs, numel):
+    """Relative errors of compressed collectives against the exact fp64 result, next
+    to the codec's single round-trip error on this rank's data; digests of results."""
+    out = {}
+    for spec in specs:
+        for dtype in DTYPES:
+            x = _data(rank, numel, dtype, seed=3)
+            full = [torch.empty_like(x) for _ in range(world)]
+            dist.all_gather(full, x)
+            exact = torch.stack([f.double() for f in full]).sum(0)
+            c = commpress.codec(spec)
+            single = _rel(c.decode(c.encode(x)).double(), x.double())
+            # all_reduce (sum)
+            y = x.clone()
+            commpress.all_reduce(y, spec, op="sum", label=f"ar.{spec}")
+            out[("ar", spec, dtype)] = (_rel(y, exact), single, _digest(y))
+            # reduce_scatter (avg), numel not divisible by world × group
+            m = numel // world
+            o = torch.empty(m, dtype=dtype)
+            commpress.reduce_scatter(o, x[: m * world], spec, op="avg")
+            ex_rs = torch.stack([f[: m * world].double() for f in full]).mean(0)
+            out[("rs", spec, dtype)] = (_rel(o, ex_rs.view(world, m)[rank]), single, None)
+            # all_gather
+            gathered = torch.empty(world * numel, dtype=dtype)
+            commpress.all_gather(gathered, x, spec)
+            out[("ag", spec, dtype)] = (_rel(gathered, torch.cat(full).double()), single,
+                                        _digest(gathered))
+    return out
+
+
+def hierarchical(rank, world, ranks_per_node, numel):
+    x = _data(rank, numel * world, torch.float32, seed=5)
+    full = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(full, x)
+    exact = torch.stack([f.double() for f in full]).sum(0).view(world, numel)[rank]
+    commpress.reset_stats()
+    topo = commpress.Topology(ranks_per_node)
+    out = torch.empty(numel)
+    commpress.hierarchical_reduce_scatter(out, x, "int8:hadamard=128", "int4:hadamard=128",
+                                          topology=topo, op="sum", label="dp.grad")
+    c = commpress.codec("int4:hadamard=128")
+    single = _rel(c.decode(c.encode(x)), x)
+    # the generic path (an error-feedback wrapper is not fusable) gives a comparable result
+    out_generic = torch.empty(numel)
+    commpress.hierarchical_reduce_scatter(
+        out_generic, x, commpress.ErrorFeedback(commpress.codec("int8:hadamard=128")),
+        "int4:hadamard=128", topology=topo, op="sum", label="generic")
+    return {"err": _rel(out, exact), "single": single, "stats": commpress.stats(),
+            "err_generic": _rel(out_generic, exact)}
+
+
+def mismatched_shapes(rank, world):
+    x = torch.randn(100 + rank)  # every rank a different size
+    try:
+        commpress.all_reduce(x, "int4", label="grads")
+    except commpress.CollectiveMismatchError as e:
+        return str(e)
+    return "no error"
+
+
+def variable_rate(rank, world, spec):
+    x = _data(rank, 3000, torch.float32, seed=7)
+    full = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(full, x)
+    exact = torch.stack(full).sum(0)
+    y = x.clone()
+    commpress.all_reduce(y, spec, op="sum")
+    o = torch.empty(3000 // world)
+    commpress.reduce_scatter(o, x, spec, op="sum")
+    g = torch.empty(world * 3000)
+    commpress.all_gather(g, x, spec)
+    return {"ar": _rel(y, exact), "rs": _rel(o, exact.view(world, -1)[rank]),
+            "ag": _rel(g, torch.cat(full)), "digest": _digest(y)}
+
+
+def async_and_p2p(rank, world):
+    out = {}
+    x = _data(rank, 5000, torch.float32, seed=9)
+    y = x.clone()
+    handle = commpress.all_reduce(y, "int8", async_op=True)
+    z = x.clone()
+    commpress.all_reduce(z, "int8")
+    handle.wait()
+    out["async_equals_sync"] = torch.equal(y, z)
+    # ring of sends with every codec kind (fixed and variable rate)
+    for spec in ("none", "bf16", "int4:hadamard=64", "topk:ratio=0.1", "zfp:rate=16"):
+        send_t = _data(rank, 777, torch.bfloat16, seed=11)
+        recv_t = torch.empty(777, dtype=torch.bfloat16)
+        ops = [commpress.P2POp("send", send_t, (rank + 1) % world, spec),
+               commpress.P2POp("recv", recv_t, (rank - 1) % world, spec)]
+        for h in commpress.batch_isend_irecv(ops):
+            h.wait()
+        expected = _data((rank - 1) % world, 777, torch.bfloat16, seed=11)
+        c = commpress.codec(spec)
+        out[spec] = torch.equal(recv_t, c.decode(c.encode(expected)))
+    return out
+
+
+def error_feedback_all_reduce(rank, world):
+    """An ErrorFeedback codec through all_reduce: the time-average converges to the mean."""
+    ef = commpress.ErrorFeedback(commpress.codec("int2"))
+    x = _data(rank, 4096, torch.float32, seed=13)
+    full = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(full, x)
+    exact = torch.stack(full).mean(0)
+    acc = torch.zeros_like(x)
+    steps = 30
+    for _ in range(steps):
+        y = x.clone()
+        commpress.all_reduce(y, ef, label="ef")
+        acc += y
+    plain = x.clone()
+    commpress.all_reduce(plain, "int2", label="plain")
+    return {"ef": _rel(acc / steps, exact), "plain": _rel(plain, exact), "digest": _digest(acc)}
