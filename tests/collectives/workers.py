@@ -42,7 +42,8 @@ def none_matches_torch(rank, world):
             out[("rs", dtype, numel)] = torch.equal(o1, o2)
             # all_gather
             s = _data(rank, numel, dtype, seed=1)
-            g1, g2 = torch.empty(world * numel, dtype=dtype), torch.empty(world * numel, dtype=dtype)
+            g1 = torch.empty(world * numel, dtype=dtype)
+            g2 = torch.empty_like(g1)
             commpress.all_gather(g1, s, "none")
             all_gather_single(g2, s, dist.group.WORLD)
             out[("ag", dtype, numel)] = torch.equal(g1, g2)

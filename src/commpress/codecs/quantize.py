@@ -93,7 +93,8 @@ class _GroupQuantizer(Codec):
 
     def packet_layout(self, numel: int, dtype: torch.dtype) -> list[tuple[torch.dtype, int]]:
         total = kernels.padded_numel(numel, self.bits, self.group, self.hadamard)
-        return [(torch.uint8, total * self.bits // 8), (self.torch_scale_dtype, total // self.group)]
+        return [(torch.uint8, total * self.bits // 8),
+                (self.torch_scale_dtype, total // self.group)]
 
     def state_dict(self) -> dict[str, Any]:
         return {"calls": self._calls}

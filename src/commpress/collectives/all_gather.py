@@ -27,7 +27,8 @@ def start_all_gather(shard: torch.Tensor, codec, group: dist.ProcessGroup, label
     with timed(label, "encode_s", shard.device):
         row = chunks.encode_rows(codec, shard.view(1, -1), stream=stream, key=key or label)
     row = row.view(-1) if isinstance(row, torch.Tensor) else row[0]
-    record(label, calls=int(count_call), elements=(n - 1) * shard.numel(), wire_bytes=(n - 1) * row.numel(),
+    record(label, calls=int(count_call), elements=(n - 1) * shard.numel(),
+           wire_bytes=(n - 1) * row.numel(),
            raw_bytes=(n - 1) * shard.numel() * shard.element_size())
     with timed(label, "comm_s", shard.device):
         return Gather(row, fixed_size=chunks.splittable(codec), group=group)

@@ -243,4 +243,5 @@ def dequant_reduce_requant(
     total = torch.zeros(codes.shape[1] * 8 // bits_in, dtype=torch.float32, device=codes.device)
     for i in range(k):
         total += dequantize_rotated(codes[i], scales[i], bits=bits_in, group=group_in)
-    return quantize_rotated(total, bits=bits_out, group=group_out, scale_dtype=scale_dtype, keys=keys)
+    return quantize_rotated(total, bits=bits_out, group=group_out, scale_dtype=scale_dtype,
+                            keys=keys)
