@@ -1,0 +1,1 @@
+"""Benchmarks: codec throughput and error, collective time and bytes."""
