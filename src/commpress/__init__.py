@@ -32,10 +32,24 @@ from commpress.collectives import (
     send,
     stats,
 )
+from commpress.integrations import (
+    DDPHookState,
+    NonFiniteGradientError,
+    ShardedOptimizer,
+    ddp_hook,
+)
+from commpress.policy import Policy, Rule, list_presets
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "DDPHookState",
+    "NonFiniteGradientError",
+    "Policy",
+    "Rule",
+    "ShardedOptimizer",
+    "ddp_hook",
+    "list_presets",
     "CollectiveMismatchError",
     "Handle",
     "P2POp",

@@ -1,0 +1,155 @@
+"""A small GPT in the nanoGPT spirit: decoder-only, pre-norm, causal attention through
+``scaled_dot_product_attention``, GELU MLP, tied input/output embeddings.
+
+The attention and MLP projections are plain ``nn.Linear`` modules with Megatron's
+names (``qkv``/``proj``, ``fc``/``out``), so tensor parallelism can swap them for
+column- and row-parallel versions (:mod:`commpress.parallel.tensor`) without
+touching this file. ``n_head`` counts heads of the *local* module: a tensor-parallel
+rank holds ``n_head / tp`` heads.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Model shape. ``vocab_size`` 256 is the byte-level tokenizer."""
+
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    block_size: int = 128
+    vocab_size: int = 256
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"GPTConfig.{name}={getattr(self, name)} is not allowed; "
+                                 "allowed: a positive integer")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"GPTConfig: n_embd={self.n_embd} is not divisible by "
+                             f"n_head={self.n_head}")
+
+    def num_params(self) -> int:
+        d, v, t = self.n_embd, self.vocab_size, self.block_size
+        per_layer = 12 * d * d + 13 * d
+        return v * d + t * d + self.n_layer * per_layer + 2 * d
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# ~1M parameters for CI up to GPT-2 XL-like sizes for GPUs (byte vocabulary: the
+# embedding is tiny, so the count is almost all transformer blocks).
+PRESETS: dict[str, GPTConfig] = {
+    "gpt-tiny": GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=64),
+    "gpt-1m": GPTConfig(n_layer=4, n_head=4, n_embd=128, block_size=128),
+    "gpt-3m": GPTConfig(n_layer=6, n_head=6, n_embd=192, block_size=128),
+    "gpt-10m": GPTConfig(n_layer=8, n_head=8, n_embd=320, block_size=256),
+    "gpt-125m": GPTConfig(n_layer=12, n_head=12, n_embd=768, block_size=1024),
+    "gpt-350m": GPTConfig(n_layer=24, n_head=16, n_embd=1024, block_size=1024),
+    "gpt-1.3b": GPTConfig(n_layer=24, n_head=32, n_embd=2048, block_size=2048),
+}
+
+
+def list_presets() -> list[str]:
+    return list(PRESETS)
+
+
+def config_from_preset(name: str, **overrides) -> GPTConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; allowed: {', '.join(PRESETS)}")
+    return GPTConfig(**{**PRESETS[name].to_dict(), **overrides})
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.head_dim = cfg.n_embd // cfg.n_head
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.dropout = cfg.dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        qkv = self.qkv(x)  # (B, T, 3 · local heads · head_dim)
+        q, k, v = qkv.view(B, T, 3, -1, self.head_dim).permute(2, 0, 3, 1, 4)  # (B, H, T, hd)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        return self.proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
+        self.out = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(F.gelu(self.fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.n_embd)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.n_embd)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """Token + position embeddings → blocks → final norm → tied output projection."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # GPT-2 initialization; residual projections scaled by 1/√(2·n_layer)
+        for name, p in self.named_parameters():
+            if p.dim() >= 2:
+                std = 0.02
+                if name.endswith(("proj.weight", "out.weight")):
+                    std = 0.02 / math.sqrt(2 * self.cfg.n_layer)
+                nn.init.normal_(p, mean=0.0, std=std)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        T = idx.shape[1]
+        if T > self.cfg.block_size:
+            raise ValueError(f"sequence length {T} exceeds block_size={self.cfg.block_size}")
+        pos = torch.arange(T, device=idx.device)
+        return self.wte(idx) + self.wpe(pos)  # (B, T, C)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ln_f(x) @ self.wte.weight.t()  # (B, T, vocab)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(x)
+        if targets is None:
+            return logits
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+        return logits, loss

@@ -1,0 +1,254 @@
+"""Which codec each collective gets: per parallel axis, tensor kind and link level.
+
+A :class:`Policy` maps ``(axis, kind[, level])`` to a :class:`Rule` (a codec spec plus
+``error_feedback`` and ``delta`` flags):
+
+====  ==========================  ===========================================
+axis  kinds                       collective
+====  ==========================  ===========================================
+dp    ``grad``, ``param``         gradient reduce-scatter / all-reduce, weight all-gather
+tp    ``act``, ``act_grad``       tensor-parallel all-reduce forward / backward
+pp    ``act``, ``act_grad``       pipeline send/recv forward / backward
+====  ==========================  ===========================================
+
+``dp.grad`` may be split into levels ``intra`` and ``inter`` (node-local and
+cross-node links) for the two-level reduce-scatter. A lookup falls back from
+``dp.grad.inter`` to ``dp.grad`` to exact (``none``).
+
+Presets: ``none``, ``naive`` and ``hybrid`` (Xu et al., CCGrid 2024), ``sdp4bit`` and
+its ablations ``qw``, ``qwd``, ``tlq``, ``tlqhs`` (Jia et al., NeurIPS 2024), and
+``zeropp`` (ZeRO++). A policy round-trips through a dict, YAML and TOML:
+
+.. code-block:: yaml
+
+    name: my-policy
+    dp:
+      grad: {intra: "int8:hadamard=128", inter: "int4:hadamard=128"}
+      param: {codec: "int4:group=2048", delta: true}
+    tp: {act: bf16, act_grad: bf16}
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from commpress.codecs import Codec, ErrorFeedback, codec
+
+AXES: dict[str, tuple[str, ...]] = {"dp": ("grad", "param"), "tp": ("act", "act_grad"),
+                                    "pp": ("act", "act_grad")}
+LEVELS = ("intra", "inter")
+RULE_FIELDS = ("codec", "error_feedback", "delta")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One collective's compression: ``codec`` spec, optional error feedback, and (for
+    ``dp.param`` only) ``delta``: send weight differences (qWD) instead of weights."""
+
+    codec: str = "none"
+    error_feedback: bool = False
+    delta: bool = False
+
+    def build(self) -> Codec | ErrorFeedback:
+        """A fresh codec object (each collective keeps its own state)."""
+        c = codec(self.codec)
+        return ErrorFeedback(c) if self.error_feedback else c
+
+    @property
+    def exact(self) -> bool:
+        return self.codec == "none" and not self.error_feedback
+
+    def to_dict(self) -> str | dict[str, Any]:
+        if not self.error_feedback and not self.delta:
+            return self.codec
+        return {"codec": self.codec, "error_feedback": self.error_feedback, "delta": self.delta}
+
+
+@dataclass(frozen=True)
+class Policy:
+    """A named map from ``"axis.kind[.level]"`` keys to rules (missing keys: exact)."""
+
+    name: str = "custom"
+    rules: dict[str, Rule] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for key, rule in self.rules.items():
+            _check_key(key)
+            if rule.delta and not key.startswith("dp.param"):
+                raise ValueError(f"policy {self.name!r}: {key}.delta=true is not allowed; "
+                                 "delta (weight differences, qWD) applies to dp.param only")
+            try:
+                codec(rule.codec)
+            except ValueError as e:
+                raise ValueError(f"policy {self.name!r}: {key}.codec: {e}") from None
+
+    # -- lookups ----------------------------------------------------------------
+    def rule(self, axis: str, kind: str, level: str | None = None) -> Rule:
+        """The rule for a collective, falling back from the level to the kind to exact."""
+        key = f"{axis}.{kind}"
+        _check_key(key if level is None else f"{key}.{level}")
+        if level is not None and f"{key}.{level}" in self.rules:
+            return self.rules[f"{key}.{level}"]
+        return self.rules.get(key, Rule())
+
+    def codec_for(self, axis: str, kind: str, level: str | None = None) -> Codec | ErrorFeedback:
+        """A fresh codec object for ``(axis, kind, level)``."""
+        return self.rule(axis, kind, level).build()
+
+    def two_level(self, axis: str = "dp", kind: str = "grad") -> bool:
+        """Whether the policy names separate intra- and inter-node codecs for this kind."""
+        return any(f"{axis}.{kind}.{lv}" in self.rules for lv in LEVELS)
+
+    # -- construction -------------------------------------------------------------
+    @classmethod
+    def preset(cls, name: str) -> Policy:
+        """A named preset; the error lists them all."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown policy preset {name!r}; allowed: {', '.join(PRESETS)}")
+        return cls.from_dict({"name": name, **PRESETS[name]})
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Policy:
+        if not isinstance(d, dict):
+            raise ValueError(f"a policy must be a mapping; got {type(d).__name__}")
+        name = str(d.get("name", "custom"))
+        rules: dict[str, Rule] = {}
+        for axis, kinds in d.items():
+            if axis == "name":
+                continue
+            if axis not in AXES:
+                raise ValueError(f"policy {name!r}: unknown axis {axis!r}; allowed: "
+                                 f"name, {', '.join(AXES)}")
+            if not isinstance(kinds, dict):
+                raise ValueError(f"policy {name!r}: {axis} must map kinds "
+                                 f"({', '.join(AXES[axis])}) to codecs; got {kinds!r}")
+            for kind, value in kinds.items():
+                if kind not in AXES[axis]:
+                    raise ValueError(f"policy {name!r}: unknown kind {axis}.{kind}; allowed: "
+                                     f"{', '.join(f'{axis}.{k}' for k in AXES[axis])}")
+                key = f"{axis}.{kind}"
+                if isinstance(value, dict) and set(value) & set(LEVELS):
+                    extra = set(value) - set(LEVELS)
+                    if extra:
+                        raise ValueError(f"policy {name!r}: {key} mixes levels with "
+                                         f"{sorted(extra)}; allowed keys: intra, inter")
+                    if axis != "dp" or kind != "grad":
+                        raise ValueError(f"policy {name!r}: levels (intra/inter) are allowed "
+                                         f"for dp.grad only; got {key}")
+                    for level, leaf in value.items():
+                        rules[f"{key}.{level}"] = _rule(name, f"{key}.{level}", leaf)
+                else:
+                    rules[key] = _rule(name, key, value)
+        return cls(name=name, rules=rules)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Policy:
+        """Load a YAML (``.yaml``/``.yml``, safe loader) or TOML (``.toml``) policy file."""
+        path = os.fspath(path)
+        if not os.path.exists(path):
+            raise ValueError(f"policy file {path!r} does not exist")
+        with open(path, "rb") as f:
+            raw = f.read()
+        try:
+            if path.endswith(".toml"):
+                d = tomllib.loads(raw.decode())
+            elif path.endswith((".yaml", ".yml")):
+                d = yaml.safe_load(raw)
+            else:
+                raise ValueError(f"policy file {path!r}: unknown extension; allowed: .yaml, "
+                                 ".yml, .toml")
+        except (yaml.YAMLError, tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"policy file {path!r} is malformed: {e}") from None
+        d = d or {}
+        if isinstance(d, dict):
+            d.setdefault("name", os.path.splitext(os.path.basename(path))[0])
+        return cls.from_dict(d)
+
+    @classmethod
+    def resolve(cls, spec: str | dict | Policy | None) -> Policy:
+        """A policy from a preset name, a file path, a dict or a policy."""
+        if spec is None:
+            return cls.preset("none")
+        if isinstance(spec, Policy):
+            return spec
+        if isinstance(spec, dict):
+            return cls.from_dict(spec)
+        if spec.endswith((".yaml", ".yml", ".toml")):
+            return cls.load(spec)
+        return cls.preset(spec)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"name": self.name}
+        for key, rule in sorted(self.rules.items()):
+            parts = key.split(".")
+            node = out.setdefault(parts[0], {})
+            if len(parts) == 3:
+                node = node.setdefault(parts[1], {})
+            node[parts[-1]] = rule.to_dict()
+        return out
+
+    def describe(self) -> str:
+        return "; ".join(f"{k}={r.codec}" + ("+ef" if r.error_feedback else "") +
+                         ("+delta" if r.delta else "") for k, r in sorted(self.rules.items()))
+
+
+def _check_key(key: str) -> None:
+    parts = key.split(".")
+    ok = (len(parts) in (2, 3) and parts[0] in AXES and parts[1] in AXES[parts[0]]
+          and (len(parts) == 2 or (parts[2] in LEVELS and parts[:2] == ["dp", "grad"])))
+    if not ok:
+        allowed = [f"{a}.{k}" for a, ks in AXES.items() for k in ks]
+        raise ValueError(f"unknown policy key {key!r}; allowed: {', '.join(allowed)}, "
+                         "dp.grad.intra, dp.grad.inter")
+
+
+def _rule(policy: str, key: str, value: Any) -> Rule:
+    if isinstance(value, str):
+        return Rule(codec=value)
+    if isinstance(value, dict):
+        extra = set(value) - set(RULE_FIELDS)
+        if extra:
+            raise ValueError(f"policy {policy!r}: {key} has unknown field(s) {sorted(extra)}; "
+                             f"allowed: {', '.join(RULE_FIELDS)}")
+        for flag in ("error_feedback", "delta"):
+            if flag in value and not isinstance(value[flag], bool):
+                raise ValueError(f"policy {policy!r}: {key}.{flag}={value[flag]!r} is not "
+                                 "allowed; allowed: true, false")
+        if not isinstance(value.get("codec", "none"), str):
+            raise ValueError(f"policy {policy!r}: {key}.codec={value['codec']!r} must be a "
+                             "codec spec string such as 'int4:group=128'")
+        return Rule(**value)
+    raise ValueError(f"policy {policy!r}: {key}={value!r} is not allowed; allowed: a codec spec "
+                     "string or a mapping with codec, error_feedback, delta")
+
+
+# Group sizes follow the papers: SDP4Bit uses group 128 for gradients at both levels
+# and 2048 for weight differences; ZeRO++ quantizes weights in blocks of ~4096.
+_TLQHS = {"intra": "int8:hadamard=128", "inter": "int4:hadamard=128"}
+_TLQ = {"intra": "int8", "inter": "int4"}
+_QWD = {"codec": "int4:group=2048", "delta": True}
+PRESETS: dict[str, dict[str, Any]] = {
+    "none": {},
+    "naive": {"dp": {"grad": "int4", "param": "int4"},
+              "tp": {"act": "int4", "act_grad": "int4"},
+              "pp": {"act": "int4", "act_grad": "int4"}},
+    "hybrid": {"dp": {"grad": {"intra": "int8:hadamard=128", "inter": "int4:hadamard=128"},
+                      "param": "int8"},
+               "tp": {"act": "bf16", "act_grad": "bf16"},
+               "pp": {"act": "int8", "act_grad": "int8"}},
+    "sdp4bit": {"dp": {"grad": _TLQHS, "param": _QWD}},
+    "zeropp": {"dp": {"grad": {"intra": "int4", "inter": "int4"}, "param": "int8:group=4096"}},
+    "qw": {"dp": {"param": "int4:group=2048"}},
+    "qwd": {"dp": {"param": _QWD}},
+    "tlq": {"dp": {"grad": _TLQ}},
+    "tlqhs": {"dp": {"grad": _TLQHS}},
+}
+
+
+def list_presets() -> list[str]:
+    return list(PRESETS)

@@ -1,0 +1,1 @@
+"""The reference trainer: data, the 3D-parallel training loop, checkpoints."""

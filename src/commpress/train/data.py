@@ -1,0 +1,118 @@
+"""Text data for the reference trainer: byte-level tokens, deterministic split and batches.
+
+Sources, by ``path``:
+
+* ``None`` — the Python standard library's own source files on this machine (a few
+  MB of real text, present wherever Python is): sorted, concatenated, byte tokens;
+* a text file, or a folder of ``.txt``/``.md``/``.py`` files — byte tokens;
+* a ``.bin`` file — pre-tokenized ``uint16`` tokens (nanoGPT format).
+
+The last ``val_fraction`` of the tokens is the validation split. A batch is a function
+of (seed, step) only — every data-parallel rank computes the same global batch and
+takes its rows — so a run is reproducible and its loss curve does not depend on the
+parallel layout.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst")
+
+
+def _stdlib_files() -> list[str]:
+    root = os.path.dirname(os.__file__)
+    return sorted(glob.glob(os.path.join(root, "*.py")))
+
+
+def load_tokens(path: str | None = None, max_bytes: int | None = 4 << 20) -> torch.Tensor:
+    """Tokens of the corpus as a 1-D int64 tensor (see the module doc for sources)."""
+    if path is None:
+        files = _stdlib_files()
+        if not files:
+            raise ValueError("no default corpus: the Python standard library sources were not "
+                             "found; pass --data PATH")
+    elif not os.path.exists(path):
+        raise ValueError(f"data path {path!r} does not exist; allowed: a text file, a folder "
+                         f"of {', '.join(TEXT_SUFFIXES)} files, or a uint16 .bin file")
+    elif os.path.isdir(path):
+        files = sorted(f for f in glob.glob(os.path.join(path, "**", "*"), recursive=True)
+                       if f.endswith(TEXT_SUFFIXES) and os.path.isfile(f))
+        if not files:
+            raise ValueError(f"data folder {path!r} holds no {', '.join(TEXT_SUFFIXES)} files")
+    elif path.endswith(".bin"):
+        arr = np.fromfile(path, dtype=np.uint16)
+        if max_bytes is not None:
+            arr = arr[: max_bytes // 2]
+        tokens = torch.from_numpy(arr.astype(np.int64))
+        _check_nonempty(tokens, path)
+        return tokens
+    else:
+        files = [path]
+    chunks, total = [], 0
+    for f in files:
+        with open(f, "rb") as fh:
+            data = fh.read()
+        chunks.append(data)
+        total += len(data)
+        if max_bytes is not None and total >= max_bytes:
+            break
+    raw = b"".join(chunks)[:max_bytes]
+    tokens = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(torch.int64)
+    _check_nonempty(tokens, path or "the standard library")
+    return tokens
+
+
+def _check_nonempty(tokens: torch.Tensor, where: str) -> None:
+    if tokens.numel() == 0:
+        raise ValueError(f"the corpus {where!r} is empty")
+
+
+@dataclass
+class TextData:
+    """Train/validation token streams and a seeded batch sampler."""
+
+    tokens: torch.Tensor
+    val_fraction: float = 0.05
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.val_fraction < 1.0:
+            raise ValueError(f"val_fraction={self.val_fraction} is not allowed; allowed: (0, 1)")
+        n_val = max(2, int(len(self.tokens) * self.val_fraction))
+        self.train = self.tokens[:-n_val]
+        self.val = self.tokens[-n_val:]
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.tokens.max().item()) + 1
+
+    def check_seq_len(self, seq_len: int) -> None:
+        shortest = min(len(self.train), len(self.val))
+        if seq_len + 1 > shortest:
+            raise ValueError(f"sequence length {seq_len} is longer than the data allows: the "
+                             f"smaller split has {shortest} tokens; allowed: seq_len <= "
+                             f"{shortest - 1} (use more data or a shorter --seq)")
+
+    def batch(self, split: str, batch_size: int, seq_len: int, seed: int,
+              step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The global batch ``(x, y)`` of ``batch_size`` sequences for (seed, step)."""
+        stream = {"train": self.train, "val": self.val}.get(split)
+        if stream is None:
+            raise ValueError(f"split={split!r} is not allowed; allowed: train, val")
+        self.check_seq_len(seq_len)
+        g = torch.Generator().manual_seed(seed * 1_000_003 + step * 2 + (split == "val"))
+        starts = torch.randint(0, len(stream) - seq_len - 1, (batch_size,), generator=g)
+        idx = starts[:, None] + torch.arange(seq_len + 1)
+        seqs = stream[idx]
+        return seqs[:, :-1], seqs[:, 1:]
+
+    def unigram_entropy(self) -> float:
+        """Entropy of the byte distribution of the training split, in nats per token."""
+        counts = torch.bincount(self.train, minlength=self.vocab_size).double()
+        p = counts[counts > 0] / counts.sum()
+        return float(-(p * p.log()).sum())
