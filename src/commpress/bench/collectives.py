@@ -41,11 +41,11 @@ def _worker(rank: int, world: int, numel: int, codecs: list[str], rpn: int | Non
     rows = []
     for spec in codecs:
         cases = {
-            "all_reduce": lambda: commpress.all_reduce(x.clone(), spec, label="bench"),
-            "reduce_scatter": lambda: commpress.reduce_scatter(torch.empty(m), x[: m * world],
-                                                               spec, label="bench"),
-            "all_gather": lambda: commpress.all_gather(torch.empty(world * m), x[:m], spec,
-                                                       label="bench"),
+            "all_reduce": lambda spec=spec: commpress.all_reduce(x.clone(), spec, label="bench"),
+            "reduce_scatter": lambda spec=spec: commpress.reduce_scatter(
+                torch.empty(m), x[: m * world], spec, label="bench"),
+            "all_gather": lambda spec=spec: commpress.all_gather(
+                torch.empty(world * m), x[:m], spec, label="bench"),
         }
         for name, fn in cases.items():
             commpress.reset_stats()
@@ -59,7 +59,7 @@ def _worker(rank: int, world: int, numel: int, codecs: list[str], rpn: int | Non
         for intra, inter in [("none", "none"), ("int8:hadamard=128", "int4:hadamard=128"),
                              ("int8", "int4")]:
             commpress.reset_stats()
-            seconds = _time(lambda: commpress.hierarchical_reduce_scatter(
+            seconds = _time(lambda intra=intra, inter=inter: commpress.hierarchical_reduce_scatter(
                 torch.empty(m), x[: m * world], intra, inter, topology=topo, label="h"), iters)
             s = commpress.stats()
             wire = sum(v["wire_bytes"] for v in s.values()) / (iters + 1)

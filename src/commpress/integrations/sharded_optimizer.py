@@ -97,7 +97,8 @@ class ShardedOptimizer:
     """
 
     def __init__(self, model: nn.Module, optimizer_cls: type[torch.optim.Optimizer] = None,
-                 policy: str | dict | Policy | None = "none", group: dist.ProcessGroup | None = None,
+                 policy: str | dict | Policy | None = "none",
+                 group: dist.ProcessGroup | None = None,
                  topology: Topology | None = None, *, bucket_numel: int = 1 << 22,
                  max_grad_norm: float | None = None, nonfinite: str = "skip",
                  overlap: bool = True, decay_1d: bool = False, **optimizer_kwargs: Any) -> None:
