@@ -1,4 +1,4 @@
-"""The ``commpress`` command: train | compare | bench | plan | demo."""
+"""The ``commpress`` command: train | compare | bench | demo."""
 
 from __future__ import annotations
 
@@ -46,9 +46,82 @@ def _cmd_bench_collectives(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_train_options(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    """One flag per TrainConfig field; the comment beside the field is its help."""
+    import dataclasses
+    import typing
+
+    from commpress.train.config import TrainConfig, field_help
+
+    helps = field_help()
+    hints = typing.get_type_hints(TrainConfig)
+    for f in dataclasses.fields(TrainConfig):
+        if f.name in skip:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        hint = hints[f.name]
+        base = next((t for t in typing.get_args(hint) if t is not type(None)), hint)
+        if base is bool:
+            p.add_argument(f"--no-{f.name.replace('_', '-')}", dest=f.name, action="store_false",
+                           help=f"turn off: {helps.get(f.name, '')}")
+            continue
+        p.add_argument(flag, dest=f.name, type=base, default=f.default,
+                       help=f"{helps.get(f.name, '')} (default: {f.default})")
+
+
+def _train_config(args: argparse.Namespace, **override):
+    import dataclasses
+
+    from commpress.train.config import TrainConfig
+
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
+              if hasattr(args, f.name)}
+    values.update(override)
+    return TrainConfig(**values)
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    import json
+
+    from commpress.console import console
+    from commpress.train.loop import train
+    from commpress.train.report import summary_table
+
+    summary = train(_train_config(args))
+    if summary is None:  # a non-zero rank under torchrun
+        return 0
+    console().print(summary_table(summary))
+    console().print(f"run directory: {summary['out']} (metrics.jsonl, summary.json, loss.png)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=1)
+    return 0
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from commpress.train.compare import compare
+
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    compare(policies, _train_config(args, policy=policies[0] if policies else "none"),
+            out_dir=args.out, json_path=args.json)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="commpress", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
+
+    tr = sub.add_parser("train", help="train the reference GPT with dp × tp × pp and a policy")
+    _add_train_options(tr)
+    tr.add_argument("--json", default=None, help="also write the summary to this JSON file")
+    tr.set_defaults(fn=_cmd_train)
+
+    cmp = sub.add_parser("compare", help="the same run under several policies, side by side")
+    cmp.add_argument("--policies", default="none,naive,hybrid,sdp4bit,zeropp",
+                     help="comma-separated policies (default: none,naive,hybrid,sdp4bit,zeropp)")
+    _add_train_options(cmp, skip=("policy",))
+    cmp.add_argument("--json", default=None, help="write every summary to this JSON file")
+    cmp.set_defaults(fn=_cmd_compare)
 
     demo = sub.add_parser("demo", help="round-trip every codec on a small tensor")
     demo.set_defaults(fn=_cmd_demo)
@@ -79,8 +152,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import logging
+
     args = build_parser().parse_args(argv)
-    return args.fn(args)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.fn(args)
+    except ValueError as e:  # bad input: a clear message, not a traceback
+        from commpress.console import console
+
+        console(stderr=True).print(f"[red]error:[/red] {e}")
+        return 2
 
 
 if __name__ == "__main__":

@@ -93,6 +93,11 @@ class ShardedOptimizer:
             ``"raise"`` :class:`NonFiniteGradientError` on every rank.
         overlap: start each bucket's reduce-scatter as soon as its gradients are ready.
         decay_1d: also apply weight decay to 1-D parameters (biases, norms).
+        norm_group: group over which the squared gradient norm is summed (default: the
+            data-parallel group; with tensor/pipeline parallelism, the whole world, so
+            clipping and the non-finite check see the whole model on every rank).
+        norm_weights: per-parameter-name weight of its squared norm (e.g. ``1/tp`` for
+            parameters replicated across tensor-parallel ranks, counted once in all).
         **optimizer_kwargs: passed to ``optimizer_cls`` (lr, betas, weight_decay, ...).
     """
 
@@ -101,7 +106,10 @@ class ShardedOptimizer:
                  group: dist.ProcessGroup | None = None,
                  topology: Topology | None = None, *, bucket_numel: int = 1 << 22,
                  max_grad_norm: float | None = None, nonfinite: str = "skip",
-                 overlap: bool = True, decay_1d: bool = False, **optimizer_kwargs: Any) -> None:
+                 overlap: bool = True, decay_1d: bool = False,
+                 norm_group: dist.ProcessGroup | None = None,
+                 norm_weights: dict[str, float] | None = None,
+                 **optimizer_kwargs: Any) -> None:
         if nonfinite not in NONFINITE_CHOICES:
             raise ValueError(f"nonfinite={nonfinite!r} is not allowed; allowed: "
                              f"{', '.join(NONFINITE_CHOICES)}")
@@ -117,6 +125,8 @@ class ShardedOptimizer:
         self.rank = dist.get_rank(self.group) if self.group is not None else 0
         self.topology = topology or Topology()
         self.max_grad_norm = max_grad_norm
+        self.norm_group = norm_group if norm_group is not None else self.group
+        self.norm_weights = norm_weights or {}
         self.nonfinite = nonfinite
         self.overlap = overlap
         # stats
@@ -281,12 +291,21 @@ class ShardedOptimizer:
         return True
 
     def _global_grad_norm(self) -> float:
+        """The gradient norm over ``norm_group``: one float all-reduced, NaN if any rank
+        holds a non-finite gradient (so all ranks skip or stop together)."""
         sumsq = torch.zeros(1, dtype=torch.float64, device=self.buckets[0].grad_shard.device)
         for b in self.buckets:
-            sumsq += b.grad_shard.double().pow(2).sum()
-        if self.world > 1:
-            dist.all_reduce(sumsq, group=self.group)
-        return math.sqrt(sumsq.item()) if sumsq.item() >= 0 else float("nan")
+            lo = self._shard(b).start
+            for name, p, off in zip(b.names, b.params, b.offsets):
+                # this param's part of the shard
+                start, end = max(off, lo), min(off + p.numel(), lo + b.grad_shard.numel())
+                if start < end:
+                    part = b.grad_shard[start - lo : end - lo].double().pow(2).sum()
+                    sumsq += part * self.norm_weights.get(name, 1.0)
+        if self.norm_group is not None and dist.get_world_size(self.norm_group) > 1:
+            dist.all_reduce(sumsq, group=self.norm_group)
+        value = sumsq.item()
+        return math.sqrt(value) if value >= 0 else float("nan")
 
     def _gather_params(self) -> None:
         for b in self.buckets:

@@ -1,5 +1,6 @@
 """A small GPT in the nanoGPT spirit: decoder-only, pre-norm, causal attention through
-``scaled_dot_product_attention``, GELU MLP, tied input/output embeddings.
+``scaled_dot_product_attention``, GELU MLP, and an output head of its own (untied
+from the input embedding, so pipeline stages never share a weight).
 
 The attention and MLP projections are plain ``nn.Linear`` modules with Megatron's
 names (``qkv``/``proj``, ``fc``/``out``), so tensor parallelism can swap them for
@@ -41,7 +42,7 @@ class GPTConfig:
     def num_params(self) -> int:
         d, v, t = self.n_embd, self.vocab_size, self.block_size
         per_layer = 12 * d * d + 13 * d
-        return v * d + t * d + self.n_layer * per_layer + 2 * d
+        return 2 * v * d + t * d + self.n_layer * per_layer + 2 * d
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -112,7 +113,7 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """Token + position embeddings → blocks → final norm → tied output projection."""
+    """Token + position embeddings → blocks → final norm → output head."""
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -121,6 +122,7 @@ class GPT(nn.Module):
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -142,7 +144,7 @@ class GPT(nn.Module):
         return self.wte(idx) + self.wpe(pos)  # (B, T, C)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ln_f(x) @ self.wte.weight.t()  # (B, T, vocab)
+        return self.lm_head(self.ln_f(x))  # (B, T, vocab)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         x = self.embed(idx)

@@ -63,9 +63,9 @@ def load_tokens(path: str | None = None, max_bytes: int | None = 4 << 20) -> tor
         if max_bytes is not None and total >= max_bytes:
             break
     raw = b"".join(chunks)[:max_bytes]
-    tokens = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(torch.int64)
-    _check_nonempty(tokens, path or "the standard library")
-    return tokens
+    if not raw:
+        raise ValueError(f"the corpus {path or 'the standard library'!r} is empty")
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(torch.int64)
 
 
 def _check_nonempty(tokens: torch.Tensor, where: str) -> None:

@@ -1,0 +1,1 @@
+"""Tensor, pipeline and data parallelism for the reference GPT."""

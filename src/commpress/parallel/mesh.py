@@ -1,0 +1,99 @@
+"""The dp × tp × pp layout of ranks, Megatron's order: TP innermost, then PP, then DP.
+
+``rank = dp_idx · (pp · tp) + pp_idx · tp + tp_idx``: tensor-parallel peers are
+neighbours (inside a node, where links are fast), pipeline stages next, data-parallel
+replicas outermost. Every rank creates every sub-group in the same order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class MeshShape:
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "tp", "pp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} is not allowed; allowed: >= 1")
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def check_world(self, world: int) -> None:
+        if world != self.world:
+            raise ValueError(f"world size {world} is not dp × tp × pp = {self.dp} × {self.tp} × "
+                             f"{self.pp} = {self.world}; allowed: set --dp/--tp/--pp so their "
+                             f"product is the number of ranks")
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(dp_idx, pp_idx, tp_idx) of a global rank."""
+        return rank // (self.pp * self.tp), (rank // self.tp) % self.pp, rank % self.tp
+
+    def rank_of(self, dp_idx: int, pp_idx: int, tp_idx: int) -> int:
+        return dp_idx * self.pp * self.tp + pp_idx * self.tp + tp_idx
+
+
+@dataclass
+class Mesh:
+    """This rank's coordinates and its dp, tp and pp process groups."""
+
+    shape: MeshShape
+    rank: int
+    dp_idx: int
+    pp_idx: int
+    tp_idx: int
+    dp_group: dist.ProcessGroup
+    tp_group: dist.ProcessGroup
+    pp_group: dist.ProcessGroup
+    pp_ranks: list[int]
+
+    @property
+    def first_stage(self) -> bool:
+        return self.pp_idx == 0
+
+    @property
+    def last_stage(self) -> bool:
+        return self.pp_idx == self.shape.pp - 1
+
+
+def build_mesh(shape: MeshShape) -> Mesh:
+    """Create the sub-groups (collective: every rank must call it)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    shape.check_world(world)
+    dp_i, pp_i, tp_i = shape.coords(rank)
+    mine: dict[str, dist.ProcessGroup] = {}
+    pp_ranks: list[int] = []
+    for axis in ("tp", "pp", "dp"):
+        for ranks in _groups(shape, axis):
+            # single-rank groups too: "no peers" must not read as "the default group"
+            g = dist.new_group(ranks)
+            if rank in ranks:
+                mine[axis] = g
+                if axis == "pp":
+                    pp_ranks = ranks
+    return Mesh(shape, rank, dp_i, pp_i, tp_i, mine["dp"], mine["tp"], mine["pp"], pp_ranks)
+
+
+def _groups(shape: MeshShape, axis: str) -> list[list[int]]:
+    out = []
+    if axis == "tp":
+        for d in range(shape.dp):
+            for p in range(shape.pp):
+                out.append([shape.rank_of(d, p, t) for t in range(shape.tp)])
+    elif axis == "pp":
+        for d in range(shape.dp):
+            for t in range(shape.tp):
+                out.append([shape.rank_of(d, p, t) for p in range(shape.pp)])
+    else:
+        for p in range(shape.pp):
+            for t in range(shape.tp):
+                out.append([shape.rank_of(d, p, t) for d in range(shape.dp)])
+    return out

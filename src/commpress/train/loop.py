@@ -1,0 +1,276 @@
+"""The reference trainer: a GPT trained with dp × tp × pp parallelism and a policy.
+
+``train(cfg)`` runs a whole job: on CPU it spawns its ranks (Gloo); under ``torchrun``
+it is one of the launcher's ranks (NCCL on GPUs). Each rank, top to bottom:
+
+1. build the mesh (TP innermost, then PP, then DP) and the same full model from the
+   seed everywhere;
+2. keep this rank's pipeline stage and split its blocks across the TP group;
+3. wrap the stage's parameters in a :class:`~commpress.ShardedOptimizer` over the DP
+   group (gradient norm over the world, replicated TP parameters counted once);
+4. per step: the global batch is a function of (seed, step); this DP rank takes its
+   rows; the GPipe schedule runs forward and backward; the optimizer steps;
+5. evaluate, log, checkpoint; rank 0 writes metrics.jsonl, summary.json, loss.png.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import statistics
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from commpress.collectives import reset_stats, stats
+from commpress.collectives.topology import Topology
+from commpress.integrations.sharded_optimizer import ShardedOptimizer
+from commpress.model.gpt import GPT, config_from_preset
+from commpress.parallel.mesh import MeshShape, build_mesh
+from commpress.parallel.pipeline import GPipe, Stage
+from commpress.parallel.tensor import (
+    apply_tp,
+    codec_states,
+    is_tp_sharded,
+    load_codec_states,
+)
+from commpress.policy import Policy
+from commpress.train import checkpoint
+from commpress.train.config import TrainConfig
+from commpress.train.data import TextData, load_tokens
+
+log = logging.getLogger(__name__)
+
+AXIS_LABELS = ("dp.grad", "dp.grad.intra", "dp.grad.inter", "dp.grad.gather", "dp.param",
+               "tp.act", "tp.act_grad", "pp.act", "pp.act_grad")
+COUNTERS = ("wire_bytes", "raw_bytes", "elements")
+
+
+def lr_at(cfg: TrainConfig, step: int) -> float:
+    """Linear warm-up, then cosine decay to ``lr · min_lr_ratio``."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    frac = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi
+                                                                                     * frac)))
+
+
+def _summed_counters(device: torch.device) -> dict[str, dict[str, float]]:
+    """Per-label wire/raw bytes and elements, summed over all ranks."""
+    s = stats()
+    vec = torch.tensor([float(s.get(label, {}).get(c, 0)) for label in AXIS_LABELS
+                        for c in COUNTERS], dtype=torch.float64, device=device)
+    dist.all_reduce(vec)
+    vals = vec.view(len(AXIS_LABELS), len(COUNTERS)).tolist()
+    return {label: dict(zip(COUNTERS, row)) for label, row in zip(AXIS_LABELS, vals)
+            if row[0] > 0}
+
+
+class _Run:
+    """Everything one rank holds during a run."""
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        self.cfg = cfg
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.policy = Policy.resolve(cfg.policy)
+        self.device = torch.device("cuda", torch.cuda.current_device()) if (
+            dist.get_backend() == "nccl") else torch.device("cpu")
+        # Step 1: mesh and the full model from the seed
+        self.mesh = build_mesh(MeshShape(cfg.dp, cfg.tp, cfg.pp))
+        self.data = TextData(load_tokens(cfg.data, cfg.max_data_bytes))
+        self.data.check_seq_len(cfg.seq_len)
+        mcfg = config_from_preset(cfg.model, vocab_size=max(256, self.data.vocab_size))
+        torch.manual_seed(cfg.seed)
+        model = GPT(mcfg)
+        # Step 2: this rank's stage, its blocks split across TP
+        self.stage = Stage(model, self.mesh.pp_idx, cfg.pp).to(self.device)
+        del model
+        apply_tp(self.stage.blocks, self.mesh.tp_group, self.policy)
+        # Step 3: the sharded optimizer over DP
+        rpn = cfg.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
+        dp_per_node = max(1, rpn // (cfg.tp * cfg.pp))
+        weights = {n: 1.0 / cfg.tp for n, p in self.stage.named_parameters()
+                   if cfg.tp > 1 and not is_tp_sharded(p)}
+        self.opt = ShardedOptimizer(
+            self.stage, torch.optim.AdamW, self.policy, group=self.mesh.dp_group,
+            topology=Topology(dp_per_node), bucket_numel=cfg.bucket_numel,
+            max_grad_norm=cfg.max_grad_norm, nonfinite=cfg.nonfinite,
+            norm_group=dist.group.WORLD, norm_weights=weights, lr=cfg.lr, betas=(0.9, 0.95),
+            weight_decay=cfg.weight_decay)
+        self.schedule = GPipe(self.stage, self.mesh, self.policy, cfg.micro_batches)
+        self.start_step = 0
+        self.history: list[dict[str, Any]] = []
+
+    # -- data ------------------------------------------------------------------------
+    def local_batch(self, split: str, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.cfg
+        x, y = self.data.batch(split, cfg.batch_size, cfg.seq_len, cfg.seed, step)
+        per = cfg.batch_size // cfg.dp
+        sl = slice(self.mesh.dp_idx * per, (self.mesh.dp_idx + 1) * per)
+        return x[sl].to(self.device), y[sl].to(self.device)
+
+    def _dp_mean(self, value: float) -> float:
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        if self.mesh.dp_group is not None:
+            dist.all_reduce(t, group=self.mesh.dp_group)
+        return t.item() / self.cfg.dp
+
+    # -- steps -----------------------------------------------------------------------
+    def train_step(self, step: int) -> float:
+        for g in self.opt.param_groups:
+            g["lr"] = lr_at(self.cfg, step)
+        x, y = self.local_batch("train", step)
+        loss = self.schedule.step(x, y, sync_ctx=self.opt.no_sync, train=True)
+        self.opt.step()
+        self.opt.zero_grad()
+        return self._dp_mean(loss)
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        self.stage.eval()
+        losses = [self.schedule.step(*self.local_batch("val", i), train=False)
+                  for i in range(self.cfg.eval_batches)]
+        self.stage.train()
+        return self._dp_mean(sum(losses) / len(losses))
+
+    # -- checkpoints -------------------------------------------------------------------
+    def save(self, step: int) -> None:
+        state = {"format": checkpoint.FORMAT, "step": step, "world": self.world,
+                 "rank": self.rank, "config": self.cfg.to_dict(),
+                 "model": self.stage.state_dict(), "optimizer": self.opt.state_dict(),
+                 "tp_codecs": codec_states(self.stage),
+                 "pp_codecs": {"act": self.schedule.act_codec.state_dict(),
+                               "act_grad": self.schedule.grad_codec.state_dict()},
+                 "history": self.history}
+        checkpoint.atomic_save(state, checkpoint.rank_file(self.cfg.out, step, self.rank))
+        dist.barrier()
+        if self.rank == 0:
+            checkpoint.write_latest(self.cfg.out, step)
+
+    def load(self, path: str) -> None:
+        state = checkpoint.load(checkpoint.resolve(path, self.rank))
+        if state["world"] != self.world:
+            raise ValueError(f"checkpoint {path!r} was written by {state['world']} ranks; this "
+                             f"run has {self.world}: resume with the same layout")
+        saved = dict(state["config"])
+        for key in ("policy", "dp", "tp", "pp", "model", "seed", "batch_size", "seq_len"):
+            if saved[key] != getattr(self.cfg, key):
+                raise ValueError(f"checkpoint {path!r} has {key}={saved[key]!r}, this run "
+                                 f"{key}={getattr(self.cfg, key)!r}; resume with the same value")
+        self.stage.load_state_dict(state["model"])
+        self.opt.load_state_dict(state["optimizer"])
+        load_codec_states(self.stage, state["tp_codecs"])
+        self.schedule.act_codec.load_state_dict(state["pp_codecs"]["act"])
+        self.schedule.grad_codec.load_state_dict(state["pp_codecs"]["act_grad"])
+        self.start_step = state["step"]
+        self.history = list(state["history"])
+
+
+def run_rank(rank: int, world: int, cfg_dict: dict[str, Any]) -> dict[str, Any] | None:
+    """Train on this rank (process group already initialized); rank 0 returns the summary."""
+    cfg = TrainConfig(**cfg_dict)
+    run = _Run(cfg)
+    if cfg.resume:
+        run.load(cfg.resume)
+    reset_stats()
+    if rank == 0:
+        os.makedirs(cfg.out, exist_ok=True)
+        with open(os.path.join(cfg.out, "config.json"), "w") as f:
+            json.dump({"train": cfg.to_dict(), "policy": run.policy.to_dict()}, f, indent=1)
+    progress = _progress(cfg) if rank == 0 and cfg.progress else None
+    tokens_per_step = cfg.batch_size * cfg.seq_len
+    wall0 = time.perf_counter() - (run.history[-1]["wall_s"] if run.history else 0.0)
+    try:
+        for step in range(run.start_step, cfg.steps):
+            before = {k: v.get("wire_bytes", 0) for k, v in stats().items()}
+            t0 = time.perf_counter()
+            loss = run.train_step(step)
+            dt = time.perf_counter() - t0
+            record: dict[str, Any] = {
+                "step": step + 1, "loss": loss, "lr": lr_at(cfg, step), "step_time_s": dt,
+                "tokens_per_s": tokens_per_step / dt, "wall_s": time.perf_counter() - wall0,
+                "wire_bytes_rank0": {k: v["wire_bytes"] - before.get(k, 0)
+                                     for k, v in stats().items()},
+                "skipped": run.opt.skipped_steps,
+            }
+            last = step + 1 == cfg.steps
+            if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or last:
+                record["val_loss"] = run.evaluate()
+            run.history.append(record)
+            if (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0) or last:
+                run.save(step + 1)
+            if progress is not None:
+                progress.update(record)
+    finally:
+        if progress is not None:
+            progress.close()
+    totals = _summed_counters(run.device)
+    if rank != 0:
+        return None
+    return _write_outputs(cfg, run, totals)
+
+
+def _write_outputs(cfg: TrainConfig, run: _Run, totals: dict) -> dict[str, Any]:
+    from commpress.train.report import plot_loss
+
+    hist = run.history
+    with open(os.path.join(cfg.out, "metrics.jsonl"), "w") as f:
+        for r in hist:
+            f.write(json.dumps(r) + "\n")
+    # the first steps include warm-up of allocators and codecs: time the rest
+    timed = [r["step_time_s"] for r in hist[min(3, len(hist) - 1):]] or [0.0]
+    val = [r for r in hist if "val_loss" in r]
+    summary = {
+        "policy": run.policy.name, "dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp,
+        "model": cfg.model, "params": sum(p.numel() for p in run.stage.parameters()),
+        "steps": cfg.steps, "seed": cfg.seed,
+        "final_val_loss": val[-1]["val_loss"] if val else None,
+        "final_train_loss": hist[-1]["loss"] if hist else None,
+        "unigram_entropy": run.data.unigram_entropy(),
+        "step_time_s_median": statistics.median(timed),
+        "tokens_per_s": cfg.batch_size * cfg.seq_len / statistics.median(timed)
+        if timed[0] else None,
+        "wall_s": hist[-1]["wall_s"] if hist else 0.0,
+        "skipped_steps": run.opt.skipped_steps,
+        "wire_bytes": {k: v["wire_bytes"] for k, v in totals.items()},
+        "raw_bytes": {k: v["raw_bytes"] for k, v in totals.items()},
+        "bits_per_elem": {k: 8 * v["wire_bytes"] / v["elements"] for k, v in totals.items()
+                          if v["elements"]},
+        "out": cfg.out,
+    }
+    with open(os.path.join(cfg.out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    plot_loss(hist, os.path.join(cfg.out, "loss.png"), title=f"{run.policy.name} "
+              f"dp{cfg.dp}×tp{cfg.tp}×pp{cfg.pp}")
+    return summary
+
+
+def _progress(cfg: TrainConfig):
+    from commpress.train.report import TrainProgress
+
+    return TrainProgress(cfg.steps)
+
+
+def train(cfg: TrainConfig) -> dict[str, Any]:
+    """Run a whole training job; returns rank 0's summary."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        # under torchrun / SLURM: this process is one rank
+        world = int(os.environ["WORLD_SIZE"])
+        cfg = cfg.resolved(world)
+        if not dist.is_initialized():
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            if backend == "nccl":
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            dist.init_process_group(backend, timeout=timedelta(seconds=cfg.timeout_s))
+        return run_rank(dist.get_rank(), world, cfg.to_dict())
+    from commpress.launch import spawn
+
+    cfg = cfg.resolved()
+    results = spawn(run_rank, cfg.nproc, (cfg.to_dict(),), ranks_per_node=cfg.ranks_per_node,
+                    timeout=max(600.0, 30.0 * cfg.steps), pg_timeout_s=cfg.timeout_s)
+    return results[0]

@@ -1,0 +1,134 @@
+"""What people look at: a progress bar while training, tables and PNG plots after."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from commpress.console import console
+
+AXES = ("dp", "tp", "pp")
+
+
+def bytes_per_axis(wire: dict[str, float]) -> dict[str, float]:
+    """Sum per-label byte counts into dp / tp / pp."""
+    out = dict.fromkeys(AXES, 0.0)
+    for label, v in wire.items():
+        axis = label.split(".")[0]
+        if axis in out:
+            out[axis] += v
+    return out
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+class TrainProgress:
+    """A rich progress bar: step, loss, tokens/s, step time, rank 0's bytes per axis."""
+
+    def __init__(self, steps: int) -> None:
+        self.progress = Progress(
+            TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("{task.fields[info]}"), TimeRemainingColumn(),
+            console=console(stderr=True), transient=False)
+        self.task = self.progress.add_task("train", total=steps, info="")
+        self.progress.start()
+
+    def update(self, r: dict[str, Any]) -> None:
+        axes = bytes_per_axis(r.get("wire_bytes_rank0", {}))
+        wire = " ".join(f"{a} {_human(v)}" for a, v in axes.items() if v)
+        val = f" val {r['val_loss']:.3f}" if "val_loss" in r else ""
+        info = (f"loss {r['loss']:.3f}{val} | {r['tokens_per_s']:,.0f} tok/s | "
+                f"{1e3 * r['step_time_s']:.0f} ms | {wire}")
+        self.progress.update(self.task, completed=r["step"], info=info)
+
+    def close(self) -> None:
+        self.progress.stop()
+
+
+def summary_table(summary: dict[str, Any]) -> Table:
+    t = Table(title=f"{summary['policy']}: dp{summary['dp']}×tp{summary['tp']}×pp{summary['pp']}"
+                    f", {summary['model']}, {summary['steps']} steps")
+    t.add_column("metric")
+    t.add_column("value", justify="right")
+    t.add_row("final validation loss", f"{summary['final_val_loss']:.4f}")
+    t.add_row("byte unigram entropy", f"{summary['unigram_entropy']:.4f}")
+    t.add_row("median step time", f"{1e3 * summary['step_time_s_median']:.1f} ms")
+    t.add_row("tokens/s", f"{summary['tokens_per_s']:,.0f}")
+    t.add_row("skipped steps", str(summary["skipped_steps"]))
+    for label, wire in sorted(summary["wire_bytes"].items()):
+        raw = summary["raw_bytes"].get(label, 0)
+        t.add_row(f"wire {label}", f"{_human(wire)} ({summary['bits_per_elem'][label]:.2f} "
+                                   f"bits/elem, {raw / max(wire, 1):.1f}x)")
+    return t
+
+
+def compare_table(results: dict[str, dict[str, Any]]) -> Table:
+    base = results.get("none")
+    t = Table(title="policy comparison (same seed, data and steps)")
+    for col in ("policy", "val loss", "Δ vs none", "step ms", "speedup", "dp bytes", "tp bytes",
+                "pp bytes"):
+        t.add_column(col, justify="left" if col == "policy" else "right")
+    for name, s in results.items():
+        axes = bytes_per_axis(s["wire_bytes"])
+        delta = speed = "-"
+        if base:
+            delta = f"{100 * (s['final_val_loss'] / base['final_val_loss'] - 1):+.2f}%"
+            speed = f"{base['step_time_s_median'] / s['step_time_s_median']:.2f}x"
+        t.add_row(name, f"{s['final_val_loss']:.4f}", delta,
+                  f"{1e3 * s['step_time_s_median']:.1f}", speed,
+                  *(_human(axes[a]) for a in AXES))
+    return t
+
+
+def plot_loss(history: list[dict[str, Any]], path: str, title: str = "") -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r["step"] for r in history], [r["loss"] for r in history], label="train", lw=1)
+    val = [r for r in history if "val_loss" in r]
+    ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="validation")
+    ax.set(xlabel="step", ylabel="loss (nats/token)", title=title)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_compare(histories: dict[str, list[dict]], summaries: dict[str, dict], path: str) -> None:
+    """Loss vs step, loss vs wall time, and bytes per axis, one panel each."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    for name, hist in histories.items():
+        axes[0].plot([r["step"] for r in hist], [r["loss"] for r in hist], lw=1, label=name)
+        axes[1].plot([r["wall_s"] for r in hist], [r["loss"] for r in hist], lw=1, label=name)
+    axes[0].set(xlabel="step", ylabel="train loss", title="loss vs step")
+    axes[1].set(xlabel="wall time (s)", ylabel="train loss", title="loss vs wall time")
+    names = list(summaries)
+    width = 0.8 / len(AXES)
+    for i, axis in enumerate(AXES):
+        vals = [bytes_per_axis(summaries[n]["wire_bytes"])[axis] / 1e6 for n in names]
+        axes[2].bar([j + i * width for j in range(len(names))], vals, width, label=axis)
+    axes[2].set_xticks([j + width for j in range(len(names))], names, rotation=20)
+    axes[2].set(ylabel="MB on the wire (all ranks)", title="bytes per axis")
+    for ax in axes:
+        ax.legend()
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
