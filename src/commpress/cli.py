@@ -7,6 +7,8 @@ import sys
 
 import torch
 
+from commpress.launch import LaunchError
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -161,8 +163,15 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # bad input: a clear message, not a traceback
         from commpress.console import console
 
-        console(stderr=True).print(f"[red]error:[/red] {e}")
+        console(stderr=True).print(f"[red]error:[/red] {e}", markup=True, highlight=False)
         return 2
+    except LaunchError as e:  # a rank failed: its message first, its traceback after
+        from commpress.console import console
+
+        head, _, tail = str(e).partition("\n")
+        console(stderr=True).print(tail, markup=False, highlight=False)
+        console(stderr=True).print(f"[red]error:[/red] {head}", highlight=False)
+        return 1
 
 
 if __name__ == "__main__":

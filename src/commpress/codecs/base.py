@@ -101,7 +101,10 @@ class Codec:
         tensors, offset = [], 0
         for dt, count in self.packet_layout(numel, dtype):
             nbytes = count * _itemsize(dt)
-            tensors.append(buf[offset : offset + nbytes].view(dt))
+            part = buf[offset : offset + nbytes]
+            if part.storage_offset() % _itemsize(dt):
+                part = part.clone()  # a byte slice must be aligned to be viewed as ``dt``
+            tensors.append(part.view(dt))
             offset += nbytes
         if offset != buf.numel():
             raise ValueError(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 from commpress.model.gpt import PRESETS as MODEL_PRESETS
@@ -60,6 +61,9 @@ class TrainConfig:
         if self.seq_len > MODEL_PRESETS[self.model].block_size:
             raise ValueError(f"seq_len={self.seq_len} exceeds model {self.model!r} block_size "
                              f"{MODEL_PRESETS[self.model].block_size}")
+        if self.data is not None and not os.path.exists(self.data):
+            raise ValueError(f"data={self.data!r} does not exist; allowed: a text file, a folder "
+                             "of text files, or a uint16 .bin file")
         if self.checkpoint_every < 0 or self.eval_every < 0:
             raise ValueError("checkpoint_every and eval_every must be >= 0")
 
@@ -86,8 +90,6 @@ class TrainConfig:
 
 
 def _slug(policy: str) -> str:
-    import os
-
     return os.path.splitext(os.path.basename(policy))[0]
 
 

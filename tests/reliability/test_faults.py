@@ -1,0 +1,35 @@
+"""Faults: a killed rank, NaN gradients — errors, never hangs or silent corruption."""
+
+from commpress.launch import LaunchError, spawn
+from tests.reliability import workers
+
+PG_TIMEOUT = 15.0
+
+
+def test_a_killed_rank_makes_every_other_rank_fail_fast():
+    results = spawn(workers.killed_mid_step, 3, (1,), pg_timeout_s=PG_TIMEOUT, timeout=120,
+                    allow_errors=True)
+    assert isinstance(results[1], LaunchError) and "exited with code -9" in str(results[1])
+    for r in (0, 2):
+        assert results[r]["error"] is not None, results[r]
+        # within the configured timeout plus 10 s, never a hang
+        assert results[r]["seconds"] <= PG_TIMEOUT + 10, results[r]
+
+
+def test_nan_gradient_skips_the_step_on_every_rank():
+    results = spawn(workers.nonfinite_gradient, 3, ("skip",), ranks_per_node=3)
+    for r in results:
+        assert r["finite"] and r["skipped"] == 1 and r["outcome"] == "ok"
+        assert [s for s, _ in r["hashes"]] == [True, True, False, True]
+        # the skipped step left the weights exactly as they were
+        assert r["hashes"][2][1] == r["hashes"][1][1]
+    for step in range(4):
+        assert len({r["hashes"][step][1] for r in results}) == 1
+
+
+def test_nan_gradient_raises_on_every_rank_when_asked():
+    results = spawn(workers.nonfinite_gradient, 2, ("raise",))
+    for r in results:
+        assert r["outcome"].startswith("raised: ShardedOptimizer step 2: the global gradient "
+                                       "norm is nan")
+        assert r["finite"]
