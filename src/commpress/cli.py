@@ -1,4 +1,4 @@
-"""The ``commpress`` command: train | compare | bench | demo."""
+"""The ``commpress`` command: train | compare | bench | plan | demo."""
 
 from __future__ import annotations
 
@@ -109,6 +109,43 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    import json
+
+    from commpress.console import console
+    from commpress.plan.cost import ClusterSpec, JobSpec, load_codec_throughput, plan
+    from commpress.plan.hardware import GPUS, INTER_LATENCY_US, INTRA_LATENCY_US
+    from commpress.plan.models import model_from_arg
+    from commpress.plan.report import break_even_table, plan_table
+
+    gpu = GPUS[args.gpu]
+    tp, pp = args.tp, args.pp
+    dp = args.dp or args.gpus // (tp * pp)
+    cluster = ClusterSpec(
+        gpus=args.gpus, gpus_per_node=args.gpus_per_node,
+        intra_GBps=args.intra_bw or gpu["nvlink_GBps"], inter_GBps=args.inter_bw,
+        tflops=args.tflops or gpu["tflops"], mfu=args.mfu,
+        intra_latency_us=INTRA_LATENCY_US,
+        inter_latency_us=args.latency if args.latency is not None else INTER_LATENCY_US,
+        device=args.device,
+        codec_GBps=load_codec_throughput(args.codec_throughput) if args.codec_throughput
+        else {})
+    job = JobSpec(model=model_from_arg(args.model), dp=dp, tp=tp, pp=pp,
+                  zero_stage=args.zero_stage, micro_batch=args.micro_batch, seq=args.seq,
+                  global_batch=args.global_batch, recompute=args.recompute, overlap=args.overlap)
+    policies = [p.strip() for item in args.policy for p in item.split(",") if p.strip()]
+    result = plan(cluster, job, policies)
+    title = (f"{args.model} ({job.model.params / 1e9:.2f} B params) on {args.gpus} × {args.gpu}"
+             f" ({args.gpus_per_node}/node), dp{dp}×tp{tp}×pp{pp}, inter {args.inter_bw} GB/s "
+             f"per node")
+    console().print(plan_table(result, title))
+    console().print(break_even_table(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1, default=str)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="commpress", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -124,6 +161,41 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train_options(cmp, skip=("policy",))
     cmp.add_argument("--json", default=None, help="write every summary to this JSON file")
     cmp.set_defaults(fn=_cmd_compare)
+
+    pl = sub.add_parser("plan", help="predict step time and speedup of policies on a cluster")
+    pl.add_argument("--model", default="gpt-6.7b",
+                    help="preset (gpt-125m … gpt-neox-20b, llama-7b/13b/70b) or a parameter "
+                         "count such as 6.7e9")
+    pl.add_argument("--gpus", type=int, default=64)
+    pl.add_argument("--gpus-per-node", type=int, default=4)
+    pl.add_argument("--dp", type=int, default=None, help="default: gpus / (tp · pp)")
+    pl.add_argument("--tp", type=int, default=1)
+    pl.add_argument("--pp", type=int, default=1)
+    pl.add_argument("--zero-stage", type=int, default=1, choices=[1, 2, 3])
+    pl.add_argument("--micro-batch", type=int, default=1)
+    pl.add_argument("--seq", type=int, default=2048)
+    pl.add_argument("--global-batch", type=int, default=256)
+    pl.add_argument("--recompute", action="store_true", help="activation recomputation")
+    pl.add_argument("--gpu", default="a100", choices=["v100", "a100", "h100", "h200"])
+    pl.add_argument("--tflops", type=float, default=None, help="peak TFLOPS per GPU (overrides "
+                    "--gpu)")
+    pl.add_argument("--mfu", type=float, default=0.4, help="fraction of peak achieved")
+    pl.add_argument("--device", default="gpu", choices=["gpu", "cpu"],
+                    help="which codec-throughput defaults apply")
+    pl.add_argument("--intra-bw", type=float, default=None,
+                    help="one GPU's bandwidth to its node peers, GB/s per direction "
+                         "(default: the GPU's NVLink)")
+    pl.add_argument("--inter-bw", type=float, default=25.0,
+                    help="a node's total injection bandwidth, GB/s per direction")
+    pl.add_argument("--latency", type=float, default=None, help="network latency, µs")
+    pl.add_argument("--overlap", default="none", choices=["none", "dp"])
+    pl.add_argument("--policy", action="append", default=[],
+                    help="policies to compare (repeat or comma-separate); none is always "
+                         "computed")
+    pl.add_argument("--codec-throughput", default=None,
+                    help="JSON from 'commpress bench codecs --json'")
+    pl.add_argument("--json", default=None)
+    pl.set_defaults(fn=_cmd_plan)
 
     demo = sub.add_parser("demo", help="round-trip every codec on a small tensor")
     demo.set_defaults(fn=_cmd_demo)

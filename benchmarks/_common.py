@@ -1,0 +1,59 @@
+"""Shared helpers for the benchmark scripts: run a grid of trainings, cache summaries,
+and aggregate over seeds (mean and sample standard deviation)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+
+from commpress.train.config import TrainConfig  # noqa: E402
+from commpress.train.loop import train  # noqa: E402
+
+RESULTS = os.path.join(os.path.dirname(__file__), "results")
+
+
+def run_grid(name: str, base: TrainConfig, policies: list[str], seeds: list[int],
+             layouts: list[dict] | None = None) -> list[dict]:
+    """Train every (layout, policy, seed); reuse summaries already on disk."""
+    os.makedirs(RESULTS, exist_ok=True)
+    cache_path = os.path.join(RESULTS, f"{name}.runs.json")
+    cache = json.load(open(cache_path)) if os.path.exists(cache_path) else {}
+    rows = []
+    for layout in layouts or [{}]:
+        for policy in policies:
+            for seed in seeds:
+                tag = "-".join(f"{k}{v}" for k, v in layout.items())
+                key = f"{tag}|{policy}|{seed}"
+                if key not in cache:
+                    out = os.path.join("runs", "bench", name, tag, f"{policy}-s{seed}")
+                    cfg = dataclasses.replace(base, policy=policy, seed=seed, out=out,
+                                              progress=False, **layout)
+                    print(f"[{name}] {key}", flush=True)
+                    s = train(cfg)
+                    cache[key] = {k: s[k] for k in ("final_val_loss", "step_time_s_median",
+                                                    "wire_bytes", "raw_bytes",
+                                                    "bits_per_elem", "skipped_steps")}
+                    with open(cache_path, "w") as f:
+                        json.dump(cache, f, indent=1)
+                rows.append({"layout": tag, "policy": policy, "seed": seed, **cache[key]})
+    return rows
+
+
+def aggregate(rows: list[dict], by=("layout", "policy")) -> dict[tuple, dict]:
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault(tuple(r[k] for k in by), []).append(r)
+    out = {}
+    for key, rs in groups.items():
+        losses = [r["final_val_loss"] for r in rs]
+        out[key] = {"mean": statistics.mean(losses),
+                    "std": statistics.stdev(losses) if len(losses) > 1 else 0.0,
+                    "n": len(losses), "losses": losses,
+                    "step_ms": 1e3 * statistics.median(r["step_time_s_median"] for r in rs),
+                    "bits": rs[0]["bits_per_elem"], "wire": rs[0]["wire_bytes"]}
+    return out

@@ -1,0 +1,325 @@
+"""The cost model: bytes per link level and alpha-beta time of one training step.
+
+Assumptions (also in BENCHMARKS.md and ``commpress plan --help``):
+
+* Ranks are laid out as commpress lays them out: TP innermost, then PP, then DP;
+  ``G`` GPUs per node. A DP group has ``n_local = G / (tp·pp)`` members per node
+  (at least 1) and spans ``dp / n_local`` nodes.
+* Every GPU of a node runs the same collective at the same time (all DP groups
+  reduce together), so a node's NIC carries the sum of its GPUs' cross-node bytes:
+  ``inter time = bytes per node / inter_bw`` (``inter_bw`` = the node's injection
+  bandwidth, all NICs); ``intra time = bytes per GPU / intra_bw``. A stage of a
+  collective takes ``max(intra, inter)`` plus one latency per message.
+* Algorithms are the ones commpress runs: uncompressed (``none``) collectives are
+  NCCL-style rings; compressed reduce-scatter is one all-to-all (every rank sends a
+  chunk to every peer), compressed all-gather a ring of codes, the two-level
+  reduce-scatter an intra-node all-to-all then an inter-node all-to-all, compressed
+  all-reduce = all-to-all reduce-scatter + ring all-gather; pipeline transfers are
+  point-to-point.
+* Compute = ``6·P·tokens`` (``8·P·tokens`` with activation recomputation) per step,
+  spread over all GPUs at ``tflops · mfu``, stretched by the pipeline bubble
+  ``(pp − 1) / micro_batches``.
+* TP all-reduces (2 forward + 2 backward per layer and micro-batch) and pipeline
+  transfers are on the critical path. DP traffic is exposed (``overlap=none``, as in
+  the SDP4Bit measurements) or hidden behind the backward pass, ⅔ of compute
+  (``overlap=dp``).
+* Codec time = bytes read + written / measured throughput (``commpress bench codecs
+  --json``) or the documented defaults (:mod:`commpress.plan.hardware`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from commpress.codecs import codec as build_codec
+from commpress.plan.hardware import CODEC_GBps
+from commpress.plan.models import ModelShape
+from commpress.policy import Policy, Rule
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    gpus: int
+    gpus_per_node: int
+    intra_GBps: float  # one GPU to its node peers, per direction
+    inter_GBps: float  # one node's injection bandwidth (all NICs), per direction
+    tflops: float  # peak per GPU
+    mfu: float = 0.4
+    intra_latency_us: float = 2.0
+    inter_latency_us: float = 5.0
+    device: str = "gpu"  # which codec throughput defaults apply: gpu | cpu
+    codec_GBps: dict[str, tuple[float, float]] = field(default_factory=dict)  # spec → enc, dec
+
+    def __post_init__(self) -> None:
+        if self.gpus < 1 or self.gpus_per_node < 1 or self.gpus % self.gpus_per_node:
+            raise ValueError(f"--gpus {self.gpus} must be a positive multiple of "
+                             f"--gpus-per-node {self.gpus_per_node}")
+        for name in ("intra_GBps", "inter_GBps", "tflops", "mfu"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}={getattr(self, name)} is not allowed; allowed: > 0")
+
+    @property
+    def nodes(self) -> int:
+        return self.gpus // self.gpus_per_node
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    model: ModelShape
+    dp: int
+    tp: int = 1
+    pp: int = 1
+    zero_stage: int = 1
+    micro_batch: int = 1
+    seq: int = 2048
+    global_batch: int = 512
+    recompute: bool = False
+    overlap: str = "none"  # none | dp
+    param_bytes: int = 2  # training dtype (bf16)
+    grad_bytes: int = 4  # uncompressed gradient reduce-scatter in fp32
+    act_bytes: int = 2
+
+    def __post_init__(self) -> None:
+        if self.zero_stage not in (1, 2, 3):
+            raise ValueError(f"--zero-stage {self.zero_stage} is not allowed; allowed: 1, 2, 3")
+        if self.overlap not in ("none", "dp"):
+            raise ValueError(f"--overlap {self.overlap!r} is not allowed; allowed: none, dp")
+        if self.global_batch % (self.dp * self.micro_batch):
+            raise ValueError(f"--global-batch {self.global_batch} is not divisible by dp × "
+                             f"micro-batch = {self.dp} × {self.micro_batch}")
+
+    @property
+    def micro_batches(self) -> int:
+        return self.global_batch // (self.dp * self.micro_batch)
+
+
+# -- bytes of each algorithm --------------------------------------------------------------
+
+@dataclass
+class Traffic:
+    """One stage of a collective as seen by one GPU: bytes it puts on its intra-node
+    link, bytes its node puts on the network, and messages at each level."""
+
+    intra_bytes: float = 0.0  # per GPU
+    inter_bytes: float = 0.0  # per node
+    intra_msgs: int = 0
+    inter_msgs: int = 0
+
+    def time(self, c: ClusterSpec) -> float:
+        t_intra = self.intra_msgs * c.intra_latency_us * 1e-6 + self.intra_bytes / (
+            c.intra_GBps * 1e9)
+        t_inter = self.inter_msgs * c.inter_latency_us * 1e-6 + self.inter_bytes / (
+            c.inter_GBps * 1e9)
+        return max(t_intra, t_inter)
+
+
+def all_to_all(n: int, n_local: int, chunk_bytes: float, gpus_per_node: int) -> Traffic:
+    """Each of ``n`` ranks sends one chunk to every peer (commpress reduce-scatter)."""
+    inter_peers = n - n_local
+    return Traffic(intra_bytes=(n_local - 1) * chunk_bytes,
+                   inter_bytes=gpus_per_node * inter_peers * chunk_bytes if inter_peers else 0,
+                   intra_msgs=n_local - 1, inter_msgs=inter_peers)
+
+
+def ring(n: int, n_local: int, chunk_bytes: float, gpus_per_node: int,
+         passes: int = 1) -> Traffic:
+    """A ring reduce-scatter or all-gather (``passes=2``: all-reduce): ``n − 1`` chunk
+    sends per pass through every edge; one edge per ring leaves each node."""
+    steps = passes * (n - 1)
+    nodes_spanned = n // n_local
+    if nodes_spanned <= 1:
+        return Traffic(intra_bytes=steps * chunk_bytes, intra_msgs=steps)
+    rings_per_node = gpus_per_node // n_local
+    return Traffic(intra_bytes=steps * chunk_bytes if n_local > 1 else 0,
+                   inter_bytes=rings_per_node * steps * chunk_bytes,
+                   intra_msgs=steps if n_local > 1 else 0, inter_msgs=steps)
+
+
+def p2p(bytes_: float, crosses_node: bool, gpus_per_node: int, concurrent: int) -> Traffic:
+    if crosses_node:
+        return Traffic(inter_bytes=concurrent * bytes_, inter_msgs=1)
+    return Traffic(intra_bytes=bytes_, intra_msgs=1)
+
+
+# -- codecs ---------------------------------------------------------------------------
+
+def wire_bytes(spec: str, numel: float, in_bytes: int) -> float:
+    """Bytes on the wire for ``numel`` elements (fixed-rate codecs exactly; variable-rate
+    ones at their nominal rate)."""
+    if spec == "none":
+        return numel * in_bytes
+    c = build_codec(spec)
+    n = max(1, int(numel))
+    wb = c.wire_bytes(n)
+    if wb is None:  # zfp: rate bits per value; nvcomp: assume ratio 1.24 (DESIGN.md)
+        rate = getattr(c, "rate", None)
+        return numel * (rate / 8 if rate else in_bytes / 1.24)
+    return wb * numel / n
+
+
+def _codec_kind(spec: str) -> str:
+    name = spec.split(":")[0]
+    if name in ("int8", "int4", "int2"):
+        return "int"
+    if name in ("bf16", "fp16"):
+        return "cast"
+    return name if name in ("fp8", "topk") else "other"
+
+
+def codec_seconds(c: ClusterSpec, spec: str, encoded: float, decoded: float,
+                  in_bytes: int) -> float:
+    """Time to encode ``encoded`` and decode ``decoded`` elements."""
+    if spec == "none":
+        return 0.0
+    enc, dec = c.codec_GBps.get(spec) or (CODEC_GBps[c.device][_codec_kind(spec)],) * 2
+    w = wire_bytes(spec, 1 << 20, in_bytes) / (1 << 20)  # per element, padding amortized
+    return (encoded * (in_bytes + w) / enc + decoded * (w + in_bytes) / dec) / 1e9
+
+
+def load_codec_throughput(path: str) -> dict[str, tuple[float, float]]:
+    """Codec throughputs from ``commpress bench codecs --json``."""
+    with open(path) as f:
+        rows = json.load(f)
+    return {r["codec"]: (r["encode_GBps"], r["decode_GBps"]) for r in rows
+            if r.get("encode_GBps")}
+
+
+# -- one policy -------------------------------------------------------------------------
+
+def _layout(c: ClusterSpec, j: JobSpec) -> tuple[int, bool]:
+    """(DP members per node, whether adjacent pipeline stages sit on different nodes)."""
+    mp = j.tp * j.pp
+    n_local = max(1, min(j.dp, c.gpus_per_node // mp)) if mp <= c.gpus_per_node else 1
+    pp_crosses = j.pp > 1 and j.tp * 2 > c.gpus_per_node
+    return n_local, pp_crosses
+
+
+def plan_policy(c: ClusterSpec, j: JobSpec, policy: Policy) -> dict[str, Any]:
+    """Step time breakdown of one policy."""
+    if j.dp * j.tp * j.pp != c.gpus:
+        raise ValueError(f"dp × tp × pp = {j.dp} × {j.tp} × {j.pp} must equal --gpus {c.gpus}")
+    G, P = c.gpus_per_node, j.model.params
+    m = j.micro_batches
+    tokens = j.global_batch * j.seq
+    flops = (8 if j.recompute else 6) * P * tokens
+    compute = flops / c.gpus / (c.tflops * 1e12 * c.mfu) * (1 + (j.pp - 1) / m)
+    n_local, pp_crosses = _layout(c, j)
+    p_local = P / (j.tp * j.pp)
+    shard = p_local / j.dp
+    out: dict[str, float] = {"compute_s": compute}
+    codec_s = 0.0
+
+    # DP gradients
+    grad_rule = policy.rule("dp", "grad")
+    if j.dp == 1:
+        out["dp_grad_s"] = 0.0
+    elif policy.two_level() and n_local > 1 and j.dp // n_local > 1:
+        intra = policy.rule("dp", "grad", "intra").codec
+        inter = policy.rule("dp", "grad", "inter").codec
+        nodes = j.dp // n_local
+        t1 = all_to_all(n_local, n_local, wire_bytes(intra, nodes * shard, 4), G).time(c)
+        t2 = all_to_all(nodes, 1, wire_bytes(inter, shard, 4), G).time(c)
+        out["dp_grad_s"] = t1 + t2
+        codec_s += codec_seconds(c, intra, p_local, n_local * nodes * shard, 4)
+        codec_s += codec_seconds(c, inter, nodes * shard, nodes * shard, 4)
+    else:
+        spec = grad_rule.codec
+        if policy.two_level():  # one node or one rank per node: one level
+            spec = policy.rule("dp", "grad", "intra" if j.dp == n_local else "inter").codec
+        if spec == "none":
+            out["dp_grad_s"] = ring(j.dp, n_local, shard * j.grad_bytes, G).time(c)
+        else:
+            out["dp_grad_s"] = all_to_all(j.dp, n_local, wire_bytes(spec, shard, 4), G).time(c)
+            codec_s += codec_seconds(c, spec, p_local, p_local, 4)
+
+    # DP weights (ZeRO-3 gathers them for forward and again for backward)
+    prule: Rule = policy.rule("dp", "param")
+    gathers = 2 if j.zero_stage == 3 else 1
+    if j.dp == 1:
+        out["dp_param_s"] = 0.0
+    else:
+        pbytes = wire_bytes(prule.codec, shard, j.param_bytes)
+        out["dp_param_s"] = gathers * ring(j.dp, n_local, pbytes, G).time(c)
+        codec_s += gathers * codec_seconds(c, prule.codec, shard, p_local, j.param_bytes)
+
+    # TP all-reduces: 2 forward (act) + 2 backward (act_grad) per layer and micro-batch
+    act_elems = j.micro_batch * j.seq * j.model.hidden
+    layers = j.model.layers / j.pp
+    tp_s = 0.0
+    if j.tp > 1:
+        for kind, count in (("act", 2 * (2 if j.recompute else 1)), ("act_grad", 2)):
+            spec = policy.rule("tp", kind).codec
+            chunk = act_elems / j.tp
+            if spec == "none":
+                t = ring(j.tp, j.tp, chunk * j.act_bytes, G, passes=2).time(c)
+            else:
+                w = wire_bytes(spec, chunk, j.act_bytes)
+                t = (all_to_all(j.tp, j.tp, w, G).time(c) + ring(j.tp, j.tp, w, G).time(c))
+                codec_s += count * m * layers * codec_seconds(c, spec, 2 * act_elems,
+                                                              2 * act_elems, j.act_bytes)
+            tp_s += count * m * layers * t
+    out["tp_s"] = tp_s
+
+    # PP transfers on the critical path: (m + pp − 2) per direction
+    pp_s = 0.0
+    if j.pp > 1:
+        for kind in ("act", "act_grad"):
+            spec = policy.rule("pp", kind).codec
+            b = wire_bytes(spec, act_elems, j.act_bytes)
+            pp_s += (m + j.pp - 2) * p2p(b, pp_crosses, G, G).time(c)
+            codec_s += m * codec_seconds(c, spec, act_elems, act_elems, j.act_bytes)
+    out["pp_s"] = pp_s
+    out["codec_s"] = codec_s
+
+    dp_total = out["dp_grad_s"] + out["dp_param_s"]
+    hidden = (2 / 3) * compute if j.overlap == "dp" else 0.0
+    out["dp_exposed_s"] = max(0.0, dp_total - hidden)
+    step = compute + tp_s + pp_s + codec_s + out["dp_exposed_s"]
+    return {
+        "step_time_s": step,
+        "tokens_per_s": tokens / step,
+        "tflops_per_gpu": 6 * P * tokens / step / c.gpus / 1e12,
+        "breakdown": out,
+        "break_even_inter_GBps": _break_even(c, j, policy, n_local, shard, p_local),
+    }
+
+
+def _break_even(c: ClusterSpec, j: JobSpec, policy: Policy, n_local: int, shard: float,
+                p_local: float) -> dict[str, float | None]:
+    """Per compressed DP codec: the node injection bandwidth below which it beats the
+    uncompressed ring (bytes saved per node / codec seconds)."""
+    out: dict[str, float | None] = {}
+    if j.dp == 1:
+        return out
+    G = c.gpus_per_node
+    none_grad = ring(j.dp, n_local, shard * j.grad_bytes, G).inter_bytes
+    none_param = ring(j.dp, n_local, shard * j.param_bytes, G).inter_bytes
+    rules = {"dp.grad": policy.rule("dp", "grad", "inter" if policy.two_level() else None),
+             "dp.param": policy.rule("dp", "param")}
+    for label, rule in rules.items():
+        if rule.codec == "none" or none_grad == 0:
+            continue
+        if label == "dp.grad":
+            saved = none_grad - all_to_all(j.dp, n_local, wire_bytes(rule.codec, shard, 4),
+                                           G).inter_bytes
+            secs = codec_seconds(c, rule.codec, p_local, p_local, 4)
+        else:
+            saved = none_param - ring(j.dp, n_local, wire_bytes(rule.codec, shard,
+                                                                 j.param_bytes), G).inter_bytes
+            secs = codec_seconds(c, rule.codec, shard, p_local, j.param_bytes)
+        out[f"{label}={rule.codec}"] = (saved / secs / 1e9) if secs > 0 and saved > 0 else (
+            math.inf if saved > 0 else None)
+    return out
+
+
+def plan(c: ClusterSpec, j: JobSpec, policies: list[str]) -> dict[str, Any]:
+    """``{"policies": {name: {...}}}`` for ``none`` and every requested policy."""
+    names = ["none"] + [p for p in policies if p != "none"]
+    result = {name: plan_policy(c, j, Policy.resolve(name)) for name in names}
+    base = result["none"]["step_time_s"]
+    for r in result.values():
+        r["speedup_vs_none"] = base / r["step_time_s"]
+    return {"policies": result}

@@ -1,0 +1,110 @@
+"""The cost model's byte formulas against hand-computed cases."""
+
+import pytest
+
+from commpress import Policy
+from commpress.plan.cost import (
+    ClusterSpec,
+    JobSpec,
+    all_to_all,
+    plan,
+    plan_policy,
+    ring,
+    wire_bytes,
+)
+from commpress.plan.models import MODELS, ModelShape, model_from_arg
+
+# 2 nodes × 4 GPUs; 1 GB/s per node and per GPU so that seconds = GB
+C = ClusterSpec(gpus=8, gpus_per_node=4, intra_GBps=1.0, inter_GBps=1.0, tflops=1.0, mfu=1.0,
+                intra_latency_us=0.0, inter_latency_us=0.0)
+
+
+def test_all_to_all_bytes():
+    # 8 ranks, 4 per node, 100-byte chunks: 3 intra peers, 4 remote peers
+    t = all_to_all(8, 4, 100.0, 4)
+    assert t.intra_bytes == 300 and t.intra_msgs == 3
+    assert t.inter_bytes == 4 * 4 * 100  # 4 GPUs of the node, 4 remote chunks each
+    assert t.inter_msgs == 4
+
+
+def test_ring_bytes():
+    # one node: 7 steps of the chunk through NVLink
+    t = ring(4, 4, 10.0, 4)
+    assert (t.intra_bytes, t.inter_bytes, t.intra_msgs) == (30, 0, 3)
+    # 8 ranks over 2 nodes, 4 per node: one ring per node leaves it, 7 chunks through it
+    t = ring(8, 4, 10.0, 4)
+    assert t.inter_bytes == 1 * 7 * 10 and t.intra_bytes == 70
+    # one DP rank per node (tp·pp fills the node): 4 rings leave each node
+    t = ring(2, 1, 10.0, 4)
+    assert t.inter_bytes == 4 * 1 * 10 and t.intra_bytes == 0
+    # all-reduce = two passes
+    assert ring(4, 4, 10.0, 4, passes=2).intra_bytes == 60
+
+
+def test_wire_bytes_of_codecs():
+    assert wire_bytes("none", 1000, 4) == 4000
+    assert wire_bytes("int4", 128 * 10, 4) == 128 * 10 * 4.25 / 8
+    assert wire_bytes("int8", 1280, 2) == 1280 + 40
+    assert wire_bytes("bf16", 1000, 4) == 2000
+    assert wire_bytes("zfp:rate=8", 1000, 4) == 1000  # nominal rate: 8 bits per value
+
+
+TINY = ModelShape(layers=2, hidden=64, heads=4, vocab=0, params_override=8 * 1024 * 1024)
+
+
+def test_dp_only_none_and_sdp4bit_step_terms():
+    job = JobSpec(model=TINY, dp=8, global_batch=8, seq=1, micro_batch=1)
+    none = plan_policy(C, job, Policy.preset("none"))["breakdown"]
+    shard = TINY.params / 8
+    # fp32 ring reduce-scatter, 2 nodes × 4: node NIC carries 7 chunks of shard · 4 bytes
+    assert none["dp_grad_s"] == pytest.approx(7 * shard * 4 / 1e9)
+    # bf16 ring all-gather: the same with 2 bytes
+    assert none["dp_param_s"] == pytest.approx(7 * shard * 2 / 1e9)
+    assert none["compute_s"] == pytest.approx(6 * TINY.params * 8 / 8 / 1e12)
+    sdp = plan_policy(C, job, Policy.preset("sdp4bit"))["breakdown"]
+    # TLq-HS: intra a2a of 3 messages of 2 chunks at 8.25 bits, then inter a2a where
+    # the node's 4 GPUs each send 1 chunk at 4.25 bits: max(intra, inter) per stage
+    t1 = 3 * 2 * shard * 8.25 / 8 / 1e9
+    t2 = 4 * 1 * shard * 4.25 / 8 / 1e9
+    assert sdp["dp_grad_s"] == pytest.approx(t1 + t2)
+    # qWD all-gather: ring of 4-bit codes with one fp32 scale per 2048
+    assert sdp["dp_param_s"] == pytest.approx(7 * shard * (4 + 32 / 2048) / 8 / 1e9)
+
+
+def test_tp_and_pp_terms():
+    job = JobSpec(model=TINY, dp=2, tp=2, pp=2, global_batch=4, micro_batch=1, seq=16)
+    r = plan_policy(C, job, Policy.preset("none"))["breakdown"]
+    act = 1 * 16 * 64  # micro_batch · seq · hidden elements, bf16
+    m = 2  # micro-batches per step
+    # TP: ring all-reduce on 2 ranks = 2 passes of 1 chunk of act/2 · 2 bytes, 4 per layer
+    per = 2 * (act / 2) * 2 / 1e9
+    assert r["tp_s"] == pytest.approx(4 * m * (2 / 2) * per)
+    # PP: tp·2 = 4 ≤ 4 GPUs per node, so stages share a node: (m + pp − 2) per direction
+    assert r["pp_s"] == pytest.approx(2 * (m + 2 - 2) * act * 2 / 1e9)
+
+
+def test_plan_output_shape_and_speedups():
+    c = ClusterSpec(gpus=64, gpus_per_node=4, intra_GBps=300, inter_GBps=12.5, tflops=312)
+    job = JobSpec(model=MODELS["gpt-6.7b"], dp=64, global_batch=256)
+    out = plan(c, job, ["sdp4bit", "zeropp"])
+    assert set(out["policies"]) == {"none", "sdp4bit", "zeropp"}
+    assert out["policies"]["none"]["speedup_vs_none"] == 1.0
+    assert out["policies"]["sdp4bit"]["speedup_vs_none"] > 1.2
+    for r in out["policies"].values():
+        assert set(r) >= {"step_time_s", "tflops_per_gpu", "tokens_per_s", "speedup_vs_none",
+                          "breakdown"}
+    # a faster network shrinks what compression buys
+    fast = ClusterSpec(gpus=64, gpus_per_node=4, intra_GBps=300, inter_GBps=400, tflops=312)
+    fast_out = plan(fast, job, ["sdp4bit"])
+    assert (fast_out["policies"]["sdp4bit"]["speedup_vs_none"]
+            < out["policies"]["sdp4bit"]["speedup_vs_none"])
+
+
+def test_bad_plan_inputs():
+    with pytest.raises(ValueError, match="must be a positive multiple of --gpus-per-node"):
+        ClusterSpec(gpus=6, gpus_per_node=4, intra_GBps=1, inter_GBps=1, tflops=1)
+    with pytest.raises(ValueError, match="must equal --gpus 8"):
+        plan_policy(C, JobSpec(model=TINY, dp=4, global_batch=4), Policy.preset("none"))
+    with pytest.raises(ValueError, match="is not a preset or a parameter count"):
+        model_from_arg("gpt-huge")
+    assert model_from_arg("1.3B").params == 1.3e9
