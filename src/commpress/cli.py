@@ -8,6 +8,7 @@ import sys
 import torch
 
 from commpress.launch import LaunchError
+from commpress.testbed.netns import TestbedError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -146,6 +147,13 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_testbed(args: argparse.Namespace) -> int:
+    from commpress.testbed import run_on_testbed
+
+    command = args.command_args[1:] if args.command_args[:1] == ["--"] else args.command_args
+    return run_on_testbed(args.nodes, args.ranks_per_node, command, args.bandwidth, args.latency)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="commpress", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -197,6 +205,16 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", default=None)
     pl.set_defaults(fn=_cmd_plan)
 
+    tb = sub.add_parser("testbed", help="run train/compare on an emulated multi-node cluster "
+                        "(network namespaces, shaped links; needs root and iproute2)")
+    tb.add_argument("--nodes", type=int, default=2)
+    tb.add_argument("--ranks-per-node", type=int, default=2)
+    tb.add_argument("--bandwidth", default="50mbit", help="per node and direction, e.g. 50mbit")
+    tb.add_argument("--latency", default=None, help="added one-way delay, e.g. 1ms")
+    tb.add_argument("command_args", nargs=argparse.REMAINDER,
+                    help="-- train … or -- compare … (the ranks come from the testbed)")
+    tb.set_defaults(fn=_cmd_testbed)
+
     demo = sub.add_parser("demo", help="round-trip every codec on a small tensor")
     demo.set_defaults(fn=_cmd_demo)
 
@@ -232,6 +250,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.fn(args)
+    except TestbedError as e:
+        from commpress.console import console
+
+        console(stderr=True).print(f"[red]error:[/red] {e}", highlight=False)
+        return 2
     except ValueError as e:  # bad input: a clear message, not a traceback
         from commpress.console import console
 

@@ -42,6 +42,8 @@ class TrainConfig:
     timeout_s: float = 120.0  # collective timeout: a dead peer becomes an error, not a hang
     bucket_numel: int = 1 << 20  # elements per gradient bucket
     progress: bool = True  # show a progress bar on rank 0
+    engine: str = "sharded"  # data parallelism: sharded (commpress ZeRO) or ddp (torch DDP)
+    ddp_hook: str = "commpress"  # with --engine ddp: allreduce, fp16, powersgd:R, commpress
 
     def __post_init__(self) -> None:
         Policy.resolve(self.policy)  # an unknown preset or a bad file fails here
@@ -56,6 +58,16 @@ class TrainConfig:
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise ValueError(f"{name}={v} is not allowed; allowed: >= 1 or unset")
+        if self.engine not in ("sharded", "ddp"):
+            raise ValueError(f"engine={self.engine!r} is not allowed; allowed: sharded, ddp")
+        if self.engine == "ddp" and (self.tp > 1 or self.pp > 1):
+            raise ValueError(f"engine=ddp runs data parallelism only; got tp={self.tp}, "
+                             f"pp={self.pp}: use engine=sharded for tp/pp")
+        hook = self.ddp_hook
+        if hook not in ("allreduce", "fp16", "commpress") and not (
+                hook.startswith("powersgd:") and hook.split(":")[1].isdigit()):
+            raise ValueError(f"ddp_hook={hook!r} is not allowed; allowed: allreduce, fp16, "
+                             "powersgd:RANK (e.g. powersgd:4), commpress")
         if self.nonfinite not in ("skip", "raise"):
             raise ValueError(f"nonfinite={self.nonfinite!r} is not allowed; allowed: skip, raise")
         if self.seq_len > MODEL_PRESETS[self.model].block_size:

@@ -43,6 +43,7 @@ from commpress.policy import Policy
 from commpress.train import checkpoint
 from commpress.train.config import TrainConfig
 from commpress.train.data import TextData, load_tokens
+from commpress.train.ddp_engine import DDPEngine
 
 log = logging.getLogger(__name__)
 
@@ -96,12 +97,19 @@ class _Run:
         dp_per_node = max(1, rpn // (cfg.tp * cfg.pp))
         weights = {n: 1.0 / cfg.tp for n, p in self.stage.named_parameters()
                    if cfg.tp > 1 and not is_tp_sharded(p)}
-        self.opt = ShardedOptimizer(
-            self.stage, torch.optim.AdamW, self.policy, group=self.mesh.dp_group,
-            topology=Topology(dp_per_node), bucket_numel=cfg.bucket_numel,
-            max_grad_norm=cfg.max_grad_norm, nonfinite=cfg.nonfinite,
-            norm_group=dist.group.WORLD, norm_weights=weights, lr=cfg.lr, betas=(0.9, 0.95),
-            weight_decay=cfg.weight_decay)
+        if cfg.engine == "ddp":
+            self.ddp = DDPEngine(self.stage, self.mesh.dp_group, self.policy, cfg.ddp_hook,
+                                 Topology(dp_per_node), cfg.lr, cfg.weight_decay,
+                                 cfg.max_grad_norm, cfg.nonfinite)
+            self.opt = self.ddp
+        else:
+            self.ddp = None
+            self.opt = ShardedOptimizer(
+                self.stage, torch.optim.AdamW, self.policy, group=self.mesh.dp_group,
+                topology=Topology(dp_per_node), bucket_numel=cfg.bucket_numel,
+                max_grad_norm=cfg.max_grad_norm, nonfinite=cfg.nonfinite,
+                norm_group=dist.group.WORLD, norm_weights=weights, lr=cfg.lr,
+                betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
         self.schedule = GPipe(self.stage, self.mesh, self.policy, cfg.micro_batches)
         self.start_step = 0
         self.history: list[dict[str, Any]] = []
@@ -125,6 +133,10 @@ class _Run:
         for g in self.opt.param_groups:
             g["lr"] = lr_at(self.cfg, step)
         x, y = self.local_batch("train", step)
+        if self.ddp is not None:
+            loss = self.ddp.forward_backward(x, y, self.cfg.micro_batches)
+            self.ddp.step()
+            return self._dp_mean(loss)
         loss = self.schedule.step(x, y, sync_ctx=self.opt.no_sync, train=True)
         self.opt.step()
         self.opt.zero_grad()
@@ -158,7 +170,8 @@ class _Run:
             raise ValueError(f"checkpoint {path!r} was written by {state['world']} ranks; this "
                              f"run has {self.world}: resume with the same layout")
         saved = dict(state["config"])
-        for key in ("policy", "dp", "tp", "pp", "model", "seed", "batch_size", "seq_len"):
+        for key in ("policy", "dp", "tp", "pp", "model", "seed", "batch_size", "seq_len",
+                    "engine", "ddp_hook"):
             if saved[key] != getattr(self.cfg, key):
                 raise ValueError(f"checkpoint {path!r} has {key}={saved[key]!r}, this run "
                                  f"{key}={getattr(self.cfg, key)!r}; resume with the same value")
@@ -225,8 +238,12 @@ def _write_outputs(cfg: TrainConfig, run: _Run, totals: dict) -> dict[str, Any]:
     # the first steps include warm-up of allocators and codecs: time the rest
     timed = [r["step_time_s"] for r in hist[min(3, len(hist) - 1):]] or [0.0]
     val = [r for r in hist if "val_loss" in r]
+    name = run.policy.name
+    if cfg.engine == "ddp":
+        name = f"ddp-{cfg.ddp_hook}" + (f"-{name}" if cfg.ddp_hook == "commpress" else "")
     summary = {
-        "policy": run.policy.name, "dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp,
+        "policy": name, "engine": cfg.engine, "ddp_hook": cfg.ddp_hook,
+        "dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp,
         "model": cfg.model, "params": sum(p.numel() for p in run.stage.parameters()),
         "steps": cfg.steps, "seed": cfg.seed,
         "final_val_loss": val[-1]["val_loss"] if val else None,
@@ -245,7 +262,7 @@ def _write_outputs(cfg: TrainConfig, run: _Run, totals: dict) -> dict[str, Any]:
     }
     with open(os.path.join(cfg.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
-    plot_loss(hist, os.path.join(cfg.out, "loss.png"), title=f"{run.policy.name} "
+    plot_loss(hist, os.path.join(cfg.out, "loss.png"), title=f"{name} "
               f"dp{cfg.dp}×tp{cfg.tp}×pp{cfg.pp}")
     return summary
 

@@ -1,0 +1,57 @@
+"""Run a ``commpress`` command (train or compare) with its ranks spread over the nodes
+of an emulated :class:`~commpress.testbed.netns.Cluster`.
+
+Each rank is a process started inside its node's namespace with the environment a
+``torchrun`` launcher would give it; Gloo binds to the namespace's ``eth0``. Rank 0's
+output passes through; if any rank fails, the others are stopped and the error
+returned.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+from commpress.testbed.netns import Cluster
+
+
+def run_on_testbed(nodes: int, ranks_per_node: int, command: list[str], bandwidth: str = "50mbit",
+                   latency: str | None = None, port: int = 29531, timeout: float = 7200.0) -> int:
+    """Run ``commpress <command>`` on ``nodes × ranks_per_node`` ranks; returns rank 0's code."""
+    if not command or command[0] not in ("train", "compare"):
+        raise ValueError(f"testbed command {command[:1]!r} is not allowed; allowed: train …, "
+                         "compare …")
+    world = nodes * ranks_per_node
+    with Cluster(nodes, bandwidth, latency) as cluster:
+        procs = []
+        try:
+            for rank in range(world):
+                node = rank // ranks_per_node
+                env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world),
+                           LOCAL_RANK=str(rank % ranks_per_node),
+                           LOCAL_WORLD_SIZE=str(ranks_per_node), MASTER_ADDR=cluster.ip(0),
+                           MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="eth0",
+                           OMP_NUM_THREADS="1")
+                argv = ["ip", "netns", "exec", cluster.ns(node), sys.executable, "-m",
+                        "commpress.cli", *command, "--ranks-per-node", str(ranks_per_node)]
+                out = None if rank == 0 else subprocess.DEVNULL
+                procs.append(subprocess.Popen(argv, env=env, stdout=out,
+                                              stderr=None if rank == 0 else subprocess.PIPE))
+            deadline = time.monotonic() + timeout
+            while True:
+                codes = [p.poll() for p in procs]
+                failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
+                if failed or all(c == 0 for c in codes) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.5)
+            if failed and failed[0] != 0:
+                err = procs[failed[0]].stderr.read().decode(errors="replace")[-4000:]
+                print(f"testbed: rank {failed[0]} failed:\n{err}", file=sys.stderr)
+            return 0 if not failed and all(c == 0 for c in codes) else 1
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                p.wait()

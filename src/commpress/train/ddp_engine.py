@@ -1,0 +1,126 @@
+"""Data parallelism through torch's DDP, for comparing commpress with the hooks users
+would otherwise pick: plain all-reduce, ``fp16_compress_hook``, PowerSGD, or
+commpress's own hook (:func:`commpress.ddp_hook`).
+
+The optimizer is torch's AdamW on the full replica; gradients are clipped with
+``clip_grad_norm_`` and a non-finite norm skips the step (or raises), as in
+:class:`~commpress.ShardedOptimizer`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from commpress.collectives.stats import record
+from commpress.collectives.topology import Topology
+from commpress.integrations.ddp import ddp_hook
+from commpress.integrations.sharded_optimizer import NonFiniteGradientError
+
+log = logging.getLogger(__name__)
+
+
+def _counting(hook, bytes_per_elem: float):
+    """Wrap a torch hook so its wire bytes reach ``commpress.stats()`` (ring all-reduce:
+    ``2 (n − 1) / n`` of the bucket per rank)."""
+
+    def wrapped(state, bucket):
+        n = dist.get_world_size(state if isinstance(state, dist.ProcessGroup) else None)
+        numel = bucket.buffer().numel()
+        sent = 2 * (n - 1) / n * numel
+        record("dp.grad", calls=1, elements=sent, wire_bytes=sent * bytes_per_elem,
+               raw_bytes=sent * bucket.buffer().element_size())
+        return hook(state, bucket)
+
+    return wrapped
+
+
+def install_hook(model: DDP, name: str, policy, group, topology: Topology) -> object:
+    """Register the named hook; returns its state (checkpointed when it has one)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    if name == "allreduce":
+        model.register_comm_hook(group, _counting(default_hooks.allreduce_hook, 4))
+        return None
+    if name == "fp16":
+        model.register_comm_hook(group, _counting(default_hooks.fp16_compress_hook, 2))
+        return None
+    if name.startswith("powersgd:"):
+        state = powerSGD_hook.PowerSGDState(process_group=group,
+                                            matrix_approximation_rank=int(name.split(":")[1]),
+                                            start_powerSGD_iter=2, random_seed=0)
+        model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        return state
+    state, hook = ddp_hook(policy, group=group, topology=topology)
+    model.register_comm_hook(state, hook)
+    return state
+
+
+class DDPEngine:
+    """Forward/backward/step of one data-parallel replica under torch DDP."""
+
+    def __init__(self, module: nn.Module, group, policy, hook: str, topology: Topology,
+                 lr: float, weight_decay: float, max_grad_norm: float | None,
+                 nonfinite: str) -> None:
+        self.module = module
+        self.model = DDP(module, process_group=group, bucket_cap_mb=4)
+        self.hook_state = install_hook(self.model, hook, policy, group, topology)
+        decay = [p for p in module.parameters() if p.dim() >= 2]
+        rest = [p for p in module.parameters() if p.dim() < 2]
+        self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                                      {"params": rest, "weight_decay": 0.0}], lr=lr,
+                                     betas=(0.9, 0.95))
+        self.max_grad_norm = max_grad_norm
+        self.nonfinite = nonfinite
+        self.skipped_steps = 0
+        self.steps = 0
+
+    @property
+    def param_groups(self):
+        return self.opt.param_groups
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor, micro: int) -> float:
+        total = 0.0
+        for i, (xm, ym) in enumerate(zip(x.chunk(micro), y.chunk(micro))):
+            ctx = self.model.no_sync() if i < micro - 1 else nullcontext()
+            with ctx:
+                logits = self.model(xm)
+                loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), ym.reshape(-1))
+                (loss / micro).backward()
+            total += loss.item()
+        return total / micro
+
+    def step(self) -> bool:
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm or math.inf).item()
+        self.steps += 1
+        if not math.isfinite(norm):
+            self.skipped_steps += 1
+            self.opt.zero_grad()
+            if self.nonfinite == "raise":
+                raise NonFiniteGradientError(f"DDP step {self.steps - 1}: gradient norm {norm}")
+            log.warning("DDP step %d: non-finite gradient norm, step skipped", self.steps - 1)
+            return False
+        self.opt.step()
+        self.opt.zero_grad()
+        return True
+
+    def state_dict(self) -> dict:
+        state = {"optimizer": self.opt.state_dict(), "steps": self.steps,
+                 "skipped_steps": self.skipped_steps}
+        if hasattr(self.hook_state, "state_dict"):
+            state["hook"] = self.hook_state.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.opt.load_state_dict(state["optimizer"])
+        self.steps, self.skipped_steps = state["steps"], state["skipped_steps"]
+        if "hook" in state:
+            self.hook_state.load_state_dict(state["hook"])
