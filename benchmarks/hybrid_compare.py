@@ -35,7 +35,8 @@ def main() -> None:
         lines += ["", f"**{layout}** ({args.model}, {args.steps} steps, seeds {args.seeds}, "
                   "2 nodes × 2 ranks):", "",
                   "| policy | val loss (mean ± std) | vs none | gap / max std | step ms (loopback) "
-                  "| wire MB dp / tp / pp (all ranks) | bits/elem |", "|---|---|---|---|---|---|---|"]
+                  "| wire MB dp / tp / pp (all ranks) | bits/elem |",
+                  "|---|---|---|---|---|---|---|"]
         for p in POLICIES:
             a = agg[(layout, p)]
             gap = a["mean"] - none["mean"]
