@@ -30,6 +30,8 @@ CONFIGS = {  # name → train options (as in `commpress train`)
     "ddp commpress sdp4bit": {"engine": "ddp", "ddp_hook": "commpress", "policy": "sdp4bit"},
     "ddp commpress int2+EF": {"engine": "ddp", "ddp_hook": "commpress",
                               "policy": os.path.join(HERE, "ddp_int2ef.yaml")},
+    "ddp commpress top1%+EF": {"engine": "ddp", "ddp_hook": "commpress",
+                               "policy": os.path.join(HERE, "ddp_topk_ef.yaml")},
     "sharded none": {"policy": "none"},
     "sharded zeropp": {"policy": "zeropp"},
     "sharded sdp4bit": {"policy": "sdp4bit"},

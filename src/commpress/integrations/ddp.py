@@ -6,12 +6,20 @@ the policy names ``intra``/``inter`` codecs and the topology has several nodes â
 two-level reduce-scatter followed by an all-gather of the averaged shard with the
 ``inter`` codec. Every rank decodes the same bytes, so replicas stay identical.
 
+With ``overlap=True`` (default) the compressed all-reduce of each bucket runs on one
+communication thread, in the order DDP hands buckets over (the same on every rank), so
+backward keeps computing while a bucket is encoded and sent; DDP waits for the
+returned futures before the optimizer step. Blocking collectives release the GIL.
+
 Unlike PyTorch's PowerSGD state, :class:`DDPHookState` checkpoints: codec states
 (error-feedback residuals, stochastic-rounding counters) are keyed by bucket index.
 """
 
 # No ``from __future__ import annotations``: DDP compares the hook's annotations with
 # ``dist.GradBucket`` and ``torch.futures.Future[torch.Tensor]`` as objects.
+import queue
+import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,6 +28,28 @@ import torch.distributed as dist
 from commpress.collectives import all_gather, all_reduce, hierarchical_reduce_scatter
 from commpress.collectives.topology import Topology
 from commpress.policy import Policy
+
+
+class _CommThread:
+    """One daemon thread running submitted functions in order; results via futures."""
+
+    def __init__(self) -> None:
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, name="commpress-ddp", daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[[], torch.Tensor]) -> torch.futures.Future:
+        fut: torch.futures.Future = torch.futures.Future()
+        self._queue.put((fn, fut))
+        return fut
+
+    def _loop(self) -> None:
+        while True:
+            fn, fut = self._queue.get()
+            try:
+                fut.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - delivered to the waiting rank
+                fut.set_exception(e)
 
 
 class DDPHookState:
@@ -31,12 +61,14 @@ class DDPHookState:
 
     def __init__(self, policy: str | dict | Policy = "none",
                  group: dist.ProcessGroup | None = None, topology: Topology | None = None,
-                 label: str = "dp.grad") -> None:
+                 label: str = "dp.grad", overlap: bool = True) -> None:
         # hyperparameters
         self.policy = Policy.resolve(policy)
         self.topology = topology or Topology()
         self.label = label
         self.group = group
+        self.overlap = overlap
+        self._thread: _CommThread | None = None
         # internal state
         self.codecs: dict[int, dict[str, Any]] = {}
         self._pending_state: dict[int, dict[str, Any]] = {}
@@ -74,7 +106,18 @@ class DDPHookState:
     def __getstate__(self) -> dict[str, Any]:
         d = dict(self.__dict__)
         d["group"] = None
+        d["_thread"] = None
         return d
+
+    def run(self, fn: Callable[[], torch.Tensor]) -> torch.futures.Future:
+        """Run ``fn`` on the communication thread (overlap) or now; a future either way."""
+        if self.overlap:
+            if self._thread is None:
+                self._thread = _CommThread()
+            return self._thread.submit(fn)
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result(fn())
+        return fut
 
 
 def compressed_allreduce_hook(state: DDPHookState,
@@ -87,13 +130,15 @@ def compressed_allreduce_hook(state: DDPHookState,
     group = state.group if state.group is not None else dist.group.WORLD
     codecs = state.codecs_for(bucket.index())
     state.calls += 1
-    if "single" in codecs:
-        all_reduce(tensor, codecs["single"], group=group, op="avg", label=state.label)
-    else:
-        _two_level_all_reduce(tensor, codecs, group, state)
-    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    fut.set_result(tensor)
-    return fut
+
+    def reduce() -> torch.Tensor:
+        if "single" in codecs:
+            all_reduce(tensor, codecs["single"], group=group, op="avg", label=state.label)
+        else:
+            _two_level_all_reduce(tensor, codecs, group, state)
+        return tensor
+
+    return state.run(reduce)
 
 
 def _two_level_all_reduce(tensor: torch.Tensor, codecs: dict, group, state: DDPHookState) -> None:
@@ -110,7 +155,7 @@ def _two_level_all_reduce(tensor: torch.Tensor, codecs: dict, group, state: DDPH
 
 
 def ddp_hook(policy: str | dict | Policy = "none", group: dist.ProcessGroup | None = None,
-             topology: Topology | None = None):
+             topology: Topology | None = None, overlap: bool = True):
     """``(state, hook)`` for ``DistributedDataParallel.register_comm_hook``.
 
     Example::
@@ -118,4 +163,4 @@ def ddp_hook(policy: str | dict | Policy = "none", group: dist.ProcessGroup | No
         model = DDP(model)
         model.register_comm_hook(*commpress.ddp_hook("sdp4bit"))
     """
-    return DDPHookState(policy, group, topology), compressed_allreduce_hook
+    return DDPHookState(policy, group, topology, overlap=overlap), compressed_allreduce_hook
