@@ -40,6 +40,16 @@ class Packet:
         return sum(t.numel() * t.element_size() for t in self.tensors)
 
 
+def finish_decode(values: torch.Tensor, packet: Packet,
+                  out: torch.Tensor | None) -> torch.Tensor:
+    """Return decoded flat ``values`` in the packet's shape and dtype, or copy them into
+    ``out`` (the one place every codec's ``decode`` ends)."""
+    if out is None:
+        return values.to(packet.dtype).view(packet.shape)
+    out.copy_(values.view(out.shape))
+    return out
+
+
 def packet_to_bytes(packet: Packet) -> torch.Tensor:
     """Concatenate a packet's tensors into one flat uint8 tensor (no pickling)."""
     parts = [t.contiguous().view(-1).view(torch.uint8) for t in packet.tensors]

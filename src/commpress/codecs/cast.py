@@ -13,14 +13,7 @@ from typing import ClassVar
 
 import torch
 
-from commpress.codecs.base import Codec, Packet, register_codec
-
-
-def _decode_into(values: torch.Tensor, packet: Packet, out: torch.Tensor | None) -> torch.Tensor:
-    if out is None:
-        return values.to(packet.dtype).view(packet.shape)
-    out.copy_(values.view(out.shape))
-    return out
+from commpress.codecs.base import Codec, Packet, finish_decode, register_codec
 
 
 @register_codec
@@ -36,7 +29,7 @@ class NoCompression(Codec):
         return Packet((x.reshape(-1).contiguous(),), x.numel(), tuple(x.shape), x.dtype)
 
     def decode(self, packet: Packet, out: torch.Tensor | None = None) -> torch.Tensor:
-        return _decode_into(packet.tensors[0], packet, out)
+        return finish_decode(packet.tensors[0], packet, out)
 
     def packet_layout(self, numel: int, dtype: torch.dtype) -> list[tuple[torch.dtype, int]]:
         return [(dtype, numel)]
@@ -52,7 +45,7 @@ class _Cast(Codec):
         return Packet((flat,), x.numel(), tuple(x.shape), x.dtype)
 
     def decode(self, packet: Packet, out: torch.Tensor | None = None) -> torch.Tensor:
-        return _decode_into(packet.tensors[0], packet, out)
+        return finish_decode(packet.tensors[0], packet, out)
 
     def packet_layout(self, numel: int, dtype: torch.dtype) -> list[tuple[torch.dtype, int]]:
         return [(self.wire_dtype, numel)]

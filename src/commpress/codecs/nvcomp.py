@@ -16,7 +16,7 @@ from typing import ClassVar, Literal
 
 import torch
 
-from commpress.codecs.base import Codec, Packet, register_codec
+from commpress.codecs.base import Codec, Packet, finish_decode, register_codec
 
 INSTALL_HINT = ("the nvcomp codec needs NVIDIA nvCOMP: pip install 'commpress[nvcomp]' "
                 "(nvidia-nvcomp-cu13) and a CUDA device")
@@ -75,7 +75,4 @@ class NvComp(Codec):
             decoded = cdc.decode(nvc.as_array(blob))
             raw = torch.as_tensor(decoded, device=blob.device).view(torch.uint8).reshape(-1)
             values = raw.view(packet.dtype).clone()
-        if out is None:
-            return values.view(packet.shape)
-        out.copy_(values.view(out.shape))
-        return out
+        return finish_decode(values, packet, out)

@@ -24,7 +24,7 @@ from typing import Any, ClassVar, Literal
 import torch
 
 from commpress import kernels
-from commpress.codecs.base import Codec, Packet, option_error, register_codec
+from commpress.codecs.base import Codec, Packet, finish_decode, option_error, register_codec
 
 SCALE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 HADAMARD_SIZES = (0, 16, 32, 64, 128, 256)
@@ -34,13 +34,6 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 def _check_group(name: str, group: int) -> None:
     if group < 1:
         raise option_error(name, "group", group, "allowed: a positive integer (e.g. 128)")
-
-
-def _finish_decode(flat: torch.Tensor, packet: Packet, out: torch.Tensor | None) -> torch.Tensor:
-    if out is None:
-        return flat.view(packet.shape)
-    out.copy_(flat.view(out.shape))
-    return out
 
 
 @dataclass
@@ -89,7 +82,7 @@ class _GroupQuantizer(Codec):
         codes, scales = packet.tensors
         flat = kernels.dequantize(codes, scales, packet.numel, bits=self.bits, group=self.group,
                                   hadamard=self.hadamard, out_dtype=packet.dtype)
-        return _finish_decode(flat, packet, out)
+        return finish_decode(flat, packet, out)
 
     def packet_layout(self, numel: int, dtype: torch.dtype) -> list[tuple[torch.dtype, int]]:
         total = kernels.padded_numel(numel, self.bits, self.group, self.hadamard)
@@ -174,7 +167,7 @@ class FP8(Codec):
         codes, scales = packet.tensors
         vals = codes.view(torch.float8_e4m3fn).float().view(-1, self.group)
         flat = (vals * scales.float().view(-1, 1)).view(-1)[: packet.numel].to(packet.dtype)
-        return _finish_decode(flat, packet, out)
+        return finish_decode(flat, packet, out)
 
     def packet_layout(self, numel: int, dtype: torch.dtype) -> list[tuple[torch.dtype, int]]:
         total = self._padded(numel)

@@ -15,7 +15,7 @@ from typing import ClassVar
 
 import torch
 
-from commpress.codecs.base import Codec, Packet, option_error, register_codec
+from commpress.codecs.base import Codec, Packet, finish_decode, option_error, register_codec
 
 
 def _index_dtype(numel: int) -> torch.dtype:
@@ -59,10 +59,7 @@ class TopK(Codec):
         dense = torch.zeros(packet.numel, dtype=packet.dtype, device=values.device)
         dense[idx.long()] = values.to(packet.dtype)
         dense += flag.to(packet.dtype)
-        if out is None:
-            return dense.view(packet.shape)
-        out.copy_(dense.view(out.shape))
-        return out
+        return finish_decode(dense, packet, out)
 
     def packet_layout(self, numel: int, dtype: torch.dtype) -> list[tuple[torch.dtype, int]]:
         k = self.k(numel)

@@ -17,7 +17,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from commpress.codecs.base import Codec, Packet, option_error, register_codec
+from commpress.codecs.base import Codec, Packet, finish_decode, option_error, register_codec
 
 INSTALL_HINT = "the zfp codec needs zfpy: pip install 'commpress[zfp]' (or zfpy==1.0.1.post0)"
 
@@ -68,7 +68,4 @@ class ZFP(Codec):
         else:
             values = torch.empty(0)
         values = (values + flag).to(device=packet.tensors[0].device, dtype=packet.dtype)
-        if out is None:
-            return values.view(packet.shape)
-        out.copy_(values.view(out.shape))
-        return out
+        return finish_decode(values, packet, out)

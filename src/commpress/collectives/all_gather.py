@@ -11,7 +11,13 @@ import torch.distributed as dist
 
 from commpress.collectives import chunks
 from commpress.collectives.agreement import check_agreement
-from commpress.collectives.comm import Gather, all_gather_single, describe, resolve_group
+from commpress.collectives.comm import (
+    Gather,
+    all_gather_single,
+    check_sizes,
+    describe,
+    resolve_group,
+)
 from commpress.collectives.handle import Handle, completed
 from commpress.collectives.reduce_scatter import check_float, is_exact, resolve_codec
 from commpress.collectives.stats import record, timed
@@ -65,10 +71,7 @@ def all_gather(
     check_float("input", input)
     label = label or "all_gather"
     n = dist.get_world_size(group)
-    if output.numel() != n * input.numel() or input.dtype != output.dtype:
-        raise ValueError(f"all_gather: output must have world_size ({n}) × input.numel() "
-                         f"({input.numel()}) elements and input's dtype; got "
-                         f"{output.numel()} elements of {output.dtype} for {input.dtype}")
+    check_sizes("all_gather", output, input, n, "output", "input")
     check_agreement(group, "all_gather", input.device, label=label, codec=codec.spec(),
                     **describe(input))
     if n == 1:  # nothing crosses the wire, so nothing is compressed

@@ -94,6 +94,15 @@ class Gather:
         return [rows[i, :s] for i, s in enumerate(self.sizes)]
 
 
+def check_sizes(collective: str, full: torch.Tensor, part: torch.Tensor, world: int,
+                full_name: str, part_name: str) -> None:
+    """``full`` must hold ``world × part.numel()`` elements of ``part``'s dtype."""
+    if full.numel() != world * part.numel() or full.dtype != part.dtype:
+        raise ValueError(f"{collective}: {full_name} must have world_size ({world}) × "
+                         f"{part_name}.numel() ({part.numel()}) elements and {part_name}'s "
+                         f"dtype; got {full.numel()} elements of {full.dtype} for {part.dtype}")
+
+
 def describe(x: torch.Tensor) -> dict[str, Any]:
     return {"shape": tuple(x.shape), "dtype": str(x.dtype).removeprefix("torch."),
             "device": x.device.type}

@@ -31,7 +31,7 @@ from commpress import kernels
 from commpress.codecs.quantize import _GroupQuantizer
 from commpress.collectives import chunks
 from commpress.collectives.agreement import check_agreement
-from commpress.collectives.comm import Exchange, check_op, describe, resolve_group
+from commpress.collectives.comm import Exchange, check_op, check_sizes, describe, resolve_group
 from commpress.collectives.handle import Handle
 from commpress.collectives.reduce_scatter import (
     check_float,
@@ -78,10 +78,7 @@ def hierarchical_reduce_scatter(
     label = label or "hierarchical_reduce_scatter"
     levels = (topology or Topology()).resolve(group)
     n = dist.get_world_size(group)
-    if input.numel() != n * output.numel() or input.dtype != output.dtype:
-        raise ValueError(f"hierarchical_reduce_scatter: input must have world_size ({n}) × "
-                         f"output.numel() ({output.numel()}) elements and output's dtype; got "
-                         f"{input.numel()} elements of {input.dtype} for {output.dtype}")
+    check_sizes("hierarchical_reduce_scatter", input, output, n, "input", "output")
     if levels.nodes == 1 or levels.ranks_per_node == 1:
         one = intra if levels.nodes == 1 else inter
         level = "intra" if levels.nodes == 1 else "inter"

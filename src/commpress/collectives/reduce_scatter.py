@@ -20,6 +20,7 @@ from commpress.collectives.agreement import check_agreement
 from commpress.collectives.comm import (
     Exchange,
     check_op,
+    check_sizes,
     describe,
     reduce_scatter_single,
     resolve_group,
@@ -105,10 +106,7 @@ def reduce_scatter(
     check_float("input", input)
     label = label or "reduce_scatter"
     n = dist.get_world_size(group)
-    if input.numel() != n * output.numel() or input.dtype != output.dtype:
-        raise ValueError(f"reduce_scatter: input must have world_size ({n}) × output.numel() "
-                         f"({output.numel()}) elements and output's dtype; got "
-                         f"{input.numel()} elements of {input.dtype} for {output.dtype}")
+    check_sizes("reduce_scatter", input, output, n, "input", "output")
     check_agreement(group, "reduce_scatter", input.device, label=label, codec=codec.spec(),
                     op=op, **describe(input))
     if n == 1:
