@@ -82,7 +82,7 @@ class GPipe:
 
     def _hidden(self, x: torch.Tensor) -> torch.Tensor:
         B, T = x.shape
-        return torch.empty(B, T, self.stage.cfg.n_embd)
+        return torch.empty(B, T, self.stage.cfg.n_embd, device=x.device)
 
     def _recv(self, like: torch.Tensor, src: int, codec, label: str) -> torch.Tensor:
         return recv(like, src, codec, group=self.mesh.pp_group, label=label)
@@ -99,7 +99,7 @@ class GPipe:
         xs, ys = x.chunk(self.micro), y.chunk(self.micro)
         prev, nxt = mesh.pp_idx - 1, mesh.pp_idx + 1
         inputs, outputs, sends = [], [], []
-        loss_sum = torch.zeros(())
+        loss_sum = torch.zeros((), device=x.device)
         grad_mode = torch.enable_grad() if train else torch.no_grad()
         with grad_mode:
             for xm, ym in zip(xs, ys):
