@@ -82,7 +82,8 @@ class GPipe:
 
     def _hidden(self, x: torch.Tensor) -> torch.Tensor:
         B, T = x.shape
-        return torch.empty(B, T, self.stage.cfg.n_embd, device=x.device)
+        dtype = next(self.stage.parameters()).dtype
+        return torch.empty(B, T, self.stage.cfg.n_embd, device=x.device, dtype=dtype)
 
     def _recv(self, like: torch.Tensor, src: int, codec, label: str) -> torch.Tensor:
         return recv(like, src, codec, group=self.mesh.pp_group, label=label)

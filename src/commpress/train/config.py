@@ -42,6 +42,7 @@ class TrainConfig:
     timeout_s: float = 120.0  # collective timeout: a dead peer becomes an error, not a hang
     bucket_numel: int = 1 << 20  # elements per gradient bucket
     progress: bool = True  # show a progress bar on rank 0
+    dtype: str = "fp32"  # training dtype of the model: fp32, bf16 or fp16 (masters stay fp32)
     engine: str = "sharded"  # data parallelism: sharded (commpress ZeRO) or ddp (torch DDP)
     ddp_hook: str = "commpress"  # with --engine ddp: allreduce, fp16, powersgd:R, commpress
 
@@ -58,6 +59,8 @@ class TrainConfig:
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise ValueError(f"{name}={v} is not allowed; allowed: >= 1 or unset")
+        if self.dtype not in ("fp32", "bf16", "fp16"):
+            raise ValueError(f"dtype={self.dtype!r} is not allowed; allowed: fp32, bf16, fp16")
         if self.engine not in ("sharded", "ddp"):
             raise ValueError(f"engine={self.engine!r} is not allowed; allowed: sharded, ddp")
         if self.engine == "ddp" and (self.tp > 1 or self.pp > 1):

@@ -89,7 +89,8 @@ class _Run:
         torch.manual_seed(cfg.seed)
         model = GPT(mcfg)
         # Step 2: this rank's stage, its blocks split across TP
-        self.stage = Stage(model, self.mesh.pp_idx, cfg.pp).to(self.device)
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.dtype]
+        self.stage = Stage(model, self.mesh.pp_idx, cfg.pp).to(self.device, dtype)
         del model
         apply_tp(self.stage.blocks, self.mesh.tp_group, self.policy)
         # Step 3: the sharded optimizer over DP
