@@ -57,3 +57,16 @@ def aggregate(rows: list[dict], by=("layout", "policy")) -> dict[tuple, dict]:
                     "step_ms": 1e3 * statistics.median(r["step_time_s_median"] for r in rs),
                     "bits": rs[0]["bits_per_elem"], "wire": rs[0]["wire_bytes"]}
     return out
+
+
+def paired_deltas(rows: list[dict], policy: str, layout: str = "", base: str = "none"
+                  ) -> tuple[float, float]:
+    """Mean and sample std of (policy − base) validation loss over seeds run with both:
+    the same seed means the same data order and initialization, so the pairing removes
+    most of the seed-to-seed spread."""
+    by = {(r["layout"], r["policy"], r["seed"]): r["final_val_loss"] for r in rows}
+    d = [by[(layout, policy, s)] - by[(layout, base, s)] for (lay, p, s) in by
+         if lay == layout and p == policy and (layout, base, s) in by]
+    if not d:
+        return float("nan"), float("nan")
+    return statistics.mean(d), statistics.stdev(d) if len(d) > 1 else 0.0

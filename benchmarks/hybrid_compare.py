@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from _common import RESULTS, TrainConfig, aggregate, run_grid
+from _common import RESULTS, TrainConfig, aggregate, paired_deltas, run_grid
 
 POLICIES = ["none", "naive", "hybrid", "sdp4bit", "zeropp"]
 LAYOUTS = [{"dp": 2, "tp": 2, "pp": 1}, {"dp": 2, "tp": 1, "pp": 2}]
@@ -34,18 +34,18 @@ def main() -> None:
         none = agg[(layout, "none")]
         lines += ["", f"**{layout}** ({args.model}, {args.steps} steps, seeds {args.seeds}, "
                   "2 nodes × 2 ranks):", "",
-                  "| policy | val loss (mean ± std) | vs none | gap / max std | step ms (loopback) "
-                  "| wire MB dp / tp / pp (all ranks) | bits/elem |",
+                  "| policy | val loss (mean ± std) | vs none | paired Δ vs none "
+                  "| step ms (loopback) | wire MB dp / tp / pp (all ranks) | bits/elem |",
                   "|---|---|---|---|---|---|---|"]
         for p in POLICIES:
             a = agg[(layout, p)]
             gap = a["mean"] - none["mean"]
-            spread = max(none["std"], a["std"], 1e-9)
+            dm, ds = paired_deltas(rows, p, layout)
             axes = {ax: sum(v for k, v in a["wire"].items() if k.startswith(ax)) / 1e6
                     for ax in ("dp", "tp", "pp")}
             bits = ", ".join(f"{k} {v:.2f}" for k, v in sorted(a["bits"].items()))
             lines.append(f"| {p} | {a['mean']:.4f} ± {a['std']:.4f} | "
-                         f"{gap / none['mean']:+.2%} | {gap / spread:+.1f} | {a['step_ms']:.0f} | "
+                         f"{gap / none['mean']:+.2%} | {dm:+.4f} ± {ds:.4f} | {a['step_ms']:.0f} | "
                          f"{axes['dp']:.0f} / {axes['tp']:.0f} / {axes['pp']:.0f} | {bits} |")
     text = "\n".join(lines) + "\n"
     with open(os.path.join(RESULTS, f"{name}.md"), "w") as f:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from _common import RESULTS, TrainConfig, aggregate, run_grid
+from _common import RESULTS, TrainConfig, aggregate, paired_deltas, run_grid
 
 PAPER = {  # final validation loss, GPT on the Pile (Jia et al., NeurIPS 2024, Table 2)
     "125M": {"none": 2.2939, "qw": 2.5731, "qwd": 2.2927, "tlq": 2.3048, "tlqhs": 2.2953,
@@ -36,15 +36,15 @@ def main() -> None:
     none = agg[("none",)]
     lines = [f"{args.model}, {args.steps} steps, 2 nodes × 2 ranks (dp 4), seeds {args.seeds}; "
              "validation loss over 16 batches:", "",
-             "| policy | val loss (mean ± std) | vs none | gap / none's std | paper 125M | "
-             "paper 350M | wire bits/elem |", "|---|---|---|---|---|---|---|"]
+             "| policy | val loss (mean ± std) | vs none | paired Δ vs none (mean ± std) | "
+             "paper 125M | paper 350M | wire bits/elem |", "|---|---|---|---|---|---|---|"]
     for p in POLICIES:
         a = agg[(p,)]
         gap = a["mean"] - none["mean"]
-        spread = max(none["std"], a["std"], 1e-9)
+        dm, ds = paired_deltas(rows, p)
         bits = ", ".join(f"{k} {v:.2f}" for k, v in sorted(a["bits"].items()))
         lines.append(f"| {p} | {a['mean']:.4f} ± {a['std']:.4f} | {gap / none['mean']:+.2%} | "
-                     f"{gap / spread:+.1f} | {PAPER['125M'][p]:.4f} | {PAPER['350M'][p]:.4f} | "
+                     f"{dm:+.4f} ± {ds:.4f} | {PAPER['125M'][p]:.4f} | {PAPER['350M'][p]:.4f} | "
                      f"{bits} |")
     text = "\n".join(lines) + "\n"
     with open(os.path.join(RESULTS, f"sdp4bit_ablation_{args.model}_{args.steps}.md"), "w") as f:
