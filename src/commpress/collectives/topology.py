@@ -3,8 +3,7 @@
 Ranks ``node · L … node · L + L − 1`` form a node (``L = ranks_per_node``), as
 ``torchrun`` and SLURM number them. The intra-node group of a rank holds its node's
 ranks; its inter-node group holds the ranks with the same local index on every node.
-Sub-groups are created once per (parent group, L) — on every rank, in the same
-order, as ``torch.distributed.new_group`` requires — and cached.
+Sub-groups are created once per (parent group, L), by their members only, and cached.
 """
 
 from __future__ import annotations
@@ -63,16 +62,15 @@ def _levels(group: dist.ProcessGroup, rpn: int) -> Levels:
     nodes = world // rpn
     me = dist.get_rank(group)
     intra = inter = None
-    # every rank creates every sub-group, in the same order
     if rpn > 1 and nodes > 1:
-        for n in range(nodes):
-            g = dist.new_group([ranks[n * rpn + i] for i in range(rpn)])
-            if n == me // rpn:
-                intra = g
-        for i in range(rpn):
-            g = dist.new_group([ranks[n * rpn + i] for n in range(nodes)])
-            if i == me % rpn:
-                inter = g
+        # Only the members of a sub-group create it (local synchronization): ``group``
+        # may be one of several data-parallel groups, whose ranks reach this point at
+        # different times and must not wait for each other.
+        node, local = me // rpn, me % rpn
+        intra = dist.new_group([ranks[node * rpn + i] for i in range(rpn)],
+                               use_local_synchronization=True)
+        inter = dist.new_group([ranks[n * rpn + local] for n in range(nodes)],
+                               use_local_synchronization=True)
     elif rpn > 1:
         intra = group
     elif nodes > 1:
