@@ -311,7 +311,9 @@ class ShardedOptimizer:
         for b in self.buckets:
             sl = self._shard(b)
             new = b.master.detach().to(b.dtype)
-            if self.param_rule.delta:
+            if self.world == 1:  # nothing crosses a wire: nothing is compressed
+                b.param_buffer.copy_(new)
+            elif self.param_rule.delta:
                 # qWD: every rank, the owner too, applies the decoded difference
                 diff = new.float() - b.param_buffer[sl].float()
                 full = torch.empty(b.numel, dtype=torch.float32, device=diff.device)
