@@ -115,12 +115,16 @@ def hadamard_transform(y: torch.Tensor, h: int) -> torch.Tensor:
 
 
 def pack_codes(u: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack offset-binary codes (int32, values < 2**bits) into uint8, ``8 // bits`` per byte."""
+    """Pack offset-binary codes (integers < 2**bits) into uint8, ``8 // bits`` per byte."""
     per_byte = 8 // bits
+    u = u.to(torch.uint8)
     if per_byte == 1:
-        return u.to(torch.uint8)
-    shifts = torch.arange(per_byte, device=u.device, dtype=torch.int32) * bits
-    return (u.view(-1, per_byte) << shifts).sum(dim=1, dtype=torch.int32).to(torch.uint8)
+        return u
+    parts = u.view(-1, per_byte)
+    packed = parts[:, 0].clone()
+    for j in range(1, per_byte):
+        packed |= parts[:, j] << (j * bits)
+    return packed
 
 
 def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
@@ -148,8 +152,10 @@ def quantize_rotated(
     """
     qmax = qmax_for_bits(bits)
     g = y.view(-1, group)
-    finite = torch.isfinite(g).all(dim=1, keepdim=True)
-    absmax = torch.where(finite, g.abs(), 0.0).amax(dim=1, keepdim=True)
+    # amax propagates NaN and Inf: a group is finite exactly when its absmax is
+    absmax = g.abs().amax(dim=1, keepdim=True)
+    finite = torch.isfinite(absmax)
+    absmax = torch.where(finite, absmax, 0.0)
     scale = absmax / qmax
     if scale_dtype == torch.float16:
         # Round the fp16 scale up (never down), so no element exceeds qmax steps and
@@ -160,17 +166,17 @@ def quantize_rotated(
     # A nonzero group keeps a scale no smaller than scale_floor: it is never zeroed
     # by underflow, and 1/scale stays finite.
     scale = torch.where(absmax > 0, scale.clamp_min(scale_floor(scale_dtype)), scale)
+    # a non-finite group gets inv 0: its codes come out 0 (NaN·0 is cleared below)
     inv = torch.where(scale > 0, 1.0 / scale, 0.0)
     v = g * inv
     if keys is None:
-        v = v + 0.5
+        v += 0.5
     else:
-        v = v + uniform_from_counter(0, y.numel(), keys, y.device).view_as(g)
-    q = torch.floor(v).clamp_(-qmax, qmax)
-    q = torch.where(finite & torch.isfinite(q), q, 0.0)
-    u = q.to(torch.int32) + (1 << (bits - 1))
+        v += uniform_from_counter(0, y.numel(), keys, y.device).view_as(g)
+    q = v.floor_().clamp_(-qmax, qmax).nan_to_num_(0.0)
+    q += 1 << (bits - 1)
     scale = torch.where(finite, scale, float("nan"))
-    return pack_codes(u.view(-1), bits), scale.view(-1).to(scale_dtype)
+    return pack_codes(q.view(-1), bits), scale.view(-1).to(scale_dtype)
 
 
 def dequantize_rotated(
@@ -198,8 +204,11 @@ def quantize(
     flat = x.reshape(-1)
     n = flat.numel()
     total = padded_numel(n, bits, group, hadamard)
-    y = torch.zeros(total, dtype=torch.float32, device=x.device)
-    y[:n] = flat
+    if total == n and flat.dtype == torch.float32:
+        y = flat  # read only below: no copy needed
+    else:
+        y = torch.zeros(total, dtype=torch.float32, device=x.device)
+        y[:n] = flat
     y = hadamard_transform(y, hadamard)
     return quantize_rotated(y, bits=bits, group=group, scale_dtype=scale_dtype, keys=keys)
 
