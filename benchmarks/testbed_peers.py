@@ -1,6 +1,6 @@
 """End-to-end on the emulated cluster: commpress next to the peers users would pick.
 
-    python benchmarks/testbed_peers.py [--loss-steps 200] [--time-steps 8]
+    python benchmarks/testbed_peers.py [--loss-steps 150] [--time-steps 6]
         [--bandwidths 25mbit,50mbit,200mbit,1000mbit]
 
 2 nodes × 2 ranks, GPT of 2.7M parameters (gpt-3m), batch 8 × 128 tokens, seed 0.
@@ -64,8 +64,8 @@ def shaped_step_time(name: str, opts: dict, bandwidth: str, steps: int) -> float
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--loss-steps", type=int, default=200)
-    ap.add_argument("--time-steps", type=int, default=8)
+    ap.add_argument("--loss-steps", type=int, default=150)
+    ap.add_argument("--time-steps", type=int, default=6)
     ap.add_argument("--bandwidths", default="25mbit,50mbit,200mbit,1000mbit")
     ap.add_argument("--only", default=None, help="comma-separated config names")
     args = ap.parse_args()
