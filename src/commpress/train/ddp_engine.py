@@ -56,7 +56,17 @@ def install_hook(model: DDP, name: str, policy, group, topology: Topology) -> ob
         state = powerSGD_hook.PowerSGDState(process_group=group,
                                             matrix_approximation_rank=int(name.split(":")[1]),
                                             start_powerSGD_iter=2, random_seed=0)
-        model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+
+        def powersgd_in_order(state, bucket):
+            # PowerSGD chains all-reduces in future callbacks; on Gloo, callbacks of two
+            # buckets interleave differently on different ranks and the collectives
+            # mismatch ("Received data size doesn't match"). Finishing each bucket
+            # before the next keeps the order (and costs PowerSGD its overlap).
+            fut = powerSGD_hook.powerSGD_hook(state, bucket)
+            fut.wait()
+            return fut
+
+        model.register_comm_hook(state, powersgd_in_order)
         return state
     state, hook = ddp_hook(policy, group=group, topology=topology)
     model.register_comm_hook(state, hook)
