@@ -57,9 +57,13 @@ def shaped_step_time(name: str, opts: dict, bandwidth: str, steps: int) -> float
     cmd = [sys.executable, "-m", "commpress.cli", "testbed", "--nodes", "2", "--ranks-per-node",
            "2", "--bandwidth", bandwidth, "--", "train", *_flags(args), "--steps", str(steps),
            "--eval-every", "0", "--eval-batches", "1", "--out", out, "--no-progress"]
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-    with open(os.path.join(out, "summary.json")) as f:
-        return json.load(f)["step_time_s_median"]
+    for _attempt in range(2):  # one retry: a rank can die at exit without a result
+        proc = subprocess.run(cmd, stdout=subprocess.DEVNULL)
+        summary = os.path.join(out, "summary.json")
+        if proc.returncode == 0 and os.path.exists(summary):
+            with open(summary) as f:
+                return json.load(f)["step_time_s_median"]
+    return float("nan")
 
 
 def main() -> None:

@@ -280,12 +280,17 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         # under torchrun / SLURM: this process is one rank
         world = int(os.environ["WORLD_SIZE"])
         cfg = cfg.resolved(world)
-        if not dist.is_initialized():
+        owns_group = not dist.is_initialized()
+        if owns_group:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
             if backend == "nccl":
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
             dist.init_process_group(backend, timeout=timedelta(seconds=cfg.timeout_s))
-        return run_rank(dist.get_rank(), world, cfg.to_dict())
+        try:
+            return run_rank(dist.get_rank(), world, cfg.to_dict())
+        finally:
+            if owns_group:  # a clean shutdown: Gloo's threads must not outlive the process
+                dist.destroy_process_group()
     from commpress.launch import spawn
 
     cfg = cfg.resolved()
