@@ -29,3 +29,12 @@ def test_fsdp2_compressed_collectives_track_uncompressed_training():
     assert _close(comp[0]["losses"], plain[0]["losses"], 0.03)
     stats = comp[0]["stats"]
     assert stats["dp.param"]["calls"] > 0 and stats["dp.grad.intra"]["calls"] > 0
+
+
+def test_ddp_hook_with_error_feedback_survives_the_bucket_rebuild():
+    # DDP re-buckets after its first iteration: per-bucket residuals must follow sizes
+    policy = {"name": "ef", "dp": {"grad": {"intra": "int8",
+                                            "inter": {"codec": "int2", "error_feedback": True}}}}
+    ranks = spawn(workers.ddp_hook_training, 4, (policy, 4), ranks_per_node=2)
+    for step in range(4):
+        assert len({r["hashes"][step] for r in ranks}) == 1

@@ -12,7 +12,8 @@ backward keeps computing while a bucket is encoded and sent; DDP waits for the
 returned futures before the optimizer step. Blocking collectives release the GIL.
 
 Unlike PyTorch's PowerSGD state, :class:`DDPHookState` checkpoints: codec states
-(error-feedback residuals, stochastic-rounding counters) are keyed by bucket index.
+(error-feedback residuals, stochastic-rounding counters) are keyed by bucket index and
+size.
 """
 
 # No ``from __future__ import annotations``: DDP compares the hook's annotations with
@@ -69,26 +70,27 @@ class DDPHookState:
         self.group = group
         self.overlap = overlap
         self._thread: _CommThread | None = None
-        # internal state
-        self.codecs: dict[int, dict[str, Any]] = {}
-        self._pending_state: dict[int, dict[str, Any]] = {}
+        # internal state: codecs per bucket, keyed "index:numel" — DDP rebuilds its
+        # buckets after the first iteration, so an index alone may change size
+        self.codecs: dict[str, dict[str, Any]] = {}
+        self._pending_state: dict[str, dict[str, Any]] = {}
         # stats
         self.calls = 0
 
-    def codecs_for(self, bucket_index: int) -> dict[str, Any]:
-        if bucket_index not in self.codecs:
+    def codecs_for(self, bucket_key: str) -> dict[str, Any]:
+        if bucket_key not in self.codecs:
             p = self.policy
             if p.two_level():
                 codecs = {"intra": p.codec_for("dp", "grad", "intra"),
                           "inter": p.codec_for("dp", "grad", "inter")}
             else:
                 codecs = {"single": p.codec_for("dp", "grad")}
-            saved = self._pending_state.pop(bucket_index, None)
+            saved = self._pending_state.pop(bucket_key, None)
             if saved:
                 for k, c in codecs.items():
                     c.load_state_dict(saved[k])
-            self.codecs[bucket_index] = codecs
-        return self.codecs[bucket_index]
+            self.codecs[bucket_key] = codecs
+        return self.codecs[bucket_key]
 
     def state_dict(self) -> dict[str, Any]:
         return {"policy": self.policy.to_dict(), "calls": self.calls,
@@ -101,7 +103,7 @@ class DDPHookState:
                              f"this run's {self.policy.to_dict()!r}")
         self.calls = state["calls"]
         self.codecs = {}
-        self._pending_state = {int(i): cs for i, cs in state["codecs"].items()}
+        self._pending_state = dict(state["codecs"])
 
     def __getstate__(self) -> dict[str, Any]:
         d = dict(self.__dict__)
@@ -128,7 +130,7 @@ def compressed_allreduce_hook(state: DDPHookState,
     """
     tensor = bucket.buffer()
     group = state.group if state.group is not None else dist.group.WORLD
-    codecs = state.codecs_for(bucket.index())
+    codecs = state.codecs_for(f"{bucket.index()}:{tensor.numel()}")
     state.calls += 1
 
     def reduce() -> torch.Tensor:
