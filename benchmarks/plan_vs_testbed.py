@@ -6,7 +6,8 @@ Reads results/testbed_peers.json (from testbed_peers.py) and predicts the shaped
 time of every ZeRO and 3D configuration with the cost model: 2 nodes × 2 ranks, the
 link's bandwidth as the node's injection bandwidth, fp32 training, compute calibrated
 once per family from the uncompressed run without shaping (``sharded none`` for ZeRO,
-``3D dp2×tp2 none`` for 3D), codec time from the measured CPU codec throughputs.
+``3D dp2×tp2 none`` for 3D), codec time from the measured CPU codec throughputs,
+Gloo's reduce-scatter modeled as its all-reduce (``backend="gloo"``).
 Writes results/plan_vs_testbed.md.
 """
 
@@ -50,7 +51,7 @@ def main() -> None:
             inter = float(bw.removesuffix("mbit")) * 1e6 / 8 / 1e9
             c = ClusterSpec(gpus=4, gpus_per_node=2, intra_GBps=LOOPBACK_GBps, inter_GBps=inter,
                             tflops=tflops, mfu=1.0, intra_latency_us=50, inter_latency_us=200,
-                            device="cpu", codec_GBps=codec_tp)
+                            device="cpu", backend="gloo", codec_GBps=codec_tp)
             j = JobSpec(model=MODEL, dp=4 // tp, tp=tp, pp=1, micro_batch=8 // (4 // tp),
                         seq=128, global_batch=8, param_bytes=4, act_bytes=4)
             pred = plan_policy(c, j, Policy.preset(policy))["step_time_s"]

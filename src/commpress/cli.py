@@ -128,7 +128,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         tflops=args.tflops or gpu["tflops"], mfu=args.mfu,
         intra_latency_us=INTRA_LATENCY_US,
         inter_latency_us=args.latency if args.latency is not None else INTER_LATENCY_US,
-        device=args.device,
+        device=args.device, backend=args.backend,
         codec_GBps=load_codec_throughput(args.codec_throughput) if args.codec_throughput
         else {})
     job = JobSpec(model=model_from_arg(args.model), dp=dp, tp=tp, pp=pp,
@@ -190,6 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--mfu", type=float, default=0.4, help="fraction of peak achieved")
     pl.add_argument("--device", default="gpu", choices=["gpu", "cpu"],
                     help="which codec-throughput defaults apply")
+    pl.add_argument("--backend", default="nccl", choices=["nccl", "gloo"],
+                    help="collective library (gloo's reduce-scatter costs an all-reduce)")
     pl.add_argument("--intra-bw", type=float, default=None,
                     help="one GPU's bandwidth to its node peers, GB/s per direction "
                          "(default: the GPU's NVLink)")

@@ -11,7 +11,10 @@ Assumptions (also in BENCHMARKS.md and ``commpress plan --help``):
   bandwidth, all NICs); ``intra time = bytes per GPU / intra_bw``. A stage of a
   collective takes ``max(intra, inter)`` plus one latency per message.
 * Algorithms are the ones commpress runs: uncompressed (``none``) collectives are
-  NCCL-style rings; compressed reduce-scatter is one all-to-all (every rank sends a
+  NCCL-style rings (with ``backend="gloo"`` the uncompressed reduce-scatter costs a
+  ring all-reduce, two passes: what we measured on the testbed, where torch's Gloo
+  reduce-scatter took as long as its all-reduce); compressed reduce-scatter is one
+  all-to-all (every rank sends a
   chunk to every peer), compressed all-gather a ring of codes, the two-level
   reduce-scatter an intra-node all-to-all then an inter-node all-to-all, compressed
   all-reduce = all-to-all reduce-scatter + ring all-gather; pipeline transfers are
@@ -51,12 +54,16 @@ class ClusterSpec:
     intra_latency_us: float = 2.0
     inter_latency_us: float = 5.0
     device: str = "gpu"  # which codec throughput defaults apply: gpu | cpu
+    # nccl: ring reduce-scatter; gloo: its reduce-scatter costs an all-reduce
+    backend: str = "nccl"
     codec_GBps: dict[str, tuple[float, float]] = field(default_factory=dict)  # spec → enc, dec
 
     def __post_init__(self) -> None:
         if self.gpus < 1 or self.gpus_per_node < 1 or self.gpus % self.gpus_per_node:
             raise ValueError(f"--gpus {self.gpus} must be a positive multiple of "
                              f"--gpus-per-node {self.gpus_per_node}")
+        if self.backend not in ("nccl", "gloo"):
+            raise ValueError(f"--backend {self.backend!r} is not allowed; allowed: nccl, gloo")
         for name in ("intra_GBps", "inter_GBps", "tflops", "mfu"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)} is not allowed; allowed: > 0")
@@ -230,7 +237,8 @@ def plan_policy(c: ClusterSpec, j: JobSpec, policy: Policy) -> dict[str, Any]:
         if policy.two_level():  # one node or one rank per node: one level
             spec = policy.rule("dp", "grad", "intra" if j.dp == n_local else "inter").codec
         if spec == "none":
-            out["dp_grad_s"] = ring(j.dp, n_local, shard * j.grad_bytes, G).time(c)
+            passes = 2 if c.backend == "gloo" else 1
+            out["dp_grad_s"] = ring(j.dp, n_local, shard * j.grad_bytes, G, passes).time(c)
         else:
             out["dp_grad_s"] = all_to_all(j.dp, n_local, wire_bytes(spec, shard, 4), G).time(c)
             codec_s += codec_seconds(c, spec, p_local, p_local, 4)
