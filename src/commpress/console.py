@@ -10,6 +10,8 @@ from rich.console import Console
 
 @functools.cache
 def console(stderr: bool = False) -> Console:
+    # no fixed file: rich then writes to whatever sys.stdout/stderr is at print time
+    # (pytest and notebooks swap them)
     stream = sys.stderr if stderr else sys.stdout
     width = None if stream.isatty() else 160
-    return Console(file=stream, width=width)
+    return Console(stderr=stderr, width=width)

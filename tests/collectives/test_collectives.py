@@ -77,12 +77,11 @@ def test_mismatched_shapes_raise_on_every_rank_not_hang():
 @pytest.mark.parametrize("spec", ["topk:ratio=0.2", "zfp:rate=12"])
 def test_variable_rate_codecs_in_every_collective(spec):
     ranks = spawn(workers.variable_rate, 3, (spec,))
-    bound = {"topk:ratio=0.2": 0.95, "zfp:rate=12"[:3]: 0.02}
+    # top-20 % keeps most of the energy of Gaussian data; zfp at 12 bits is near-exact
+    limit = 0.95 if spec.startswith("topk") else 0.02
     for r in ranks:
-        limit = 0.95 if spec.startswith("topk") else 0.02
         assert max(r["ar"], r["rs"], r["ag"]) < limit, r
     assert len({r["digest"] for r in ranks}) == 1
-    del bound
 
 
 def test_async_handles_and_point_to_point():
