@@ -92,7 +92,8 @@ def _quantize_tile(y, base, k1, k2, TILE: tl.constexpr, BITS: tl.constexpr,
         up = (s16.to(tl.int16, bitcast=True) + 1).to(tl.float16, bitcast=True)
         scale = tl.where(s16.to(tl.float32) < scale, up, s16).to(tl.float32)
     scale = tl.where(absmax > 0, tl.maximum(scale, FLOOR), scale)
-    inv = tl.where(scale > 0, tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale), 0.0)
+    safe = tl.where(scale > 0, scale, 1.0)  # no 1/0 computed for all-zero groups
+    inv = tl.where(scale > 0, tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), safe), 0.0)
     v = g * inv[:, None]
     if STOCHASTIC:
         idx = (base + tl.arange(0, TILE)).to(tl.uint32)
