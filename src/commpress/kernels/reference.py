@@ -227,7 +227,16 @@ def dequantize(
     y = dequantize_rotated(codes, scales, bits=bits, group=group)
     if hadamard > 1:
         y = hadamard_transform(y, hadamard) * (1.0 / hadamard)
-    return y[:numel].to(out_dtype)
+    return saturate(y[:numel], out_dtype).to(out_dtype)
+
+
+def saturate(y: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """Clamp *finite* fp32 values to ``out_dtype``'s range: a value near fp16's 65504
+    plus quantization error must not become Inf; NaN and ±Inf pass unchanged."""
+    if out_dtype == torch.float32:
+        return y
+    top = torch.finfo(out_dtype).max
+    return torch.where(torch.isfinite(y), y.clamp(-top, top), y)
 
 
 def dequant_reduce_requant(

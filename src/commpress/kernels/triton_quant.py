@@ -147,7 +147,7 @@ def _quantize_kernel(x_ptr, codes_ptr, scales_ptr, numel, total, k1, k2,
 @triton.jit
 def _dequantize_kernel(codes_ptr, scales_ptr, out_ptr, numel, total,
                        BITS: tl.constexpr, GROUP: tl.constexpr, HAD: tl.constexpr,
-                       TILE: tl.constexpr, DOT_FP32: tl.constexpr):
+                       TILE: tl.constexpr, DOT_FP32: tl.constexpr, OUT_MAX: tl.constexpr):
     pid = tl.program_id(0)
     NBYTES: tl.constexpr = TILE * BITS // 8
     boffs = pid.to(tl.int64) * NBYTES + tl.arange(0, NBYTES)
@@ -158,6 +158,9 @@ def _dequantize_kernel(codes_ptr, scales_ptr, out_ptr, numel, total,
     if HAD > 1:
         y = _rotate(y, TILE, HAD, True) * (1.0 / HAD)
     offs = pid.to(tl.int64) * TILE + tl.arange(0, TILE)
+    if OUT_MAX > 0:  # saturate finite values to the output dtype (see reference.saturate)
+        finite = tl.abs(y) < float("inf")
+        y = tl.where(finite, tl.minimum(tl.maximum(y, -OUT_MAX), OUT_MAX), y)
     y = y.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
     tl.store(out_ptr + offs, y, mask=offs < numel)
 
@@ -247,6 +250,7 @@ def dequantize(
     _dequantize_kernel[(triton.cdiv(total, tile),)](
         codes, scales, out, numel, total,
         BITS=bits, GROUP=group, HAD=hadamard, TILE=tile, DOT_FP32=True,
+        OUT_MAX=0.0 if out.dtype == torch.float32 else torch.finfo(out.dtype).max,
     )
     return out
 

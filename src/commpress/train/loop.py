@@ -166,7 +166,9 @@ class _Run:
             checkpoint.write_latest(self.cfg.out, step)
 
     def load(self, path: str) -> None:
-        state = checkpoint.load(checkpoint.resolve(path, self.rank))
+        mine = checkpoint.resolve(path, self.rank)
+        # a rank beyond the saved world has no file: rank 0's names the saved world size
+        state = checkpoint.load(mine if os.path.exists(mine) else checkpoint.resolve(path, 0))
         if state["world"] != self.world:
             raise ValueError(f"checkpoint {path!r} was written by {state['world']} ranks; this "
                              f"run has {self.world}: resume with the same layout")
