@@ -8,7 +8,7 @@ import os
 from typing import Any
 
 from commpress.console import console
-from commpress.train.config import TrainConfig
+from commpress.train.config import TrainConfig, policy_slug
 from commpress.train.loop import train
 from commpress.train.report import compare_table, plot_compare
 
@@ -27,7 +27,7 @@ def compare(policies: list[str], base: TrainConfig, out_dir: str | None = None,
     summaries, histories = {}, {}
     for name in policies:
         console(stderr=True).print(f"[bold]policy {name}[/bold]")
-        cfg = dataclasses.replace(base, policy=name, out=os.path.join(out_dir, _slug(name)))
+        cfg = dataclasses.replace(base, policy=name, out=os.path.join(out_dir, policy_slug(name)))
         summaries[name] = train(cfg)
         histories[name] = read_history(summaries[name]["out"])
     console().print(compare_table(summaries))
@@ -40,7 +40,3 @@ def compare(policies: list[str], base: TrainConfig, out_dir: str | None = None,
         with open(json_path, "w") as f:
             json.dump(result, f, indent=1)
     return summaries
-
-
-def _slug(policy: str) -> str:
-    return os.path.splitext(os.path.basename(policy))[0]

@@ -97,14 +97,16 @@ class TrainConfig:
         if self.batch_size % (dp * micro):
             raise ValueError(f"batch_size={self.batch_size} is not divisible by dp × "
                              f"micro_batches = {dp} × {micro}")
-        out = self.out or f"runs/{_slug(self.policy)}-dp{dp}tp{self.tp}pp{self.pp}-s{self.seed}"
+        layout = f"dp{dp}tp{self.tp}pp{self.pp}"
+        out = self.out or f"runs/{policy_slug(self.policy)}-{layout}-s{self.seed}"
         return dataclasses.replace(self, dp=dp, nproc=world, micro_batches=micro, out=out)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
 
-def _slug(policy: str) -> str:
+def policy_slug(policy: str) -> str:
+    """A policy's name for paths: the preset name, or a policy file's stem."""
     return os.path.splitext(os.path.basename(policy))[0]
 
 
