@@ -101,6 +101,40 @@ def hierarchical(rank, world, ranks_per_node, numel):
             "err_generic": _rel(out_generic, exact)}
 
 
+def hierarchical_gather(rank, world, ranks_per_node, numel):
+    """Two-level all-gather: each shard decoded once from the same bytes everywhere."""
+    x = _data(rank, numel, torch.float32, seed=6)
+    commpress.reset_stats()
+    out = torch.empty(world * numel)
+    commpress.hierarchical_all_gather(out, x, "int4", topology=commpress.Topology(ranks_per_node),
+                                      label="g")
+    # what a flat compressed all-gather decodes from the same codes
+    flat = torch.empty(world * numel)
+    commpress.all_gather(flat, x, "int4", label="flat")
+    exact = torch.empty(world * numel)
+    all_gather_single(exact, x, None)
+    handle = commpress.hierarchical_all_gather(torch.empty(world * numel), x, "int4",
+                                               topology=commpress.Topology(ranks_per_node),
+                                               label="g_async", async_op=True)
+    return {"digest": _digest(out), "equal_flat": torch.equal(out, flat),
+            "err": _rel(out, exact), "stats": commpress.stats(),
+            "async_equal": torch.equal(handle.wait(), out)}
+
+
+def hierarchical_all_reduce(rank, world, ranks_per_node, numel, inter):
+    x = _data(rank, numel, torch.float32, seed=7)
+    exact = x.double().clone()
+    dist.all_reduce(exact)
+    commpress.reset_stats()
+    out = x.clone()
+    commpress.hierarchical_all_reduce(out, "none", inter,
+                                      topology=commpress.Topology(ranks_per_node), op="sum",
+                                      label="h")
+    c = commpress.codec(inter)
+    return {"digest": _digest(out), "err": _rel(out, exact), "stats": commpress.stats(),
+            "single": _rel(c.decode(c.encode(x)), x)}
+
+
 def mismatched_shapes(rank, world):
     x = torch.randn(100 + rank)  # every rank a different size
     try:

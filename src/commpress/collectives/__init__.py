@@ -4,7 +4,11 @@ from commpress.collectives.agreement import CollectiveMismatchError, check_agree
 from commpress.collectives.all_gather import all_gather
 from commpress.collectives.all_reduce import all_reduce
 from commpress.collectives.handle import Handle
-from commpress.collectives.hierarchical import hierarchical_reduce_scatter
+from commpress.collectives.hierarchical import (
+    hierarchical_all_gather,
+    hierarchical_all_reduce,
+    hierarchical_reduce_scatter,
+)
 from commpress.collectives.p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
 from commpress.collectives.reduce_scatter import reduce_scatter
 from commpress.collectives.stats import reset_stats, stats
@@ -19,6 +23,8 @@ __all__ = [
     "all_reduce",
     "batch_isend_irecv",
     "check_agreement",
+    "hierarchical_all_gather",
+    "hierarchical_all_reduce",
     "hierarchical_reduce_scatter",
     "irecv",
     "isend",

@@ -1,4 +1,12 @@
-"""Two-level compressed reduce-scatter: SDP4Bit's TLq-HS (Jia et al., NeurIPS 2024).
+"""Two-level collectives: data crosses the slow links between nodes once, compressed.
+
+:func:`hierarchical_reduce_scatter` is SDP4Bit's TLq-HS (Jia et al., NeurIPS 2024);
+:func:`hierarchical_all_gather` is its mirror image for the way back (as ZeRO++'s
+hierarchical partitioning keeps the second hop inside the node), and
+:func:`hierarchical_all_reduce` reduces inside the node, all-reduces the node sums
+across nodes, and shares the result inside the node.
+
+TLq-HS:
 
 Inside a node links are fast, across nodes slow, so the gradient crosses the slow
 links once, at 4 bits, after an 8-bit exchange inside the node:
@@ -18,6 +26,12 @@ falls back to a single level.
 
 Bytes this rank sends: ``(L − 1) · nodes · wire_intra(m)`` inside the node and
 ``(nodes − 1) · wire_inter(m)`` across nodes, for an output of ``m`` elements.
+
+The all-gather sends each shard (``m`` elements) across nodes once, encoded with the
+``inter`` codec, to the ranks with the same local index, then the decoded values
+inside the node: ``(nodes − 1) · wire_inter(m)`` across and ``(L − 1) · nodes ·
+wire_intra(m)`` inside. A flat ring all-gather over the same ranks pushes
+``(world − 1) · m`` elements through each node's link instead of ``(nodes − 1) · L · m``.
 """
 
 from __future__ import annotations
@@ -31,6 +45,8 @@ from commpress import kernels
 from commpress.codecs.quantize import _GroupQuantizer
 from commpress.collectives import chunks
 from commpress.collectives.agreement import check_agreement
+from commpress.collectives.all_gather import all_gather
+from commpress.collectives.all_reduce import all_reduce
 from commpress.collectives.comm import Exchange, check_op, check_sizes, describe, resolve_group
 from commpress.collectives.handle import Handle
 from commpress.collectives.reduce_scatter import (
@@ -46,7 +62,8 @@ from commpress.collectives.topology import Topology
 
 def _fusable(intra, inter) -> bool:
     return (isinstance(intra, _GroupQuantizer) and isinstance(inter, _GroupQuantizer)
-            and intra.hadamard == inter.hadamard)
+            and intra.hadamard == inter.hadamard
+            and getattr(intra, "packing", "bits") == getattr(inter, "packing", "bits") == "bits")
 
 
 def hierarchical_reduce_scatter(
@@ -169,3 +186,112 @@ def _decode_sum_rotated(received: torch.Tensor, codec, m_pad: int) -> torch.Tens
     if codec.hadamard:
         total = kernels.reference.hadamard_transform(total, codec.hadamard) / codec.hadamard
     return total
+
+
+def hierarchical_all_gather(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    inter="int4",
+    intra="none",
+    topology: Topology | None = None,
+    group: dist.ProcessGroup | None = None,
+    label: str | None = None,
+    async_op: bool = False,
+) -> torch.Tensor | Handle:
+    """Two-level all-gather of every rank's ``input`` into ``output`` (rank order).
+
+    Shards cross nodes encoded with ``inter`` among ranks of the same local index,
+    then the node shares what it decoded with ``intra`` (default exact: the values
+    were quantized once already, and a second quantization would add its error for
+    little gain on fast links). Every rank decodes the same bytes, so ``output`` is
+    bitwise identical everywhere. One node uses ``intra`` alone, one rank per node
+    ``inter`` alone. Stats go to ``label + ".inter"`` and ``label + ".intra"``.
+
+    Example::
+
+        commpress.hierarchical_all_gather(full, shard, "int4", label="dp.grad.gather")
+    """
+    group = resolve_group(group)
+    inter, intra = resolve_codec(inter), resolve_codec(intra)
+    check_float("input", input)
+    label = label or "hierarchical_all_gather"
+    levels = (topology or Topology()).resolve(group)
+    n = dist.get_world_size(group)
+    check_sizes("hierarchical_all_gather", output, input, n, "output", "input")
+    if levels.nodes == 1 or levels.ranks_per_node == 1:
+        one, level = (intra, "intra") if levels.nodes == 1 else (inter, "inter")
+        return all_gather(output, input, one, group=group, label=f"{label}.{level}",
+                          async_op=async_op)
+    L, nodes, m = levels.ranks_per_node, levels.nodes, input.numel()
+    across = torch.empty(nodes * m, dtype=input.dtype, device=input.device)
+    first = all_gather(across, input, inter, group=levels.inter, label=f"{label}.inter",
+                       async_op=True)
+
+    def finish() -> torch.Tensor:
+        first.wait()
+        local = torch.empty(L * nodes * m, dtype=input.dtype, device=input.device)
+        all_gather(local, across, intra, group=levels.intra, label=f"{label}.intra")
+        # local is (L, nodes, m): local rank l's row holds nodes' shards l; rank order
+        # is node-major
+        output.view(nodes, L, m).copy_(local.view(L, nodes, m).transpose(0, 1))
+        return output
+
+    handle = Handle(finish)
+    return handle if async_op else handle.wait()
+
+
+def hierarchical_all_reduce(
+    tensor: torch.Tensor,
+    intra="none",
+    inter="int4",
+    topology: Topology | None = None,
+    group: dist.ProcessGroup | None = None,
+    op: str = "avg",
+    label: str | None = None,
+    async_op: bool = False,
+) -> torch.Tensor | Handle:
+    """Two-level all-reduce of ``tensor`` in place; bitwise identical on every rank.
+
+    1. reduce-scatter inside the node with ``intra``: local rank ``l`` holds chunk ``l``
+       of the node's sum; 2. :func:`commpress.all_reduce` of that chunk across nodes
+       among ranks of the same local index, with ``inter`` (two nodes: one exchange,
+       each element quantized once); 3. exact all-gather inside the node.
+
+    Bytes across nodes, per node: ``2 · (nodes − 1) / nodes · wire_inter(numel)`` —
+    the node sends its sum once, not each rank its own gradient. One node uses
+    ``intra`` alone, one rank per node ``inter`` alone. Stats go to ``label + ".intra"``,
+    ``label + ".inter"`` and ``label + ".gather.intra"``.
+
+    Example::
+
+        commpress.hierarchical_all_reduce(grad, "none", "int4", label="dp.grad")
+    """
+    group = resolve_group(group)
+    intra, inter = resolve_codec(intra), resolve_codec(inter)
+    check_op(op)
+    check_float("tensor", tensor)
+    label = label or "hierarchical_all_reduce"
+    levels = (topology or Topology()).resolve(group)
+    if levels.nodes == 1 or levels.ranks_per_node == 1:
+        one, level = (intra, "intra") if levels.nodes == 1 else (inter, "inter")
+        return all_reduce(tensor, one, group=group, op=op, label=f"{label}.{level}",
+                          async_op=async_op)
+    n, L, numel = dist.get_world_size(group), levels.ranks_per_node, tensor.numel()
+    m = -(-numel // L)
+    padded = torch.zeros(L * m, dtype=tensor.dtype, device=tensor.device)
+    padded[:numel] = tensor.reshape(-1)
+    chunk = torch.empty(m, dtype=tensor.dtype, device=tensor.device)
+    first = reduce_scatter(chunk, padded, intra, group=levels.intra, op="sum",
+                           label=f"{label}.intra", async_op=True)
+
+    def finish() -> torch.Tensor:
+        first.wait()
+        all_reduce(chunk, inter, group=levels.inter, op="sum", label=f"{label}.inter")
+        if op == "avg":
+            chunk.div_(n)
+        all_gather(padded, chunk, "none", group=levels.intra, label=f"{label}.gather.intra")
+        tensor.view(-1).copy_(padded[:numel])
+        return tensor
+
+    handle = Handle(finish)
+    return handle if async_op else handle.wait()

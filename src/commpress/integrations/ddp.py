@@ -2,9 +2,11 @@
 
 ``model.register_comm_hook(*commpress.ddp_hook("hybrid"))`` replaces DDP's all-reduce
 with the policy's ``dp.grad`` codec: one-level :func:`commpress.all_reduce`, or — when
-the policy names ``intra``/``inter`` codecs and the topology has several nodes — a
-two-level reduce-scatter followed by an all-gather of the averaged shard with the
-``inter`` codec. Every rank decodes the same bytes, so replicas stay identical.
+the policy names ``intra``/``inter`` codecs and the topology has several nodes —
+:func:`commpress.hierarchical_all_reduce`: reduce-scatter inside the node with the
+``intra`` codec, all-reduce of the node sums across nodes with the ``inter`` codec,
+exact all-gather inside the node. Every rank decodes the same bytes, so replicas stay
+identical.
 
 With ``overlap=True`` (default) the compressed all-reduce of each bucket runs on one
 communication thread, in the order DDP hands buckets over (the same on every rank), so
@@ -26,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from commpress.collectives import all_gather, all_reduce, hierarchical_reduce_scatter
+from commpress.collectives import all_reduce, hierarchical_all_reduce
 from commpress.collectives.topology import Topology
 from commpress.policy import Policy
 
@@ -126,7 +128,8 @@ def compressed_allreduce_hook(state: DDPHookState,
                               bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average ``bucket``'s gradients over the group with the policy's ``dp.grad`` codecs.
 
-    Sends about ``2 · numel · bits / 8`` bytes per rank (reduce-scatter + all-gather).
+    Sends about ``2 · numel · bits / 8`` bytes per rank (reduce-scatter + all-gather);
+    two-level, ``2 · (nodes − 1) / nodes · numel · bits_inter / 8`` per node cross nodes.
     """
     tensor = bucket.buffer()
     group = state.group if state.group is not None else dist.group.WORLD
@@ -137,23 +140,12 @@ def compressed_allreduce_hook(state: DDPHookState,
         if "single" in codecs:
             all_reduce(tensor, codecs["single"], group=group, op="avg", label=state.label)
         else:
-            _two_level_all_reduce(tensor, codecs, group, state)
+            hierarchical_all_reduce(tensor, codecs["intra"], codecs["inter"],
+                                    topology=state.topology, group=group, op="avg",
+                                    label=state.label)
         return tensor
 
     return state.run(reduce)
-
-
-def _two_level_all_reduce(tensor: torch.Tensor, codecs: dict, group, state: DDPHookState) -> None:
-    n = dist.get_world_size(group)
-    m = -(-tensor.numel() // n)
-    padded = torch.zeros(n * m, dtype=tensor.dtype, device=tensor.device)
-    padded[: tensor.numel()] = tensor.view(-1)
-    shard = torch.empty(m, dtype=tensor.dtype, device=tensor.device)
-    hierarchical_reduce_scatter(shard, padded, codecs["intra"], codecs["inter"],
-                                topology=state.topology, group=group, op="avg",
-                                label=state.label)
-    all_gather(padded, shard, codecs["inter"], group=group, label=f"{state.label}.gather")
-    tensor.view(-1).copy_(padded[: tensor.numel()])
 
 
 def ddp_hook(policy: str | dict | Policy = "none", group: dist.ProcessGroup | None = None,

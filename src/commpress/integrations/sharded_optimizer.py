@@ -35,8 +35,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from commpress.collectives import all_gather, hierarchical_reduce_scatter, reduce_scatter
+from commpress.collectives import (
+    all_gather,
+    hierarchical_all_gather,
+    hierarchical_reduce_scatter,
+    reduce_scatter,
+)
 from commpress.collectives.handle import Handle, completed
+from commpress.collectives.reduce_scatter import is_exact
 from commpress.collectives.topology import Topology
 from commpress.policy import Policy
 
@@ -307,6 +313,16 @@ class ShardedOptimizer:
         value = sumsq.item()
         return math.sqrt(value) if value >= 0 else float("nan")
 
+    def _all_gather_params(self, out: torch.Tensor, shard: torch.Tensor, codec) -> None:
+        # With several nodes, a compressed shard crosses the slow link once and is
+        # shared decoded inside the node; uncompressed stays torch's own all-gather.
+        levels = self.topology.resolve(self.group)
+        if levels.nodes > 1 and levels.ranks_per_node > 1 and not is_exact(codec):
+            hierarchical_all_gather(out, shard, codec, topology=self.topology,
+                                    group=self.group, label="dp.param")
+        else:
+            all_gather(out, shard, codec, group=self.group, label="dp.param")
+
     def _gather_params(self) -> None:
         for b in self.buckets:
             sl = self._shard(b)
@@ -317,11 +333,10 @@ class ShardedOptimizer:
                 # qWD: every rank, the owner too, applies the decoded difference
                 diff = new.float() - b.param_buffer[sl].float()
                 full = torch.empty(b.numel, dtype=torch.float32, device=diff.device)
-                all_gather(full, diff, b.param_codec, group=self.group, label="dp.param")
+                self._all_gather_params(full, diff, b.param_codec)
                 b.param_buffer.copy_((b.param_buffer.float() + full).to(b.dtype))
             else:
-                all_gather(b.param_buffer, new, b.param_codec, group=self.group,
-                           label="dp.param")
+                self._all_gather_params(b.param_buffer, new, b.param_codec)
 
     def _zero_grad_buffers(self) -> None:
         for b in self.buckets:

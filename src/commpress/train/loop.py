@@ -47,8 +47,10 @@ from commpress.train.ddp_engine import DDPEngine
 
 log = logging.getLogger(__name__)
 
-AXIS_LABELS = ("dp.grad", "dp.grad.intra", "dp.grad.inter", "dp.grad.gather", "dp.param",
-               "tp.act", "tp.act_grad", "pp.act", "pp.act_grad")
+# one-level collectives report under the axis label, two-level ones under label.intra/.inter
+AXIS_LABELS = ("dp.grad", "dp.grad.intra", "dp.grad.inter", "dp.grad.gather",
+               "dp.grad.gather.intra", "dp.grad.gather.inter", "dp.param", "dp.param.intra",
+               "dp.param.inter", "tp.act", "tp.act_grad", "pp.act", "pp.act_grad")
 COUNTERS = ("wire_bytes", "raw_bytes", "elements")
 
 
