@@ -11,13 +11,15 @@ from commpress.codecs import codec, list_codecs, packet_to_bytes
 
 CPU_CODECS = [n for n in list_codecs() if n != "nvcomp"]  # nvcomp needs CUDA (tests/gpu)
 SPECS = CPU_CODECS + ["int4:hadamard=128", "int8:group=64,rounding=stochastic,seed=5",
-                      "int4:group=32,hadamard=64,scale_dtype=fp16"]
+                      "int4:group=32,hadamard=64,scale_dtype=fp16",
+                      "int2:packing=trits,group=64,scale_dtype=fp16"]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 # Relative L2 error bounds on Gaussian data, loose enough for every dtype: the codec's
-# own error (int4 group 128 ≈ 0.12, int2 ternary ≈ 0.76, top-1% ≈ 0.99).
+# own error (int4 group 128 ≈ 0.12, int2 ternary ≈ 0.76, sign ≈ 0.60, nf2 ≈ 0.34,
+# top-1% ≈ 0.99).
 MAX_REL_ERR = {"none": 0.0, "bf16": 0.01, "fp16": 0.01, "fp8": 0.05, "int8": 0.02,
-               "int4": 0.2, "int2": 0.85, "topk": 1.0, "zfp": 0.1}
+               "int4": 0.2, "int2": 0.85, "sign": 0.65, "nf2": 0.4, "topk": 1.0, "zfp": 0.1}
 
 
 def test_every_codec_is_in_the_matrix():
@@ -129,6 +131,8 @@ def test_spec_string_dict_and_kwargs_agree():
         ("int4:rounding=up", "rounding='up' is not allowed; allowed: nearest, stochastic"),
         ("int4:scale_dtype=bf16", "allowed: fp32, fp16"),
         ("topk:ratio=0", "ratio=0.0 is not allowed"),
+        ("int2:packing=nibbles", "packing='nibbles' is not allowed; allowed: bits, trits"),
+        ("sign:group=12", "group=12 is not allowed; allowed: a positive multiple of 8"),
         ("zfp:rate=0.5", "rate=0.5 is not allowed"),
         ("int4:group", "is not of the form key=value"),
         ("nvcomp:algorithm=zstd", "allowed: ans, bitcomp, gdeflate"),

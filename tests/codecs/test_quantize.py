@@ -147,3 +147,17 @@ def test_delta_reconstructs_the_reference_plus_difference():
     # quantizing the small difference is far more accurate than quantizing the weights
     assert (out.float() - new.float()).norm() < 0.05 * w_err
     assert diff_err < 0.5
+
+
+@pytest.mark.parametrize("opts", ["", ",hadamard=128", ",rounding=stochastic,seed=3",
+                                  ",group=100,scale_dtype=fp16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_int2_trit_packing_decodes_the_same_values_in_fewer_bytes(opts, dtype):
+    x = torch.randn(5000).to(dtype)
+    x[17] = float("nan")
+    bits, trits = codec("int2" + opts.replace(",", ":", 1)), codec("int2:packing=trits" + opts)
+    a, b = bits.decode(bits.encode(x)), trits.decode(trits.encode(x))
+    assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+    group = bits.group
+    assert trits.wire_bytes(x.numel()) == (
+        -(-x.numel() // group) * (-(-group // 5) + bits.torch_scale_dtype.itemsize))

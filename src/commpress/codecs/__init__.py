@@ -3,7 +3,7 @@
 Importing this package registers every built-in codec; :func:`list_codecs` lists them.
 """
 
-from commpress.codecs import cast, nvcomp, quantize, topk, zfp  # noqa: F401  (register)
+from commpress.codecs import cast, nvcomp, quantize, sign, topk, zfp  # noqa: F401  (register)
 from commpress.codecs.base import (
     Codec,
     Packet,

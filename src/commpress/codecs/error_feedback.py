@@ -11,6 +11,7 @@ kept: a NaN/Inf step must not poison every later step through the memory.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -62,20 +63,17 @@ class ErrorFeedback:
 
     def encode(self, x: torch.Tensor, *, key: str = "default", stream: int = 0) -> Packet:
         """Encode ``x + residual[key]`` and update the residual."""
-        compensated = x.float()
         old = self.residuals.get(key)
-        if old is not None:
-            if old.shape != x.shape:
-                raise ValueError(f"ErrorFeedback key {key!r}: shape {tuple(x.shape)} differs "
-                                 f"from the residual's {tuple(old.shape)}")
-            compensated = compensated + old
+        if old is not None and old.shape != x.shape:
+            raise ValueError(f"ErrorFeedback key {key!r}: shape {tuple(x.shape)} differs "
+                             f"from the residual's {tuple(old.shape)}")
+        compensated = x.float() + old if old is not None else x.float().clone()
         # the cast to x's dtype is part of what is lost: the residual includes it
         packet = self.codec.encode(compensated.to(x.dtype), stream=stream)
-        new = compensated - self.codec.decode(packet).float()
-        if old is not None:
-            new = torch.where(torch.isfinite(new), new, old)
-        else:
-            new = torch.where(torch.isfinite(new), new, 0.0)
+        new = compensated.sub_(self.codec.decode(packet).float())  # in place: one pass
+        # a sum is finite iff every term is (or it overflowed: then the exact check runs)
+        if not math.isfinite(new.sum().item()):  # rare: keep the old memory there
+            new = torch.where(torch.isfinite(new), new, old if old is not None else 0.0)
         self.residuals[key] = new
         return packet
 

@@ -117,10 +117,66 @@ class Int4(_GroupQuantizer):
 @register_codec
 @dataclass
 class Int2(_GroupQuantizer):
-    """2-bit symmetric group quantization (ternary codes -1, 0, 1; four per byte)."""
+    """2-bit symmetric group quantization: ternary codes -1, 0, 1.
+
+    ``packing="bits"`` stores four codes per byte (2 bits each, one value unused);
+    ``packing="trits"`` five per byte (3⁵ = 243 ≤ 256), ``ceil(group / 5)`` bytes per
+    group: 1.625 bits per element at group 128, 22 % fewer bytes for the same values.
+    """
 
     name: ClassVar[str] = "int2"
     bits: ClassVar[int] = 2
+    packing: Literal["bits", "trits"] = "bits"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.packing not in ("bits", "trits"):
+            raise option_error(self.name, "packing", self.packing, "allowed: bits, trits")
+
+    def encode(self, x: torch.Tensor, *, stream: int = 0) -> Packet:
+        packet = super().encode(x, stream=stream)
+        if self.packing == "bits":
+            return packet
+        codes, scales = packet.tensors
+        trits = _pack_trits(kernels.reference.unpack_codes(codes, 2) - 1, self.group)
+        return Packet((trits, scales), packet.numel, packet.shape, packet.dtype)
+
+    def decode(self, packet: Packet, out: torch.Tensor | None = None) -> torch.Tensor:
+        if self.packing == "trits":
+            trits, scales = packet.tensors
+            codes = kernels.reference.pack_codes(_unpack_trits(trits, self.group) + 1, 2)
+            packet = Packet((codes, scales), packet.numel, packet.shape, packet.dtype)
+        return super().decode(packet, out)
+
+    def packet_layout(self, numel: int, dtype: torch.dtype) -> list[tuple[torch.dtype, int]]:
+        layout = super().packet_layout(numel, dtype)
+        if self.packing == "bits":
+            return layout
+        groups = layout[1][1]
+        return [(torch.uint8, groups * _trit_bytes(self.group)), layout[1]]
+
+
+_TRIT_POWERS = (1, 3, 9, 27, 81)
+
+
+def _trit_bytes(group: int) -> int:
+    return -(-group // 5)
+
+
+def _pack_trits(u: torch.Tensor, group: int) -> torch.Tensor:
+    """Codes 0..2, whole groups → five per byte, each group padded to 5 with zeros."""
+    g = u.view(-1, group).to(torch.uint8)
+    width = 5 * _trit_bytes(group)
+    if width != group:
+        g = torch.nn.functional.pad(g, (0, width - group))
+    powers = torch.tensor(_TRIT_POWERS, dtype=torch.uint8, device=u.device)
+    return (g.view(-1, 5) * powers).sum(dim=1, dtype=torch.uint8)
+
+
+def _unpack_trits(packed: torch.Tensor, group: int) -> torch.Tensor:
+    powers = torch.tensor(_TRIT_POWERS, dtype=torch.int32, device=packed.device)
+    digits = (packed.to(torch.int32).view(-1, 1) // powers) % 3
+    return digits.view(-1, 5 * _trit_bytes(group))[:, :group].reshape(-1)
 
 
 @register_codec
