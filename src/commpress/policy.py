@@ -232,6 +232,10 @@ def _rule(policy: str, key: str, value: Any) -> Rule:
 _TLQHS = {"intra": "int8:hadamard=128", "inter": "int4:hadamard=128"}
 _TLQ = {"intra": "int8", "inter": "int4"}
 _QWD = {"codec": "int4:group=2048", "delta": True}
+# For DDP on slow links: exact inside the node; across nodes absmax ternary codes
+# packed five per byte (1.75 bits with fp16 scales), error feedback sends what they drop.
+_INT2EF = {"intra": "none",
+           "inter": {"codec": "int2:packing=trits,scale_dtype=fp16", "error_feedback": True}}
 PRESETS: dict[str, dict[str, Any]] = {
     "none": {},
     "naive": {"dp": {"grad": "int4", "param": "int4"},
@@ -247,6 +251,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "qwd": {"dp": {"param": _QWD}},
     "tlq": {"dp": {"grad": _TLQ}},
     "tlqhs": {"dp": {"grad": _TLQHS}},
+    "int2ef": {"dp": {"grad": _INT2EF}},
 }
 
 

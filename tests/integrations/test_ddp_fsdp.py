@@ -22,6 +22,23 @@ def test_ddp_hook_tracks_uncompressed_training():
         assert len({r["hashes"][step] for r in hybrid}) == 1
 
 
+def test_ddp_hook_int2ef_pipelined_equals_in_order_and_tracks_uncompressed():
+    steps = 8
+    piped = spawn(workers.ddp_hook_training, 4, ("int2ef", steps), ranks_per_node=2)
+    in_order = spawn(workers.ddp_hook_training, 4, ("int2ef", steps, False), ranks_per_node=2)
+    plain = spawn(workers.ddp_hook_training, 4, (None, steps), ranks_per_node=2)
+    # the communication thread reorders collectives across buckets, never the values
+    assert [r["hashes"] for r in piped] == [r["hashes"] for r in in_order]
+    for step in range(steps):
+        assert len({r["hashes"][step] for r in piped}) == 1
+    # error feedback sends the ~85 % of elements that round to zero steps later, so the
+    # first steps lag (by ~10 % here at lr 3e-3 without warm-up; in 150-step runs the
+    # final loss matches, BENCHMARKS.md) — but it trains
+    losses = piped[0]["losses"]
+    assert losses[-1] < losses[0] - 0.8
+    assert _close(losses, plain[0]["losses"], 0.12)
+
+
 def test_fsdp2_compressed_collectives_track_uncompressed_training():
     steps = 6
     plain = spawn(workers.fsdp_training, 2, (None, steps))

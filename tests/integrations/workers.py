@@ -116,13 +116,13 @@ def resume_run(rank, world, total, split, ckpt_dir):
     return train_steps(model, opt, data, rank, world, split, total - split)
 
 
-def ddp_hook_training(rank, world, policy, steps):
+def ddp_hook_training(rank, world, policy, steps, overlap=True):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     data = _data()
     model = DDP(_model(), bucket_cap_mb=0.1)
     if policy is not None:
-        model.register_comm_hook(*commpress.ddp_hook(policy))
+        model.register_comm_hook(*commpress.ddp_hook(policy, overlap=overlap))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     hashes = []
     losses = train_steps(model.module if False else model, opt, data, rank, world, 0, steps,

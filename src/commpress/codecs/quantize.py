@@ -134,19 +134,26 @@ class Int2(_GroupQuantizer):
             raise option_error(self.name, "packing", self.packing, "allowed: bits, trits")
 
     def encode(self, x: torch.Tensor, *, stream: int = 0) -> Packet:
-        packet = super().encode(x, stream=stream)
         if self.packing == "bits":
-            return packet
-        codes, scales = packet.tensors
-        trits = _pack_trits(kernels.reference.unpack_codes(codes, 2) - 1, self.group)
-        return Packet((trits, scales), packet.numel, packet.shape, packet.dtype)
+            return super().encode(x, stream=stream)
+        self.check_input(x)
+        ref = kernels.reference
+        y = ref.pad_and_rotate(x, bits=2, group=self.group, hadamard=self.hadamard)
+        u, scales = ref.quantize_levels(y, bits=2, group=self.group,
+                                        scale_dtype=self.torch_scale_dtype,
+                                        keys=self.next_keys(stream))
+        trits = _pack_trits(u - 1, self.group)  # offset codes 1..3 → trits 0..2
+        return Packet((trits, scales), x.numel(), tuple(x.shape), x.dtype)
 
     def decode(self, packet: Packet, out: torch.Tensor | None = None) -> torch.Tensor:
-        if self.packing == "trits":
-            trits, scales = packet.tensors
-            codes = kernels.reference.pack_codes(_unpack_trits(trits, self.group) + 1, 2)
-            packet = Packet((codes, scales), packet.numel, packet.shape, packet.dtype)
-        return super().decode(packet, out)
+        if self.packing == "bits":
+            return super().decode(packet, out)
+        trits, scales = packet.tensors
+        q = _unpack_trits(trits, self.group).view(-1, self.group)
+        y = (q * scales.float().view(-1, 1)).view(-1)
+        flat = kernels.reference.unrotate(y, packet.numel, hadamard=self.hadamard,
+                                          out_dtype=packet.dtype)
+        return finish_decode(flat, packet, out)
 
     def packet_layout(self, numel: int, dtype: torch.dtype) -> list[tuple[torch.dtype, int]]:
         layout = super().packet_layout(numel, dtype)
@@ -157,6 +164,9 @@ class Int2(_GroupQuantizer):
 
 
 _TRIT_POWERS = (1, 3, 9, 27, 81)
+# byte → its five ternary values -1, 0, 1 (bytes 243..255 never occur)
+_TRIT_VALUES = torch.tensor([[(b // p) % 3 - 1 for p in _TRIT_POWERS] for b in range(256)],
+                            dtype=torch.float32)
 
 
 def _trit_bytes(group: int) -> int:
@@ -164,7 +174,7 @@ def _trit_bytes(group: int) -> int:
 
 
 def _pack_trits(u: torch.Tensor, group: int) -> torch.Tensor:
-    """Codes 0..2, whole groups → five per byte, each group padded to 5 with zeros."""
+    """Codes 0..2 (float), whole groups → five per byte, each group padded to 5."""
     g = u.view(-1, group).to(torch.uint8)
     width = 5 * _trit_bytes(group)
     if width != group:
@@ -174,9 +184,9 @@ def _pack_trits(u: torch.Tensor, group: int) -> torch.Tensor:
 
 
 def _unpack_trits(packed: torch.Tensor, group: int) -> torch.Tensor:
-    powers = torch.tensor(_TRIT_POWERS, dtype=torch.int32, device=packed.device)
-    digits = (packed.to(torch.int32).view(-1, 1) // powers) % 3
-    return digits.view(-1, 5 * _trit_bytes(group))[:, :group].reshape(-1)
+    """Packed bytes → flat fp32 values -1, 0, 1 of whole groups."""
+    values = _TRIT_VALUES.to(packed.device)[packed.long()]
+    return values.view(-1, 5 * _trit_bytes(group))[:, :group].reshape(-1)
 
 
 @register_codec

@@ -10,8 +10,9 @@ identical.
 
 With ``overlap=True`` (default) the compressed all-reduce of each bucket runs on one
 communication thread, in the order DDP hands buckets over (the same on every rank), so
-backward keeps computing while a bucket is encoded and sent; DDP waits for the
-returned futures before the optimizer step. Blocking collectives release the GIL.
+backward keeps computing while a bucket is encoded and sent, and the next bucket is
+encoded while the previous one is on the wire; DDP waits for the returned futures
+before the optimizer step. Blocking collectives release the GIL.
 
 Unlike PyTorch's PowerSGD state, :class:`DDPHookState` checkpoints: codec states
 (error-feedback residuals, stochastic-rounding counters) are keyed by bucket index and
@@ -34,25 +35,51 @@ from commpress.policy import Policy
 
 
 class _CommThread:
-    """One daemon thread running submitted functions in order; results via futures."""
+    """One daemon thread running each bucket's collective in DDP's bucket order.
+
+    A job is split in two: ``start`` (reduce inside the node, encode, start the slow
+    transfer) returns ``finish`` (wait, decode, share inside the node). Bucket ``k``
+    finishes after bucket ``k + 1`` has started — or at once if it is the last — so
+    the slow link carries one bucket while the next is encoded. The schedule depends
+    only on the bucket order, which is the same on every rank: all ranks issue their
+    collectives in the same order.
+    """
 
     def __init__(self) -> None:
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="commpress-ddp", daemon=True)
         self._thread.start()
 
-    def submit(self, fn: Callable[[], torch.Tensor]) -> torch.futures.Future:
+    def submit(self, start: Callable[[], Callable[[], torch.Tensor]],
+               last: bool) -> torch.futures.Future:
         fut: torch.futures.Future = torch.futures.Future()
-        self._queue.put((fn, fut))
+        self._queue.put((start, last, fut))
         return fut
 
+    @staticmethod
+    def _finish(finish: Callable[[], torch.Tensor], fut: torch.futures.Future) -> None:
+        try:
+            fut.set_result(finish())
+        except BaseException as e:  # noqa: BLE001 - delivered to the waiting rank
+            fut.set_exception(e)
+
     def _loop(self) -> None:
+        pending = None  # (finish, future) of the previous bucket
         while True:
-            fn, fut = self._queue.get()
+            start, last, fut = self._queue.get()
+            finish = None
             try:
-                fut.set_result(fn())
+                finish = start()
             except BaseException as e:  # noqa: BLE001 - delivered to the waiting rank
                 fut.set_exception(e)
+            if pending is not None:
+                self._finish(*pending)
+                pending = None
+            if finish is not None:
+                if last:
+                    self._finish(finish, fut)
+                else:
+                    pending = (finish, fut)
 
 
 class DDPHookState:
@@ -113,14 +140,16 @@ class DDPHookState:
         d["_thread"] = None
         return d
 
-    def run(self, fn: Callable[[], torch.Tensor]) -> torch.futures.Future:
-        """Run ``fn`` on the communication thread (overlap) or now; a future either way."""
+    def run(self, start: Callable[[], Callable[[], torch.Tensor]],
+            last: bool) -> torch.futures.Future:
+        """Run ``start()`` and the ``finish()`` it returns on the communication thread
+        (overlap) or now; a future either way."""
         if self.overlap:
             if self._thread is None:
                 self._thread = _CommThread()
-            return self._thread.submit(fn)
+            return self._thread.submit(start, last)
         fut: torch.futures.Future = torch.futures.Future()
-        fut.set_result(fn())
+        fut.set_result(start()())
         return fut
 
 
@@ -136,16 +165,17 @@ def compressed_allreduce_hook(state: DDPHookState,
     codecs = state.codecs_for(f"{bucket.index()}:{tensor.numel()}")
     state.calls += 1
 
-    def reduce() -> torch.Tensor:
+    def start() -> Callable[[], torch.Tensor]:
         if "single" in codecs:
-            all_reduce(tensor, codecs["single"], group=group, op="avg", label=state.label)
+            handle = all_reduce(tensor, codecs["single"], group=group, op="avg",
+                                label=state.label, async_op=True)
         else:
-            hierarchical_all_reduce(tensor, codecs["intra"], codecs["inter"],
-                                    topology=state.topology, group=group, op="avg",
-                                    label=state.label)
-        return tensor
+            handle = hierarchical_all_reduce(tensor, codecs["intra"], codecs["inter"],
+                                             topology=state.topology, group=group, op="avg",
+                                             label=state.label, async_op=True)
+        return handle.wait
 
-    return state.run(reduce)
+    return state.run(start, bucket.is_last())
 
 
 def ddp_hook(policy: str | dict | Policy = "none", group: dist.ProcessGroup | None = None,

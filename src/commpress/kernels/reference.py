@@ -150,6 +150,20 @@ def quantize_rotated(
     Returns ``(codes, scales)``: packed uint8 codes and one scale per group.
     ``keys`` selects stochastic rounding (None: nearest).
     """
+    u, scales = quantize_levels(y, bits=bits, group=group, scale_dtype=scale_dtype, keys=keys)
+    return pack_codes(u, bits), scales
+
+
+def quantize_levels(
+    y: torch.Tensor,
+    *,
+    bits: int,
+    group: int,
+    scale_dtype: torch.dtype,
+    keys: tuple[int, int] | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_rotated` before packing: offset-binary codes ``q + 2**(bits-1)``
+    as a flat float tensor, and the scales."""
     qmax = qmax_for_bits(bits)
     g = y.view(-1, group)
     # amax propagates NaN and Inf: a group is finite exactly when its absmax is
@@ -176,7 +190,7 @@ def quantize_rotated(
     q = v.floor_().clamp_(-qmax, qmax).nan_to_num_(0.0)
     q += 1 << (bits - 1)
     scale = torch.where(finite, scale, float("nan"))
-    return pack_codes(q.view(-1), bits), scale.view(-1).to(scale_dtype)
+    return q.view(-1), scale.view(-1).to(scale_dtype)
 
 
 def dequantize_rotated(
@@ -201,6 +215,12 @@ def quantize(
     Returns ``(codes, scales)`` with ``padded_numel(...) * bits / 8`` bytes of codes
     and ``padded_numel(...) / group`` scales.
     """
+    y = pad_and_rotate(x, bits=bits, group=group, hadamard=hadamard)
+    return quantize_rotated(y, bits=bits, group=group, scale_dtype=scale_dtype, keys=keys)
+
+
+def pad_and_rotate(x: torch.Tensor, *, bits: int, group: int, hadamard: int) -> torch.Tensor:
+    """Flat fp32 copy of ``x`` padded to whole groups (and blocks), rotated if asked."""
     flat = x.reshape(-1)
     n = flat.numel()
     total = padded_numel(n, bits, group, hadamard)
@@ -209,8 +229,7 @@ def quantize(
     else:
         y = torch.zeros(total, dtype=torch.float32, device=x.device)
         y[:n] = flat
-    y = hadamard_transform(y, hadamard)
-    return quantize_rotated(y, bits=bits, group=group, scale_dtype=scale_dtype, keys=keys)
+    return hadamard_transform(y, hadamard)
 
 
 def dequantize(
@@ -225,6 +244,12 @@ def dequantize(
 ) -> torch.Tensor:
     """Decode to a flat tensor of ``numel`` elements of ``out_dtype``."""
     y = dequantize_rotated(codes, scales, bits=bits, group=group)
+    return unrotate(y, numel, hadamard=hadamard, out_dtype=out_dtype)
+
+
+def unrotate(y: torch.Tensor, numel: int, *, hadamard: int,
+             out_dtype: torch.dtype) -> torch.Tensor:
+    """Decoded fp32 values in the rotated domain → ``numel`` values of ``out_dtype``."""
     if hadamard > 1:
         y = hadamard_transform(y, hadamard) * (1.0 / hadamard)
     return saturate(y[:numel], out_dtype).to(out_dtype)
