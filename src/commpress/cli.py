@@ -128,7 +128,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         tflops=args.tflops or gpu["tflops"], mfu=args.mfu,
         intra_latency_us=INTRA_LATENCY_US,
         inter_latency_us=args.latency if args.latency is not None else INTER_LATENCY_US,
-        device=args.device, backend=args.backend,
+        device=args.device, backend=args.backend, link_efficiency=args.link_efficiency,
         codec_GBps=load_codec_throughput(args.codec_throughput) if args.codec_throughput
         else {})
     job = JobSpec(model=model_from_arg(args.model), dp=dp, tp=tp, pp=pp,
@@ -151,7 +151,8 @@ def _cmd_testbed(args: argparse.Namespace) -> int:
     from commpress.testbed import run_on_testbed
 
     command = args.command_args[1:] if args.command_args[:1] == ["--"] else args.command_args
-    return run_on_testbed(args.nodes, args.ranks_per_node, command, args.bandwidth, args.latency)
+    return run_on_testbed(args.nodes, args.ranks_per_node, command, args.bandwidth, args.latency,
+                          link_stats=args.link_stats)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -179,7 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--dp", type=int, default=None, help="default: gpus / (tp · pp)")
     pl.add_argument("--tp", type=int, default=1)
     pl.add_argument("--pp", type=int, default=1)
-    pl.add_argument("--zero-stage", type=int, default=1, choices=[1, 2, 3])
+    pl.add_argument("--zero-stage", type=int, default=1, choices=[0, 1, 2, 3],
+                    help="0: plain data parallel (DDP, commpress.ddp_hook); 1-3: ZeRO")
     pl.add_argument("--micro-batch", type=int, default=1)
     pl.add_argument("--seq", type=int, default=2048)
     pl.add_argument("--global-batch", type=int, default=256)
@@ -198,7 +200,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--inter-bw", type=float, default=25.0,
                     help="a node's total injection bandwidth, GB/s per direction")
     pl.add_argument("--latency", type=float, default=None, help="network latency, µs")
-    pl.add_argument("--overlap", default="none", choices=["none", "dp"])
+    pl.add_argument("--overlap", default="none", choices=["none", "dp"],
+                    help="dp: gradient reduction hidden behind backward (default: none)")
+    pl.add_argument("--link-efficiency", type=float, default=1.0,
+                    help="payload share of the inter-node link rate (TCP/Ethernet ≈ 0.94)")
     pl.add_argument("--policy", action="append", default=[],
                     help="policies to compare (repeat or comma-separate); none is always "
                          "computed")
@@ -213,6 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
     tb.add_argument("--ranks-per-node", type=int, default=2)
     tb.add_argument("--bandwidth", default="50mbit", help="per node and direction, e.g. 50mbit")
     tb.add_argument("--latency", default=None, help="added one-way delay, e.g. 1ms")
+    tb.add_argument("--link-stats", default=None, metavar="PATH",
+                    help="write the bytes each node sent and received to this JSON file")
     tb.add_argument("command_args", nargs=argparse.REMAINDER,
                     help="-- train … or -- compare … (the ranks come from the testbed)")
     tb.set_defaults(fn=_cmd_testbed)

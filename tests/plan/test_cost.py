@@ -7,6 +7,7 @@ from commpress.plan.cost import (
     ClusterSpec,
     JobSpec,
     all_to_all,
+    compressed_all_reduce,
     plan,
     plan_policy,
     ring,
@@ -67,8 +68,60 @@ def test_dp_only_none_and_sdp4bit_step_terms():
     t1 = 3 * 2 * shard * 8.25 / 8 / 1e9
     t2 = 4 * 1 * shard * 4.25 / 8 / 1e9
     assert sdp["dp_grad_s"] == pytest.approx(t1 + t2)
-    # qWD all-gather: ring of 4-bit codes with one fp32 scale per 2048
-    assert sdp["dp_param_s"] == pytest.approx(7 * shard * (4 + 32 / 2048) / 8 / 1e9)
+    # qWD all-gather, two levels: each of the node's 4 GPUs sends its 4-bit shard (one
+    # fp32 scale per 2048) to its peer on the other node, then the node shares the
+    # decoded fp32 differences: 3 steps of 2 shards · 4 bytes over NVLink
+    inter = 4 * shard * (4 + 32 / 2048) / 8 / 1e9
+    intra = 3 * 2 * shard * 4 / 1e9
+    assert sdp["dp_param_s"] == pytest.approx(inter + intra)
+
+
+def test_compressed_all_reduce_bytes():
+    # two ranks on two nodes exchange their codes once
+    t = compressed_all_reduce(2, 1, "int4", 1280, 4)
+    assert t.inter_bytes == 4 * 1280 * 4.25 / 8 and t.inter_msgs == 1
+    # four ranks, two per node: all-to-all of numel/4 chunks, then a ring of them
+    w = 1280 * 4.25 / 8
+    t = compressed_all_reduce(4, 2, "int4", 4 * 1280, 2)
+    assert t.intra_bytes == 1 * w + 3 * w
+    assert t.inter_bytes == 2 * 2 * w + 1 * 3 * w
+
+
+def test_ddp_gradient_all_reduce():
+    job = JobSpec(model=TINY, dp=8, zero_stage=0, global_batch=8, seq=1, micro_batch=1)
+    P = TINY.params
+    none = plan_policy(C, job, Policy.preset("none"))["breakdown"]
+    # ring all-reduce: two passes of 7 chunks of P/8 fp32 through the node's NIC
+    assert none["dp_grad_s"] == pytest.approx(2 * 7 * P / 8 * 4 / 1e9)
+    assert none["dp_param_s"] == 0.0  # DDP never gathers weights
+    low = plan_policy(C, job, Policy.preset("int2ef"))["breakdown"]
+    chunk = P / 4  # the node's sum, one chunk per local rank
+    exact_intra = 3 * chunk * 4 / 1e9  # all-to-all in, all-gather out: 3 chunks each
+    # two nodes: each GPU exchanges its chunk's ternary codes (five per byte, fp16
+    # scales: 1.75 bits) with its peer once
+    across = 4 * chunk * 1.75 / 8 / 1e9
+    assert low["dp_grad_s"] == pytest.approx(exact_intra + across + exact_intra)
+
+
+def test_overlap_hides_gradients_not_weights_and_link_efficiency():
+    job = JobSpec(model=TINY, dp=8, global_batch=8, seq=1, micro_batch=1)
+    slow = JobSpec(model=TINY, dp=8, global_batch=8 * 1024, seq=1, micro_batch=1024,
+                   overlap="dp")
+    exposed = plan_policy(C, job, Policy.preset("none"))["breakdown"]
+    assert exposed["dp_exposed_s"] == pytest.approx(exposed["dp_grad_s"] + exposed["dp_param_s"])
+    hid = plan_policy(C, slow, Policy.preset("none"))["breakdown"]
+    # backward (⅔ of a long compute) swallows the gradient reduction, not the all-gather
+    assert hid["compute_s"] * 2 / 3 > hid["dp_grad_s"]
+    assert hid["dp_exposed_s"] == pytest.approx(hid["dp_param_s"])
+    # 94 % of the link carries payload: inter-node time grows by 1 / 0.94
+    c94 = ClusterSpec(gpus=8, gpus_per_node=4, intra_GBps=1e9, inter_GBps=1.0, tflops=1.0,
+                      mfu=1.0, intra_latency_us=0.0, inter_latency_us=0.0,
+                      link_efficiency=0.94)
+    c100 = ClusterSpec(gpus=8, gpus_per_node=4, intra_GBps=1e9, inter_GBps=1.0, tflops=1.0,
+                       mfu=1.0, intra_latency_us=0.0, inter_latency_us=0.0)
+    t94 = plan_policy(c94, job, Policy.preset("none"))["breakdown"]["dp_grad_s"]
+    t100 = plan_policy(c100, job, Policy.preset("none"))["breakdown"]["dp_grad_s"]
+    assert t94 == pytest.approx(t100 / 0.94)
 
 
 def test_tp_and_pp_terms():
@@ -101,6 +154,9 @@ def test_plan_output_shape_and_speedups():
 
 
 def test_bad_plan_inputs():
+    with pytest.raises(ValueError, match="link_efficiency=1.5 is not allowed"):
+        ClusterSpec(gpus=4, gpus_per_node=4, intra_GBps=1, inter_GBps=1, tflops=1,
+                    link_efficiency=1.5)
     with pytest.raises(ValueError, match="must be a positive multiple of --gpus-per-node"):
         ClusterSpec(gpus=6, gpus_per_node=4, intra_GBps=1, inter_GBps=1, tflops=1)
     with pytest.raises(ValueError, match="must equal --gpus 8"):

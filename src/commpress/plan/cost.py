@@ -17,15 +17,25 @@ Assumptions (also in BENCHMARKS.md and ``commpress plan --help``):
   all-to-all (every rank sends a
   chunk to every peer), compressed all-gather a ring of codes, the two-level
   reduce-scatter an intra-node all-to-all then an inter-node all-to-all, compressed
-  all-reduce = all-to-all reduce-scatter + ring all-gather; pipeline transfers are
-  point-to-point.
+  all-reduce = all-to-all reduce-scatter + ring all-gather (two ranks: one exchange);
+  with several nodes a compressed weight all-gather crosses nodes once (among ranks
+  of the same local index) and is shared exactly inside the node; pipeline transfers
+  are point-to-point.
+* ``zero_stage=0`` is plain data parallelism (DDP): gradients are all-reduced, weights
+  never gathered. Uncompressed: a ring all-reduce; with commpress's hook and a
+  two-level policy: an exact all-to-all inside the node, a compressed all-reduce of
+  the node's chunk across nodes, an exact all-gather inside the node.
 * Compute = ``6·P·tokens`` (``8·P·tokens`` with activation recomputation) per step,
   spread over all GPUs at ``tflops · mfu``, stretched by the pipeline bubble
   ``(pp − 1) / micro_batches``.
 * TP all-reduces (2 forward + 2 backward per layer and micro-batch) and pipeline
   transfers are on the critical path. DP traffic is exposed (``overlap=none``, as in
-  the SDP4Bit measurements) or hidden behind the backward pass, ⅔ of compute
-  (``overlap=dp``).
+  the SDP4Bit measurements), or the gradient reduction is hidden behind the backward
+  pass, ⅔ of compute (``overlap=dp``: DDP's buckets, ``ShardedOptimizer``'s buckets);
+  the weight all-gather after the step stays exposed.
+* A fraction ``link_efficiency`` of the node's link rate carries payload (1.0 by
+  default; TCP/IP over Ethernet frames 1448 payload bytes in 1514 and sends ACKs the
+  other way: about 0.94).
 * Codec time = bytes read + written / measured throughput (``commpress bench codecs
   --json``) or the documented defaults (:mod:`commpress.plan.hardware`).
 """
@@ -53,6 +63,7 @@ class ClusterSpec:
     mfu: float = 0.4
     intra_latency_us: float = 2.0
     inter_latency_us: float = 5.0
+    link_efficiency: float = 1.0  # payload share of the inter-node link rate
     device: str = "gpu"  # which codec throughput defaults apply: gpu | cpu
     # nccl: ring reduce-scatter; gloo: its reduce-scatter costs an all-reduce
     backend: str = "nccl"
@@ -67,6 +78,9 @@ class ClusterSpec:
         for name in ("intra_GBps", "inter_GBps", "tflops", "mfu"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)} is not allowed; allowed: > 0")
+        if not 0 < self.link_efficiency <= 1:
+            raise ValueError(f"link_efficiency={self.link_efficiency} is not allowed; "
+                             "allowed: 0 < link_efficiency <= 1")
 
     @property
     def nodes(self) -> int:
@@ -79,7 +93,7 @@ class JobSpec:
     dp: int
     tp: int = 1
     pp: int = 1
-    zero_stage: int = 1
+    zero_stage: int = 1  # 0: plain data parallel (DDP), 1-3: ZeRO
     micro_batch: int = 1
     seq: int = 2048
     global_batch: int = 512
@@ -90,8 +104,9 @@ class JobSpec:
     act_bytes: int = 2
 
     def __post_init__(self) -> None:
-        if self.zero_stage not in (1, 2, 3):
-            raise ValueError(f"--zero-stage {self.zero_stage} is not allowed; allowed: 1, 2, 3")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"--zero-stage {self.zero_stage} is not allowed; allowed: 0 "
+                             "(plain data parallel, DDP), 1, 2, 3")
         if self.overlap not in ("none", "dp"):
             raise ValueError(f"--overlap {self.overlap!r} is not allowed; allowed: none, dp")
         if self.global_batch % (self.dp * self.micro_batch):
@@ -119,7 +134,7 @@ class Traffic:
         t_intra = self.intra_msgs * c.intra_latency_us * 1e-6 + self.intra_bytes / (
             c.intra_GBps * 1e9)
         t_inter = self.inter_msgs * c.inter_latency_us * 1e-6 + self.inter_bytes / (
-            c.inter_GBps * 1e9)
+            c.inter_GBps * c.link_efficiency * 1e9)
         return max(t_intra, t_inter)
 
 
@@ -186,6 +201,26 @@ def codec_seconds(c: ClusterSpec, spec: str, encoded: float, decoded: float,
     return (encoded * (in_bytes + w) / enc + decoded * (w + in_bytes) / dec) / 1e9
 
 
+def rule_seconds(c: ClusterSpec, rule: Rule, encoded: float, decoded: float,
+                 in_bytes: int) -> float:
+    """:func:`codec_seconds` of a rule: error feedback also decodes what it encoded."""
+    extra = encoded if rule.error_feedback else 0.0
+    return codec_seconds(c, rule.codec, encoded, decoded + extra, in_bytes)
+
+
+def compressed_all_reduce(n: int, n_local: int, spec: str, numel: float,
+                          gpus_per_node: int) -> Traffic:
+    """:func:`commpress.all_reduce` of ``numel`` elements on ``n`` ranks: two ranks
+    exchange their codes once; more run an all-to-all reduce-scatter and a ring
+    all-gather of ``numel / n``."""
+    if n == 2:
+        return all_to_all(2, n_local, wire_bytes(spec, numel, 4), gpus_per_node)
+    w = wire_bytes(spec, numel / n, 4)
+    a, r = all_to_all(n, n_local, w, gpus_per_node), ring(n, n_local, w, gpus_per_node)
+    return Traffic(a.intra_bytes + r.intra_bytes, a.inter_bytes + r.inter_bytes,
+                   a.intra_msgs + r.intra_msgs, a.inter_msgs + r.inter_msgs)
+
+
 def load_codec_throughput(path: str) -> dict[str, tuple[float, float]]:
     """Codec throughputs from ``commpress bench codecs --json``."""
     with open(path) as f:
@@ -220,38 +255,49 @@ def plan_policy(c: ClusterSpec, j: JobSpec, policy: Policy) -> dict[str, Any]:
     codec_s = 0.0
 
     # DP gradients
-    grad_rule = policy.rule("dp", "grad")
     if j.dp == 1:
         out["dp_grad_s"] = 0.0
+    elif j.zero_stage == 0:
+        out["dp_grad_s"], secs = _dp_all_reduce(c, j, policy, n_local, p_local)
+        codec_s += secs
     elif policy.two_level() and n_local > 1 and j.dp // n_local > 1:
-        intra = policy.rule("dp", "grad", "intra").codec
-        inter = policy.rule("dp", "grad", "inter").codec
+        intra = policy.rule("dp", "grad", "intra")
+        inter = policy.rule("dp", "grad", "inter")
         nodes = j.dp // n_local
-        t1 = all_to_all(n_local, n_local, wire_bytes(intra, nodes * shard, 4), G).time(c)
-        t2 = all_to_all(nodes, 1, wire_bytes(inter, shard, 4), G).time(c)
+        t1 = all_to_all(n_local, n_local, wire_bytes(intra.codec, nodes * shard, 4), G).time(c)
+        t2 = all_to_all(nodes, 1, wire_bytes(inter.codec, shard, 4), G).time(c)
         out["dp_grad_s"] = t1 + t2
-        codec_s += codec_seconds(c, intra, p_local, n_local * nodes * shard, 4)
-        codec_s += codec_seconds(c, inter, nodes * shard, nodes * shard, 4)
+        codec_s += rule_seconds(c, intra, p_local, n_local * nodes * shard, 4)
+        codec_s += rule_seconds(c, inter, nodes * shard, nodes * shard, 4)
     else:
-        spec = grad_rule.codec
+        rule = policy.rule("dp", "grad")
         if policy.two_level():  # one node or one rank per node: one level
-            spec = policy.rule("dp", "grad", "intra" if j.dp == n_local else "inter").codec
-        if spec == "none":
+            rule = policy.rule("dp", "grad", "intra" if j.dp == n_local else "inter")
+        if rule.exact:
             passes = 2 if c.backend == "gloo" else 1
             out["dp_grad_s"] = ring(j.dp, n_local, shard * j.grad_bytes, G, passes).time(c)
         else:
-            out["dp_grad_s"] = all_to_all(j.dp, n_local, wire_bytes(spec, shard, 4), G).time(c)
-            codec_s += codec_seconds(c, spec, p_local, p_local, 4)
+            out["dp_grad_s"] = all_to_all(j.dp, n_local, wire_bytes(rule.codec, shard, 4),
+                                          G).time(c)
+            codec_s += rule_seconds(c, rule, p_local, p_local, 4)
 
-    # DP weights (ZeRO-3 gathers them for forward and again for backward)
+    # DP weights (ZeRO-3 gathers them for forward and again for backward; DDP never)
     prule: Rule = policy.rule("dp", "param")
-    gathers = 2 if j.zero_stage == 3 else 1
-    if j.dp == 1:
+    gathers = {0: 0, 3: 2}.get(j.zero_stage, 1)
+    nodes = j.dp // n_local
+    if j.dp == 1 or gathers == 0:
         out["dp_param_s"] = 0.0
-    else:
+    elif prule.exact or nodes == 1 or n_local == 1:
         pbytes = wire_bytes(prule.codec, shard, j.param_bytes)
         out["dp_param_s"] = gathers * ring(j.dp, n_local, pbytes, G).time(c)
-        codec_s += gathers * codec_seconds(c, prule.codec, shard, p_local, j.param_bytes)
+        codec_s += gathers * rule_seconds(c, prule, shard, p_local, j.param_bytes)
+    else:  # two levels: codes across nodes once, decoded values inside the node
+        pbytes = wire_bytes(prule.codec, shard, j.param_bytes)
+        decoded = 4 if prule.delta else j.param_bytes
+        t = (ring(nodes, 1, pbytes, G).time(c)
+             + ring(n_local, n_local, nodes * shard * decoded, G).time(c))
+        out["dp_param_s"] = gathers * t
+        codec_s += gathers * rule_seconds(c, prule, shard, nodes * shard, j.param_bytes)
 
     # TP all-reduces: 2 forward (act) + 2 backward (act_grad) per layer and micro-batch
     act_elems = j.micro_batch * j.seq * j.model.hidden
@@ -282,9 +328,8 @@ def plan_policy(c: ClusterSpec, j: JobSpec, policy: Policy) -> dict[str, Any]:
     out["pp_s"] = pp_s
     out["codec_s"] = codec_s
 
-    dp_total = out["dp_grad_s"] + out["dp_param_s"]
     hidden = (2 / 3) * compute if j.overlap == "dp" else 0.0
-    out["dp_exposed_s"] = max(0.0, dp_total - hidden)
+    out["dp_exposed_s"] = max(0.0, out["dp_grad_s"] - hidden) + out["dp_param_s"]
     step = compute + tp_s + pp_s + codec_s + out["dp_exposed_s"]
     return {
         "step_time_s": step,
@@ -293,6 +338,29 @@ def plan_policy(c: ClusterSpec, j: JobSpec, policy: Policy) -> dict[str, Any]:
         "breakdown": out,
         "break_even_inter_GBps": _break_even(c, j, policy, n_local, shard, p_local),
     }
+
+
+def _dp_all_reduce(c: ClusterSpec, j: JobSpec, policy: Policy, n_local: int,
+                   p_local: float) -> tuple[float, float]:
+    """(seconds on the links, codec seconds) of DDP's gradient all-reduce."""
+    G, nodes = c.gpus_per_node, j.dp // n_local
+    if policy.two_level() and n_local > 1 and nodes > 1:
+        intra = policy.rule("dp", "grad", "intra")
+        inter = policy.rule("dp", "grad", "inter")
+        chunk = p_local / n_local
+        t = all_to_all(n_local, n_local, wire_bytes(intra.codec, chunk, 4), G).time(c)
+        t += compressed_all_reduce(nodes, 1, inter.codec, chunk, G).time(c)
+        t += ring(n_local, n_local, chunk * 4, G).time(c)
+        secs = rule_seconds(c, intra, p_local, p_local, 4)
+        secs += rule_seconds(c, inter, chunk, 2 * chunk, 4)
+        return t, secs
+    rule = policy.rule("dp", "grad")
+    if policy.two_level():
+        rule = policy.rule("dp", "grad", "intra" if nodes == 1 else "inter")
+    if rule.exact:
+        return ring(j.dp, n_local, p_local / j.dp * j.grad_bytes, G, passes=2).time(c), 0.0
+    t = compressed_all_reduce(j.dp, n_local, rule.codec, p_local, G).time(c)
+    return t, rule_seconds(c, rule, p_local, 2 * p_local, 4)
 
 
 def _break_even(c: ClusterSpec, j: JobSpec, policy: Policy, n_local: int, shard: float,

@@ -118,6 +118,15 @@ class Cluster:
             self._shape(br, br_dev)  # network → node
         return self
 
+    def link_bytes(self, node: int) -> tuple[int, int]:
+        """Bytes node ``node`` has sent and received on its link so far."""
+        def read(counter: str) -> int:
+            out = subprocess.run(["ip", "netns", "exec", self.ns(node), "cat",
+                                  f"/sys/class/net/eth0/statistics/{counter}"],
+                                 capture_output=True, text=True, check=True)
+            return int(out.stdout)
+        return read("tx_bytes"), read("rx_bytes")
+
     def down(self) -> None:
         for ns in reversed(self._made):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)

@@ -9,6 +9,7 @@ returned.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -18,8 +19,13 @@ from commpress.testbed.netns import Cluster
 
 
 def run_on_testbed(nodes: int, ranks_per_node: int, command: list[str], bandwidth: str = "50mbit",
-                   latency: str | None = None, port: int = 29531, timeout: float = 7200.0) -> int:
-    """Run ``commpress <command>`` on ``nodes × ranks_per_node`` ranks; returns rank 0's code."""
+                   latency: str | None = None, port: int = 29531, timeout: float = 7200.0,
+                   link_stats: str | None = None) -> int:
+    """Run ``commpress <command>`` on ``nodes × ranks_per_node`` ranks; returns rank 0's code.
+
+    At the end it prints the bytes each node sent and received on its link (all of the
+    run: set-up, steps, evaluation), and writes them to ``link_stats`` as JSON if given.
+    """
     if not command or command[0] not in ("train", "compare"):
         raise ValueError(f"testbed command {command[:1]!r} is not allowed; allowed: train …, "
                          "compare …")
@@ -46,6 +52,7 @@ def run_on_testbed(nodes: int, ranks_per_node: int, command: list[str], bandwidt
                 if failed or all(c == 0 for c in codes) or time.monotonic() > deadline:
                     break
                 time.sleep(0.5)
+            _report_links(cluster, nodes, link_stats)
             if failed and failed[0] != 0:
                 err = procs[failed[0]].stderr.read().decode(errors="replace")[-4000:]
                 print(f"testbed: rank {failed[0]} failed:\n{err}", file=sys.stderr)
@@ -55,3 +62,14 @@ def run_on_testbed(nodes: int, ranks_per_node: int, command: list[str], bandwidt
                 if p.poll() is None:
                     p.kill()
                 p.wait()
+
+
+def _report_links(cluster: Cluster, nodes: int, path: str | None) -> None:
+    links = [dict(zip(("sent_bytes", "received_bytes"), cluster.link_bytes(i)))
+             for i in range(nodes)]
+    text = "; ".join(f"node {i} sent {x['sent_bytes'] / 1e6:.1f} MB, received "
+                     f"{x['received_bytes'] / 1e6:.1f} MB" for i, x in enumerate(links))
+    print(f"testbed: {text}", file=sys.stderr)
+    if path:
+        with open(path, "w") as f:
+            json.dump({"nodes": links}, f, indent=1)
