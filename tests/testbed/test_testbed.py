@@ -49,10 +49,16 @@ def test_training_runs_across_namespaces(tmp_path):
     code = run_on_testbed(2, 1, ["train", "--model", "gpt-tiny", "--seq-len", "32", "--steps",
                                  "3", "--eval-every", "0", "--eval-batches", "1", "--batch-size",
                                  "4", "--policy", "sdp4bit", "--out", str(tmp_path),
-                                 "--no-progress"], bandwidth="100mbit", port=29533)
+                                 "--no-progress"], bandwidth="100mbit", port=29533,
+                          link_stats=str(tmp_path / "links.json"))
     assert code == 0
     summary = json.load(open(tmp_path / "summary.json"))
     assert summary["dp"] == 2 and "dp.grad.inter" in summary["wire_bytes"]
+    # one rank per node: every collective byte crossed a link, plus TCP/IP framing,
+    # the start-up rendezvous and the evaluation
+    sent = sum(n["sent_bytes"] for n in json.load(open(tmp_path / "links.json"))["nodes"])
+    payload = sum(summary["wire_bytes"].values())
+    assert payload <= sent <= 2 * payload + 2e6
     assert _namespaces() == before
 
 
