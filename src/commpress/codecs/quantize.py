@@ -31,6 +31,14 @@ HADAMARD_SIZES = (0, 16, 32, 64, 128, 256)
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
+def group_rows(x: torch.Tensor, group: int) -> torch.Tensor:
+    """``x`` as fp32, zero-padded to whole groups, shaped ``(groups, group)``."""
+    flat = x.reshape(-1)
+    g = torch.zeros(-(-flat.numel() // group) * group, dtype=torch.float32, device=x.device)
+    g[: flat.numel()] = flat
+    return g.view(-1, group)
+
+
 def _check_group(name: str, group: int) -> None:
     if group < 1:
         raise option_error(name, "group", group, "allowed: a positive integer (e.g. 128)")
@@ -189,20 +197,12 @@ def _unpack_trits(packed: torch.Tensor, group: int) -> torch.Tensor:
     return values.view(-1, 5 * _trit_bytes(group))[:, :group].reshape(-1)
 
 
-@register_codec
 @dataclass
-class FP8(Codec):
-    """float8 e4m3 with one scale per group (``absmax / 448``): 8 bits + scale per element.
+class ScaledGroups(Codec):
+    """Base of codecs with one scale per ``group`` elements, padded to whole groups."""
 
-    Nearest rounding only (torch's cast). A group holding NaN or ±Inf decodes to NaN.
-    """
-
-    name: ClassVar[str] = "fp8"
     group: int = 128
     scale_dtype: Literal["fp32", "fp16"] = "fp32"
-
-    def __post_init__(self) -> None:
-        _check_group(self.name, self.group)
 
     @property
     def alignment(self) -> int:
@@ -211,13 +211,24 @@ class FP8(Codec):
     def _padded(self, numel: int) -> int:
         return -(-numel // self.group) * self.group
 
+
+@register_codec
+@dataclass
+class FP8(ScaledGroups):
+    """float8 e4m3 with one scale per group (``absmax / 448``): 8 bits + scale per element.
+
+    Nearest rounding only (torch's cast). A group holding NaN or ±Inf decodes to NaN.
+    """
+
+    name: ClassVar[str] = "fp8"
+
+    def __post_init__(self) -> None:
+        _check_group(self.name, self.group)
+
     def encode(self, x: torch.Tensor, *, stream: int = 0) -> Packet:
         self.check_input(x)
-        flat = x.reshape(-1)
-        n = flat.numel()
-        g = torch.zeros(self._padded(n), dtype=torch.float32, device=x.device)
-        g[:n] = flat
-        g = g.view(-1, self.group)
+        n = x.numel()
+        g = group_rows(x, self.group)
         finite = torch.isfinite(g).all(dim=1, keepdim=True)
         absmax = torch.where(finite, g.abs(), 0.0).amax(dim=1, keepdim=True)
         sdt = SCALE_DTYPES[self.scale_dtype]

@@ -21,18 +21,16 @@ saturate at the output dtype's largest value.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import ClassVar
 
 import torch
 
-from commpress.codecs.base import Codec, Packet, finish_decode, option_error, register_codec
-from commpress.codecs.quantize import SCALE_DTYPES
+from commpress.codecs.base import Packet, finish_decode, option_error, register_codec
+from commpress.codecs.quantize import SCALE_DTYPES, ScaledGroups, group_rows
 
 
 @dataclass
-class _MeanAbsQuantizer(Codec):
-    group: int = 128
-    scale_dtype: Literal["fp32", "fp16"] = "fp32"
+class _MeanAbsQuantizer(ScaledGroups):
     bits: ClassVar[int]
     levels: ClassVar[tuple[float, ...]]  # magnitudes, in units of the mean |x|
     threshold: ClassVar[float]  # |x| / a above which the larger magnitude is sent
@@ -42,20 +40,10 @@ class _MeanAbsQuantizer(Codec):
             raise option_error(self.name, "group", self.group,
                                "allowed: a positive multiple of 8 (e.g. 128)")
 
-    @property
-    def alignment(self) -> int:
-        return self.group
-
-    def _padded(self, numel: int) -> int:
-        return -(-numel // self.group) * self.group
-
     def encode(self, x: torch.Tensor, *, stream: int = 0) -> Packet:
         self.check_input(x)
-        flat = x.reshape(-1)
-        n = flat.numel()
-        g = torch.zeros(self._padded(n), dtype=torch.float32, device=x.device)
-        g[:n] = flat
-        g = g.view(-1, self.group)
+        n = x.numel()
+        g = group_rows(x, self.group)
         finite = torch.isfinite(g).all(dim=1)
         sdt = SCALE_DTYPES[self.scale_dtype]
         # mean |x| over the caller's elements only (padding would shrink the last scale)
