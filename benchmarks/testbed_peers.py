@@ -1,13 +1,14 @@
 """End-to-end on the emulated cluster: commpress next to the peers users would pick.
 
-    python benchmarks/testbed_peers.py [--loss-steps 150] [--time-steps 6]
+    python benchmarks/testbed_peers.py [--loss-steps 150] [--time-steps 10]
         [--bandwidths 25mbit,50mbit,200mbit,1000mbit]
 
 2 nodes × 2 ranks, GPT of 2.7M parameters (gpt-3m), batch 8 × 128 tokens, seed 0.
 Validation loss does not depend on the link (the same bits are computed), so it is
 measured on an unshaped run of --loss-steps; step time is the median of a shaped run of
 --time-steps on the testbed (network namespaces, tbf in both directions) at each
-bandwidth. Writes benchmarks/results/testbed_peers.{json,md} and testbed_speedup.png.
+bandwidth. Writes benchmarks/results/testbed_peers.{json,md}, testbed_speedup.png and
+ddp_frontier.png (validation loss against step time of every DDP hook at 50 Mbit/s).
 Needs root and iproute2.
 """
 
@@ -28,8 +29,15 @@ CONFIGS = {  # name → train options (as in `commpress train`)
     "ddp PowerSGD rank 1": {"engine": "ddp", "ddp_hook": "powersgd:1"},
     "ddp PowerSGD rank 4": {"engine": "ddp", "ddp_hook": "powersgd:4"},
     "ddp commpress sdp4bit": {"engine": "ddp", "ddp_hook": "commpress", "policy": "sdp4bit"},
-    "ddp commpress int2+EF": {"engine": "ddp", "ddp_hook": "commpress",
-                              "policy": os.path.join(HERE, "ddp_int2ef.yaml")},
+    "ddp commpress int4": {"engine": "ddp", "ddp_hook": "commpress",
+                           "policy": os.path.join(HERE, "ddp_int4.yaml")},
+    "ddp commpress int2 bits+EF": {"engine": "ddp", "ddp_hook": "commpress",
+                                   "policy": os.path.join(HERE, "ddp_int2ef.yaml")},
+    "ddp commpress int2ef": {"engine": "ddp", "ddp_hook": "commpress", "policy": "int2ef"},
+    "ddp commpress nf2+EF": {"engine": "ddp", "ddp_hook": "commpress",
+                             "policy": os.path.join(HERE, "ddp_nf2_ef.yaml")},
+    "ddp commpress sign+EF": {"engine": "ddp", "ddp_hook": "commpress",
+                              "policy": os.path.join(HERE, "ddp_sign_ef.yaml")},
     "ddp commpress top1%+EF": {"engine": "ddp", "ddp_hook": "commpress",
                                "policy": os.path.join(HERE, "ddp_topk_ef.yaml")},
     "sharded none": {"policy": "none"},
@@ -69,7 +77,7 @@ def shaped_step_time(name: str, opts: dict, bandwidth: str, steps: int) -> float
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--loss-steps", type=int, default=150)
-    ap.add_argument("--time-steps", type=int, default=6)
+    ap.add_argument("--time-steps", type=int, default=10)
     ap.add_argument("--bandwidths", default="25mbit,50mbit,200mbit,1000mbit")
     ap.add_argument("--only", default=None, help="comma-separated config names")
     args = ap.parse_args()
@@ -103,6 +111,7 @@ def report(res: dict, bws: list[str]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    res = {name: res[name] for name in CONFIGS if name in res}  # table in CONFIGS order
     base_sharded = res.get("sharded none", {})
     base_ddp = res.get("ddp allreduce", {})
     lines = ["| configuration | val loss | vs baseline | " + " | ".join(
@@ -139,6 +148,34 @@ def report(res: dict, bws: list[str]) -> None:
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(os.path.join(RESULTS, "testbed_speedup.png"), dpi=110)
+    frontier(res)
+
+
+def frontier(res: dict, bw: str = "50mbit") -> None:
+    """Validation loss (relative to DDP all-reduce) against step time, every DDP hook."""
+    import matplotlib.pyplot as plt
+
+    base = res.get("ddp allreduce", {}).get("val_loss")
+    points = [(name, r["step_s"][bw], r["val_loss"] / base - 1) for name, r in res.items()
+              if name.startswith("ddp") and base and bw in r.get("step_s", {})
+              and r["val_loss"] / base - 1 < 0.2]
+    if not points:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    markers = "oD^v<>phX*P"
+    for i, (name, t, dl) in enumerate(sorted(points, key=lambda p: p[1])):
+        peer = "PowerSGD" in name  # the peers: red squares, the lighter one rank 1
+        ax.plot(t, 100 * dl, "s" if peer else markers[i % len(markers)], ms=8,
+                color=("lightcoral" if "rank 1" in name else "tab:red") if peer
+                else f"C{i % 10}", label=name.removeprefix("ddp "), ls="none")
+    ax.legend(fontsize=7, ncol=2)
+    ax.axhline(1.0, color="k", lw=0.8, ls="--")
+    ax.set_xscale("log")
+    ax.set(xlabel=f"step time at {bw} (s, log)", ylabel="val loss vs DDP all-reduce (%)",
+           title="DDP hooks on 2 nodes × 2 ranks, gpt-3m: speed/loss frontier")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(os.path.join(RESULTS, "ddp_frontier.png"), dpi=110)
 
 
 if __name__ == "__main__":
