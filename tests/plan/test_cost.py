@@ -101,6 +101,9 @@ def test_ddp_gradient_all_reduce():
     # scales: 1.75 bits) with its peer once
     across = 4 * chunk * 1.75 / 8 / 1e9
     assert low["dp_grad_s"] == pytest.approx(exact_intra + across + exact_intra)
+    # break-even: bytes the node no longer sends / codec seconds; DDP gathers no weights
+    sdp = plan_policy(C, job, Policy.preset("sdp4bit"))["break_even_inter_GBps"]
+    assert list(sdp) == ["dp.grad=int4:hadamard=128"] and sdp["dp.grad=int4:hadamard=128"] > 0
 
 
 def test_overlap_hides_gradients_not_weights_and_link_efficiency():

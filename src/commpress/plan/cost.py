@@ -366,29 +366,48 @@ def _dp_all_reduce(c: ClusterSpec, j: JobSpec, policy: Policy, n_local: int,
 def _break_even(c: ClusterSpec, j: JobSpec, policy: Policy, n_local: int, shard: float,
                 p_local: float) -> dict[str, float | None]:
     """Per compressed DP codec: the node injection bandwidth below which it beats the
-    uncompressed ring (bytes saved per node / codec seconds)."""
+    uncompressed collective (bytes it saves per node / its codec seconds), with the
+    algorithms :func:`plan_policy` charges."""
     out: dict[str, float | None] = {}
     if j.dp == 1:
         return out
-    G = c.gpus_per_node
-    none_grad = ring(j.dp, n_local, shard * j.grad_bytes, G).inter_bytes
-    none_param = ring(j.dp, n_local, shard * j.param_bytes, G).inter_bytes
-    rules = {"dp.grad": policy.rule("dp", "grad", "inter" if policy.two_level() else None),
-             "dp.param": policy.rule("dp", "param")}
-    for label, rule in rules.items():
-        if rule.codec == "none" or none_grad == 0:
-            continue
-        if label == "dp.grad":
-            saved = none_grad - all_to_all(j.dp, n_local, wire_bytes(rule.codec, shard, 4),
-                                           G).inter_bytes
-            secs = codec_seconds(c, rule.codec, p_local, p_local, 4)
+    G, nodes = c.gpus_per_node, j.dp // n_local
+    two_level = policy.two_level() and n_local > 1 and nodes > 1
+    grad = policy.rule("dp", "grad", "inter" if policy.two_level() else None)
+    if not grad.exact:
+        if j.zero_stage == 0:  # DDP: ring all-reduce against the hook's all-reduce
+            none = ring(j.dp, n_local, shard * j.grad_bytes, G, passes=2).inter_bytes
+            if two_level:
+                chunk = p_local / n_local
+                comp = compressed_all_reduce(nodes, 1, grad.codec, chunk, G).inter_bytes
+                secs = rule_seconds(c, grad, chunk, 2 * chunk, 4)
+            else:
+                comp = compressed_all_reduce(j.dp, n_local, grad.codec, p_local, G).inter_bytes
+                secs = rule_seconds(c, grad, p_local, 2 * p_local, 4)
         else:
-            saved = none_param - ring(j.dp, n_local, wire_bytes(rule.codec, shard,
-                                                                 j.param_bytes), G).inter_bytes
-            secs = codec_seconds(c, rule.codec, shard, p_local, j.param_bytes)
-        out[f"{label}={rule.codec}"] = (saved / secs / 1e9) if secs > 0 and saved > 0 else (
-            math.inf if saved > 0 else None)
+            passes = 2 if c.backend == "gloo" else 1
+            none = ring(j.dp, n_local, shard * j.grad_bytes, G, passes).inter_bytes
+            w = wire_bytes(grad.codec, shard, 4)
+            comp = (all_to_all(nodes, 1, w, G) if two_level
+                    else all_to_all(j.dp, n_local, w, G)).inter_bytes
+            secs = rule_seconds(c, grad, p_local, p_local, 4)
+        out[f"dp.grad={grad.codec}"] = _bandwidth(none - comp, secs)
+    param = policy.rule("dp", "param")
+    if not param.exact and j.zero_stage != 0:
+        none = ring(j.dp, n_local, shard * j.param_bytes, G).inter_bytes
+        w = wire_bytes(param.codec, shard, j.param_bytes)
+        comp = (ring(nodes, 1, w, G) if nodes > 1 and n_local > 1
+                else ring(j.dp, n_local, w, G)).inter_bytes
+        secs = rule_seconds(c, param, shard, p_local, j.param_bytes)
+        out[f"dp.param={param.codec}"] = _bandwidth(none - comp, secs)
     return out
+
+
+def _bandwidth(saved_bytes: float, codec_s: float) -> float | None:
+    """GB/s at which ``saved_bytes`` take ``codec_s`` to send (None: nothing saved)."""
+    if saved_bytes <= 0:
+        return None
+    return saved_bytes / codec_s / 1e9 if codec_s > 0 else math.inf
 
 
 def plan(c: ClusterSpec, j: JobSpec, policies: list[str]) -> dict[str, Any]:
