@@ -118,20 +118,22 @@ def hierarchical_reduce_scatter(
 
     # Step 1-2: encode for and exchange inside the node
     ex, _ = start_reduce_scatter(x, intra, levels.intra, lab_intra, stream=rank)
+    # Step 3: reduce the node's contributions and re-encode for the slow link. Done
+    # now, not in wait(): the fast intra-node exchange is short, and the slow transfer
+    # then runs while an async caller (a bucket during backward) goes on computing.
+    if fused:
+        with timed(lab_intra, "comm_s", input.device):
+            received = ex.wait()
+        with timed(lab_inter, "encode_s", input.device):
+            rows = _dequant_reduce_requant(received, intra, inter, nodes, m_pad, rank)
+        inter_ex = _send_rows(rows, inter, levels.inter, lab_inter, m_pad, input)
+    else:
+        partial = finish_reduce_scatter(ex, intra, lab_intra, input.dtype, nodes * m_pad,
+                                        input.device)
+        inter_ex, _ = start_reduce_scatter(partial.view(nodes, m_pad), inter, levels.inter,
+                                           lab_inter, stream=rank)
 
     def finish() -> torch.Tensor:
-        # Step 3: reduce the node's contributions and re-encode for the slow link
-        if fused:
-            with timed(lab_intra, "comm_s", input.device):
-                received = ex.wait()
-            with timed(lab_inter, "encode_s", input.device):
-                rows = _dequant_reduce_requant(received, intra, inter, nodes, m_pad, rank)
-            inter_ex = _send_rows(rows, inter, levels.inter, lab_inter, m_pad, input)
-        else:
-            partial = finish_reduce_scatter(ex, intra, lab_intra, input.dtype, nodes * m_pad,
-                                            input.device)
-            inter_ex, _ = start_reduce_scatter(partial.view(nodes, m_pad), inter, levels.inter,
-                                               lab_inter, stream=rank)
         # Step 4-5: exchange across nodes, decode, sum (and inverse rotation)
         if fused:
             with timed(lab_inter, "comm_s", input.device):
