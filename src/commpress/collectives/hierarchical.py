@@ -61,6 +61,16 @@ from commpress.collectives.stats import record, timed
 from commpress.collectives.topology import Topology
 
 
+def _single_level(levels, intra, inter) -> tuple | None:
+    """``(codec, level name)`` when there is one level only — one node, or one rank per
+    node — else None."""
+    if levels.nodes == 1:
+        return intra, "intra"
+    if levels.ranks_per_node == 1:
+        return inter, "inter"
+    return None
+
+
 def _fusable(intra, inter) -> bool:
     return (isinstance(intra, _GroupQuantizer) and isinstance(inter, _GroupQuantizer)
             and intra.hadamard == inter.hadamard
@@ -97,11 +107,9 @@ def hierarchical_reduce_scatter(
     levels = (topology or Topology()).resolve(group)
     n = dist.get_world_size(group)
     check_sizes("hierarchical_reduce_scatter", input, output, n, "input", "output")
-    if levels.nodes == 1 or levels.ranks_per_node == 1:
-        one = intra if levels.nodes == 1 else inter
-        level = "intra" if levels.nodes == 1 else "inter"
-        return reduce_scatter(output, input, one, group=group, op=op, label=f"{label}.{level}",
-                              async_op=async_op)
+    if single := _single_level(levels, intra, inter):
+        return reduce_scatter(output, input, single[0], group=group, op=op,
+                              label=f"{label}.{single[1]}", async_op=async_op)
     check_agreement(group, "hierarchical_reduce_scatter", input.device, label=label,
                     intra=intra.spec(), inter=inter.spec(), op=op,
                     ranks_per_node=levels.ranks_per_node, **describe(input))
@@ -221,9 +229,8 @@ def hierarchical_all_gather(
     levels = (topology or Topology()).resolve(group)
     n = dist.get_world_size(group)
     check_sizes("hierarchical_all_gather", output, input, n, "output", "input")
-    if levels.nodes == 1 or levels.ranks_per_node == 1:
-        one, level = (intra, "intra") if levels.nodes == 1 else (inter, "inter")
-        return all_gather(output, input, one, group=group, label=f"{label}.{level}",
+    if single := _single_level(levels, intra, inter):
+        return all_gather(output, input, single[0], group=group, label=f"{label}.{single[1]}",
                           async_op=async_op)
     L, nodes, m = levels.ranks_per_node, levels.nodes, input.numel()
     across = torch.empty(nodes * m, dtype=input.dtype, device=input.device)
@@ -276,9 +283,8 @@ def hierarchical_all_reduce(
     check_float("tensor", tensor)
     label = label or "hierarchical_all_reduce"
     levels = (topology or Topology()).resolve(group)
-    if levels.nodes == 1 or levels.ranks_per_node == 1:
-        one, level = (intra, "intra") if levels.nodes == 1 else (inter, "inter")
-        return all_reduce(tensor, one, group=group, op=op, label=f"{label}.{level}",
+    if single := _single_level(levels, intra, inter):
+        return all_reduce(tensor, single[0], group=group, op=op, label=f"{label}.{single[1]}",
                           async_op=async_op)
     n, L, numel = dist.get_world_size(group), levels.ranks_per_node, tensor.numel()
     m = -(-numel // L)
