@@ -55,3 +55,8 @@ def test_ddp_hook_with_error_feedback_survives_the_bucket_rebuild():
     ranks = spawn(workers.ddp_hook_training, 4, (policy, 4), ranks_per_node=2)
     for step in range(4):
         assert len({r["hashes"][step] for r in ranks}) == 1
+    # the first iteration's single bucket is forgotten once its index changes size:
+    # one set of codecs (and residuals) per current bucket, none pinned from before
+    keys = ranks[0]["hook_keys"]
+    indices = [k.split(":")[0] for k in keys]
+    assert len(keys) > 1 and len(set(indices)) == len(indices), keys

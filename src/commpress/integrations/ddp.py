@@ -100,7 +100,9 @@ class DDPHookState:
         self.overlap = overlap
         self._thread: _CommThread | None = None
         # internal state: codecs per bucket, keyed "index:numel" — DDP rebuilds its
-        # buckets after the first iteration, so an index alone may change size
+        # buckets after the first iteration, so an index may change size; the codecs of
+        # the old size are then dropped (their error-feedback memory is one iteration's
+        # compression error, as large as the bucket: kept, it would pin that memory)
         self.codecs: dict[str, dict[str, Any]] = {}
         self._pending_state: dict[str, dict[str, Any]] = {}
         # stats
@@ -108,6 +110,9 @@ class DDPHookState:
 
     def codecs_for(self, bucket_key: str) -> dict[str, Any]:
         if bucket_key not in self.codecs:
+            index = bucket_key.split(":")[0]
+            for stale in [k for k in self.codecs if k.split(":")[0] == index]:
+                del self.codecs[stale]
             p = self.policy
             if p.two_level():
                 codecs = {"intra": p.codec_for("dp", "grad", "intra"),
