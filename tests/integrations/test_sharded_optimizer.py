@@ -49,6 +49,22 @@ def test_bf16_model_replicas_stay_identical():
             assert ranks[0][policy]["hashes"][step] == ranks[1][policy]["hashes"][step]
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_two_level_weight_gather_gives_the_flat_gather_bits(dtype):
+    # exact gradients, 4-bit weight differences: across two nodes each difference is
+    # applied by its local index's ranks and the weights shared inside the node; on one
+    # node every rank applies every difference — the same arithmetic, the same bits
+    two = spawn(workers.every_policy_bitwise_identical, 4, (["qwd", "zeropp"], 3, dtype),
+                ranks_per_node=2, timeout=300)
+    one = spawn(workers.every_policy_bitwise_identical, 4, (["qwd"], 3, dtype),
+                ranks_per_node=4, timeout=300)
+    assert two[0]["qwd"]["hashes"] == one[0]["qwd"]["hashes"]
+    assert "dp.param.intra" in two[0]["qwd"]["stats"] and "dp.param" in one[0]["qwd"]["stats"]
+    for policy in ("qwd", "zeropp"):
+        for step in range(3):
+            assert len({r[policy]["hashes"][step] for r in two}) == 1
+
+
 def test_none_policy_matches_single_process_training():
     steps = 20
     reference = workers.single_process_losses(steps)

@@ -70,9 +70,9 @@ def test_dp_only_none_and_sdp4bit_step_terms():
     assert sdp["dp_grad_s"] == pytest.approx(t1 + t2)
     # qWD all-gather, two levels: each of the node's 4 GPUs sends its 4-bit shard (one
     # fp32 scale per 2048) to its peer on the other node, then the node shares the
-    # decoded fp32 differences: 3 steps of 2 shards · 4 bytes over NVLink
+    # updated bf16 weights: 3 steps of 2 shards · 2 bytes over NVLink
     inter = 4 * shard * (4 + 32 / 2048) / 8 / 1e9
-    intra = 3 * 2 * shard * 4 / 1e9
+    intra = 3 * 2 * shard * 2 / 1e9
     assert sdp["dp_param_s"] == pytest.approx(inter + intra)
 
 

@@ -42,7 +42,6 @@ from commpress.collectives import (
     reduce_scatter,
 )
 from commpress.collectives.handle import Handle, completed
-from commpress.collectives.reduce_scatter import is_exact
 from commpress.collectives.topology import Topology
 from commpress.policy import Policy
 
@@ -313,30 +312,48 @@ class ShardedOptimizer:
         value = sumsq.item()
         return math.sqrt(value) if value >= 0 else float("nan")
 
-    def _all_gather_params(self, out: torch.Tensor, shard: torch.Tensor, codec) -> None:
-        # With several nodes, a compressed shard crosses the slow link once and is
-        # shared decoded inside the node; uncompressed stays torch's own all-gather.
-        levels = self.topology.resolve(self.group)
-        if levels.nodes > 1 and levels.ranks_per_node > 1 and not is_exact(codec):
-            hierarchical_all_gather(out, shard, codec, topology=self.topology,
-                                    group=self.group, label="dp.param")
-        else:
-            all_gather(out, shard, codec, group=self.group, label="dp.param")
-
     def _gather_params(self) -> None:
+        levels = self.topology.resolve(self.group) if self.world > 1 else None
+        # With several nodes, compressed weights cross the slow link once per shard and
+        # are shared inside the node exactly; uncompressed stays torch's own all-gather.
+        two_level = (levels is not None and levels.nodes > 1 and levels.ranks_per_node > 1
+                     and not self.param_rule.exact)
         for b in self.buckets:
             sl = self._shard(b)
             new = b.master.detach().to(b.dtype)
             if self.world == 1:  # nothing crosses a wire: nothing is compressed
                 b.param_buffer.copy_(new)
+            elif self.param_rule.delta and two_level:
+                self._gather_differences_two_level(b, new.float() - b.param_buffer[sl].float(),
+                                                   levels)
             elif self.param_rule.delta:
                 # qWD: every rank, the owner too, applies the decoded difference
                 diff = new.float() - b.param_buffer[sl].float()
                 full = torch.empty(b.numel, dtype=torch.float32, device=diff.device)
-                self._all_gather_params(full, diff, b.param_codec)
+                all_gather(full, diff, b.param_codec, group=self.group, label="dp.param")
                 b.param_buffer.copy_((b.param_buffer.float() + full).to(b.dtype))
+            elif two_level:
+                hierarchical_all_gather(b.param_buffer, new, b.param_codec,
+                                        topology=self.topology, group=self.group,
+                                        label="dp.param")
             else:
-                self._all_gather_params(b.param_buffer, new, b.param_codec)
+                all_gather(b.param_buffer, new, b.param_codec, group=self.group,
+                           label="dp.param")
+
+    def _gather_differences_two_level(self, b: _Bucket, diff: torch.Tensor, levels) -> None:
+        """qWD over two levels: ranks of one local index exchange their encoded weight
+        differences across nodes and apply them to those shards; the node then shares
+        the updated weights in the training dtype — the same bits as every rank applying
+        every difference, in half the intra-node bytes of fp32 differences for bf16."""
+        L, nodes, m = levels.ranks_per_node, levels.nodes, diff.numel()
+        across = torch.empty(nodes * m, dtype=torch.float32, device=diff.device)
+        all_gather(across, diff, b.param_codec, group=levels.inter, label="dp.param.inter")
+        shards = b.param_buffer.view(nodes, L, m)  # rank node·L + l owns shards[node, l]
+        mine = shards[:, levels.local_rank].float() + across.view(nodes, m)
+        local = torch.empty(L * nodes * m, dtype=b.dtype, device=diff.device)
+        all_gather(local, mine.to(b.dtype).reshape(-1), "none", group=levels.intra,
+                   label="dp.param.intra")
+        shards.copy_(local.view(L, nodes, m).transpose(0, 1))
 
     def _zero_grad_buffers(self) -> None:
         for b in self.buckets:

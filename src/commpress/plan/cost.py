@@ -291,11 +291,10 @@ def plan_policy(c: ClusterSpec, j: JobSpec, policy: Policy) -> dict[str, Any]:
         pbytes = wire_bytes(prule.codec, shard, j.param_bytes)
         out["dp_param_s"] = gathers * ring(j.dp, n_local, pbytes, G).time(c)
         codec_s += gathers * rule_seconds(c, prule, shard, p_local, j.param_bytes)
-    else:  # two levels: codes across nodes once, decoded values inside the node
+    else:  # two levels: codes across nodes once, updated weights inside the node
         pbytes = wire_bytes(prule.codec, shard, j.param_bytes)
-        decoded = 4 if prule.delta else j.param_bytes
         t = (ring(nodes, 1, pbytes, G).time(c)
-             + ring(n_local, n_local, nodes * shard * decoded, G).time(c))
+             + ring(n_local, n_local, nodes * shard * j.param_bytes, G).time(c))
         out["dp_param_s"] = gathers * t
         codec_s += gathers * rule_seconds(c, prule, shard, nodes * shard, j.param_bytes)
 
