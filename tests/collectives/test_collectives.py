@@ -127,6 +127,9 @@ def test_mismatched_shapes_raise_on_every_rank_not_hang():
     for m in messages:
         assert "ranks disagree" in m and "rank 1: shape=(101,) (rank 0: (100,))" in m, m
         assert "rank 2: shape=(102,)" in m
+    # the two-level all-reduce checks the whole group before its exact intra stage
+    for m in spawn(workers.mismatched_shapes, 4, (True,), timeout=60):
+        assert "hierarchical_all_reduce" in m and "rank 3: shape=(103,)" in m, m
 
 
 @pytest.mark.parametrize("spec", ["topk:ratio=0.2", "zfp:rate=12"])

@@ -135,10 +135,14 @@ def hierarchical_all_reduce(rank, world, ranks_per_node, numel, inter):
             "single": _rel(c.decode(c.encode(x)), x)}
 
 
-def mismatched_shapes(rank, world):
+def mismatched_shapes(rank, world, two_level=False):
     x = torch.randn(100 + rank)  # every rank a different size
     try:
-        commpress.all_reduce(x, "int4", label="grads")
+        if two_level:  # ranks 0 and 1 share a node: their all-to-all would break first
+            commpress.hierarchical_all_reduce(x, "none", "int4",
+                                              topology=commpress.Topology(2), label="grads")
+        else:
+            commpress.all_reduce(x, "int4", label="grads")
     except commpress.CollectiveMismatchError as e:
         return str(e)
     return "no error"

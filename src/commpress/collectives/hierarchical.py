@@ -232,6 +232,9 @@ def hierarchical_all_gather(
     if single := _single_level(levels, intra, inter):
         return all_gather(output, input, single[0], group=group, label=f"{label}.{single[1]}",
                           async_op=async_op)
+    check_agreement(group, "hierarchical_all_gather", input.device, label=label,
+                    intra=intra.spec(), inter=inter.spec(),
+                    ranks_per_node=levels.ranks_per_node, **describe(input))
     L, nodes, m = levels.ranks_per_node, levels.nodes, input.numel()
     across = torch.empty(nodes * m, dtype=input.dtype, device=input.device)
     first = all_gather(across, input, inter, group=levels.inter, label=f"{label}.inter",
@@ -286,6 +289,9 @@ def hierarchical_all_reduce(
     if single := _single_level(levels, intra, inter):
         return all_reduce(tensor, single[0], group=group, op=op, label=f"{label}.{single[1]}",
                           async_op=async_op)
+    check_agreement(group, "hierarchical_all_reduce", tensor.device, label=label,
+                    intra=intra.spec(), inter=inter.spec(), op=op,
+                    ranks_per_node=levels.ranks_per_node, **describe(tensor))
     n, L, numel = dist.get_world_size(group), levels.ranks_per_node, tensor.numel()
     m = -(-numel // L)
     if L * m == numel and tensor.is_contiguous():
