@@ -254,49 +254,15 @@ def plan_policy(c: ClusterSpec, j: JobSpec, policy: Policy) -> dict[str, Any]:
     out: dict[str, float] = {"compute_s": compute}
     codec_s = 0.0
 
-    # DP gradients
-    if j.dp == 1:
-        out["dp_grad_s"] = 0.0
-    elif j.zero_stage == 0:
-        out["dp_grad_s"], secs = _dp_all_reduce(c, j, policy, n_local, p_local)
-        codec_s += secs
-    elif policy.two_level() and n_local > 1 and j.dp // n_local > 1:
-        intra = policy.rule("dp", "grad", "intra")
-        inter = policy.rule("dp", "grad", "inter")
-        nodes = j.dp // n_local
-        t1 = all_to_all(n_local, n_local, wire_bytes(intra.codec, nodes * shard, 4), G).time(c)
-        t2 = all_to_all(nodes, 1, wire_bytes(inter.codec, shard, 4), G).time(c)
-        out["dp_grad_s"] = t1 + t2
-        codec_s += rule_seconds(c, intra, p_local, n_local * nodes * shard, 4)
-        codec_s += rule_seconds(c, inter, nodes * shard, nodes * shard, 4)
-    else:
-        rule = policy.rule("dp", "grad")
-        if policy.two_level():  # one node or one rank per node: one level
-            rule = policy.rule("dp", "grad", "intra" if j.dp == n_local else "inter")
-        if rule.exact:
-            passes = 2 if c.backend == "gloo" else 1
-            out["dp_grad_s"] = ring(j.dp, n_local, shard * j.grad_bytes, G, passes).time(c)
-        else:
-            out["dp_grad_s"] = all_to_all(j.dp, n_local, wire_bytes(rule.codec, shard, 4),
-                                          G).time(c)
-            codec_s += rule_seconds(c, rule, p_local, p_local, 4)
-
-    # DP weights (ZeRO-3 gathers them for forward and again for backward; DDP never)
-    prule: Rule = policy.rule("dp", "param")
+    # DP gradients, then weights (ZeRO-3 gathers them for forward and again for
+    # backward; DDP never)
+    stages, secs = _dp_grad_cost(c, j, policy, n_local, shard, p_local)
+    out["dp_grad_s"] = sum(t.time(c) for t in stages)
+    codec_s += secs
     gathers = {0: 0, 3: 2}.get(j.zero_stage, 1)
-    nodes = j.dp // n_local
-    if j.dp == 1 or gathers == 0:
-        out["dp_param_s"] = 0.0
-    elif prule.exact or nodes == 1 or n_local == 1:
-        pbytes = wire_bytes(prule.codec, shard, j.param_bytes)
-        out["dp_param_s"] = gathers * ring(j.dp, n_local, pbytes, G).time(c)
-        codec_s += gathers * rule_seconds(c, prule, shard, p_local, j.param_bytes)
-    else:  # two levels: codes across nodes once, updated weights inside the node
-        pbytes = wire_bytes(prule.codec, shard, j.param_bytes)
-        t = (ring(nodes, 1, pbytes, G).time(c)
-             + ring(n_local, n_local, nodes * shard * j.param_bytes, G).time(c))
-        out["dp_param_s"] = gathers * t
-        codec_s += gathers * rule_seconds(c, prule, shard, nodes * shard, j.param_bytes)
+    stages, secs = _dp_param_cost(c, j, policy, n_local, shard, p_local)
+    out["dp_param_s"] = gathers * sum(t.time(c) for t in stages)
+    codec_s += gathers * secs
 
     # TP all-reduces: 2 forward (act) + 2 backward (act_grad) per layer and micro-batch
     act_elems = j.micro_batch * j.seq * j.model.hidden
@@ -339,66 +305,77 @@ def plan_policy(c: ClusterSpec, j: JobSpec, policy: Policy) -> dict[str, Any]:
     }
 
 
-def _dp_all_reduce(c: ClusterSpec, j: JobSpec, policy: Policy, n_local: int,
-                   p_local: float) -> tuple[float, float]:
-    """(seconds on the links, codec seconds) of DDP's gradient all-reduce."""
+Cost = tuple[list[Traffic], float]  # link stages (run one after another), codec seconds
+
+
+def _dp_grad_cost(c: ClusterSpec, j: JobSpec, policy: Policy, n_local: int, shard: float,
+                  p_local: float) -> Cost:
+    """The gradient reduction commpress runs: DDP's all-reduce (``zero_stage=0``) or
+    ZeRO's reduce-scatter, one- or two-level."""
     G, nodes = c.gpus_per_node, j.dp // n_local
+    if j.dp == 1:
+        return [], 0.0
     if policy.two_level() and n_local > 1 and nodes > 1:
         intra = policy.rule("dp", "grad", "intra")
         inter = policy.rule("dp", "grad", "inter")
-        chunk = p_local / n_local
-        t = all_to_all(n_local, n_local, wire_bytes(intra.codec, chunk, 4), G).time(c)
-        t += compressed_all_reduce(nodes, 1, inter.codec, chunk, G).time(c)
-        t += ring(n_local, n_local, chunk * 4, G).time(c)
-        secs = rule_seconds(c, intra, p_local, p_local, 4)
-        secs += rule_seconds(c, inter, chunk, 2 * chunk, 4)
-        return t, secs
+        if j.zero_stage == 0:  # node sums: exact-or-intra in, across nodes, exact out
+            chunk = p_local / n_local
+            stages = [all_to_all(n_local, n_local, wire_bytes(intra.codec, chunk, 4), G),
+                      compressed_all_reduce(nodes, 1, inter.codec, chunk, G),
+                      ring(n_local, n_local, chunk * 4, G)]
+            return stages, (rule_seconds(c, intra, p_local, p_local, 4)
+                            + rule_seconds(c, inter, chunk, 2 * chunk, 4))
+        stages = [all_to_all(n_local, n_local, wire_bytes(intra.codec, nodes * shard, 4), G),
+                  all_to_all(nodes, 1, wire_bytes(inter.codec, shard, 4), G)]
+        return stages, (rule_seconds(c, intra, p_local, n_local * nodes * shard, 4)
+                        + rule_seconds(c, inter, nodes * shard, nodes * shard, 4))
     rule = policy.rule("dp", "grad")
-    if policy.two_level():
+    if policy.two_level():  # one node or one rank per node: one level
         rule = policy.rule("dp", "grad", "intra" if nodes == 1 else "inter")
-    if rule.exact:
-        return ring(j.dp, n_local, p_local / j.dp * j.grad_bytes, G, passes=2).time(c), 0.0
-    t = compressed_all_reduce(j.dp, n_local, rule.codec, p_local, G).time(c)
-    return t, rule_seconds(c, rule, p_local, 2 * p_local, 4)
+    if rule.exact:  # a ring; DDP's all-reduce and Gloo's reduce-scatter take two passes
+        passes = 2 if j.zero_stage == 0 or c.backend == "gloo" else 1
+        return [ring(j.dp, n_local, shard * j.grad_bytes, G, passes)], 0.0
+    if j.zero_stage == 0:
+        return ([compressed_all_reduce(j.dp, n_local, rule.codec, p_local, G)],
+                rule_seconds(c, rule, p_local, 2 * p_local, 4))
+    return ([all_to_all(j.dp, n_local, wire_bytes(rule.codec, shard, 4), G)],
+            rule_seconds(c, rule, p_local, p_local, 4))
+
+
+def _dp_param_cost(c: ClusterSpec, j: JobSpec, policy: Policy, n_local: int, shard: float,
+                   p_local: float) -> Cost:
+    """One all-gather of the weights; with several nodes a compressed one crosses them
+    once per shard and shares the updated weights inside the node."""
+    G, nodes = c.gpus_per_node, j.dp // n_local
+    if j.dp == 1 or j.zero_stage == 0:
+        return [], 0.0
+    rule: Rule = policy.rule("dp", "param")
+    pbytes = wire_bytes(rule.codec, shard, j.param_bytes)
+    if rule.exact or nodes == 1 or n_local == 1:
+        return ([ring(j.dp, n_local, pbytes, G)],
+                rule_seconds(c, rule, shard, p_local, j.param_bytes))
+    return ([ring(nodes, 1, pbytes, G),
+             ring(n_local, n_local, nodes * shard * j.param_bytes, G)],
+            rule_seconds(c, rule, shard, nodes * shard, j.param_bytes))
 
 
 def _break_even(c: ClusterSpec, j: JobSpec, policy: Policy, n_local: int, shard: float,
                 p_local: float) -> dict[str, float | None]:
-    """Per compressed DP codec: the node injection bandwidth below which it beats the
-    uncompressed collective (bytes it saves per node / its codec seconds), with the
+    """Per compressed DP collective: the node injection bandwidth below which it beats
+    the uncompressed one — the bytes it saves per node over its codec seconds, with the
     algorithms :func:`plan_policy` charges."""
     out: dict[str, float | None] = {}
-    if j.dp == 1:
-        return out
-    G, nodes = c.gpus_per_node, j.dp // n_local
-    two_level = policy.two_level() and n_local > 1 and nodes > 1
-    grad = policy.rule("dp", "grad", "inter" if policy.two_level() else None)
-    if not grad.exact:
-        if j.zero_stage == 0:  # DDP: ring all-reduce against the hook's all-reduce
-            none = ring(j.dp, n_local, shard * j.grad_bytes, G, passes=2).inter_bytes
-            if two_level:
-                chunk = p_local / n_local
-                comp = compressed_all_reduce(nodes, 1, grad.codec, chunk, G).inter_bytes
-                secs = rule_seconds(c, grad, chunk, 2 * chunk, 4)
-            else:
-                comp = compressed_all_reduce(j.dp, n_local, grad.codec, p_local, G).inter_bytes
-                secs = rule_seconds(c, grad, p_local, 2 * p_local, 4)
-        else:
-            passes = 2 if c.backend == "gloo" else 1
-            none = ring(j.dp, n_local, shard * j.grad_bytes, G, passes).inter_bytes
-            w = wire_bytes(grad.codec, shard, 4)
-            comp = (all_to_all(nodes, 1, w, G) if two_level
-                    else all_to_all(j.dp, n_local, w, G)).inter_bytes
-            secs = rule_seconds(c, grad, p_local, p_local, 4)
-        out[f"dp.grad={grad.codec}"] = _bandwidth(none - comp, secs)
-    param = policy.rule("dp", "param")
-    if not param.exact and j.zero_stage != 0:
-        none = ring(j.dp, n_local, shard * j.param_bytes, G).inter_bytes
-        w = wire_bytes(param.codec, shard, j.param_bytes)
-        comp = (ring(nodes, 1, w, G) if nodes > 1 and n_local > 1
-                else ring(j.dp, n_local, w, G)).inter_bytes
-        secs = rule_seconds(c, param, shard, p_local, j.param_bytes)
-        out[f"dp.param={param.codec}"] = _bandwidth(none - comp, secs)
+    none = Policy.preset("none")
+    rules = {"dp.grad": (policy.rule("dp", "grad", "inter" if policy.two_level() else None),
+                         _dp_grad_cost),
+             "dp.param": (policy.rule("dp", "param"), _dp_param_cost)}
+    for label, (rule, cost) in rules.items():
+        stages, secs = cost(c, j, policy, n_local, shard, p_local)
+        if rule.exact or not stages:
+            continue
+        base, _ = cost(c, j, none, n_local, shard, p_local)
+        saved = sum(t.inter_bytes for t in base) - sum(t.inter_bytes for t in stages)
+        out[f"{label}={rule.codec}"] = _bandwidth(saved, secs)
     return out
 
 
