@@ -70,3 +70,10 @@ def paired_deltas(rows: list[dict], policy: str, layout: str = "", base: str = "
     if not d:
         return float("nan"), float("nan")
     return statistics.mean(d), statistics.stdev(d) if len(d) > 1 else 0.0
+
+
+def loss_cells(a: dict, ref: dict, paired: tuple[float, float]) -> str:
+    """Table cells ``mean ± std | vs reference | paired Δ ± std`` of one aggregate."""
+    d, sd = paired
+    return (f"{a['mean']:.4f} ± {a['std']:.4f} | {a['mean'] / ref['mean'] - 1:+.2%} | "
+            f"{d:+.4f} ± {sd:.4f}")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from _common import RESULTS, TrainConfig, aggregate, paired_deltas, run_grid
+from _common import RESULTS, TrainConfig, aggregate, loss_cells, paired_deltas, run_grid
 
 HOOKS = {  # name → (train options, policy)
     "allreduce": ({"engine": "ddp", "ddp_hook": "allreduce"}, "none"),
@@ -35,14 +35,13 @@ def main() -> None:
         for r in run_grid(f"ddp_loss_seeds_{args.steps}", base, [policy], seeds, [layout]):
             rows.append({**r, "layout": "", "policy": name})
     agg = aggregate(rows)
-    ref = agg[("", "allreduce")]["mean"]
+    ref = agg[("", "allreduce")]
     lines = ["| hook | val loss (mean ± std) | vs all-reduce | paired Δ vs all-reduce | seeds |",
              "|---|---|---|---|---|"]
     for name in HOOKS:
         a = agg[("", name)]
-        d, sd = paired_deltas(rows, name, "", base="allreduce")
-        lines.append(f"| {name} | {a['mean']:.4f} ± {a['std']:.4f} | {a['mean'] / ref - 1:+.2%} "
-                     f"| {d:+.4f} ± {sd:.4f} | {a['n']} |")
+        paired = paired_deltas(rows, name, "", base="allreduce")
+        lines.append(f"| {name} | {loss_cells(a, ref, paired)} | {a['n']} |")
     text = "\n".join(lines) + "\n"
     with open(os.path.join(RESULTS, f"ddp_loss_seeds_{args.steps}.md"), "w") as f:
         f.write(text)

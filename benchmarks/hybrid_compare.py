@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from _common import RESULTS, TrainConfig, aggregate, paired_deltas, run_grid
+from _common import RESULTS, TrainConfig, aggregate, loss_cells, paired_deltas, run_grid
 
 POLICIES = ["none", "naive", "hybrid", "sdp4bit", "zeropp"]
 LAYOUTS = [{"dp": 2, "tp": 2, "pp": 1}, {"dp": 2, "tp": 1, "pp": 2}]
@@ -39,13 +39,11 @@ def main() -> None:
                   "|---|---|---|---|---|---|---|"]
         for p in POLICIES:
             a = agg[(layout, p)]
-            gap = a["mean"] - none["mean"]
-            dm, ds = paired_deltas(rows, p, layout)
             axes = {ax: sum(v for k, v in a["wire"].items() if k.startswith(ax)) / 1e6
                     for ax in ("dp", "tp", "pp")}
             bits = ", ".join(f"{k} {v:.2f}" for k, v in sorted(a["bits"].items()))
-            lines.append(f"| {p} | {a['mean']:.4f} ± {a['std']:.4f} | "
-                         f"{gap / none['mean']:+.2%} | {dm:+.4f} ± {ds:.4f} | {a['step_ms']:.0f} | "
+            lines.append(f"| {p} | {loss_cells(a, none, paired_deltas(rows, p, layout))} | "
+                         f"{a['step_ms']:.0f} | "
                          f"{axes['dp']:.0f} / {axes['tp']:.0f} / {axes['pp']:.0f} | {bits} |")
     text = "\n".join(lines) + "\n"
     with open(os.path.join(RESULTS, f"{name}.md"), "w") as f:

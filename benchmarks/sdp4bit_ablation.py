@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from _common import RESULTS, TrainConfig, aggregate, paired_deltas, run_grid
+from _common import RESULTS, TrainConfig, aggregate, loss_cells, paired_deltas, run_grid
 
 PAPER = {  # final validation loss, GPT on the Pile (Jia et al., NeurIPS 2024, Table 2)
     "125M": {"none": 2.2939, "qw": 2.5731, "qwd": 2.2927, "tlq": 2.3048, "tlqhs": 2.2953,
@@ -40,12 +40,9 @@ def main() -> None:
              "paper 125M | paper 350M | wire bits/elem |", "|---|---|---|---|---|---|---|"]
     for p in POLICIES:
         a = agg[(p,)]
-        gap = a["mean"] - none["mean"]
-        dm, ds = paired_deltas(rows, p)
         bits = ", ".join(f"{k} {v:.2f}" for k, v in sorted(a["bits"].items()))
-        lines.append(f"| {p} | {a['mean']:.4f} ± {a['std']:.4f} | {gap / none['mean']:+.2%} | "
-                     f"{dm:+.4f} ± {ds:.4f} | {PAPER['125M'][p]:.4f} | {PAPER['350M'][p]:.4f} | "
-                     f"{bits} |")
+        lines.append(f"| {p} | {loss_cells(a, none, paired_deltas(rows, p))} | "
+                     f"{PAPER['125M'][p]:.4f} | {PAPER['350M'][p]:.4f} | {bits} |")
     text = "\n".join(lines) + "\n"
     with open(os.path.join(RESULTS, f"sdp4bit_ablation_{args.model}_{args.steps}.md"), "w") as f:
         f.write(text)
