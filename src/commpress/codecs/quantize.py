@@ -71,6 +71,11 @@ class _GroupQuantizer(Codec):
     def torch_scale_dtype(self) -> torch.dtype:
         return SCALE_DTYPES[self.scale_dtype]
 
+    @property
+    def bit_packed(self) -> bool:
+        """Codes packed ``8 // bits`` per byte, as the fused kernels read and write them."""
+        return True
+
     def next_keys(self, stream: int) -> tuple[int, int] | None:
         """Keys of this encode call's random stream (None for nearest rounding)."""
         calls = self._calls
@@ -140,6 +145,10 @@ class Int2(_GroupQuantizer):
         super().__post_init__()
         if self.packing not in ("bits", "trits"):
             raise option_error(self.name, "packing", self.packing, "allowed: bits, trits")
+
+    @property
+    def bit_packed(self) -> bool:
+        return self.packing == "bits"
 
     def encode(self, x: torch.Tensor, *, stream: int = 0) -> Packet:
         if self.packing == "bits":

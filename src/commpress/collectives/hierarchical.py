@@ -73,8 +73,7 @@ def _single_level(levels, intra, inter) -> tuple | None:
 
 def _fusable(intra, inter) -> bool:
     return (isinstance(intra, _GroupQuantizer) and isinstance(inter, _GroupQuantizer)
-            and intra.hadamard == inter.hadamard
-            and getattr(intra, "packing", "bits") == getattr(inter, "packing", "bits") == "bits")
+            and intra.hadamard == inter.hadamard and intra.bit_packed and inter.bit_packed)
 
 
 def hierarchical_reduce_scatter(
