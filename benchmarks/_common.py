@@ -77,3 +77,13 @@ def loss_cells(a: dict, ref: dict, paired: tuple[float, float]) -> str:
     d, sd = paired
     return (f"{a['mean']:.4f} ± {a['std']:.4f} | {a['mean'] / ref['mean'] - 1:+.2%} | "
             f"{d:+.4f} ± {sd:.4f}")
+
+
+def write_markdown(filename: str, lines: list[str]) -> str:
+    """Write ``lines`` to ``RESULTS/filename``, print them, return the text."""
+    text = "\n".join(lines) + "\n"
+    os.makedirs(RESULTS, exist_ok=True)
+    with open(os.path.join(RESULTS, filename), "w") as f:
+        f.write(text)
+    print(text)
+    return text

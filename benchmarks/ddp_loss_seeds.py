@@ -10,9 +10,15 @@ with plain all-reduce seed by seed. Writes results/ddp_loss_seeds.md.
 from __future__ import annotations
 
 import argparse
-import os
 
-from _common import RESULTS, TrainConfig, aggregate, loss_cells, paired_deltas, run_grid
+from _common import (
+    TrainConfig,
+    aggregate,
+    loss_cells,
+    paired_deltas,
+    run_grid,
+    write_markdown,
+)
 
 HOOKS = {  # name → (train options, policy)
     "allreduce": ({"engine": "ddp", "ddp_hook": "allreduce"}, "none"),
@@ -42,10 +48,7 @@ def main() -> None:
         a = agg[("", name)]
         paired = paired_deltas(rows, name, "", base="allreduce")
         lines.append(f"| {name} | {loss_cells(a, ref, paired)} | {a['n']} |")
-    text = "\n".join(lines) + "\n"
-    with open(os.path.join(RESULTS, f"ddp_loss_seeds_{args.steps}.md"), "w") as f:
-        f.write(text)
-    print(text)
+    write_markdown(f"ddp_loss_seeds_{args.steps}.md", lines)
 
 
 if __name__ == "__main__":

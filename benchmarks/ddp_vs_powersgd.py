@@ -11,10 +11,9 @@ Needs root and iproute2.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 
-from _common import RESULTS
+from _common import write_markdown
 from testbed_peers import CONFIGS, shaped_step_time
 
 PAIR = ("ddp PowerSGD rank 4", "ddp commpress int2ef")
@@ -38,10 +37,7 @@ def main() -> None:
         med = statistics.median(ts)
         lines.append(f"| {name} | {', '.join(f'{t:.3f}' for t in ts)} | {med:.3f} | "
                      f"{med / ref - 1:+.1%} |")
-    text = "\n".join(lines) + "\n"
-    with open(os.path.join(RESULTS, "ddp_vs_powersgd.md"), "w") as f:
-        f.write(text)
-    print(text)
+    write_markdown("ddp_vs_powersgd.md", lines)
 
 
 if __name__ == "__main__":

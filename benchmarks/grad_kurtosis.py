@@ -12,10 +12,9 @@ and without a Hadamard-128 rotation. Writes benchmarks/results/grad_kurtosis.md.
 from __future__ import annotations
 
 import argparse
-import os
 
 import torch
-from _common import RESULTS
+from _common import write_markdown
 
 from commpress.codecs import codec
 from commpress.model.gpt import GPT, config_from_preset
@@ -67,11 +66,7 @@ def main() -> None:
     for step, key, n, k, e0, e1 in rows:
         lines.append(f"| {step} | {key} | {n:,} | {k:.1f} | {e0:.4f} | {e1:.4f} | "
                      f"{e1 / e0:.2f} |")
-    text = "\n".join(lines) + "\n"
-    os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "grad_kurtosis.md"), "w") as f:
-        f.write(text)
-    print(text)
+    write_markdown("grad_kurtosis.md", lines)
 
 
 if __name__ == "__main__":

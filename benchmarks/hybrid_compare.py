@@ -9,9 +9,15 @@ nodes). Writes benchmarks/results/hybrid_compare_<model>_<steps>.md.
 from __future__ import annotations
 
 import argparse
-import os
 
-from _common import RESULTS, TrainConfig, aggregate, loss_cells, paired_deltas, run_grid
+from _common import (
+    TrainConfig,
+    aggregate,
+    loss_cells,
+    paired_deltas,
+    run_grid,
+    write_markdown,
+)
 
 POLICIES = ["none", "naive", "hybrid", "sdp4bit", "zeropp"]
 LAYOUTS = [{"dp": 2, "tp": 2, "pp": 1}, {"dp": 2, "tp": 1, "pp": 2}]
@@ -45,10 +51,7 @@ def main() -> None:
             lines.append(f"| {p} | {loss_cells(a, none, paired_deltas(rows, p, layout))} | "
                          f"{a['step_ms']:.0f} | "
                          f"{axes['dp']:.0f} / {axes['tp']:.0f} / {axes['pp']:.0f} | {bits} |")
-    text = "\n".join(lines) + "\n"
-    with open(os.path.join(RESULTS, f"{name}.md"), "w") as f:
-        f.write(text)
-    print(text)
+    write_markdown(f"{name}.md", lines)
 
 
 if __name__ == "__main__":

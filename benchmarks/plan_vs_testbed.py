@@ -27,7 +27,7 @@ import argparse
 import json
 import os
 
-from _common import RESULTS
+from _common import RESULTS, write_markdown
 from testbed_peers import CONFIGS
 
 from commpress.plan.cost import ClusterSpec, JobSpec, load_codec_throughput, plan_policy
@@ -112,10 +112,7 @@ def main() -> None:
         within = sum(e <= 0.25 for e in errs)
         lines.append(f"{label}: {within} of {len(errs)} predictions within ±25% "
                      f"(median error {sorted(errs)[len(errs) // 2]:.0%}).")
-    text = "\n".join(lines) + "\n"
-    with open(os.path.join(RESULTS, "plan_vs_testbed.md"), "w") as f:
-        f.write(text)
-    print(text)
+    write_markdown("plan_vs_testbed.md", lines)
 
 
 if __name__ == "__main__":

@@ -9,9 +9,15 @@ next to the paper's numbers, and says which gaps exceed the seed spread.
 from __future__ import annotations
 
 import argparse
-import os
 
-from _common import RESULTS, TrainConfig, aggregate, loss_cells, paired_deltas, run_grid
+from _common import (
+    TrainConfig,
+    aggregate,
+    loss_cells,
+    paired_deltas,
+    run_grid,
+    write_markdown,
+)
 
 PAPER = {  # final validation loss, GPT on the Pile (Jia et al., NeurIPS 2024, Table 2)
     "125M": {"none": 2.2939, "qw": 2.5731, "qwd": 2.2927, "tlq": 2.3048, "tlqhs": 2.2953,
@@ -43,10 +49,7 @@ def main() -> None:
         bits = ", ".join(f"{k} {v:.2f}" for k, v in sorted(a["bits"].items()))
         lines.append(f"| {p} | {loss_cells(a, none, paired_deltas(rows, p))} | "
                      f"{PAPER['125M'][p]:.4f} | {PAPER['350M'][p]:.4f} | {bits} |")
-    text = "\n".join(lines) + "\n"
-    with open(os.path.join(RESULTS, f"sdp4bit_ablation_{args.model}_{args.steps}.md"), "w") as f:
-        f.write(text)
-    print(text)
+    write_markdown(f"sdp4bit_ablation_{args.model}_{args.steps}.md", lines)
 
 
 if __name__ == "__main__":

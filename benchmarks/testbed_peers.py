@@ -20,7 +20,7 @@ import os
 import subprocess
 import sys
 
-from _common import RESULTS, TrainConfig, train
+from _common import RESULTS, TrainConfig, train, write_markdown
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CONFIGS = {  # name → train options (as in `commpress train`)
@@ -126,10 +126,7 @@ def report(res: dict, bws: list[str]) -> None:
               else "-")
         times = " | ".join(f"{r.get('step_s', {}).get(b, float('nan')):.2f}" for b in bws)
         lines.append(f"| {name} | {r.get('val_loss', float('nan')):.4f} | {vs} | {times} | {sp} |")
-    text = "\n".join(lines) + "\n"
-    with open(os.path.join(RESULTS, "testbed_peers.md"), "w") as f:
-        f.write(text)
-    print(text)
+    write_markdown("testbed_peers.md", lines)
     fig, ax = plt.subplots(figsize=(7, 4.5))
     mbits = [float(b.removesuffix("mbit")) for b in bws]
     for name, r in res.items():
