@@ -17,12 +17,14 @@ from commpress.codecs import (
 )
 from commpress.collectives import (
     CollectiveMismatchError,
+    CollectiveTimeoutError,
     Handle,
     P2POp,
     Topology,
     all_gather,
     all_reduce,
     batch_isend_irecv,
+    delta_all_gather,
     hierarchical_all_gather,
     hierarchical_all_reduce,
     hierarchical_reduce_scatter,
@@ -39,6 +41,7 @@ from commpress.integrations import (
     NonFiniteGradientError,
     ShardedOptimizer,
     ddp_hook,
+    fsdp,
 )
 from commpress.policy import Policy, Rule, list_presets
 
@@ -51,14 +54,17 @@ __all__ = [
     "Rule",
     "ShardedOptimizer",
     "ddp_hook",
+    "fsdp",
     "list_presets",
     "CollectiveMismatchError",
+    "CollectiveTimeoutError",
     "Handle",
     "P2POp",
     "Topology",
     "all_gather",
     "all_reduce",
     "batch_isend_irecv",
+    "delta_all_gather",
     "hierarchical_all_gather",
     "hierarchical_all_reduce",
     "hierarchical_reduce_scatter",

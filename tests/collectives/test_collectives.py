@@ -125,11 +125,11 @@ def test_two_level_all_reduce_sends_node_sums_once(world, rpn):
 def test_mismatched_shapes_raise_on_every_rank_not_hang():
     messages = spawn(workers.mismatched_shapes, 3, timeout=60)
     for m in messages:
-        assert "ranks disagree" in m and "rank 1: shape=(101,) (rank 0: (100,))" in m, m
-        assert "rank 2: shape=(102,)" in m
+        assert "ranks disagree" in m, m
+        assert "tensor.numel differs (rank 0: 100; rank 1: 101; rank 2: 102)" in m, m
     # the two-level all-reduce checks the whole group before its exact intra stage
     for m in spawn(workers.mismatched_shapes, 4, (True,), timeout=60):
-        assert "hierarchical_all_reduce" in m and "rank 3: shape=(103,)" in m, m
+        assert "hierarchical_all_reduce" in m and "rank 3: 103" in m, m
 
 
 @pytest.mark.parametrize("spec", ["topk:ratio=0.2", "zfp:rate=12"])

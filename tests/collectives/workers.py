@@ -88,15 +88,16 @@ def hierarchical(rank, world, ranks_per_node, numel):
     commpress.reset_stats()
     topo = commpress.Topology(ranks_per_node)
     out = torch.empty(numel)
-    commpress.hierarchical_reduce_scatter(out, x, "int8:hadamard=128", "int4:hadamard=128",
+    commpress.hierarchical_reduce_scatter(out, x, intra="int8:hadamard=128",
+                                          inter="int4:hadamard=128",
                                           topology=topo, op="sum", label="dp.grad")
     c = commpress.codec("int4:hadamard=128")
     single = _rel(c.decode(c.encode(x)), x)
     # the generic path (an error-feedback wrapper is not fusable) gives a comparable result
     out_generic = torch.empty(numel)
     commpress.hierarchical_reduce_scatter(
-        out_generic, x, commpress.ErrorFeedback(commpress.codec("int8:hadamard=128")),
-        "int4:hadamard=128", topology=topo, op="sum", label="generic")
+        out_generic, x, intra=commpress.ErrorFeedback(commpress.codec("int8:hadamard=128")),
+        inter="int4:hadamard=128", topology=topo, op="sum", label="generic")
     return {"err": _rel(out, exact), "single": single, "stats": commpress.stats(),
             "err_generic": _rel(out_generic, exact)}
 
@@ -106,14 +107,14 @@ def hierarchical_gather(rank, world, ranks_per_node, numel):
     x = _data(rank, numel, torch.float32, seed=6)
     commpress.reset_stats()
     out = torch.empty(world * numel)
-    commpress.hierarchical_all_gather(out, x, "int4", topology=commpress.Topology(ranks_per_node),
-                                      label="g")
+    commpress.hierarchical_all_gather(out, x, inter="int4",
+                                      topology=commpress.Topology(ranks_per_node), label="g")
     # what a flat compressed all-gather decodes from the same codes
     flat = torch.empty(world * numel)
     commpress.all_gather(flat, x, "int4", label="flat")
     exact = torch.empty(world * numel)
     all_gather_single(exact, x, None)
-    handle = commpress.hierarchical_all_gather(torch.empty(world * numel), x, "int4",
+    handle = commpress.hierarchical_all_gather(torch.empty(world * numel), x, inter="int4",
                                                topology=commpress.Topology(ranks_per_node),
                                                label="g_async", async_op=True)
     return {"digest": _digest(out), "equal_flat": torch.equal(out, flat),
@@ -127,7 +128,7 @@ def hierarchical_all_reduce(rank, world, ranks_per_node, numel, inter):
     dist.all_reduce(exact)
     commpress.reset_stats()
     out = x.clone()
-    commpress.hierarchical_all_reduce(out, "none", inter,
+    commpress.hierarchical_all_reduce(out, intra="none", inter=inter,
                                       topology=commpress.Topology(ranks_per_node), op="sum",
                                       label="h")
     c = commpress.codec(inter)
@@ -139,7 +140,7 @@ def mismatched_shapes(rank, world, two_level=False):
     x = torch.randn(100 + rank)  # every rank a different size
     try:
         if two_level:  # ranks 0 and 1 share a node: their all-to-all would break first
-            commpress.hierarchical_all_reduce(x, "none", "int4",
+            commpress.hierarchical_all_reduce(x, intra="none", inter="int4",
                                               topology=commpress.Topology(2), label="grads")
         else:
             commpress.all_reduce(x, "int4", label="grads")

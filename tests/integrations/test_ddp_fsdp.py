@@ -13,8 +13,9 @@ def test_ddp_hook_tracks_uncompressed_training():
     plain = spawn(workers.ddp_hook_training, 2, (None, steps))
     exact = spawn(workers.ddp_hook_training, 2, ("none", steps))
     hybrid = spawn(workers.ddp_hook_training, 4, ("sdp4bit", steps), ranks_per_node=2)
-    # the hook with the exact codec is DDP's own averaging
-    assert _close(exact[0]["losses"], plain[0]["losses"], 1e-5)
+    # the hook with the exact codec is DDP's own averaging, bit for bit (a division by a
+    # power of two commutes with the sum)
+    assert [r["hashes"] for r in exact] == [r["hashes"] for r in plain]
     # 4-bit gradients: within a few percent of the loss along the way
     plain4 = spawn(workers.ddp_hook_training, 4, (None, steps), ranks_per_node=2)
     assert _close(hybrid[0]["losses"], plain4[0]["losses"], 0.03)
@@ -48,15 +49,15 @@ def test_fsdp2_compressed_collectives_track_uncompressed_training():
     assert stats["dp.param"]["calls"] > 0 and stats["dp.grad.intra"]["calls"] > 0
 
 
-def test_ddp_hook_with_error_feedback_survives_the_bucket_rebuild():
-    # DDP re-buckets after its first iteration: per-bucket residuals must follow sizes
+def test_ddp_hook_buckets_do_not_follow_ddp_rebuckets():
+    # DDP hands the whole model as one bucket in its first iteration and re-buckets
+    # after it; the hook compresses its own fixed buckets of named parameters throughout
     policy = {"name": "ef", "dp": {"grad": {"intra": "int8",
                                             "inter": {"codec": "int2", "error_feedback": True}}}}
     ranks = spawn(workers.ddp_hook_training, 4, (policy, 4), ranks_per_node=2)
     for step in range(4):
         assert len({r["hashes"][step] for r in ranks}) == 1
-    # the first iteration's single bucket is forgotten once its index changes size:
-    # one set of codecs (and residuals) per current bucket, none pinned from before
-    keys = ranks[0]["hook_keys"]
-    indices = [k.split(":")[0] for k in keys]
-    assert len(keys) > 1 and len(set(indices)) == len(indices), keys
+    layout = ranks[0]["layout"]
+    names = [n for bucket in layout for n in bucket]
+    assert len(layout) > 1 and len(names) == len(set(names)), layout
+    assert all(r["layout"] == layout for r in ranks)

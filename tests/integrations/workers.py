@@ -123,20 +123,18 @@ def ddp_hook_training(rank, world, policy, steps, overlap=True):
     model = DDP(_model(), bucket_cap_mb=0.1)
     state = None
     if policy is not None:
-        state, hook = commpress.ddp_hook(policy, overlap=overlap)
+        state, hook = commpress.ddp_hook(model, policy, overlap=overlap, bucket_numel=25_000)
         model.register_comm_hook(state, hook)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     hashes = []
     losses = train_steps(model.module if False else model, opt, data, rank, world, 0, steps,
                          hashes)
     return {"losses": losses, "hashes": hashes,
-            "hook_keys": sorted(state.codecs) if state is not None else []}
+            "layout": [b.names for b in state.buckets] if state is not None else []}
 
 
 def fsdp_training(rank, world, policy, steps):
     from torch.distributed.fsdp import fully_shard
-
-    import commpress.fsdp
 
     data = _data()
     model = _model()

@@ -44,7 +44,8 @@ def test_cli_reports_bad_input_without_traceback(capsys):
 
 def test_dtype_mismatch_across_ranks():
     for msg in spawn(workers.mismatched_dtype, 2):
-        assert "ranks disagree" in msg and "dtype=bfloat16 (rank 0: float32)" in msg
+        assert "ranks disagree" in msg, msg
+        assert "input.dtype differs (rank 0: float32; rank 1: bfloat16)" in msg, msg
 
 
 TINY = dict(model="gpt-tiny", steps=2, batch_size=8, seq_len=32, eval_every=0, eval_batches=1,

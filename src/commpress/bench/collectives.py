@@ -60,7 +60,8 @@ def _worker(rank: int, world: int, numel: int, codecs: list[str], rpn: int | Non
                              ("int8", "int4")]:
             commpress.reset_stats()
             seconds = _time(lambda intra=intra, inter=inter: commpress.hierarchical_reduce_scatter(
-                torch.empty(m), x[: m * world], intra, inter, topology=topo, label="h"), iters)
+                torch.empty(m), x[: m * world], intra=intra, inter=inter, topology=topo,
+                label="h"), iters)
             s = commpress.stats()
             wire = sum(v["wire_bytes"] for v in s.values()) / (iters + 1)
             rows.append({"collective": "two_level_reduce_scatter", "codec": f"{intra} / {inter}",

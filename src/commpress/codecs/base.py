@@ -22,6 +22,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from commpress.kernels.reference import sum_rows
+
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -71,13 +73,33 @@ class Codec:
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = FLOAT_DTYPES
 
     # -- the contract ---------------------------------------------------------
-    def encode(self, x: torch.Tensor, *, stream: int = 0) -> Packet:
-        """Encode ``x``. ``stream`` separates random streams (e.g. by rank)."""
+    def encode(self, x: torch.Tensor, *, rng_stream: int = 0) -> Packet:
+        """Encode ``x``. ``rng_stream`` separates stochastic-rounding random streams
+        (a collective passes the rank, so ranks draw independent noise); it is not a
+        CUDA stream: encoding runs on the current one."""
         raise NotImplementedError(f"{type(self).__name__} must implement encode")
 
     def decode(self, packet: Packet, out: torch.Tensor | None = None) -> torch.Tensor:
         """Decode to a tensor of the packet's shape and dtype (into ``out`` if given)."""
         raise NotImplementedError(f"{type(self).__name__} must implement decode")
+
+    def decode_sum(self, packet: Packet) -> torch.Tensor:
+        """Decode a packet of ``k`` equal chunks (shape ``(k, m)``) and sum the chunks in
+        fp32, in row order → ``(m,)``. Codecs whose decode ends in a linear step (the
+        inverse Hadamard) override it to take that step once, after the sum."""
+        k = packet.shape[0]
+        values = self.decode(Packet(packet.tensors, packet.numel, packet.shape, torch.float32))
+        return sum_rows(values.view(k, -1))
+
+    def requantizes_into(self, other: Codec) -> bool:
+        """Whether :meth:`sum_requantize` can re-encode this codec's packets as ``other``'s
+        without decoding to plain values (same rotation, bit-packed codes)."""
+        return False
+
+    def sum_requantize(self, packet: Packet, into: Codec, *, rng_stream: int = 0) -> Packet:
+        """Sum the ``k`` chunks of ``packet`` and encode the sum with ``into`` in one fused
+        step (the middle of a two-level reduce-scatter); see :meth:`requantizes_into`."""
+        raise NotImplementedError(f"{self.spec()} cannot re-encode into {into.spec()} directly")
 
     def packet_layout(self, numel: int, dtype: torch.dtype) -> list[tuple[torch.dtype, int]]:
         """``(dtype, count)`` of each packet tensor, for fixed-rate codecs."""
@@ -96,7 +118,7 @@ class Codec:
         """Exact bytes the packet of ``numel`` elements puts on the wire (None if variable)."""
         if not self.fixed_rate:
             return None
-        return sum(count * _itemsize(dt) for dt, count in self.packet_layout(numel, dtype))
+        return sum(count * itemsize(dt) for dt, count in self.packet_layout(numel, dtype))
 
     def bits_per_element(self, numel: int, dtype: torch.dtype = torch.float32) -> float | None:
         wb = self.wire_bytes(numel, dtype)
@@ -110,9 +132,9 @@ class Codec:
             return Packet((buf,), numel, tuple(shape), dtype)
         tensors, offset = [], 0
         for dt, count in self.packet_layout(numel, dtype):
-            nbytes = count * _itemsize(dt)
+            nbytes = count * itemsize(dt)
             part = buf[offset : offset + nbytes]
-            if part.storage_offset() % _itemsize(dt):
+            if part.storage_offset() % itemsize(dt):
                 part = part.clone()  # a byte slice must be aligned to be viewed as ``dt``
             tensors.append(part.view(dt))
             offset += nbytes
@@ -151,7 +173,8 @@ class Codec:
         return f"codec({self.spec()!r})"
 
 
-def _itemsize(dtype: torch.dtype) -> int:
+def itemsize(dtype: torch.dtype) -> int:
+    """Bytes per element of ``dtype``."""
     return torch.empty((), dtype=dtype).element_size()
 
 
@@ -302,4 +325,5 @@ __all__ = [
     "packet_to_bytes",
     "parse_spec",
     "register_codec",
+    "sum_rows",
 ]

@@ -24,7 +24,7 @@ class NoCompression(Codec):
     name: ClassVar[str] = "none"
     lossless: ClassVar[bool] = True
 
-    def encode(self, x: torch.Tensor, *, stream: int = 0) -> Packet:
+    def encode(self, x: torch.Tensor, *, rng_stream: int = 0) -> Packet:
         self.check_input(x)
         return Packet((x.reshape(-1).contiguous(),), x.numel(), tuple(x.shape), x.dtype)
 
@@ -39,7 +39,7 @@ class NoCompression(Codec):
 class _Cast(Codec):
     wire_dtype: ClassVar[torch.dtype]
 
-    def encode(self, x: torch.Tensor, *, stream: int = 0) -> Packet:
+    def encode(self, x: torch.Tensor, *, rng_stream: int = 0) -> Packet:
         self.check_input(x)
         flat = x.reshape(-1).to(self.wire_dtype).contiguous()
         return Packet((flat,), x.numel(), tuple(x.shape), x.dtype)

@@ -44,23 +44,35 @@ class Delta:
     def wire_bytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int | None:
         return self.codec.wire_bytes(numel, dtype)
 
-    def encode(self, x: torch.Tensor, *, reference: torch.Tensor, stream: int = 0) -> Packet:
+    @staticmethod
+    def difference(x: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+        """``Δ = x − reference`` in fp32: what qWD encodes."""
         if x.shape != reference.shape:
             raise ValueError(f"Delta: x shape {tuple(x.shape)} != reference shape "
                              f"{tuple(reference.shape)}")
-        diff = x.float() - reference.float()
-        packet = self.codec.encode(diff, stream=stream)
+        return x.float() - reference.float()
+
+    @staticmethod
+    def apply(reference: torch.Tensor, diff: torch.Tensor,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+        """``reference + Δ̂`` summed in fp32, cast to the reference's dtype — the same bits
+        on every rank that holds the same reference and codes. ``out`` may alias it."""
+        result = (reference.float() + diff.view(reference.shape)).to(reference.dtype)
+        if out is None:
+            return result
+        out.copy_(result)
+        return out
+
+    def encode(self, x: torch.Tensor, *, reference: torch.Tensor,
+               rng_stream: int = 0) -> Packet:
+        packet = self.codec.encode(self.difference(x, reference), rng_stream=rng_stream)
         return Packet(packet.tensors, packet.numel, packet.shape, reference.dtype)
 
     def decode(self, packet: Packet, *, reference: torch.Tensor,
                out: torch.Tensor | None = None) -> torch.Tensor:
         """``reference + Δ̂`` (fp32 sum, cast to the reference's dtype); ``out`` may alias it."""
         diff = self.codec.decode(Packet(packet.tensors, packet.numel, packet.shape, torch.float32))
-        result = (reference.float() + diff.view(reference.shape)).to(reference.dtype)
-        if out is None:
-            return result
-        out.copy_(result)
-        return out
+        return self.apply(reference, diff, out)
 
     def state_dict(self) -> dict:
         return {"codec": self.codec.state_dict()}

@@ -61,7 +61,7 @@ class ErrorFeedback:
                           dtype: torch.dtype) -> Packet:
         return self.codec.packet_from_bytes(buf, numel, shape, dtype)
 
-    def encode(self, x: torch.Tensor, *, key: str = "default", stream: int = 0) -> Packet:
+    def encode(self, x: torch.Tensor, *, key: str = "default", rng_stream: int = 0) -> Packet:
         """Encode ``x + residual[key]`` and update the residual."""
         old = self.residuals.get(key)
         if old is not None and old.shape != x.shape:
@@ -69,7 +69,7 @@ class ErrorFeedback:
                              f"from the residual's {tuple(old.shape)}")
         compensated = x.float() + old if old is not None else x.float().clone()
         # the cast to x's dtype is part of what is lost: the residual includes it
-        packet = self.codec.encode(compensated.to(x.dtype), stream=stream)
+        packet = self.codec.encode(compensated.to(x.dtype), rng_stream=rng_stream)
         new = compensated.sub_(self.codec.decode(packet).float())  # in place: one pass
         # a sum is finite iff every term is (or it overflowed: then the exact check runs)
         if not math.isfinite(new.sum().item()):  # rare: keep the old memory there
@@ -79,6 +79,12 @@ class ErrorFeedback:
 
     def decode(self, packet: Packet, out: torch.Tensor | None = None) -> torch.Tensor:
         return self.codec.decode(packet, out)
+
+    def decode_sum(self, packet: Packet) -> torch.Tensor:
+        return self.codec.decode_sum(packet)
+
+    def requantizes_into(self, other: Codec) -> bool:
+        return False  # the residual needs the decoded values of what is sent
 
     def state_dict(self) -> dict[str, Any]:
         return {"codec": self.codec.state_dict(),

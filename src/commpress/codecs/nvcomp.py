@@ -53,7 +53,7 @@ class NvComp(Codec):
             cache[dev] = nvc.Codec(algorithm=ALGORITHMS[self.algorithm])
         return nvc, cache[dev]
 
-    def encode(self, x: torch.Tensor, *, stream: int = 0) -> Packet:
+    def encode(self, x: torch.Tensor, *, rng_stream: int = 0) -> Packet:
         self.check_input(x)
         if not x.is_cuda:
             raise ValueError(f"codec 'nvcomp' needs a CUDA tensor; got device {x.device}. "

@@ -76,19 +76,19 @@ class _GroupQuantizer(Codec):
         """Codes packed ``8 // bits`` per byte, as the fused kernels read and write them."""
         return True
 
-    def next_keys(self, stream: int) -> tuple[int, int] | None:
+    def next_keys(self, rng_stream: int) -> tuple[int, int] | None:
         """Keys of this encode call's random stream (None for nearest rounding)."""
         calls = self._calls
         self._calls += 1
         if self.rounding == "nearest":
             return None
-        return kernels.stream_keys(self.seed, calls, stream)
+        return kernels.stream_keys(self.seed, calls, rng_stream)
 
-    def encode(self, x: torch.Tensor, *, stream: int = 0) -> Packet:
+    def encode(self, x: torch.Tensor, *, rng_stream: int = 0) -> Packet:
         self.check_input(x)
         codes, scales = kernels.quantize(
             x, bits=self.bits, group=self.group, hadamard=self.hadamard,
-            scale_dtype=self.torch_scale_dtype, keys=self.next_keys(stream))
+            scale_dtype=self.torch_scale_dtype, keys=self.next_keys(rng_stream))
         return Packet((codes, scales), x.numel(), tuple(x.shape), x.dtype)
 
     def decode(self, packet: Packet, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -96,6 +96,32 @@ class _GroupQuantizer(Codec):
         flat = kernels.dequantize(codes, scales, packet.numel, bits=self.bits, group=self.group,
                                   hadamard=self.hadamard, out_dtype=packet.dtype)
         return finish_decode(flat, packet, out)
+
+    def decode_sum(self, packet: Packet) -> torch.Tensor:
+        """Sum in the rotated domain and rotate back once (the rotation is linear)."""
+        if not self.bit_packed:
+            return super().decode_sum(packet)
+        codes, scales = packet.tensors
+        k = packet.shape[0]
+        return kernels.dequantize_sum(codes.view(k, -1), scales.view(k, -1), bits=self.bits,
+                                      group=self.group, hadamard=self.hadamard)
+
+    def requantizes_into(self, other: Codec) -> bool:
+        return (isinstance(other, _GroupQuantizer) and self.bit_packed and other.bit_packed
+                and self.hadamard == other.hadamard)
+
+    def sum_requantize(self, packet: Packet, into: Codec, *, rng_stream: int = 0) -> Packet:
+        """TLq-HS step 3: decode ``k`` chunks, sum in fp32 and encode with ``into`` — all in
+        the rotated domain, one fused kernel, no second rotation."""
+        if not self.requantizes_into(into):
+            return super().sum_requantize(packet, into, rng_stream=rng_stream)
+        codes, scales = packet.tensors
+        k, m = packet.shape
+        out_codes, out_scales = kernels.dequant_reduce_requant(
+            codes.view(k, -1), scales.view(k, -1), bits_in=self.bits, group_in=self.group,
+            bits_out=into.bits, group_out=into.group, scale_dtype=into.torch_scale_dtype,
+            keys=into.next_keys(rng_stream))
+        return Packet((out_codes, out_scales), m, (m,), torch.float32)
 
     def packet_layout(self, numel: int, dtype: torch.dtype) -> list[tuple[torch.dtype, int]]:
         total = kernels.padded_numel(numel, self.bits, self.group, self.hadamard)
@@ -150,15 +176,15 @@ class Int2(_GroupQuantizer):
     def bit_packed(self) -> bool:
         return self.packing == "bits"
 
-    def encode(self, x: torch.Tensor, *, stream: int = 0) -> Packet:
+    def encode(self, x: torch.Tensor, *, rng_stream: int = 0) -> Packet:
         if self.packing == "bits":
-            return super().encode(x, stream=stream)
+            return super().encode(x, rng_stream=rng_stream)
         self.check_input(x)
         ref = kernels.reference
         y = ref.pad_and_rotate(x, bits=2, group=self.group, hadamard=self.hadamard)
         u, scales = ref.quantize_levels(y, bits=2, group=self.group,
                                         scale_dtype=self.torch_scale_dtype,
-                                        keys=self.next_keys(stream))
+                                        keys=self.next_keys(rng_stream))
         trits = _pack_trits(u - 1, self.group)  # offset codes 1..3 → trits 0..2
         return Packet((trits, scales), x.numel(), tuple(x.shape), x.dtype)
 
@@ -234,7 +260,7 @@ class FP8(ScaledGroups):
     def __post_init__(self) -> None:
         _check_group(self.name, self.group)
 
-    def encode(self, x: torch.Tensor, *, stream: int = 0) -> Packet:
+    def encode(self, x: torch.Tensor, *, rng_stream: int = 0) -> Packet:
         self.check_input(x)
         n = x.numel()
         g = group_rows(x, self.group)

@@ -40,7 +40,7 @@ class _MeanAbsQuantizer(ScaledGroups):
             raise option_error(self.name, "group", self.group,
                                "allowed: a positive multiple of 8 (e.g. 128)")
 
-    def encode(self, x: torch.Tensor, *, stream: int = 0) -> Packet:
+    def encode(self, x: torch.Tensor, *, rng_stream: int = 0) -> Packet:
         self.check_input(x)
         n = x.numel()
         g = group_rows(x, self.group)

@@ -41,7 +41,7 @@ class TopK(Codec):
     def k(self, numel: int) -> int:
         return min(numel, math.ceil(self.ratio * numel))
 
-    def encode(self, x: torch.Tensor, *, stream: int = 0) -> Packet:
+    def encode(self, x: torch.Tensor, *, rng_stream: int = 0) -> Packet:
         self.check_input(x)
         flat = x.reshape(-1)
         k = self.k(flat.numel())

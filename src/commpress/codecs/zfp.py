@@ -47,7 +47,7 @@ class ZFP(Codec):
     def alignment(self) -> int:
         return 0
 
-    def encode(self, x: torch.Tensor, *, stream: int = 0) -> Packet:
+    def encode(self, x: torch.Tensor, *, rng_stream: int = 0) -> Packet:
         self.check_input(x)
         flat = x.detach().reshape(-1).float().cpu()
         flag = (flat * 0).sum().view(1)

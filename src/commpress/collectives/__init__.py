@@ -1,8 +1,14 @@
 """Compressed collectives over any torch.distributed process group."""
 
-from commpress.collectives.agreement import CollectiveMismatchError, check_agreement
 from commpress.collectives.all_gather import all_gather
 from commpress.collectives.all_reduce import all_reduce
+from commpress.collectives.context import (
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    GroupContext,
+    context,
+)
+from commpress.collectives.delta_gather import delta_all_gather
 from commpress.collectives.handle import Handle
 from commpress.collectives.hierarchical import (
     hierarchical_all_gather,
@@ -16,13 +22,16 @@ from commpress.collectives.topology import Topology
 
 __all__ = [
     "CollectiveMismatchError",
+    "CollectiveTimeoutError",
+    "GroupContext",
     "Handle",
     "P2POp",
     "Topology",
     "all_gather",
     "all_reduce",
     "batch_isend_irecv",
-    "check_agreement",
+    "context",
+    "delta_all_gather",
     "hierarchical_all_gather",
     "hierarchical_all_reduce",
     "hierarchical_reduce_scatter",

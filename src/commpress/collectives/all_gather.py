@@ -10,43 +10,73 @@ import torch
 import torch.distributed as dist
 
 from commpress.collectives import chunks
-from commpress.collectives.agreement import check_agreement
+from commpress.collectives.call import AnyCodec, begin, end, is_exact
 from commpress.collectives.comm import (
     Gather,
     all_gather_single,
     check_sizes,
-    describe,
-    resolve_group,
+    writable_flat,
+    write_back,
 )
 from commpress.collectives.handle import Handle, completed
-from commpress.collectives.reduce_scatter import check_float, is_exact, resolve_codec
-from commpress.collectives.stats import record, timed
+from commpress.collectives.stats import Stats
 
 
-def start_all_gather(shard: torch.Tensor, codec, group: dist.ProcessGroup, label: str, *,
-                     stream: int, key: str | None = None, count_call: bool = True) -> Gather:
+def start_all_gather(shard: torch.Tensor, codec: AnyCodec, group: dist.ProcessGroup,
+                     stats: Stats, label: str, *, rng_stream: int, key: str | None = None,
+                     count_call: bool = True) -> Gather:
     """Encode a padded flat ``shard`` and start gathering every rank's bytes.
 
     ``label`` keys the stats, ``key`` the error-feedback memory (default: ``label``).
     """
     n = dist.get_world_size(group)
-    with timed(label, "encode_s", shard.device):
-        row = chunks.encode_rows(codec, shard.view(1, -1), stream=stream, key=key or label)
+    with stats.timed(label, "encode_s", shard.device):
+        row = chunks.encode_rows(codec, shard.view(1, -1), rng_stream=rng_stream,
+                                 key=key or label)
     row = row.view(-1) if isinstance(row, torch.Tensor) else row[0]
-    record(label, calls=int(count_call), elements=(n - 1) * shard.numel(),
-           wire_bytes=(n - 1) * row.numel(),
-           raw_bytes=(n - 1) * shard.numel() * shard.element_size())
-    with timed(label, "comm_s", shard.device):
+    stats.record(label, calls=int(count_call), elements=(n - 1) * shard.numel(),
+                 wire_bytes=(n - 1) * row.numel(),
+                 raw_bytes=(n - 1) * shard.numel() * shard.element_size())
+    with stats.timed(label, "comm_s", shard.device):
         return Gather(row, fixed_size=chunks.splittable(codec), group=group)
 
 
-def finish_all_gather(g: Gather, codec, label: str, wire_dtype: torch.dtype, m_pad: int,
-                      device: torch.device) -> torch.Tensor:
+def finish_all_gather(g: Gather, codec: AnyCodec, stats: Stats, label: str,
+                      wire_dtype: torch.dtype, m_pad: int, device: torch.device) -> torch.Tensor:
     """Wait and decode all ranks' shards → ``(world, m_pad)`` fp32."""
-    with timed(label, "comm_s", device):
+    with stats.timed(label, "comm_s", device):
         rows = g.wait()
-    with timed(label, "decode_s", device):
+    with stats.timed(label, "decode_s", device):
         return chunks.decode_rows(codec, rows, m_pad, wire_dtype)
+
+
+def run_all_gather(output: torch.Tensor, input: torch.Tensor, codec: AnyCodec,
+                   group: dist.ProcessGroup, stats: Stats, label: str) -> Handle:
+    """The all-gather itself, once ranks agree (sub-groups of a two-level call too)."""
+    n = dist.get_world_size(group)
+    out, copied = writable_flat(output)
+    m = input.numel()
+    if n == 1:  # nothing crosses the wire, so nothing is compressed
+        out.copy_(input.reshape(-1))
+        return completed(write_back(output, out, copied))
+    if is_exact(codec):
+        size = (n - 1) * m * input.element_size()
+        stats.record(label, calls=1, elements=(n - 1) * m, wire_bytes=size, raw_bytes=size)
+        work = all_gather_single(out, input.reshape(-1).contiguous(), group, async_op=True)
+        return Handle(lambda: (work.wait(), write_back(output, out, copied))[1])
+
+    # Step 1: encode this rank's shard once; start gathering every rank's bytes
+    m_pad = chunks.padded_chunk(codec, m)
+    shard = chunks.pad_chunks(input.reshape(-1), 1, m, m_pad).view(-1)
+    g = start_all_gather(shard, codec, group, stats, label, rng_stream=dist.get_rank(group))
+
+    def finish() -> torch.Tensor:
+        # Step 2: every rank decodes every shard from the same bytes
+        values = finish_all_gather(g, codec, stats, label, input.dtype, m_pad, input.device)
+        out.view(n, m).copy_(values[:, :m])
+        return write_back(output, out, copied)
+
+    return Handle(finish)
 
 
 def all_gather(
@@ -66,34 +96,8 @@ def all_gather(
 
         commpress.all_gather(full, shard, "int8", label="dp.param")
     """
-    group = resolve_group(group)
-    codec = resolve_codec(codec)
-    check_float("input", input)
-    label = label or "all_gather"
-    n = dist.get_world_size(group)
-    check_sizes("all_gather", output, input, n, "output", "input")
-    check_agreement(group, "all_gather", input.device, label=label, codec=codec.spec(),
-                    **describe(input))
-    if n == 1:  # nothing crosses the wire, so nothing is compressed
-        output.view(-1).copy_(input.reshape(-1))
-        return completed(output) if async_op else output
-    if is_exact(codec):
-        work = all_gather_single(output.view(-1), input.reshape(-1).contiguous(), group,
-                                 async_op=True)
-        size = (n - 1) * input.numel() * input.element_size()
-        record(label, calls=1, elements=(n - 1) * input.numel(), wire_bytes=size, raw_bytes=size)
-        handle = Handle(lambda: (work.wait(), output)[1])
-        return handle if async_op else handle.wait()
-
-    m = input.numel()
-    m_pad = chunks.padded_chunk(codec, m)
-    shard = chunks.pad_chunks(input.reshape(-1), 1, m, m_pad).view(-1)
-    g = start_all_gather(shard, codec, group, label, stream=dist.get_rank(group))
-
-    def finish() -> torch.Tensor:
-        values = finish_all_gather(g, codec, label, input.dtype, m_pad, input.device)
-        output.view(n, m).copy_(values[:, :m])
-        return output
-
-    handle = Handle(finish)
-    return handle if async_op else handle.wait()
+    call = begin("all_gather", group, label, {"codec": codec},
+                 tensors={"input": input, "output": output},
+                 check=lambda n: check_sizes("all_gather", output, input, n, "output", "input"))
+    return end(run_all_gather(output, input, call.codec, call.group, call.stats, call.label),
+               async_op)

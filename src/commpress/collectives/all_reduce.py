@@ -19,18 +19,73 @@ import torch
 import torch.distributed as dist
 
 from commpress.collectives import chunks
-from commpress.collectives.agreement import check_agreement
 from commpress.collectives.all_gather import finish_all_gather, start_all_gather
-from commpress.collectives.comm import REDUCE_OPS, check_op, describe, resolve_group
+from commpress.collectives.call import AnyCodec, begin, end, is_exact
+from commpress.collectives.comm import REDUCE_OPS, writable_flat, write_back
 from commpress.collectives.handle import Handle, completed
-from commpress.collectives.reduce_scatter import (
-    check_float,
-    finish_reduce_scatter,
-    is_exact,
-    resolve_codec,
-    start_reduce_scatter,
-)
-from commpress.collectives.stats import record
+from commpress.collectives.reduce_scatter import finish_reduce_scatter, start_reduce_scatter
+from commpress.collectives.stats import Stats
+
+
+def run_all_reduce(tensor: torch.Tensor, codec: AnyCodec, group: dist.ProcessGroup,
+                   stats: Stats, label: str, op: str) -> Handle:
+    """The all-reduce itself, once ranks agree (sub-groups of a two-level call too)."""
+    n = dist.get_world_size(group)
+    numel = tensor.numel()
+    if n == 1 or numel == 0:
+        return completed(tensor)
+    flat, copied = writable_flat(tensor)  # a non-contiguous tensor: a copy, written back
+    chunk = -(-numel // n)
+    if is_exact(codec):
+        size = 2 * (n - 1) * chunk * tensor.element_size()
+        stats.record(label, calls=1, elements=2 * (n - 1) * chunk, wire_bytes=size,
+                     raw_bytes=size)
+        work = dist.all_reduce(flat, op=REDUCE_OPS[op], group=group, async_op=True)
+        return Handle(lambda: (work.wait(), write_back(tensor, flat, copied))[1])
+    rank = dist.get_rank(group)
+    if n == 2:
+        return _exchange_and_sum(tensor, flat, copied, codec, group, stats, label, op, rank)
+
+    # Step 1-2: encode once, chunk i for rank i; all-to-all
+    m_pad = chunks.padded_chunk(codec, chunk)
+    x = chunks.pad_chunks(flat, n, chunk, m_pad)
+    ex = start_reduce_scatter(x, codec, group, stats, label, rng_stream=rank)
+
+    def finish() -> torch.Tensor:
+        # Step 3: decode and sum the received chunks in fp32 (and divide for avg)
+        shard = finish_reduce_scatter(ex, codec, stats, label, tensor.dtype, m_pad,
+                                      tensor.device)
+        if op == "avg":
+            shard /= n
+        # Step 4-5: encode that shard once (in the tensor's dtype, like the input) and
+        # all-gather its codes
+        g = start_all_gather(shard.to(tensor.dtype), codec, group, stats, label,
+                             rng_stream=rank, key=label + ".shard", count_call=False)
+        # Step 6: every rank decodes every shard from the same bytes
+        values = finish_all_gather(g, codec, stats, label, tensor.dtype, m_pad, tensor.device)
+        flat.copy_(values[:, :chunk].reshape(-1)[:numel])
+        return write_back(tensor, flat, copied)
+
+    return Handle(finish)
+
+
+def _exchange_and_sum(tensor: torch.Tensor, flat: torch.Tensor, copied: bool,
+                      codec: AnyCodec, group: dist.ProcessGroup, stats: Stats, label: str,
+                      op: str, rank: int) -> Handle:
+    numel = tensor.numel()
+    m_pad = chunks.padded_chunk(codec, numel)
+    x = chunks.pad_chunks(flat, 1, numel, m_pad).view(-1)
+    g = start_all_gather(x, codec, group, stats, label, rng_stream=rank)
+
+    def finish() -> torch.Tensor:
+        values = finish_all_gather(g, codec, stats, label, tensor.dtype, m_pad, tensor.device)
+        total = values[0] + values[1]  # rank order on both ranks: bitwise identical
+        if op == "avg":
+            total /= 2
+        flat.copy_(total[:numel])
+        return write_back(tensor, flat, copied)
+
+    return Handle(finish)
 
 
 def all_reduce(
@@ -52,64 +107,7 @@ def all_reduce(
 
         commpress.all_reduce(grad, "int4:hadamard=128", label="dp.grad")
     """
-    group = resolve_group(group)
-    codec = resolve_codec(codec)
-    check_op(op)
-    check_float("tensor", tensor)
-    label = label or "all_reduce"
-    n = dist.get_world_size(group)
-    check_agreement(group, "all_reduce", tensor.device, label=label, codec=codec.spec(), op=op,
-                    **describe(tensor))
-    if n == 1 or tensor.numel() == 0:
-        return completed(tensor) if async_op else tensor
-    if is_exact(codec):
-        work = dist.all_reduce(tensor, op=REDUCE_OPS[op], group=group, async_op=True)
-        size = 2 * (n - 1) * (-(-tensor.numel() // n)) * tensor.element_size()
-        record(label, calls=1, elements=2 * (n - 1) * (-(-tensor.numel() // n)),
-               wire_bytes=size, raw_bytes=size)
-        handle = Handle(lambda: (work.wait(), tensor)[1])
-        return handle if async_op else handle.wait()
-
-    rank = dist.get_rank(group)
-    numel = tensor.numel()
-    if n == 2:
-        return _exchange_and_sum(tensor, codec, group, op, label, rank, async_op)
-    m = -(-numel // n)
-    x = chunks.pad_chunks(tensor.reshape(-1), n, m, chunks.padded_chunk(codec, m))
-    # Step 1-2
-    ex, m_pad = start_reduce_scatter(x, codec, group, label, stream=rank)
-
-    def finish() -> torch.Tensor:
-        # Step 3
-        shard = finish_reduce_scatter(ex, codec, label, tensor.dtype, m_pad, tensor.device)
-        if op == "avg":
-            shard /= n
-        # Step 4-6 (the shard travels in the tensor's dtype, like the input did)
-        g = start_all_gather(shard.to(tensor.dtype), codec, group, label, stream=rank,
-                             key=label + ".shard", count_call=False)
-        values = finish_all_gather(g, codec, label, tensor.dtype, m_pad, tensor.device)
-        tensor.view(-1).copy_(values[:, :m].reshape(-1)[:numel])
-        return tensor
-
-    handle = Handle(finish)
-    return handle if async_op else handle.wait()
-
-
-
-def _exchange_and_sum(tensor: torch.Tensor, codec, group, op: str, label: str, rank: int,
-                      async_op: bool) -> torch.Tensor | Handle:
-    numel = tensor.numel()
-    m_pad = chunks.padded_chunk(codec, numel)
-    x = chunks.pad_chunks(tensor.reshape(-1), 1, numel, m_pad).view(-1)
-    g = start_all_gather(x, codec, group, label, stream=rank)
-
-    def finish() -> torch.Tensor:
-        values = finish_all_gather(g, codec, label, tensor.dtype, m_pad, tensor.device)
-        total = values[0] + values[1]  # rank order on both ranks: bitwise identical
-        if op == "avg":
-            total /= 2
-        tensor.view(-1).copy_(total[:numel])
-        return tensor
-
-    handle = Handle(finish)
-    return handle if async_op else handle.wait()
+    call = begin("all_reduce", group, label, {"codec": codec}, op=op,
+                 tensors={"tensor": tensor})
+    return end(run_all_reduce(tensor, call.codec, call.group, call.stats, call.label, op),
+               async_op)

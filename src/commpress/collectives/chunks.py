@@ -13,9 +13,10 @@ from __future__ import annotations
 import torch
 
 from commpress.codecs import Codec, ErrorFeedback, Packet, packet_to_bytes
-from commpress.codecs.base import _itemsize
+from commpress.codecs.base import itemsize, sum_rows
 
 AnyCodec = Codec | ErrorFeedback
+Rows = torch.Tensor | list[torch.Tensor]
 
 
 def padded_chunk(codec: AnyCodec, m: int) -> int:
@@ -28,25 +29,47 @@ def splittable(codec: AnyCodec) -> bool:
     return codec.fixed_rate and codec.alignment > 0
 
 
-def encode(codec: AnyCodec, x: torch.Tensor, *, stream: int, key: str) -> Packet:
+def encode(codec: AnyCodec, x: torch.Tensor, *, rng_stream: int, key: str) -> Packet:
     if isinstance(codec, ErrorFeedback):
-        return codec.encode(x, key=key, stream=stream)
-    return codec.encode(x, stream=stream)
+        return codec.encode(x, key=key, rng_stream=rng_stream)
+    return codec.encode(x, rng_stream=rng_stream)
 
 
-def encode_rows(codec: AnyCodec, x: torch.Tensor, *, stream: int,
-                key: str) -> torch.Tensor | list[torch.Tensor]:
+def rows_of_packet(packet: Packet, n: int) -> torch.Tensor:
+    """A splittable packet of ``n`` equal chunks as ``(n, row_bytes)`` bytes, row ``i``
+    holding every tensor's part for chunk ``i``."""
+    parts = [t.contiguous().view(torch.uint8).view(n, -1) for t in packet.tensors]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
+def packet_of_rows(codec: AnyCodec, rows: torch.Tensor, m_pad: int,
+                   wire_dtype: torch.dtype) -> Packet:
+    """Inverse of :func:`rows_of_packet`: the ``(n, m_pad)`` packet of ``n`` byte rows."""
+    n = rows.shape[0]
+    tensors, offset = [], 0
+    for dt, count in codec.packet_layout(n * m_pad, wire_dtype):
+        width = count * itemsize(dt) // n
+        tensors.append(rows[:, offset : offset + width].contiguous().view(-1).view(dt))
+        offset += width
+    return Packet(tuple(tensors), n * m_pad, (n, m_pad), torch.float32)
+
+
+def encode_rows(codec: AnyCodec, x: torch.Tensor, *, rng_stream: int, key: str) -> Rows:
     """Encode ``x`` of shape ``(n, m_pad)`` into byte rows, one per chunk."""
     n = x.shape[0]
     if splittable(codec):
-        packet = encode(codec, x.reshape(-1), stream=stream, key=key)
-        parts = [t.contiguous().view(torch.uint8).view(n, -1) for t in packet.tensors]
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-    return [packet_to_bytes(encode(codec, x[i], stream=stream, key=f"{key}#{i}"))
+        return rows_of_packet(encode(codec, x.reshape(-1), rng_stream=rng_stream, key=key), n)
+    return [packet_to_bytes(encode(codec, x[i], rng_stream=rng_stream, key=f"{key}#{i}"))
             for i in range(n)]
 
 
-def decode_rows(codec: AnyCodec, rows: torch.Tensor | list[torch.Tensor], m_pad: int,
+def _row_packet(codec: AnyCodec, row: torch.Tensor, m_pad: int,
+                wire_dtype: torch.dtype) -> Packet:
+    p = codec.packet_from_bytes(row, m_pad, (m_pad,), wire_dtype)
+    return Packet(p.tensors, p.numel, p.shape, torch.float32)
+
+
+def decode_rows(codec: AnyCodec, rows: Rows, m_pad: int,
                 wire_dtype: torch.dtype) -> torch.Tensor:
     """Decode byte rows (as produced by :func:`encode_rows`) to ``(n, m_pad)`` fp32.
 
@@ -54,26 +77,20 @@ def decode_rows(codec: AnyCodec, rows: torch.Tensor | list[torch.Tensor], m_pad:
     send values in the input's dtype, such as ``none`` and ``topk``).
     """
     if isinstance(rows, list):
-        return torch.stack([
-            codec.decode(_as_fp32(codec.packet_from_bytes(r, m_pad, (m_pad,), wire_dtype)))
-            for r in rows
-        ])
-    n = rows.shape[0]
-    tensors, offset = [], 0
-    for dt, count in codec.packet_layout(n * m_pad, wire_dtype):
-        width = count * _itemsize(dt) // n
-        part = rows[:, offset : offset + width]
-        tensors.append(part.contiguous().view(-1).view(dt))
-        offset += width
-    packet = Packet(tuple(tensors), n * m_pad, (n, m_pad), torch.float32)
-    return codec.decode(packet)
+        return torch.stack([codec.decode(_row_packet(codec, r, m_pad, wire_dtype))
+                            for r in rows])
+    return codec.decode(packet_of_rows(codec, rows, m_pad, wire_dtype))
 
 
-def _as_fp32(packet: Packet) -> Packet:
-    return Packet(packet.tensors, packet.numel, packet.shape, torch.float32)
+def decode_sum_rows(codec: AnyCodec, rows: Rows, m_pad: int,
+                    wire_dtype: torch.dtype) -> torch.Tensor:
+    """Decode byte rows and sum them in fp32, in row order → ``(m_pad,)``."""
+    if isinstance(rows, list):
+        return sum_rows(decode_rows(codec, rows, m_pad, wire_dtype))
+    return codec.decode_sum(packet_of_rows(codec, rows, m_pad, wire_dtype))
 
 
-def row_bytes(rows: torch.Tensor | list[torch.Tensor], skip: int) -> tuple[int, int]:
+def row_bytes(rows: Rows, skip: int) -> tuple[int, int]:
     """(bytes, rows) over all rows except row ``skip`` (this rank's own)."""
     if isinstance(rows, list):
         return sum(r.numel() for i, r in enumerate(rows) if i != skip), len(rows) - 1

@@ -12,7 +12,8 @@ class Handle:
 
     ``wait()`` runs the remaining steps (waiting for the transfer, decoding, reducing)
     exactly once and returns the result tensor; training code overlaps compute with
-    the transfer by calling it as late as possible.
+    the transfer by calling it as late as possible. Until then the collective's input
+    and output tensors must stay untouched.
     """
 
     def __init__(self, finish: Callable[[], torch.Tensor]) -> None:
@@ -22,12 +23,10 @@ class Handle:
     def wait(self) -> torch.Tensor:
         if self._finish is not None:
             finish, self._finish = self._finish, None
-            self._result = finish()
+            with torch.no_grad():  # results are written in place, as torch's collectives do
+                self._result = finish()
         assert self._result is not None
         return self._result
-
-    def is_completed(self) -> bool:
-        return self._finish is None
 
 
 def completed(result: torch.Tensor) -> Handle:

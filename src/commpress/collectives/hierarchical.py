@@ -14,15 +14,18 @@ links once, at 4 bits, after an 8-bit exchange inside the node:
 1. Hadamard-rotate and encode the input with the ``intra`` codec (8-bit), laid out
    so that local rank ``l`` receives every chunk destined for local index ``l``;
 2. all-to-all inside the node;
-3. ``dequant_reduce_requant``: decode the node's chunks, sum in fp32, re-encode with
-   the ``inter`` codec (4-bit) — still in the rotated domain, no second rotation;
+3. sum-requantize: decode the node's chunks, sum in fp32, re-encode with the
+   ``inter`` codec (4-bit) — still in the rotated domain, one fused kernel, no
+   second rotation (:meth:`Codec.sum_requantize`);
 4. all-to-all across nodes among ranks with the same local index;
-5. decode, sum, inverse Hadamard → this rank's shard (of the global reduce-scatter).
+5. decode-sum: decode the nodes' chunks, sum in the rotated domain, rotate back once
+   (:meth:`Codec.decode_sum`) → this rank's shard of the global reduce-scatter.
 
-Steps 1, 3 and 5 fuse into single kernels when both codecs are group quantizers with
-the same Hadamard size; otherwise each level uses its codec's own encode/decode (any
-codec works, at the cost of an extra rotation). One node, or one rank per node,
-falls back to a single level.
+Step 3 is fused when the ``intra`` codec can re-encode into the ``inter`` one (group
+quantizers with the same Hadamard size); otherwise each level uses its codec's own
+encode/decode (any codec works, at the cost of an extra rotation). One node, or one
+rank per node, falls back to a single level. The codecs only transform bytes; this
+module only moves them.
 
 Bytes this rank sends: ``(L − 1) · nodes · wire_intra(m)`` inside the node and
 ``(nodes − 1) · wire_inter(m)`` across nodes, for an output of ``m`` elements.
@@ -41,44 +44,57 @@ import math
 import torch
 import torch.distributed as dist
 
-from commpress import kernels
-from commpress.codecs.quantize import _GroupQuantizer
 from commpress.collectives import chunks
-from commpress.collectives.agreement import check_agreement
-from commpress.collectives.all_gather import all_gather
-from commpress.collectives.all_reduce import all_reduce
-from commpress.collectives.comm import Exchange, check_op, check_sizes, describe, resolve_group
+from commpress.collectives.all_gather import run_all_gather
+from commpress.collectives.all_reduce import run_all_reduce
+from commpress.collectives.call import AnyCodec, Call, begin, end, is_exact, resolve_codec
+from commpress.collectives.comm import (
+    Exchange,
+    check_sizes,
+    resolve_group,
+    writable_flat,
+    write_back,
+)
+from commpress.collectives.context import Levels
 from commpress.collectives.handle import Handle
 from commpress.collectives.reduce_scatter import (
-    check_float,
     finish_reduce_scatter,
-    is_exact,
-    reduce_scatter,
-    resolve_codec,
+    run_reduce_scatter,
     start_reduce_scatter,
 )
-from commpress.collectives.stats import record, timed
+from commpress.collectives.stats import Stats
 from commpress.collectives.topology import Topology
 
+EXACT = resolve_codec("none")
 
-def _single_level(levels, intra, inter) -> tuple | None:
-    """``(codec, level name)`` when there is one level only — one node, or one rank per
-    node — else None."""
+
+def begin_two_level(collective: str, group: dist.ProcessGroup | None, label: str | None,
+                    intra, inter, topology: Topology | None, *,
+                    tensors: dict[str, torch.Tensor], op: str | None = None,
+                    check=None) -> tuple[Call, Levels, tuple[AnyCodec, str] | None]:
+    """The prologue of a two-level collective: agree on everything, including the node
+    size, *before* the sub-groups are made (ranks that disagree on it would otherwise
+    wait for each other in ``new_group``). Returns the call, the levels, and
+    ``(codec, level name)`` when only one level exists (one node, or one rank per node).
+    """
+    topology = topology or Topology()
+    world = dist.get_world_size(resolve_group(group))
+    rpn = topology.ranks_per_node_in(world)
+    call = begin(collective, group, label, {"intra": intra, "inter": inter}, op=op,
+                 tensors=tensors, check=check, ranks_per_node=rpn)
+    levels = call.ctx.levels(call.group, rpn)
+    single = None
     if levels.nodes == 1:
-        return intra, "intra"
-    if levels.ranks_per_node == 1:
-        return inter, "inter"
-    return None
-
-
-def _fusable(intra, inter) -> bool:
-    return (isinstance(intra, _GroupQuantizer) and isinstance(inter, _GroupQuantizer)
-            and intra.hadamard == inter.hadamard and intra.bit_packed and inter.bit_packed)
+        single = call.codecs["intra"], "intra"
+    elif levels.ranks_per_node == 1:
+        single = call.codecs["inter"], "inter"
+    return call, levels, single
 
 
 def hierarchical_reduce_scatter(
     output: torch.Tensor,
     input: torch.Tensor,
+    *,
     intra="int8:hadamard=128",
     inter="int4:hadamard=128",
     topology: Topology | None = None,
@@ -95,112 +111,78 @@ def hierarchical_reduce_scatter(
 
     Example::
 
-        commpress.hierarchical_reduce_scatter(shard, grads, "int8:hadamard=128",
-                                              "int4:hadamard=128", label="dp.grad")
+        commpress.hierarchical_reduce_scatter(shard, grads, intra="int8:hadamard=128",
+                                              inter="int4:hadamard=128", label="dp.grad")
     """
-    group = resolve_group(group)
-    intra, inter = resolve_codec(intra), resolve_codec(inter)
-    check_op(op)
-    check_float("input", input)
-    label = label or "hierarchical_reduce_scatter"
-    levels = (topology or Topology()).resolve(group)
-    n = dist.get_world_size(group)
-    check_sizes("hierarchical_reduce_scatter", input, output, n, "input", "output")
-    if single := _single_level(levels, intra, inter):
-        return reduce_scatter(output, input, single[0], group=group, op=op,
-                              label=f"{label}.{single[1]}", async_op=async_op)
-    check_agreement(group, "hierarchical_reduce_scatter", input.device, label=label,
-                    intra=intra.spec(), inter=inter.spec(), op=op,
-                    ranks_per_node=levels.ranks_per_node, **describe(input))
+    call, levels, single = begin_two_level(
+        "hierarchical_reduce_scatter", group, label, intra, inter, topology, op=op,
+        tensors={"input": input, "output": output},
+        check=lambda n: check_sizes("hierarchical_reduce_scatter", input, output, n, "input",
+                                    "output"))
+    if single:
+        return end(run_reduce_scatter(output, input, single[0], call.group, call.stats,
+                                      f"{call.label}.{single[1]}", op), async_op)
+    return end(_two_level_reduce_scatter(output, input, call, levels, op), async_op)
 
-    L, nodes, m = levels.ranks_per_node, levels.nodes, output.numel()
+
+def _two_level_reduce_scatter(output: torch.Tensor, input: torch.Tensor, call: Call,
+                              levels: Levels, op: str) -> Handle:
+    intra, inter = call.codecs["intra"], call.codecs["inter"]
+    stats, rank = call.stats, call.rank
+    L, nodes, m, n = levels.ranks_per_node, levels.nodes, output.numel(), call.world
     unit = math.lcm(max(intra.alignment, 1), max(inter.alignment, 1))
     m_pad = -(-m // unit) * unit
     # (nodes, L, m) chunks → (L, nodes, m): local rank l gets chunks l, L + l, 2L + l, …
     x = chunks.pad_chunks(input.reshape(-1), n, m, m_pad)
     x = x.view(nodes, L, m_pad).transpose(0, 1).reshape(L, nodes * m_pad)
-    lab_intra, lab_inter = f"{label}.intra", f"{label}.inter"
-    fused = _fusable(intra, inter)
-    rank = dist.get_rank(group)
+    lab_intra, lab_inter = f"{call.label}.intra", f"{call.label}.inter"
+    device = input.device
 
     # Step 1-2: encode for and exchange inside the node
-    ex, _ = start_reduce_scatter(x, intra, levels.intra, lab_intra, stream=rank)
+    ex = start_reduce_scatter(x, intra, levels.intra, stats, lab_intra, rng_stream=rank)
     # Step 3: reduce the node's contributions and re-encode for the slow link. Done
     # now, not in wait(): the fast intra-node exchange is short, and the slow transfer
     # then runs while an async caller (a bucket during backward) goes on computing.
-    if fused:
-        with timed(lab_intra, "comm_s", input.device):
+    if intra.requantizes_into(inter):
+        with stats.timed(lab_intra, "comm_s", device):
             received = ex.wait()
-        with timed(lab_inter, "encode_s", input.device):
-            rows = _dequant_reduce_requant(received, intra, inter, nodes, m_pad, rank)
-        inter_ex = _send_rows(rows, inter, levels.inter, lab_inter, m_pad, input)
+        with stats.timed(lab_inter, "encode_s", device):
+            packet = chunks.packet_of_rows(intra, received, nodes * m_pad, torch.float32)
+            rows = chunks.rows_of_packet(
+                intra.sum_requantize(packet, inter, rng_stream=rank), nodes)
+        inter_ex = _send_rows(rows, levels.inter, stats, lab_inter, m_pad, input)
     else:
-        partial = finish_reduce_scatter(ex, intra, lab_intra, input.dtype, nodes * m_pad,
-                                        input.device)
-        inter_ex, _ = start_reduce_scatter(partial.view(nodes, m_pad), inter, levels.inter,
-                                           lab_inter, stream=rank)
+        partial = finish_reduce_scatter(ex, intra, stats, lab_intra, input.dtype,
+                                        nodes * m_pad, device)
+        inter_ex = start_reduce_scatter(partial.view(nodes, m_pad), inter, levels.inter, stats,
+                                        lab_inter, rng_stream=rank)
+    out, copied = writable_flat(output)
 
     def finish() -> torch.Tensor:
-        # Step 4-5: exchange across nodes, decode, sum (and inverse rotation)
-        if fused:
-            with timed(lab_inter, "comm_s", input.device):
-                received = inter_ex.wait()
-            with timed(lab_inter, "decode_s", input.device):
-                total = _decode_sum_rotated(received, inter, m_pad)
-        else:
-            total = finish_reduce_scatter(inter_ex, inter, lab_inter, torch.float32, m_pad,
-                                          input.device)
+        # Step 4-5: exchange across nodes, decode, sum (and the inverse rotation, once)
+        total = finish_reduce_scatter(inter_ex, inter, stats, lab_inter, torch.float32, m_pad,
+                                      device)
         if op == "avg":
             total /= n
-        output.view(-1).copy_(total[:m])
-        return output
+        out.copy_(total[:m])
+        return write_back(output, out, copied)
 
-    handle = Handle(finish)
-    return handle if async_op else handle.wait()
-
-
-def _split(rows: torch.Tensor, codec, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(k, row_bytes)`` rows of a group quantizer → (codes ``(k, ·)``, scales ``(k, ·)``)."""
-    code_bytes = numel * codec.bits // 8
-    codes = rows[:, :code_bytes].contiguous()
-    scales = rows[:, code_bytes:].contiguous().view(codec.torch_scale_dtype)
-    return codes, scales.view(rows.shape[0], -1)
+    return Handle(finish)
 
 
-def _dequant_reduce_requant(received, intra, inter, nodes: int, m_pad: int,
-                            stream: int) -> torch.Tensor:
-    codes, scales = _split(received, intra, nodes * m_pad)
-    out_codes, out_scales = kernels.dequant_reduce_requant(
-        codes, scales, bits_in=intra.bits, group_in=intra.group, bits_out=inter.bits,
-        group_out=inter.group, scale_dtype=inter.torch_scale_dtype,
-        keys=inter.next_keys(stream))
-    return torch.cat([out_codes.view(nodes, -1), out_scales.view(torch.uint8).view(nodes, -1)],
-                     dim=1)
-
-
-def _send_rows(rows: torch.Tensor, codec, group, label: str, m_pad: int,
-               like: torch.Tensor) -> Exchange:
+def _send_rows(rows: torch.Tensor, group: dist.ProcessGroup, stats: Stats, label: str,
+               m_pad: int, like: torch.Tensor) -> Exchange:
     k = rows.shape[0]
-    record(label, calls=1, elements=(k - 1) * m_pad, wire_bytes=(k - 1) * rows.shape[1],
-           raw_bytes=(k - 1) * m_pad * like.element_size())
-    with timed(label, "comm_s", like.device):
+    stats.record(label, calls=1, elements=(k - 1) * m_pad, wire_bytes=(k - 1) * rows.shape[1],
+                 raw_bytes=(k - 1) * m_pad * like.element_size())
+    with stats.timed(label, "comm_s", like.device):
         return Exchange(rows, group)
-
-
-def _decode_sum_rotated(received: torch.Tensor, codec, m_pad: int) -> torch.Tensor:
-    codes, scales = _split(received, codec, m_pad)
-    total = torch.zeros(m_pad, dtype=torch.float32, device=received.device)
-    for i in range(codes.shape[0]):
-        total += kernels.dequantize(codes[i], scales[i], m_pad, bits=codec.bits,
-                                    group=codec.group)
-    if codec.hadamard:
-        total = kernels.reference.hadamard_transform(total, codec.hadamard) / codec.hadamard
-    return total
 
 
 def hierarchical_all_gather(
     output: torch.Tensor,
     input: torch.Tensor,
+    *,
     inter="int4",
     intra="none",
     topology: Topology | None = None,
@@ -219,41 +201,39 @@ def hierarchical_all_gather(
 
     Example::
 
-        commpress.hierarchical_all_gather(full, shard, "int4", label="dp.grad.gather")
+        commpress.hierarchical_all_gather(full, shard, inter="int4", label="dp.param")
     """
-    group = resolve_group(group)
-    inter, intra = resolve_codec(inter), resolve_codec(intra)
-    check_float("input", input)
-    label = label or "hierarchical_all_gather"
-    levels = (topology or Topology()).resolve(group)
-    n = dist.get_world_size(group)
-    check_sizes("hierarchical_all_gather", output, input, n, "output", "input")
-    if single := _single_level(levels, intra, inter):
-        return all_gather(output, input, single[0], group=group, label=f"{label}.{single[1]}",
-                          async_op=async_op)
-    check_agreement(group, "hierarchical_all_gather", input.device, label=label,
-                    intra=intra.spec(), inter=inter.spec(),
-                    ranks_per_node=levels.ranks_per_node, **describe(input))
+    call, levels, single = begin_two_level(
+        "hierarchical_all_gather", group, label, intra, inter, topology,
+        tensors={"input": input, "output": output},
+        check=lambda n: check_sizes("hierarchical_all_gather", output, input, n, "output",
+                                    "input"))
+    if single:
+        return end(run_all_gather(output, input, single[0], call.group, call.stats,
+                                  f"{call.label}.{single[1]}"), async_op)
     L, nodes, m = levels.ranks_per_node, levels.nodes, input.numel()
+    # Step 1: shards cross nodes once, among ranks of this local index
     across = torch.empty(nodes * m, dtype=input.dtype, device=input.device)
-    first = all_gather(across, input, inter, group=levels.inter, label=f"{label}.inter",
-                       async_op=True)
+    first = run_all_gather(across, input, call.codecs["inter"], levels.inter, call.stats,
+                           f"{call.label}.inter")
+    out, copied = writable_flat(output)
 
     def finish() -> torch.Tensor:
         first.wait()
+        # Step 2: the node shares what it decoded; local rank l's row holds the nodes'
+        # shards l, and rank order is node-major
         local = torch.empty(L * nodes * m, dtype=input.dtype, device=input.device)
-        all_gather(local, across, intra, group=levels.intra, label=f"{label}.intra")
-        # local is (L, nodes, m): local rank l's row holds nodes' shards l; rank order
-        # is node-major
-        output.view(nodes, L, m).copy_(local.view(L, nodes, m).transpose(0, 1))
-        return output
+        run_all_gather(local, across, call.codecs["intra"], levels.intra, call.stats,
+                       f"{call.label}.intra").wait()
+        out.view(nodes, L, m).copy_(local.view(L, nodes, m).transpose(0, 1))
+        return write_back(output, out, copied)
 
-    handle = Handle(finish)
-    return handle if async_op else handle.wait()
+    return end(Handle(finish), async_op)
 
 
 def hierarchical_all_reduce(
     tensor: torch.Tensor,
+    *,
     intra="none",
     inter="int4",
     topology: Topology | None = None,
@@ -277,50 +257,53 @@ def hierarchical_all_reduce(
 
     Example::
 
-        commpress.hierarchical_all_reduce(grad, "none", "int4", label="dp.grad")
+        commpress.hierarchical_all_reduce(grad, intra="none", inter="int4", label="dp.grad")
     """
-    group = resolve_group(group)
-    intra, inter = resolve_codec(intra), resolve_codec(inter)
-    check_op(op)
-    check_float("tensor", tensor)
-    label = label or "hierarchical_all_reduce"
-    levels = (topology or Topology()).resolve(group)
-    if single := _single_level(levels, intra, inter):
-        return all_reduce(tensor, single[0], group=group, op=op, label=f"{label}.{single[1]}",
-                          async_op=async_op)
-    check_agreement(group, "hierarchical_all_reduce", tensor.device, label=label,
-                    intra=intra.spec(), inter=inter.spec(), op=op,
-                    ranks_per_node=levels.ranks_per_node, **describe(tensor))
-    n, L, numel = dist.get_world_size(group), levels.ranks_per_node, tensor.numel()
+    call, levels, single = begin_two_level("hierarchical_all_reduce", group, label, intra,
+                                           inter, topology, op=op, tensors={"tensor": tensor})
+    if single:
+        return end(run_all_reduce(tensor, single[0], call.group, call.stats,
+                                  f"{call.label}.{single[1]}", op), async_op)
+    return end(_two_level_all_reduce(tensor, call, levels, op), async_op)
+
+
+def _two_level_all_reduce(tensor: torch.Tensor, call: Call, levels: Levels, op: str) -> Handle:
+    stats, label = call.stats, call.label
+    n, L, numel = call.world, levels.ranks_per_node, tensor.numel()
     m = -(-numel // L)
-    if L * m == numel and tensor.is_contiguous():
-        padded = tensor.view(-1)  # gathered into in place below: no copies
+    flat, copied = writable_flat(tensor)
+    if L * m == numel:
+        padded = flat  # gathered into in place below: no copies
     else:
         padded = torch.zeros(L * m, dtype=tensor.dtype, device=tensor.device)
-        padded[:numel] = tensor.reshape(-1)
+        padded[:numel] = flat
     chunk = torch.empty(m, dtype=tensor.dtype, device=tensor.device)
-    if is_exact(intra):
+    # Step 1: reduce inside the node; local rank l holds chunk l of the node's sum
+    if is_exact(call.codecs["intra"]):
         # an all-to-all and a sum in local-rank order: deterministic, and on Gloo
         # about twice as fast as its reduce-scatter
         recv = torch.empty_like(padded)
         dist.all_to_all_single(recv, padded, group=levels.intra)
         torch.sum(recv.view(L, m), dim=0, out=chunk)
         size = (L - 1) * m * tensor.element_size()
-        record(f"{label}.intra", calls=1, elements=(L - 1) * m, wire_bytes=size, raw_bytes=size)
+        stats.record(f"{label}.intra", calls=1, elements=(L - 1) * m, wire_bytes=size,
+                     raw_bytes=size)
     else:
-        reduce_scatter(chunk, padded, intra, group=levels.intra, op="sum", label=f"{label}.intra")
-    # the slow transfer starts now; an async caller prepares other work meanwhile
-    across = all_reduce(chunk, inter, group=levels.inter, op="sum", label=f"{label}.inter",
-                        async_op=True)
+        run_reduce_scatter(chunk, padded, call.codecs["intra"], levels.intra, stats,
+                           f"{label}.intra", "sum").wait()
+    # Step 2: the slow transfer starts now; an async caller prepares other work meanwhile
+    across = run_all_reduce(chunk, call.codecs["inter"], levels.inter, stats, f"{label}.inter",
+                            "sum")
 
     def finish() -> torch.Tensor:
         across.wait()
         if op == "avg":
             chunk.div_(n)
-        all_gather(padded, chunk, "none", group=levels.intra, label=f"{label}.gather.intra")
-        if padded.data_ptr() != tensor.data_ptr():
-            tensor.view(-1).copy_(padded[:numel])
-        return tensor
+        # Step 3: share the result inside the node, exactly
+        run_all_gather(padded, chunk, EXACT, levels.intra, stats,
+                       f"{label}.gather.intra").wait()
+        if padded.data_ptr() != flat.data_ptr():
+            flat.copy_(padded[:numel])
+        return write_back(tensor, flat, copied)
 
-    handle = Handle(finish)
-    return handle if async_op else handle.wait()
+    return Handle(finish)

@@ -14,62 +14,72 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from commpress.codecs import codec as build_codec
 from commpress.collectives import chunks
-from commpress.collectives.agreement import check_agreement
+from commpress.collectives.call import AnyCodec, begin, end, is_exact
 from commpress.collectives.comm import (
     Exchange,
-    check_op,
     check_sizes,
-    describe,
     reduce_scatter_single,
-    resolve_group,
+    writable_flat,
+    write_back,
 )
 from commpress.collectives.handle import Handle, completed
-from commpress.collectives.stats import record, timed
+from commpress.collectives.stats import Stats
 
 
-def resolve_codec(codec):
-    """A codec object from a spec, dict or codec (ErrorFeedback passes through)."""
-    if hasattr(codec, "encode") and hasattr(codec, "decode"):
-        return codec
-    return build_codec(codec)
-
-
-def is_exact(codec) -> bool:
-    """Whether a collective can use torch's own uncompressed collective for this codec."""
-    return getattr(codec, "name", None) == "none" and not hasattr(codec, "residuals")
-
-
-def check_float(name: str, t: torch.Tensor) -> None:
-    if not t.is_floating_point():
-        raise ValueError(f"{name} must be a floating-point tensor; got dtype {t.dtype}")
-
-
-def start_reduce_scatter(
-    x: torch.Tensor, codec, group: dist.ProcessGroup, label: str, *, stream: int
-) -> tuple[Exchange, int]:
-    """Encode ``x`` (``(world, m_pad)``) and start the all-to-all. Returns (exchange, m_pad)."""
+def start_reduce_scatter(x: torch.Tensor, codec: AnyCodec, group: dist.ProcessGroup,
+                         stats: Stats, label: str, *, rng_stream: int) -> Exchange:
+    """Encode ``x`` (``(world, m_pad)``: row ``i`` for rank ``i``) and start the all-to-all."""
     n, m_pad = x.shape
     rank = dist.get_rank(group)
-    with timed(label, "encode_s", x.device):
-        rows = chunks.encode_rows(codec, x, stream=stream, key=label)
+    with stats.timed(label, "encode_s", x.device):
+        rows = chunks.encode_rows(codec, x, rng_stream=rng_stream, key=label)
     sent, count = chunks.row_bytes(rows, skip=rank)
-    record(label, calls=1, elements=count * m_pad, wire_bytes=sent,
-           raw_bytes=count * m_pad * x.element_size())
-    with timed(label, "comm_s", x.device):
-        ex = Exchange(rows, group)
-    return ex, m_pad
+    stats.record(label, calls=1, elements=count * m_pad, wire_bytes=sent,
+                 raw_bytes=count * m_pad * x.element_size())
+    with stats.timed(label, "comm_s", x.device):
+        return Exchange(rows, group)
 
 
-def finish_reduce_scatter(ex: Exchange, codec, label: str, wire_dtype: torch.dtype,
-                          m_pad: int, device: torch.device) -> torch.Tensor:
+def finish_reduce_scatter(ex: Exchange, codec: AnyCodec, stats: Stats, label: str,
+                          wire_dtype: torch.dtype, m_pad: int,
+                          device: torch.device) -> torch.Tensor:
     """Wait for the all-to-all, decode every source's chunk and sum in fp32 → ``(m_pad,)``."""
-    with timed(label, "comm_s", device):
+    with stats.timed(label, "comm_s", device):
         received = ex.wait()
-    with timed(label, "decode_s", device):
-        values = chunks.decode_rows(codec, received, m_pad, wire_dtype)
-        return values.sum(dim=0)
+    with stats.timed(label, "decode_s", device):
+        return chunks.decode_sum_rows(codec, received, m_pad, wire_dtype)
+
+
+def run_reduce_scatter(output: torch.Tensor, input: torch.Tensor, codec: AnyCodec,
+                       group: dist.ProcessGroup, stats: Stats, label: str, op: str) -> Handle:
+    """The reduce-scatter itself, once ranks agree (sub-groups of a two-level call too)."""
+    n = dist.get_world_size(group)
+    out, copied = writable_flat(output)
+    if n == 1:
+        out.copy_(input.reshape(-1))
+        return completed(write_back(output, out, copied))
+    m = out.numel()
+    if is_exact(codec):
+        size = (n - 1) * m * output.element_size()
+        stats.record(label, calls=1, elements=(n - 1) * m, wire_bytes=size, raw_bytes=size)
+        work = reduce_scatter_single(out, input.reshape(-1), op, group, async_op=True)
+        return Handle(lambda: (work.wait(), write_back(output, out, copied))[1])
+
+    # Step 1-2: encode once, chunk i for rank i; all-to-all
+    m_pad = chunks.padded_chunk(codec, m)
+    x = chunks.pad_chunks(input.reshape(-1), n, m, m_pad)
+    ex = start_reduce_scatter(x, codec, group, stats, label, rng_stream=dist.get_rank(group))
+
+    def finish() -> torch.Tensor:
+        # Step 3: decode the chunks received and sum them in fp32, in rank order
+        total = finish_reduce_scatter(ex, codec, stats, label, input.dtype, m_pad, input.device)
+        if op == "avg":
+            total /= n
+        out.copy_(total[:m])
+        return write_back(output, out, copied)
+
+    return Handle(finish)
 
 
 def reduce_scatter(
@@ -100,36 +110,10 @@ def reduce_scatter(
 
         commpress.reduce_scatter(shard, grads, "int4:hadamard=128", label="dp.grad")
     """
-    group = resolve_group(group)
-    codec = resolve_codec(codec)
-    check_op(op)
-    check_float("input", input)
-    label = label or "reduce_scatter"
-    n = dist.get_world_size(group)
-    check_sizes("reduce_scatter", input, output, n, "input", "output")
-    check_agreement(group, "reduce_scatter", input.device, label=label, codec=codec.spec(),
-                    op=op, **describe(input))
-    if n == 1:
-        output.copy_(input.view_as(output))
-        return completed(output) if async_op else output
-    if is_exact(codec):
-        work = reduce_scatter_single(output.view(-1), input.reshape(-1), op, group, async_op=True)
-        record(label, calls=1, elements=(n - 1) * output.numel(),
-               wire_bytes=(n - 1) * output.numel() * output.element_size(),
-               raw_bytes=(n - 1) * output.numel() * output.element_size())
-        handle = Handle(lambda: (work.wait(), output)[1])
-        return handle if async_op else handle.wait()
+    call = begin("reduce_scatter", group, label, {"codec": codec}, op=op,
+                 tensors={"input": input, "output": output},
+                 check=lambda n: check_sizes("reduce_scatter", input, output, n, "input",
+                                             "output"))
+    return end(run_reduce_scatter(output, input, call.codec, call.group, call.stats,
+                                  call.label, op), async_op)
 
-    m = output.numel()
-    x = chunks.pad_chunks(input.reshape(-1), n, m, chunks.padded_chunk(codec, m))
-    ex, m_pad = start_reduce_scatter(x, codec, group, label, stream=dist.get_rank(group))
-
-    def finish() -> torch.Tensor:
-        total = finish_reduce_scatter(ex, codec, label, input.dtype, m_pad, input.device)
-        if op == "avg":
-            total /= n
-        output.view(-1).copy_(total[:m])
-        return output
-
-    handle = Handle(finish)
-    return handle if async_op else handle.wait()

@@ -5,13 +5,17 @@ crosses the network), so ``8 * wire_bytes / elements`` is bits per element on th
 wire; ``raw_bytes`` is what those elements occupy uncompressed in their own dtype.
 Times are wall-clock seconds on this rank: on CUDA they cover kernel launches unless
 ``COMMPRESS_SYNC_TIMING=1`` makes each phase synchronize first.
+
+Each process group's context holds its own :class:`Stats` (the DDP hook's thread and
+the main thread may write at once: a lock guards them); :func:`stats` sums every live
+group's counters and those of groups already destroyed.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
-from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -19,39 +23,82 @@ import torch
 
 FIELDS = ("calls", "elements", "raw_bytes", "wire_bytes", "encode_s", "decode_s", "comm_s")
 
-_STATS: dict[str, dict[str, float]] = defaultdict(lambda: dict.fromkeys(FIELDS, 0))
+
+class Stats:
+    """Thread-safe counters by label."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counters: dict[str, dict[str, float]] = {}
+
+    def record(self, label: str, **amounts: float) -> None:
+        """Add ``amounts`` (keys from :data:`FIELDS`) to ``label``'s counters."""
+        with self._lock:
+            entry = self._counters.setdefault(label, dict.fromkeys(FIELDS, 0))
+            for key, value in amounts.items():
+                entry[key] += value
+
+    @contextmanager
+    def timed(self, label: str, field: str, device: torch.device) -> Iterator[None]:
+        """Add the wall time of the block to ``label``'s ``field``."""
+        _sync(device)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            _sync(device)
+            self.record(label, **{field: time.perf_counter() - start})
+
+    def snapshot(self) -> dict[str, dict[str, float]]:
+        with self._lock:
+            return {label: dict(entry) for label, entry in self._counters.items()}
+
+    def add(self, other: dict[str, dict[str, float]]) -> None:
+        for label, entry in other.items():
+            self.record(label, **entry)
+
+    def reset(self) -> None:
+        with self._lock:
+            self._counters.clear()
+
+
+# counters of destroyed groups, and of transfers no group context accounts for
+_PROCESS = Stats()
+
+
+def retire(group_stats: Stats) -> None:
+    """Fold a destroyed group's counters into the process totals."""
+    _PROCESS.add(group_stats.snapshot())
 
 
 def record(label: str, **amounts: float) -> None:
-    """Add ``amounts`` (keys from :data:`FIELDS`) to ``label``'s counters."""
-    entry = _STATS[label]
-    for key, value in amounts.items():
-        entry[key] += value
+    """Count transfers made outside commpress's collectives (e.g. torch's DDP hooks)."""
+    _PROCESS.record(label, **amounts)
 
 
-def stats() -> dict[str, dict[str, float]]:
-    """A copy of the counters: ``{label: {calls, elements, raw_bytes, wire_bytes,
-    encode_s, decode_s, comm_s}}``."""
-    return {label: dict(entry) for label, entry in _STATS.items()}
+def stats(group=None) -> dict[str, dict[str, float]]:
+    """The counters: ``{label: {calls, elements, raw_bytes, wire_bytes, encode_s,
+    decode_s, comm_s}}`` summed over every group, or of ``group`` alone."""
+    from commpress.collectives.context import context, live_contexts
+
+    if group is not None:
+        return context(group).stats.snapshot()
+    total = Stats()
+    total.add(_PROCESS.snapshot())
+    for ctx in live_contexts():
+        total.add(ctx.stats.snapshot())
+    return total.snapshot()
 
 
 def reset_stats() -> None:
     """Clear every counter."""
-    _STATS.clear()
+    from commpress.collectives.context import live_contexts
+
+    _PROCESS.reset()
+    for ctx in live_contexts():
+        ctx.stats.reset()
 
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda" and os.environ.get("COMMPRESS_SYNC_TIMING") == "1":
         torch.cuda.synchronize(device)
-
-
-@contextmanager
-def timed(label: str, field: str, device: torch.device) -> Iterator[None]:
-    """Add the wall time of the block to ``label``'s ``field``."""
-    _sync(device)
-    start = time.perf_counter()
-    try:
-        yield
-    finally:
-        _sync(device)
-        record(label, **{field: time.perf_counter() - start})

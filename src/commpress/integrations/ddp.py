@@ -1,22 +1,29 @@
-"""A DDP communication hook: compressed gradient all-reduce per bucket.
+"""A DDP communication hook: compressed gradient all-reduce.
 
-``model.register_comm_hook(*commpress.ddp_hook("hybrid"))`` replaces DDP's all-reduce
-with the policy's ``dp.grad`` codec: one-level :func:`commpress.all_reduce`, or — when
-the policy names ``intra``/``inter`` codecs and the topology has several nodes —
-:func:`commpress.hierarchical_all_reduce`: reduce-scatter inside the node with the
-``intra`` codec, all-reduce of the node sums across nodes with the ``inter`` codec,
-exact all-gather inside the node. Every rank decodes the same bytes, so replicas stay
-identical.
+``model.register_comm_hook(*commpress.ddp_hook(model, "int2ef"))`` replaces DDP's
+all-reduce with the policy's ``dp.grad`` codecs (:class:`GradPath`): one-level
+:func:`commpress.all_reduce`, or — with ``intra``/``inter`` codecs and several nodes —
+:func:`commpress.hierarchical_all_reduce`. Every rank decodes the same bytes, so
+replicas stay identical.
 
-With ``overlap=True`` (default) the compressed all-reduce of each bucket runs on one
-communication thread, in the order DDP hands buckets over (the same on every rank), so
+**The hook buckets the gradients itself.** DDP's buckets change: the first iteration
+of every process puts the whole model in one bucket, and the buckets are rebuilt after
+it in the order gradients became ready. A quantizer's groups, its stochastic-rounding
+streams and its error-feedback memory depend on where each element sits in the
+compressed tensor, so compressing DDP's buckets as they come would compress
+differently after a restart than in an uninterrupted run — a resumed run would not
+be the same run. The hook therefore packs the gradients DDP hands it into *its own*
+buckets: a fixed layout of the model's parameters (by name, reverse registration
+order, about ``bucket_numel`` elements each), the same in every process. A DDP bucket's
+future completes once the hook buckets holding its parameters are reduced; the
+values are copied back into DDP's buffer. Codec state is keyed by those buckets, so a
+checkpoint restores it exactly. The price is one copy of the gradients each way.
+
+With ``overlap=True`` (default) each hook bucket's all-reduce runs on one
+communication thread, in the order the buckets fill (the same on every rank), so
 backward keeps computing while a bucket is encoded and sent, and the next bucket is
-encoded while the previous one is on the wire; DDP waits for the returned futures
-before the optimizer step. Blocking collectives release the GIL.
-
-Unlike PyTorch's PowerSGD state, :class:`DDPHookState` checkpoints: codec states
-(error-feedback residuals, stochastic-rounding counters) are keyed by bucket index and
-size.
+encoded while the previous one is on the wire; DDP waits for the futures before the
+optimizer step. Blocking collectives release the GIL.
 """
 
 # No ``from __future__ import annotations``: DDP compares the hook's annotations with
@@ -24,25 +31,28 @@ size.
 import queue
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
-from commpress.collectives import all_reduce, hierarchical_all_reduce
-from commpress.collectives.topology import Topology
+from commpress.collectives import Topology
+from commpress.integrations.grad_path import GradPath
 from commpress.policy import Policy
+
+STATE_FORMAT = "commpress.DDPHookState/2"
 
 
 class _CommThread:
-    """One daemon thread running each bucket's collective in DDP's bucket order.
+    """One daemon thread running each bucket's collective in submission order.
 
     A job is split in two: ``start`` (reduce inside the node, encode, start the slow
-    transfer) returns ``finish`` (wait, decode, share inside the node). Bucket ``k``
-    finishes after bucket ``k + 1`` has started — or at once if it is the last — so
-    the slow link carries one bucket while the next is encoded. The schedule depends
-    only on the bucket order, which is the same on every rank: all ranks issue their
-    collectives in the same order.
+    transfer) returns ``finish`` (wait, decode, share inside the node). Job ``k``
+    finishes after job ``k + 1`` has started — or at once if it is the last of the
+    iteration — so the slow link carries one bucket while the next is encoded. The
+    order depends only on the bucket order, the same on every rank.
     """
 
     def __init__(self) -> None:
@@ -50,112 +60,231 @@ class _CommThread:
         self._thread = threading.Thread(target=self._loop, name="commpress-ddp", daemon=True)
         self._thread.start()
 
-    def submit(self, start: Callable[[], Callable[[], torch.Tensor]],
-               last: bool) -> torch.futures.Future:
-        fut: torch.futures.Future = torch.futures.Future()
-        self._queue.put((start, last, fut))
-        return fut
+    def submit(self, start: Callable[[], Callable[[], None]],
+               done: Callable[[BaseException | None], None], last: bool) -> None:
+        self._queue.put((start, done, last))
 
     @staticmethod
-    def _finish(finish: Callable[[], torch.Tensor], fut: torch.futures.Future) -> None:
+    def _finish(finish: Callable[[], None], done: Callable) -> None:
         try:
-            fut.set_result(finish())
+            finish()
         except BaseException as e:  # noqa: BLE001 - delivered to the waiting rank
-            fut.set_exception(e)
+            done(e)
+            return
+        done(None)
 
     def _loop(self) -> None:
-        pending = None  # (finish, future) of the previous bucket
+        pending = None  # (finish, done) of the previous bucket
         while True:
-            start, last, fut = self._queue.get()
+            start, done, last = self._queue.get()
             finish = None
             try:
                 finish = start()
             except BaseException as e:  # noqa: BLE001 - delivered to the waiting rank
-                fut.set_exception(e)
+                done(e)
             if pending is not None:
                 self._finish(*pending)
                 pending = None
             if finish is not None:
                 if last:
-                    self._finish(finish, fut)
+                    self._finish(finish, done)
                 else:
-                    pending = (finish, fut)
+                    pending = (finish, done)
+
+
+@dataclass
+class _HookBucket:
+    """A fixed group of parameters whose gradients are reduced together."""
+
+    names: list[str]
+    numels: list[int]
+    offsets: list[int]
+    grad_path: GradPath
+    buffer: torch.Tensor | None = None  # allocated at first use, in the gradients' dtype
+    ready: set = field(default_factory=set)
+
+
+@dataclass
+class _Waiting:
+    """A DDP bucket handed to the hook: its future completes when ``left`` reaches 0."""
+
+    bucket: Any  # dist.GradBucket
+    future: torch.futures.Future
+    left: int
+    error: BaseException | None = None
 
 
 class DDPHookState:
-    """Hook state: the policy, the group, and one set of codecs per DDP bucket.
+    """Hook state: the policy, the group, the hook's buckets and their codecs.
 
-    Slots: hyperparameters (``policy``, ``topology``); internal state (``codecs``, by
-    bucket index); stats (``calls``). The process group is dropped when pickled.
+    Slots: hyperparameters (``policy``, ``topology``, ``overlap``); internal state (the
+    hook buckets with their :class:`GradPath`, keyed by position in a fixed layout);
+    stats (``calls``). The process group and the thread are dropped when pickled.
     """
 
-    def __init__(self, policy: str | dict | Policy = "none",
+    def __init__(self, model: nn.Module, policy: str | dict | Policy = "none",
                  group: dist.ProcessGroup | None = None, topology: Topology | None = None,
-                 label: str = "dp.grad", overlap: bool = True) -> None:
+                 label: str = "dp.grad", overlap: bool = True,
+                 bucket_numel: int = 1 << 22) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"ddp_hook: model must be the torch.nn.Module DDP wraps (or the "
+                            f"DDP module); got {type(model).__name__} — call "
+                            "commpress.ddp_hook(model, policy)")
+        if not isinstance(bucket_numel, int) or bucket_numel < 1:
+            raise ValueError(f"ddp_hook: bucket_numel={bucket_numel!r} is not allowed; "
+                             "allowed: an int >= 1")
+        module = getattr(model, "module", model)
         # hyperparameters
         self.policy = Policy.resolve(policy)
         self.topology = topology or Topology()
         self.label = label
         self.group = group
         self.overlap = overlap
+        # internal state
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self.buckets = _layout(named, bucket_numel,
+                               lambda: GradPath(self.policy, self.topology, label))
+        self._where = _locate(named, self.buckets)
+        self._waiting: dict[int, list[_Waiting]] = {}  # hook bucket index → DDP buckets
+        self._done_buckets = 0
+        self._lock = threading.Lock()
         self._thread: _CommThread | None = None
-        # internal state: codecs per bucket, keyed "index:numel" — DDP rebuilds its
-        # buckets after the first iteration, so an index may change size; the codecs of
-        # the old size are then dropped (their error-feedback memory is one iteration's
-        # compression error, as large as the bucket: kept, it would pin that memory)
-        self.codecs: dict[str, dict[str, Any]] = {}
-        self._pending_state: dict[str, dict[str, Any]] = {}
         # stats
         self.calls = 0
 
-    def codecs_for(self, bucket_key: str) -> dict[str, Any]:
-        if bucket_key not in self.codecs:
-            index = bucket_key.split(":")[0]
-            for stale in [k for k in self.codecs if k.split(":")[0] == index]:
-                del self.codecs[stale]
-            p = self.policy
-            if p.two_level():
-                codecs = {"intra": p.codec_for("dp", "grad", "intra"),
-                          "inter": p.codec_for("dp", "grad", "inter")}
-            else:
-                codecs = {"single": p.codec_for("dp", "grad")}
-            saved = self._pending_state.pop(bucket_key, None)
-            if saved:
-                for k, c in codecs.items():
-                    c.load_state_dict(saved[k])
-            self.codecs[bucket_key] = codecs
-        return self.codecs[bucket_key]
-
+    # -- checkpoints ---------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"policy": self.policy.to_dict(), "calls": self.calls,
-                "codecs": {i: {k: c.state_dict() for k, c in cs.items()}
-                           for i, cs in self.codecs.items()}}
+        return {"format": STATE_FORMAT, "policy": self.policy.to_dict(), "calls": self.calls,
+                "layout": [b.names for b in self.buckets],
+                "codecs": [b.grad_path.state_dict() for b in self.buckets]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+            raise ValueError(f"not a DDP hook state (expected format {STATE_FORMAT!r})")
         if state["policy"] != self.policy.to_dict():
             raise ValueError(f"DDP hook checkpoint policy {state['policy']!r} does not match "
                              f"this run's {self.policy.to_dict()!r}")
+        if state["layout"] != [b.names for b in self.buckets]:
+            raise ValueError("DDP hook checkpoint was saved for another model or bucket_numel "
+                             "(its bucket layout differs); resume with the same model and "
+                             "bucket_numel")
+        for b, codecs in zip(self.buckets, state["codecs"]):
+            b.grad_path.load_state_dict(codecs)
         self.calls = state["calls"]
-        self.codecs = {}
-        self._pending_state = dict(state["codecs"])
 
     def __getstate__(self) -> dict[str, Any]:
         d = dict(self.__dict__)
-        d["group"] = None
-        d["_thread"] = None
+        d.update(group=None, _thread=None, _lock=None, _waiting={})
         return d
 
-    def run(self, start: Callable[[], Callable[[], torch.Tensor]],
-            last: bool) -> torch.futures.Future:
-        """Run ``start()`` and the ``finish()`` it returns on the communication thread
-        (overlap) or now; a future either way."""
+    def __setstate__(self, d: dict[str, Any]) -> None:
+        self.__dict__.update(d)
+        self._lock = threading.Lock()
+
+    # -- the hook's work ------------------------------------------------------------
+    def take(self, bucket: dist.GradBucket) -> torch.futures.Future:
+        """Copy a DDP bucket's gradients into the hook buckets; start every hook bucket
+        that is now complete; return a future for ``bucket``'s reduced values."""
+        fut: torch.futures.Future = torch.futures.Future()
+        group = self.group if self.group is not None else dist.group.WORLD
+        complete, touched = [], set()
+        for p, g in zip(bucket.parameters(), bucket.gradients()):
+            hb_index, i = self._where[id(p)]
+            hb = self.buckets[hb_index]
+            if hb.buffer is None:
+                hb.buffer = torch.zeros(sum(hb.numels), dtype=g.dtype, device=g.device)
+            hb.buffer[hb.offsets[i]: hb.offsets[i] + hb.numels[i]].copy_(g.reshape(-1))
+            hb.ready.add(i)
+            touched.add(hb_index)
+            if len(hb.ready) == len(hb.names):
+                complete.append(hb_index)
+        waiting = _Waiting(bucket, fut, len(touched))
+        with self._lock:
+            for j in touched:
+                self._waiting.setdefault(j, []).append(waiting)
+        for j in complete:
+            self.buckets[j].ready.clear()
+            self._done_buckets += 1
+            last = self._done_buckets == len(self.buckets)
+            if last:
+                self._done_buckets = 0
+            self._run(j, group, last)
+        return fut
+
+    def _run(self, j: int, group: dist.ProcessGroup, last: bool) -> None:
+        hb = self.buckets[j]
+
+        def start() -> Callable[[], None]:
+            handle = hb.grad_path.all_reduce(hb.buffer, group, op="avg", async_op=True)
+            return handle.wait
+
         if self.overlap:
             if self._thread is None:
                 self._thread = _CommThread()
-            return self._thread.submit(start, last)
-        fut: torch.futures.Future = torch.futures.Future()
-        fut.set_result(start()())
-        return fut
+            self._thread.submit(start, lambda e: self._reduced(j, e), last)
+            return
+        try:
+            start()()
+        except BaseException as e:  # noqa: BLE001 - delivered through the futures
+            self._reduced(j, e)
+            return
+        self._reduced(j, None)
+
+    def _reduced(self, j: int, error: BaseException | None) -> None:
+        """Hook bucket ``j`` is reduced: copy it back and complete the DDP buckets that
+        now have every value."""
+        with self._lock:
+            waiters = self._waiting.pop(j, [])
+        for w in waiters:
+            if error is None:
+                self._copy_back(j, w.bucket)
+            else:
+                w.error = w.error or error
+            w.left -= 1
+            if w.left == 0:
+                if w.error is not None:
+                    w.future.set_exception(w.error)
+                else:
+                    w.future.set_result(w.bucket.buffer())
+
+    def _copy_back(self, j: int, bucket: dist.GradBucket) -> None:
+        hb = self.buckets[j]
+        for p, g in zip(bucket.parameters(), bucket.gradients()):
+            hb_index, i = self._where[id(p)]
+            if hb_index == j:
+                g.view(-1).copy_(hb.buffer[hb.offsets[i]: hb.offsets[i] + hb.numels[i]])
+
+
+def _layout(named: list[tuple[str, nn.Parameter]], bucket_numel: int,
+            make_grad_path: Callable[[], GradPath]) -> list[_HookBucket]:
+    """Fixed buckets: parameters in reverse registration order (roughly the order their
+    gradients become ready), one dtype per bucket, about ``bucket_numel`` elements each."""
+    buckets: list[_HookBucket] = []
+    names: list[str] = []
+    numels: list[int] = []
+    dtype = None
+    for name, p in reversed(named):
+        if names and (sum(numels) + p.numel() > bucket_numel or p.dtype != dtype):
+            buckets.append(_bucket(names, numels, make_grad_path()))
+            names, numels = [], []
+        names.append(name)
+        numels.append(p.numel())
+        dtype = p.dtype
+    if names:
+        buckets.append(_bucket(names, numels, make_grad_path()))
+    return buckets
+
+
+def _bucket(names: list[str], numels: list[int], grad_path: GradPath) -> _HookBucket:
+    offsets = [sum(numels[:i]) for i in range(len(numels))]
+    return _HookBucket(list(names), list(numels), offsets, grad_path)
+
+
+def _locate(named: list[tuple[str, nn.Parameter]],
+            buckets: list[_HookBucket]) -> dict[int, tuple[int, int]]:
+    by_name = dict(named)
+    return {id(by_name[name]): (j, i) for j, b in enumerate(buckets)
+            for i, name in enumerate(b.names)}
 
 
 def compressed_allreduce_hook(state: DDPHookState,
@@ -165,31 +294,29 @@ def compressed_allreduce_hook(state: DDPHookState,
     Sends about ``2 · numel · bits / 8`` bytes per rank (reduce-scatter + all-gather);
     two-level, ``2 · (nodes − 1) / nodes · numel · bits_inter / 8`` per node cross nodes.
     """
-    tensor = bucket.buffer()
-    group = state.group if state.group is not None else dist.group.WORLD
-    codecs = state.codecs_for(f"{bucket.index()}:{tensor.numel()}")
     state.calls += 1
-
-    def start() -> Callable[[], torch.Tensor]:
-        if "single" in codecs:
-            handle = all_reduce(tensor, codecs["single"], group=group, op="avg",
-                                label=state.label, async_op=True)
-        else:
-            handle = hierarchical_all_reduce(tensor, codecs["intra"], codecs["inter"],
-                                             topology=state.topology, group=group, op="avg",
-                                             label=state.label, async_op=True)
-        return handle.wait
-
-    return state.run(start, bucket.is_last())
+    return state.take(bucket)
 
 
-def ddp_hook(policy: str | dict | Policy = "none", group: dist.ProcessGroup | None = None,
-             topology: Topology | None = None, overlap: bool = True):
+def ddp_hook(model: nn.Module, policy: str | dict | Policy = "none",
+             group: dist.ProcessGroup | None = None, topology: Topology | None = None,
+             overlap: bool = True, bucket_numel: int = 1 << 22):
     """``(state, hook)`` for ``DistributedDataParallel.register_comm_hook``.
+
+    Args:
+        model: the DDP module (or the module it wraps): its parameters' names fix the
+            hook's bucket layout and key its checkpointed state.
+        policy: preset name, policy file, dict or :class:`~commpress.Policy`.
+        group: the DDP process group (default: the world).
+        topology: node layout for two-level policies (default from ``LOCAL_WORLD_SIZE``).
+        overlap: run the collectives on a communication thread during backward.
+        bucket_numel: elements per hook bucket.
 
     Example::
 
         model = DDP(model)
-        model.register_comm_hook(*commpress.ddp_hook("sdp4bit"))
+        model.register_comm_hook(*commpress.ddp_hook(model, "int2ef"))
     """
-    return DDPHookState(policy, group, topology, overlap=overlap), compressed_allreduce_hook
+    state = DDPHookState(model, policy, group, topology, overlap=overlap,
+                         bucket_numel=bucket_numel)
+    return state, compressed_allreduce_hook

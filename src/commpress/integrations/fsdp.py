@@ -19,19 +19,15 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
-from commpress.collectives import all_gather, hierarchical_reduce_scatter, reduce_scatter
+from commpress.collectives import Topology, all_gather
 from commpress.collectives.comm import all_gather_single
-from commpress.collectives.topology import Topology
+from commpress.integrations.grad_path import GradPath
 from commpress.policy import Policy
 
 log = logging.getLogger(__name__)
-
-try:  # torch >= 2.9
-    from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
-except ImportError as e:  # pragma: no cover - depends on the torch version
-    raise ImportError("commpress.fsdp needs torch >= 2.9 (FSDP2 custom collectives)") from e
 
 
 class _Allocate:
@@ -65,21 +61,13 @@ class CompressedReduceScatter(_Allocate, ReduceScatter):
     ``factor`` and summed.
     """
 
-    def __init__(self, codecs: dict, topology: Topology, label: str = "dp.grad") -> None:
-        self.codecs = codecs
-        self.topology = topology
-        self.label = label
+    def __init__(self, grad_path: GradPath) -> None:
+        self.grad_path = grad_path
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, op, async_op: bool = False) -> None:
-        name = _op_name(op, input_tensor)
-        if "single" in self.codecs:
-            reduce_scatter(output_tensor, input_tensor, self.codecs["single"], group=group,
-                           op=name, label=self.label)
-        else:
-            hierarchical_reduce_scatter(output_tensor, input_tensor, self.codecs["intra"],
-                                        self.codecs["inter"], topology=self.topology,
-                                        group=group, op=name, label=self.label)
+        self.grad_path.reduce_scatter(output_tensor, input_tensor, group,
+                                      op=_op_name(op, input_tensor))
         return None
 
 
@@ -118,13 +106,8 @@ def compress(model: nn.Module, policy: str | dict | Policy = "sdp4bit",
         if not isinstance(module, FSDPModule):
             continue
         param_codec = "none" if param_rule.delta else param_rule.build()
-        if policy.two_level():
-            grad_codecs = {"intra": policy.codec_for("dp", "grad", "intra"),
-                           "inter": policy.codec_for("dp", "grad", "inter")}
-        else:
-            grad_codecs = {"single": policy.codec_for("dp", "grad")}
         module.set_custom_all_gather(CompressedAllGather(param_codec))
-        module.set_custom_reduce_scatter(CompressedReduceScatter(grad_codecs, topology))
+        module.set_custom_reduce_scatter(CompressedReduceScatter(GradPath(policy, topology)))
         count += 1
     if count == 0:
         raise ValueError("commpress.fsdp.compress: no FSDPModule found; call fully_shard first")

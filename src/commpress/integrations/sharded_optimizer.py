@@ -28,7 +28,6 @@ import logging
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -36,44 +35,32 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from commpress.collectives import (
+    CollectiveMismatchError,
+    Topology,
     all_gather,
+    delta_all_gather,
     hierarchical_all_gather,
-    hierarchical_reduce_scatter,
-    reduce_scatter,
 )
-from commpress.collectives.handle import Handle, completed
-from commpress.collectives.topology import Topology
+from commpress.collectives.handle import completed
+from commpress.integrations.buckets import (
+    Bucket,
+    ReplicationKey,
+    build_buckets,
+    checksum,
+    tensor_parallel_key,
+)
+from commpress.integrations.grad_path import GradPath
 from commpress.policy import Policy
 
 log = logging.getLogger(__name__)
 
 STATE_FORMAT = "commpress.ShardedOptimizer/1"
 NONFINITE_CHOICES = ("skip", "raise")
+INIT_SYNC_CHOICES = ("broadcast", "verify")
 
 
 class NonFiniteGradientError(FloatingPointError):
     """A gradient held NaN or ±Inf and the optimizer was told to stop."""
-
-
-@dataclass
-class _Bucket:
-    """Parameters packed into one flat buffer, sharded across the data-parallel ranks."""
-
-    index: int
-    dtype: torch.dtype
-    decay: bool
-    names: list[str]
-    params: list[nn.Parameter]
-    offsets: list[int]
-    numel: int  # padded to a multiple of world × alignment
-    param_buffer: torch.Tensor = field(repr=False, default=None)  # training dtype
-    grad_buffer: torch.Tensor = field(repr=False, default=None)  # fp32
-    grad_shard: torch.Tensor = field(repr=False, default=None)  # fp32, this rank's
-    master: nn.Parameter = field(repr=False, default=None)  # fp32, this rank's
-    grad_codecs: dict = field(default_factory=dict)
-    param_codec: Any = None
-    ready: set = field(default_factory=set)
-    handle: Handle | None = None
 
 
 class ShardedOptimizer:
@@ -87,7 +74,8 @@ class ShardedOptimizer:
 
     Args:
         model: the module to train (its parameters become views into flat buckets).
-        optimizer_cls: inner optimizer class, run on the fp32 master shards.
+        optimizer_cls: inner optimizer class (default ``torch.optim.AdamW``), run on the
+            fp32 master shards.
         policy: preset name, policy file, dict or :class:`~commpress.Policy`.
         group: data-parallel process group (default: the world).
         topology: node layout for the two-level gradient path (default from
@@ -103,10 +91,17 @@ class ShardedOptimizer:
             clipping and the non-finite check see the whole model on every rank).
         norm_weights: per-parameter-name weight of its squared norm (e.g. ``1/tp`` for
             parameters replicated across tensor-parallel ranks, counted once in all).
+        replication_key: ``f(name, param)``; parameters with different keys never share a
+            bucket (default :func:`tensor_parallel_key`: TP-sliced apart from TP-replicated,
+            so replicated parameters stay bitwise identical across TP ranks).
+        init_sync: the replicas must start identical (qWD only sends differences, so it
+            would never close a gap): ``"broadcast"`` the first data-parallel rank's
+            weights, as DDP does, or ``"verify"`` that they are equal and refuse if not.
         **optimizer_kwargs: passed to ``optimizer_cls`` (lr, betas, weight_decay, ...).
     """
 
-    def __init__(self, model: nn.Module, optimizer_cls: type[torch.optim.Optimizer] = None,
+    def __init__(self, model: nn.Module,
+                 optimizer_cls: type[torch.optim.Optimizer] | None = None,
                  policy: str | dict | Policy | None = "none",
                  group: dist.ProcessGroup | None = None,
                  topology: Topology | None = None, *, bucket_numel: int = 1 << 22,
@@ -114,14 +109,11 @@ class ShardedOptimizer:
                  overlap: bool = True, decay_1d: bool = False,
                  norm_group: dist.ProcessGroup | None = None,
                  norm_weights: dict[str, float] | None = None,
+                 replication_key: ReplicationKey = tensor_parallel_key,
+                 init_sync: str = "broadcast",
                  **optimizer_kwargs: Any) -> None:
-        if nonfinite not in NONFINITE_CHOICES:
-            raise ValueError(f"nonfinite={nonfinite!r} is not allowed; allowed: "
-                             f"{', '.join(NONFINITE_CHOICES)}")
-        if bucket_numel < 1:
-            raise ValueError(f"bucket_numel={bucket_numel} is not allowed; allowed: >= 1")
-        if max_grad_norm is not None and not max_grad_norm > 0:
-            raise ValueError(f"max_grad_norm={max_grad_norm} is not allowed; allowed: > 0 or None")
+        _check_arguments(model, optimizer_cls, policy, nonfinite, bucket_numel, max_grad_norm,
+                         init_sync)
         self.model = model
         self.policy = Policy.resolve(policy)
         self.group = group if group is not None else (dist.group.WORLD if dist.is_initialized()
@@ -137,10 +129,21 @@ class ShardedOptimizer:
         # stats
         self.steps = 0
         self.skipped_steps = 0
+        self.last_grad_norm = float("nan")
         self._no_sync = False
-        optimizer_cls = optimizer_cls or torch.optim.AdamW
         self.param_rule = self.policy.rule("dp", "param")
-        self.buckets = self._build_buckets(model, bucket_numel, decay_1d)
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError("ShardedOptimizer: the model has no parameters that require grad")
+        # gradients arrive roughly in reverse registration order during backward
+        self.buckets = build_buckets(
+            named[::-1], bucket_numel, decay_1d,
+            lambda: GradPath(self.policy, self.topology), self.param_rule.build, self.world,
+            replication_key)
+        for b in self.buckets:
+            b.materialize(self.rank, self.world)
+        self._sync_initial_weights(init_sync)
+        optimizer_cls = optimizer_cls or torch.optim.AdamW
         weight_decay = optimizer_kwargs.pop("weight_decay", None)
         groups = []
         for b in self.buckets:
@@ -156,66 +159,29 @@ class ShardedOptimizer:
                  len(self.buckets), sum(b.numel for b in self.buckets), self.world,
                  self.policy.name)
 
-    # -- construction ---------------------------------------------------------------
-    def _grad_codecs(self) -> dict:
-        if self.policy.two_level():
-            return {"intra": self.policy.codec_for("dp", "grad", "intra"),
-                    "inter": self.policy.codec_for("dp", "grad", "inter")}
-        return {"single": self.policy.codec_for("dp", "grad")}
-
-    def _alignment(self, codecs: list) -> int:
-        unit = 1
-        for c in codecs:
-            unit = math.lcm(unit, max(c.alignment, 1))
-        return unit
-
-    def _build_buckets(self, model: nn.Module, bucket_numel: int,
-                       decay_1d: bool) -> list[_Bucket]:
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        if not named:
-            raise ValueError("ShardedOptimizer: the model has no parameters that require grad")
-        # gradients arrive roughly in reverse registration order during backward
-        named.reverse()
-        groups: dict[tuple, list[list[tuple[str, nn.Parameter]]]] = {}
-        for name, p in named:
-            key = (p.dtype, p.dim() >= 2 or decay_1d)
-            lists = groups.setdefault(key, [[]])
-            if lists[-1] and sum(q.numel() for _, q in lists[-1]) + p.numel() > bucket_numel:
-                lists.append([])
-            lists[-1].append((name, p))
-        buckets = []
-        for (dtype, decay), lists in groups.items():
-            for members in lists:
-                grad_codecs = self._grad_codecs()
-                param_codec = self.param_rule.build()
-                unit = self._alignment([*grad_codecs.values(), param_codec]) * self.world
-                offsets, total = [], 0
-                for _, p in members:
-                    offsets.append(total)
-                    total += p.numel()
-                b = _Bucket(index=len(buckets), dtype=dtype, decay=decay,
-                            names=[n for n, _ in members], params=[p for _, p in members],
-                            offsets=offsets, numel=-(-total // unit) * unit,
-                            grad_codecs=grad_codecs, param_codec=param_codec)
-                self._materialize(b)
-                buckets.append(b)
-        return buckets
-
-    def _materialize(self, b: _Bucket) -> None:
-        device = b.params[0].device
-        b.param_buffer = torch.zeros(b.numel, dtype=b.dtype, device=device)
-        for p, off in zip(b.params, b.offsets):
-            b.param_buffer[off : off + p.numel()].copy_(p.detach().reshape(-1))
-            p.data = b.param_buffer[off : off + p.numel()].view_as(p)
-        b.grad_buffer = torch.zeros(b.numel, dtype=torch.float32, device=device)
-        shard = b.numel // self.world
-        b.grad_shard = torch.zeros(shard, dtype=torch.float32, device=device)
-        lo = self.rank * shard
-        b.master = nn.Parameter(b.param_buffer[lo : lo + shard].detach().float().clone())
-
-    def _shard(self, b: _Bucket) -> slice:
-        shard = b.numel // self.world
-        return slice(self.rank * shard, (self.rank + 1) * shard)
+    @torch.no_grad()
+    def _sync_initial_weights(self, how: str) -> None:
+        """Make (or check that) every data-parallel replica start from the same weights."""
+        if self.world == 1:
+            return
+        src = dist.get_global_rank(self.group, 0) if self.group is not dist.group.WORLD else 0
+        if how == "broadcast":
+            for b in self.buckets:
+                dist.broadcast(b.param_buffer, src=src, group=self.group)
+                b.reset_master(self.rank, self.world)
+            return
+        mine = torch.tensor([checksum(b.param_buffer) for b in self.buckets], dtype=torch.int64,
+                            device=self.buckets[0].param_buffer.device)
+        every = [torch.empty_like(mine) for _ in range(self.world)]
+        dist.all_gather(every, mine, group=self.group)
+        differ = [r for r in range(self.world) if not torch.equal(every[r], every[0])]
+        if differ:
+            names = [b.names[0] for b, i in zip(self.buckets, range(len(self.buckets)))
+                     if any(every[r][i] != every[0][i] for r in differ)]
+            raise CollectiveMismatchError(
+                f"ShardedOptimizer(init_sync='verify'): data-parallel ranks {differ} start "
+                f"from other weights than rank 0 (first differing bucket holds {names[0]!r}); "
+                "initialize every replica from the same seed, or use init_sync='broadcast'")
 
     # -- backward ---------------------------------------------------------------------
     @torch.no_grad()
@@ -243,18 +209,13 @@ class ShardedOptimizer:
         finally:
             self._no_sync = False
 
-    def _launch(self, b: _Bucket) -> None:
+    def _launch(self, b: Bucket) -> None:
         if self.world == 1:
             b.grad_shard.copy_(b.grad_buffer)
             b.handle = completed(b.grad_shard)
-        elif "single" in b.grad_codecs:
-            b.handle = reduce_scatter(b.grad_shard, b.grad_buffer, b.grad_codecs["single"],
-                                      group=self.group, op="avg", label="dp.grad", async_op=True)
         else:
-            b.handle = hierarchical_reduce_scatter(
-                b.grad_shard, b.grad_buffer, b.grad_codecs["intra"], b.grad_codecs["inter"],
-                topology=self.topology, group=self.group, op="avg", label="dp.grad",
-                async_op=True)
+            b.handle = b.grad_path.reduce_scatter(b.grad_shard, b.grad_buffer, self.group,
+                                                  op="avg", async_op=True)
 
     # -- step ----------------------------------------------------------------------
     @torch.no_grad()
@@ -262,6 +223,7 @@ class ShardedOptimizer:
         """Reduce gradients, update the shards, gather weights. Returns False if skipped."""
         if closure is not None:
             raise ValueError("ShardedOptimizer.step does not take a closure")
+        # Step 1: every bucket's reduce-scatter (most started during backward)
         for b in self.buckets:
             if b.handle is None:
                 self._launch(b)
@@ -269,6 +231,7 @@ class ShardedOptimizer:
             b.handle.wait()
             b.handle = None
             b.ready.clear()
+        # Step 2: one float across ranks: the norm, non-finite if any gradient is
         norm = self._global_grad_norm()
         self.last_grad_norm = norm
         self._zero_grad_buffers()
@@ -286,11 +249,13 @@ class ShardedOptimizer:
             coef = self.max_grad_norm / (norm + 1e-6)
             for b in self.buckets:
                 b.grad_shard.mul_(coef)
+        # Step 3: the inner optimizer on the fp32 master shards
         for b in self.buckets:
             b.master.grad = b.grad_shard
         self.optimizer.step()
         for b in self.buckets:
             b.master.grad = None
+        # Step 4: the new weights to every replica
         self._gather_params()
         self.steps += 1
         return True
@@ -298,15 +263,8 @@ class ShardedOptimizer:
     def _global_grad_norm(self) -> float:
         """The gradient norm over ``norm_group``: one float all-reduced, NaN if any rank
         holds a non-finite gradient (so all ranks skip or stop together)."""
-        sumsq = torch.zeros(1, dtype=torch.float64, device=self.buckets[0].grad_shard.device)
-        for b in self.buckets:
-            lo = self._shard(b).start
-            for name, p, off in zip(b.names, b.params, b.offsets):
-                # this param's part of the shard
-                start, end = max(off, lo), min(off + p.numel(), lo + b.grad_shard.numel())
-                if start < end:
-                    part = b.grad_shard[start - lo : end - lo].double().pow(2).sum()
-                    sumsq += part * self.norm_weights.get(name, 1.0)
+        sumsq = sum(b.grad_sumsq(self.rank, self.world, self.norm_weights)
+                    for b in self.buckets).reshape(1)
         if self.norm_group is not None and dist.get_world_size(self.norm_group) > 1:
             dist.all_reduce(sumsq, group=self.norm_group)
         value = sumsq.item()
@@ -319,41 +277,20 @@ class ShardedOptimizer:
         two_level = (levels is not None and levels.nodes > 1 and levels.ranks_per_node > 1
                      and not self.param_rule.exact)
         for b in self.buckets:
-            sl = self._shard(b)
             new = b.master.detach().to(b.dtype)
             if self.world == 1:  # nothing crosses a wire: nothing is compressed
                 b.param_buffer.copy_(new)
-            elif self.param_rule.delta and two_level:
-                self._gather_differences_two_level(b, new.float() - b.param_buffer[sl].float(),
-                                                   levels)
-            elif self.param_rule.delta:
-                # qWD: every rank, the owner too, applies the decoded difference
-                diff = new.float() - b.param_buffer[sl].float()
-                full = torch.empty(b.numel, dtype=torch.float32, device=diff.device)
-                all_gather(full, diff, b.param_codec, group=self.group, label="dp.param")
-                b.param_buffer.copy_((b.param_buffer.float() + full).to(b.dtype))
+            elif self.param_rule.delta:  # qWD
+                delta_all_gather(b.param_buffer, new, codec=b.param_codec,
+                                 topology=self.topology if two_level else Topology(1),
+                                 group=self.group, label="dp.param")
             elif two_level:
-                hierarchical_all_gather(b.param_buffer, new, b.param_codec,
+                hierarchical_all_gather(b.param_buffer, new, inter=b.param_codec,
                                         topology=self.topology, group=self.group,
                                         label="dp.param")
             else:
                 all_gather(b.param_buffer, new, b.param_codec, group=self.group,
                            label="dp.param")
-
-    def _gather_differences_two_level(self, b: _Bucket, diff: torch.Tensor, levels) -> None:
-        """qWD over two levels: ranks of one local index exchange their encoded weight
-        differences across nodes and apply them to those shards; the node then shares
-        the updated weights in the training dtype — the same bits as every rank applying
-        every difference, in half the intra-node bytes of fp32 differences for bf16."""
-        L, nodes, m = levels.ranks_per_node, levels.nodes, diff.numel()
-        across = torch.empty(nodes * m, dtype=torch.float32, device=diff.device)
-        all_gather(across, diff, b.param_codec, group=levels.inter, label="dp.param.inter")
-        shards = b.param_buffer.view(nodes, L, m)  # rank node·L + l owns shards[node, l]
-        mine = shards[:, levels.local_rank].float() + across.view(nodes, m)
-        local = torch.empty(L * nodes * m, dtype=b.dtype, device=diff.device)
-        all_gather(local, mine.to(b.dtype).reshape(-1), "none", group=levels.intra,
-                   label="dp.param.intra")
-        shards.copy_(local.view(L, nodes, m).transpose(0, 1))
 
     def _zero_grad_buffers(self) -> None:
         for b in self.buckets:
@@ -391,8 +328,7 @@ class ShardedOptimizer:
             "master": [b.master.detach().clone() for b in self.buckets],
             "params": [b.param_buffer.clone() for b in self.buckets],
             "optimizer": self.optimizer.state_dict(),
-            "grad_codecs": [{k: c.state_dict() for k, c in b.grad_codecs.items()}
-                            for b in self.buckets],
+            "grad_codecs": [b.grad_path.state_dict() for b in self.buckets],
             "param_codecs": [b.param_codec.state_dict() for b in self.buckets],
         }
 
@@ -414,9 +350,37 @@ class ShardedOptimizer:
             b.master.copy_(master)
             b.param_buffer.copy_(params)
         self.optimizer.load_state_dict(state["optimizer"])
-        for b, codecs, pcodec in zip(self.buckets, state["grad_codecs"], state["param_codecs"]):
-            for k, c in b.grad_codecs.items():
-                c.load_state_dict(codecs[k])
+        for b, grad_state, pcodec in zip(self.buckets, state["grad_codecs"],
+                                         state["param_codecs"]):
+            b.grad_path.load_state_dict(grad_state)
             b.param_codec.load_state_dict(pcodec)
         self.steps = state["steps"]
         self.skipped_steps = state["skipped_steps"]
+
+
+def _check_arguments(model, optimizer_cls, policy, nonfinite: str, bucket_numel: int,
+                     max_grad_norm: float | None, init_sync: str) -> None:
+    """Bad arguments get a message naming them, before anything is built."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"ShardedOptimizer: model must be a torch.nn.Module; got "
+                        f"{type(model).__name__}")
+    if optimizer_cls is not None and not (isinstance(optimizer_cls, type)
+                                          and issubclass(optimizer_cls, torch.optim.Optimizer)):
+        hint = (" (a policy name goes in the third argument or policy=...)"
+                if isinstance(optimizer_cls, str) else
+                " (pass the class, e.g. torch.optim.AdamW, and its options as keywords)")
+        raise TypeError(f"ShardedOptimizer: optimizer_cls={optimizer_cls!r} is not allowed; "
+                        f"allowed: a torch.optim.Optimizer subclass{hint}")
+    if policy is not None and not isinstance(policy, str | dict | Policy):
+        raise TypeError(f"ShardedOptimizer: policy={policy!r} is not allowed; allowed: a preset "
+                        "name, a policy file path, a dict or a commpress.Policy")
+    if nonfinite not in NONFINITE_CHOICES:
+        raise ValueError(f"nonfinite={nonfinite!r} is not allowed; allowed: "
+                         f"{', '.join(NONFINITE_CHOICES)}")
+    if init_sync not in INIT_SYNC_CHOICES:
+        raise ValueError(f"init_sync={init_sync!r} is not allowed; allowed: "
+                         f"{', '.join(INIT_SYNC_CHOICES)}")
+    if not isinstance(bucket_numel, int) or bucket_numel < 1:
+        raise ValueError(f"bucket_numel={bucket_numel!r} is not allowed; allowed: an int >= 1")
+    if max_grad_norm is not None and not max_grad_norm > 0:
+        raise ValueError(f"max_grad_norm={max_grad_norm} is not allowed; allowed: > 0 or None")

@@ -72,6 +72,20 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, numel: int, *, bits: i
                            out_dtype=out_dtype)
 
 
+def dequantize_sum(codes: torch.Tensor, scales: torch.Tensor, *, bits: int, group: int,
+                   hadamard: int = 0) -> torch.Tensor:
+    """Decode ``k`` chunks (rows) and sum them in fp32; see :func:`reference.dequantize_sum`."""
+    impl = backend_for(codes.device, bits, group, 0)
+    if impl is reference:
+        return reference.dequantize_sum(codes, scales, bits=bits, group=group, hadamard=hadamard)
+    k = codes.shape[0]
+    m = codes.shape[1] * 8 // bits
+    y = impl.dequantize(codes.reshape(-1), scales.reshape(-1), k * m, bits=bits, group=group,
+                        hadamard=0, out_dtype=torch.float32)
+    return reference.unrotate(reference.sum_rows(y.view(k, m)), m, hadamard=hadamard,
+                              out_dtype=torch.float32)
+
+
 def dequant_reduce_requant(codes: torch.Tensor, scales: torch.Tensor, *, bits_in: int,
                            group_in: int, bits_out: int, group_out: int,
                            scale_dtype: torch.dtype = torch.float32,
@@ -90,6 +104,7 @@ __all__ = [
     "backend_for",
     "dequant_reduce_requant",
     "dequantize",
+    "dequantize_sum",
     "padded_numel",
     "padded_unit",
     "qmax_for_bits",

@@ -247,6 +247,34 @@ def dequantize(
     return unrotate(y, numel, hadamard=hadamard, out_dtype=out_dtype)
 
 
+def dequantize_sum(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    *,
+    bits: int,
+    group: int,
+    hadamard: int = 0,
+) -> torch.Tensor:
+    """Decode ``k`` chunks and sum them in fp32, in row order: ``(m,)`` fp32.
+
+    ``codes`` is ``(k, bytes_per_chunk)`` and ``scales`` ``(k, groups_per_chunk)``. The
+    rotation is linear, so the sum is taken in the rotated domain and rotated back
+    once — the last step of the two-level reduce-scatter.
+    """
+    k = codes.shape[0]
+    y = dequantize_rotated(codes.reshape(-1), scales.reshape(-1), bits=bits, group=group)
+    return unrotate(sum_rows(y.view(k, -1)), y.numel() // k, hadamard=hadamard,
+                    out_dtype=torch.float32)
+
+
+def sum_rows(rows: torch.Tensor) -> torch.Tensor:
+    """``rows[0] + rows[1] + …`` in fp32, strictly in row order (as the kernels add)."""
+    total = rows[0].float().clone()
+    for i in range(1, rows.shape[0]):
+        total += rows[i]
+    return total
+
+
 def unrotate(y: torch.Tensor, numel: int, *, hadamard: int,
              out_dtype: torch.dtype) -> torch.Tensor:
     """Decoded fp32 values in the rotated domain → ``numel`` values of ``out_dtype``."""
@@ -282,9 +310,6 @@ def dequant_reduce_requant(
     two-level reduce-scatter (TLq-HS): no Hadamard is applied here because both
     levels work on the same rotated values.
     """
-    k = codes.shape[0]
-    total = torch.zeros(codes.shape[1] * 8 // bits_in, dtype=torch.float32, device=codes.device)
-    for i in range(k):
-        total += dequantize_rotated(codes[i], scales[i], bits=bits_in, group=group_in)
+    total = dequantize_sum(codes, scales, bits=bits_in, group=group_in)
     return quantize_rotated(total, bits=bits_out, group=group_out, scale_dtype=scale_dtype,
                             keys=keys)

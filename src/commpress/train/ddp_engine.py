@@ -68,7 +68,7 @@ def install_hook(model: DDP, name: str, policy, group, topology: Topology) -> ob
 
         model.register_comm_hook(state, powersgd_in_order)
         return state
-    state, hook = ddp_hook(policy, group=group, topology=topology)
+    state, hook = ddp_hook(model, policy, group=group, topology=topology)
     model.register_comm_hook(state, hook)
     return state
 

@@ -1,0 +1,105 @@
+"""One way in and out of every public collective.
+
+:func:`begin` is the prologue every collective shares: it resolves the group (default:
+the world) and the codecs, checks the inputs locally (dtype, sizes), and then checks
+across ranks that everyone makes the same call (:meth:`GroupContext.agree`) — all
+before a byte of payload moves, so bad input never leaves a peer waiting. Its
+:class:`Call` carries what the body needs. :func:`end` is the epilogue: the handle
+for ``async_op=True``, else the finished result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from commpress.codecs import Codec, ErrorFeedback
+from commpress.codecs import codec as build_codec
+from commpress.collectives.comm import check_op, describe, resolve_group
+from commpress.collectives.context import GroupContext, context
+from commpress.collectives.handle import Handle
+from commpress.collectives.stats import Stats
+
+AnyCodec = Codec | ErrorFeedback
+
+
+def resolve_codec(codec: Any) -> AnyCodec:
+    """A codec object from a spec, dict or codec (an ErrorFeedback passes through)."""
+    if hasattr(codec, "encode") and hasattr(codec, "decode"):
+        return codec
+    return build_codec(codec)
+
+
+def is_exact(codec: AnyCodec) -> bool:
+    """Whether a collective can use torch's own uncompressed collective for this codec."""
+    return getattr(codec, "name", None) == "none" and not hasattr(codec, "residuals")
+
+
+def check_float(name: str, t: torch.Tensor) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+    if not t.is_floating_point():
+        raise ValueError(f"{name} must be a floating-point tensor; got dtype {t.dtype}")
+
+
+@dataclass
+class Call:
+    """A checked call: its group, context, codecs and label."""
+
+    group: dist.ProcessGroup
+    ctx: GroupContext
+    codecs: dict[str, AnyCodec]
+    label: str
+
+    @property
+    def codec(self) -> AnyCodec:
+        """The codec of a one-codec collective."""
+        return next(iter(self.codecs.values()))
+
+    @property
+    def stats(self) -> Stats:
+        return self.ctx.stats
+
+    @property
+    def rank(self) -> int:
+        return self.ctx.rank
+
+    @property
+    def world(self) -> int:
+        return self.ctx.world
+
+
+def begin(collective: str, group: dist.ProcessGroup | None, label: str | None,
+          codecs: dict[str, Any], *, tensors: dict[str, torch.Tensor], op: str | None = None,
+          check: Callable[[int], None] | None = None, **fields: object) -> Call:
+    """Resolve, check locally, then agree across ranks; returns the :class:`Call`.
+
+    ``tensors`` are the call's floating-point inputs and outputs by argument name; their
+    element counts, dtypes and device types, the codec specs, ``op`` and ``fields`` are
+    what every rank must agree on. ``check(world_size)`` runs the collective's own local
+    checks (sizes) before anything is exchanged.
+    """
+    group = resolve_group(group)
+    resolved = {name: resolve_codec(c) for name, c in codecs.items()}
+    if op is not None:
+        check_op(op)
+    described: dict[str, object] = {}
+    for name, t in tensors.items():
+        check_float(name, t)
+        described.update({f"{name}.{k}": v for k, v in describe(t).items()})
+    ctx = context(group)
+    if check is not None:
+        check(ctx.world)
+    label = label or collective
+    specs = {name: c.spec() for name, c in resolved.items()}
+    ctx.agree(collective, label=label, op=op, **specs, **described, **fields)
+    return Call(group, ctx, resolved, label)
+
+
+def end(handle: Handle, async_op: bool) -> torch.Tensor | Handle:
+    """The epilogue: ``handle`` itself for ``async_op``, else its finished result."""
+    return handle if async_op else handle.wait()

@@ -1,0 +1,345 @@
+"""One state object per process group: call agreement, node levels and stats.
+
+torch.distributed keeps a process group's state in the group; commpress does the same.
+A :class:`GroupContext` is created at a group's first compressed call and held in a
+weak mapping keyed by the group object, so it is dropped with the group; a lock
+guards it where the DDP hook's communication thread and the main thread both reach
+it. (The module-level caches keyed by ``id(group)`` it replaces handed out dead
+sub-groups after ``destroy_process_group()`` and a new group, and raced with that
+thread.)
+
+**Agreement on every call.** Ranks that call a collective with different sizes,
+dtypes or codecs — on any call, not only the first — would corrupt data, abort inside
+Gloo or hang. So before each call the ranks all-gather a 24-byte header: the call's
+sequence number on this group and a 128-bit BLAKE2 digest of everything they must
+agree on (collective, label, codec spec, op, element count, dtype, ...). Equal
+digests: go on. Different: the ranks exchange their full descriptors (any length)
+and every rank raises the same :class:`CollectiveMismatchError` naming the ranks and
+fields. The header travels on the CPU — over the group itself on Gloo, over a Gloo
+side group on NCCL — so no GPU stream waits for the host. Point-to-point transfers
+carry a header and descriptor ahead of the payload and an acknowledgement back
+(:mod:`commpress.collectives.p2p`).
+
+**A rank that never arrives** is named: a watchdog thread publishes, in the default
+store, which call each rank has been waiting in for over a second; when the header
+exchange times out, the error lists the ranks that never reached the call.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+import weakref
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from commpress.collectives.comm import all_gather_single
+from commpress.collectives.stats import Stats, retire
+
+HEADER_WORDS = 3  # sequence number, 128-bit digest as two int64
+PUBLISH_AFTER_S = 1.0  # a wait longer than this is published for the timeout diagnosis
+GRACE_S = 5.0  # how long a timed-out rank looks for the others' published waits
+
+
+class CollectiveMismatchError(RuntimeError):
+    """Ranks called the same collective (or a send and its receive) with different
+    arguments; raised on every rank involved, before any payload moved."""
+
+
+class CollectiveTimeoutError(RuntimeError):
+    """A rank waited for the others past the group's timeout; names who never came."""
+
+
+@dataclass(frozen=True)
+class Levels:
+    """The resolved two levels of a group for this rank."""
+
+    ranks_per_node: int
+    nodes: int
+    node: int
+    local_rank: int
+    intra: dist.ProcessGroup | None  # None when there is one rank per node
+    inter: dist.ProcessGroup | None  # None when there is one node
+
+
+class GroupContext:
+    """State commpress keeps for one process group.
+
+    Slots: identity (``rank``, ``world``, ``ranks``, ``name``); internal state (call
+    sequence numbers, point-to-point counters, node levels, the control group);
+    ``stats`` (this group's byte and time counters).
+    """
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        # identity
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.ranks = tuple(dist.get_process_group_ranks(group))
+        self.name = getattr(group, "group_name", "?")
+        self.backend = str(dist.get_backend(group))
+        # internal state
+        self._lock = threading.RLock()
+        self._seq = 0
+        self._p2p: dict[tuple[str, int, int], int] = defaultdict(int)
+        self._levels: dict[int, Levels] = {}
+        self._control: dist.ProcessGroup | None = group if "gloo" in self.backend else None
+        self._held: list = []  # (work, buffers) sent without a caller to wait on them
+        self._group_ref = weakref.ref(group)
+        # stats
+        self.stats = Stats()
+
+    # -- agreement ------------------------------------------------------------------
+    def agree(self, collective: str, /, **fields: object) -> int:
+        """Check that every rank of the group makes this call with these ``fields``.
+
+        Returns the call's sequence number. Raises :class:`CollectiveMismatchError` on
+        every rank if any field (or the sequence number) differs.
+        """
+        with self._lock:
+            seq = self._seq
+            self._seq += 1
+            if self.world == 1:
+                return seq
+            text = describe_call(collective, seq, fields)
+            header = torch.tensor([seq, *digest(text)], dtype=torch.int64)
+            gathered = torch.empty(self.world * HEADER_WORDS, dtype=torch.int64)
+            control = self.control_group()
+            work = all_gather_single(gathered, header, control, async_op=True)
+            self._wait(work, seq, collective, fields.get("label"))
+            rows = gathered.view(self.world, HEADER_WORDS)
+            if bool((rows == rows[0]).all()):
+                return seq
+            texts = _gather_texts(text, control, self.world)
+        raise CollectiveMismatchError(mismatch_message(f"commpress.{collective}", texts,
+                                                       self.ranks))
+
+    def next_p2p(self, direction: str, peer: int, tag: int) -> int:
+        """Sequence number of the next ``direction`` ("send"/"recv") with ``peer``, ``tag``."""
+        with self._lock:
+            key = (direction, peer, tag)
+            seq = self._p2p[key]
+            self._p2p[key] += 1
+            return seq
+
+    def hold(self, work, *buffers: torch.Tensor) -> None:
+        """Keep an asynchronous send and its buffers alive until it completes (a send
+        posted on an error path, which nobody waits on)."""
+        with self._lock:
+            self._held = [(w, b) for w, b in self._held if not w.is_completed()]
+            self._held.append((work, buffers))
+
+    def control_group(self) -> dist.ProcessGroup:
+        """The group that carries headers as CPU tensors (a Gloo side group on NCCL)."""
+        with self._lock:
+            if self._control is None:
+                # every member reaches its first collective on the group: creating the
+                # side group here cannot wait for a rank that never comes
+                self._control = dist.new_group(list(self.ranks), backend="gloo",
+                                               use_local_synchronization=True)
+            return self._control
+
+    def _wait(self, work, seq: int, collective: str, label: object) -> None:
+        with _watched(self, seq):
+            try:
+                work.wait()
+            except RuntimeError as e:
+                raise self._timeout_error(seq, collective, label, e) from e
+
+    def _timeout_error(self, seq: int, collective: str, label: object,
+                       cause: Exception) -> CollectiveTimeoutError:
+        waiting = _waiting_ranks(self, seq)
+        where = f"commpress.{collective} (label {label!r}, call #{seq} on group {self.name})"
+        if waiting is None:
+            who = "could not tell which ranks are missing (the store is unreachable)"
+        else:
+            missing = [self.ranks[r] for r in range(self.world) if r not in waiting]
+            present = sorted(self.ranks[r] for r in waiting)
+            who = (f"ranks {missing} never reached it; ranks {present} were waiting there"
+                   if missing else f"every rank ({present}) reached it; a connection failed")
+        return CollectiveTimeoutError(f"{where} timed out: {who}. Cause: "
+                                      f"{type(cause).__name__}: {cause}")
+
+    # -- node levels -------------------------------------------------------------------
+    def levels(self, group: dist.ProcessGroup, ranks_per_node: int) -> Levels:
+        """The two levels of ``group`` for ``ranks_per_node`` (sub-groups made once)."""
+        with self._lock:
+            levels = self._levels.get(ranks_per_node)
+            if levels is None or not _alive(levels):
+                levels = _make_levels(group, self.ranks, self.rank, ranks_per_node)
+                self._levels[ranks_per_node] = levels
+            return levels
+
+
+def describe_call(collective: str, seq: int, fields: dict[str, object]) -> str:
+    """The text ranks agree on: one ``key=value`` per line (no length limit)."""
+    lines = [f"collective={collective}", f"call={seq}"]
+    lines += [f"{k}={v}" for k, v in fields.items()]
+    return "\n".join(lines)
+
+
+def digest(text: str) -> tuple[int, int]:
+    """128-bit BLAKE2 digest of ``text`` as two int64 (what crosses the wire)."""
+    d = hashlib.blake2b(text.encode(), digest_size=16).digest()
+    return (int.from_bytes(d[:8], "little", signed=True),
+            int.from_bytes(d[8:], "little", signed=True))
+
+
+def _gather_texts(text: str, group: dist.ProcessGroup, world: int) -> list[str]:
+    raw = torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8)
+    sizes = torch.empty(world, dtype=torch.int64)
+    all_gather_single(sizes, torch.tensor([raw.numel()]), group)
+    width = int(sizes.max())
+    padded = torch.zeros(width, dtype=torch.uint8)
+    padded[: raw.numel()] = raw
+    out = torch.empty(world * width, dtype=torch.uint8)
+    all_gather_single(out, padded, group)
+    rows = out.view(world, width)
+    return [bytes(rows[r, : int(sizes[r])].tolist()).decode(errors="replace")
+            for r in range(world)]
+
+
+def _fields(text: str) -> dict[str, str]:
+    return dict(line.split("=", 1) for line in text.split("\n") if "=" in line)
+
+
+def mismatch_message(what: str, texts: list[str], ranks: tuple[int, ...]) -> str:
+    """Name each field whose value differs, with the ranks holding each value."""
+    parsed = [_fields(t) for t in texts]
+    keys = list(dict.fromkeys(k for p in parsed for k in p))
+    parts = []
+    for key in keys:
+        by_value: dict[str, list[int]] = {}
+        for rank, p in zip(ranks, parsed):
+            by_value.setdefault(p.get(key, "<missing>"), []).append(rank)
+        if len(by_value) > 1:
+            shown = "; ".join(f"ranks {rs}: {v}" if len(rs) > 1 else f"rank {rs[0]}: {v}"
+                              for v, rs in by_value.items())
+            parts.append(f"{key} differs ({shown})")
+    return (f"{what}: ranks disagree, so the call would corrupt data or hang; "
+            + "; ".join(parts))
+
+
+# -- the registry: one context per live group ------------------------------------------
+
+_CONTEXTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_REGISTRY_LOCK = threading.Lock()
+
+
+def context(group: dist.ProcessGroup) -> GroupContext:
+    """The context of ``group``, created at its first use, dropped with the group."""
+    with _REGISTRY_LOCK:
+        ctx = _CONTEXTS.get(group)
+        if ctx is None:
+            ctx = GroupContext(group)
+            _CONTEXTS[group] = ctx
+            # the group's counters outlive it in the process totals
+            weakref.finalize(group, retire, ctx.stats)
+        return ctx
+
+
+def live_contexts() -> list[GroupContext]:
+    with _REGISTRY_LOCK:
+        return list(_CONTEXTS.values())
+
+
+# -- node levels --------------------------------------------------------------------
+
+
+def _alive(levels: Levels) -> bool:
+    """Whether the sub-groups are still registered (not destroyed by the user)."""
+    registered = dist.distributed_c10d._world.pg_map
+    return all(g is None or g in registered for g in (levels.intra, levels.inter))
+
+
+def _make_levels(group: dist.ProcessGroup, ranks: tuple[int, ...], me: int,
+                 rpn: int) -> Levels:
+    world = len(ranks)
+    nodes = world // rpn
+    intra = inter = None
+    if rpn > 1 and nodes > 1:
+        # Only the members of a sub-group create it (local synchronization): ``group``
+        # may be one of several data-parallel groups, whose ranks reach this point at
+        # different times and must not wait for each other.
+        node, local = me // rpn, me % rpn
+        intra = dist.new_group([ranks[node * rpn + i] for i in range(rpn)],
+                               use_local_synchronization=True)
+        inter = dist.new_group([ranks[n * rpn + local] for n in range(nodes)],
+                               use_local_synchronization=True)
+    elif rpn > 1:
+        intra = group
+    elif nodes > 1:
+        inter = group
+    return Levels(rpn, nodes, me // rpn, me % rpn, intra, inter)
+
+
+# -- naming the ranks that never arrive ------------------------------------------------
+
+_WATCH_LOCK = threading.Lock()
+_WATCHED: dict[int, tuple[GroupContext, int, float, bool]] = {}
+_WATCHDOG: threading.Thread | None = None
+
+
+def _store_key(ctx: GroupContext, seq: int, rank: int) -> str:
+    return f"commpress/wait/{ctx.name}/{seq}/{rank}"
+
+
+def _publish(ctx: GroupContext, seq: int) -> None:
+    try:
+        dist.distributed_c10d._get_default_store().set(_store_key(ctx, seq, ctx.rank), b"1")
+    except Exception:  # noqa: BLE001 - best effort: the diagnosis says so when it fails
+        pass
+
+
+@contextmanager
+def _watched(ctx: GroupContext, seq: int) -> Iterator[None]:
+    """While inside, a wait of more than PUBLISH_AFTER_S is published in the store."""
+    token = threading.get_ident()
+    with _WATCH_LOCK:
+        _WATCHED[token] = (ctx, seq, time.monotonic(), False)
+        _start_watchdog()
+    try:
+        yield
+    finally:
+        with _WATCH_LOCK:
+            _WATCHED.pop(token, None)
+
+
+def _start_watchdog() -> None:
+    global _WATCHDOG
+    if _WATCHDOG is None or not _WATCHDOG.is_alive():
+        _WATCHDOG = threading.Thread(target=_watch, name="commpress-watchdog", daemon=True)
+        _WATCHDOG.start()
+
+
+def _watch() -> None:
+    while True:
+        time.sleep(PUBLISH_AFTER_S / 2)
+        now = time.monotonic()
+        with _WATCH_LOCK:
+            due = [(t, e) for t, e in _WATCHED.items()
+                   if not e[3] and now - e[2] > PUBLISH_AFTER_S]
+            for token, (ctx, seq, since, _) in due:
+                _WATCHED[token] = (ctx, seq, since, True)
+        for _, (ctx, seq, _, _) in due:
+            _publish(ctx, seq)
+
+
+def _waiting_ranks(ctx: GroupContext, seq: int) -> set[int] | None:
+    """Group ranks that published a wait in call ``seq``; None if the store is gone."""
+    _publish(ctx, seq)
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        deadline = time.monotonic() + GRACE_S
+        while True:
+            found = {r for r in range(ctx.world) if store.check([_store_key(ctx, seq, r)])}
+            if len(found) == ctx.world or time.monotonic() > deadline:
+                return found
+            time.sleep(0.2)
+    except Exception:  # noqa: BLE001 - the store died with its host rank
+        return None

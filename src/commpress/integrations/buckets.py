@@ -1,0 +1,133 @@
+"""Flat parameter buckets of the sharded optimizer.
+
+A bucket packs parameters of one dtype, one weight-decay setting and one *replication
+class* into a flat buffer; each parameter becomes a view into it. Each data-parallel
+rank owns one contiguous shard of the bucket: its fp32 master weights and gradient
+shard. The bucket's length is padded to ``world × alignment`` so every codec group and
+Hadamard block lies inside one rank's shard.
+
+Replication classes keep apart parameters that are sliced across tensor-parallel ranks
+(their values differ from one TP rank to the next) from parameters every TP rank holds
+a replica of (norms, row-parallel biases, embeddings, head). Mixed in one bucket, a
+quantization group or Hadamard block would hold both, its scale would differ between
+TP ranks, and the replicas would receive different decoded gradients and weight
+differences and drift apart; kept apart, replicas see bit-identical inputs and codes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from commpress.collectives import Handle
+from commpress.integrations.grad_path import GradPath
+
+ReplicationKey = Callable[[str, nn.Parameter], Hashable]
+
+
+def tensor_parallel_key(name: str, p: nn.Parameter) -> bool:
+    """True for a parameter sliced across tensor-parallel ranks: commpress's own mark
+    (``p.tp_sharded``) or Megatron's (``p.tensor_model_parallel``)."""
+    return bool(getattr(p, "tp_sharded", False) or getattr(p, "tensor_model_parallel", False))
+
+
+@dataclass
+class Bucket:
+    """Parameters packed into one flat buffer, sharded across the data-parallel ranks."""
+
+    index: int
+    dtype: torch.dtype
+    decay: bool
+    replication: Hashable
+    names: list[str]
+    params: list[nn.Parameter]
+    offsets: list[int]
+    numel: int  # padded to a multiple of world × alignment
+    grad_path: GradPath
+    param_codec: Any
+    param_buffer: torch.Tensor = field(repr=False, default=None)  # training dtype
+    grad_buffer: torch.Tensor = field(repr=False, default=None)  # fp32
+    grad_shard: torch.Tensor = field(repr=False, default=None)  # fp32, this rank's
+    master: nn.Parameter = field(repr=False, default=None)  # fp32, this rank's
+    ready: set = field(default_factory=set)
+    handle: Handle | None = None
+
+    def shard(self, rank: int, world: int) -> slice:
+        size = self.numel // world
+        return slice(rank * size, (rank + 1) * size)
+
+    def materialize(self, rank: int, world: int) -> None:
+        """Allocate the buffers; parameters become views into ``param_buffer``."""
+        device = self.params[0].device
+        self.param_buffer = torch.zeros(self.numel, dtype=self.dtype, device=device)
+        for p, off in zip(self.params, self.offsets):
+            self.param_buffer[off : off + p.numel()].copy_(p.detach().reshape(-1))
+            p.data = self.param_buffer[off : off + p.numel()].view_as(p)
+        self.grad_buffer = torch.zeros(self.numel, dtype=torch.float32, device=device)
+        self.grad_shard = torch.zeros(self.numel // world, dtype=torch.float32, device=device)
+        self.reset_master(rank, world)
+
+    def reset_master(self, rank: int, world: int) -> None:
+        """The fp32 master shard from the current weights."""
+        shard = self.param_buffer[self.shard(rank, world)].detach().float().clone()
+        if self.master is None:
+            self.master = nn.Parameter(shard)
+        else:
+            self.master.data.copy_(shard)
+
+    def grad_sumsq(self, rank: int, world: int, weights: dict[str, float]) -> torch.Tensor:
+        """Σ weight(name) · ‖this rank's part of the parameter's gradient‖² (fp64)."""
+        lo = self.shard(rank, world).start
+        total = torch.zeros((), dtype=torch.float64, device=self.grad_shard.device)
+        for name, p, off in zip(self.names, self.params, self.offsets):
+            start, end = max(off, lo), min(off + p.numel(), lo + self.grad_shard.numel())
+            if start < end:
+                part = self.grad_shard[start - lo : end - lo].double().pow(2).sum()
+                total += part * weights.get(name, 1.0)
+        return total
+
+
+def build_buckets(named: list[tuple[str, nn.Parameter]], bucket_numel: int, decay_1d: bool,
+                  make_grad_path: Callable[[], GradPath], make_param_codec: Callable[[], Any],
+                  world: int, replication_key: ReplicationKey) -> list[Bucket]:
+    """Pack ``named`` parameters (in backward order) into buckets of about
+    ``bucket_numel`` elements, one kind (dtype, decay, replication class) per bucket."""
+    groups: dict[tuple, list[list[tuple[str, nn.Parameter]]]] = {}
+    for name, p in named:
+        key = (p.dtype, p.dim() >= 2 or decay_1d, replication_key(name, p))
+        lists = groups.setdefault(key, [[]])
+        if lists[-1] and sum(q.numel() for _, q in lists[-1]) + p.numel() > bucket_numel:
+            lists.append([])
+        lists[-1].append((name, p))
+    buckets = []
+    for (dtype, decay, replication), lists in groups.items():
+        for members in lists:
+            grad_path, param_codec = make_grad_path(), make_param_codec()
+            unit = math.lcm(grad_path.alignment, max(param_codec.alignment, 1)) * world
+            offsets, total = [], 0
+            for _, p in members:
+                offsets.append(total)
+                total += p.numel()
+            buckets.append(Bucket(
+                index=len(buckets), dtype=dtype, decay=decay, replication=replication,
+                names=[n for n, _ in members], params=[p for _, p in members],
+                offsets=offsets, numel=-(-total // unit) * unit, grad_path=grad_path,
+                param_codec=param_codec))
+    return buckets
+
+
+def checksum(t: torch.Tensor) -> int:
+    """A position-weighted integer sum of ``t``'s bytes: equal tensors give equal sums on
+    any device, and one changed element changes it (for checking replicas agree)."""
+    words = t.detach().reshape(-1).contiguous().view(torch.uint8)
+    pad = (-words.numel()) % 4
+    if pad:
+        words = torch.cat([words, words.new_zeros(pad)])
+    w = words.view(torch.int32).long()
+    weights = torch.arange(w.numel(), device=w.device, dtype=torch.int64) * 2 + 1
+    return int((w * weights).sum())

@@ -1,0 +1,83 @@
+"""The data-parallel gradient path a policy asks for, as one object.
+
+The DDP hook, FSDP2's reduce-scatter and the sharded optimizer all reduce gradients
+the same way: with the policy's ``dp.grad`` codec in one level, or — when the policy
+names ``intra`` and ``inter`` codecs — in two levels over the node topology. A
+:class:`GradPath` holds those codecs (and so their state: stochastic-rounding counters,
+error-feedback residuals) and runs either collective; it checkpoints with
+``state_dict()``. Each bucket gets its own path, since codec state belongs to the
+values it compresses.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from commpress.collectives import (
+    Handle,
+    Topology,
+    all_reduce,
+    hierarchical_all_reduce,
+    hierarchical_reduce_scatter,
+    reduce_scatter,
+)
+from commpress.policy import Policy
+
+
+class GradPath:
+    """One bucket's gradient codecs: ``{"single": c}`` or ``{"intra": a, "inter": b}``."""
+
+    def __init__(self, policy: Policy, topology: Topology, label: str = "dp.grad") -> None:
+        self.topology = topology
+        self.label = label
+        if policy.two_level():
+            self.codecs = {"intra": policy.codec_for("dp", "grad", "intra"),
+                           "inter": policy.codec_for("dp", "grad", "inter")}
+        else:
+            self.codecs = {"single": policy.codec_for("dp", "grad")}
+
+    @property
+    def two_level(self) -> bool:
+        return "single" not in self.codecs
+
+    @property
+    def alignment(self) -> int:
+        """Element count every codec of the path splits evenly on."""
+        unit = 1
+        for c in self.codecs.values():
+            unit = math.lcm(unit, max(c.alignment, 1))
+        return unit
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor,
+                       group: dist.ProcessGroup | None, op: str = "avg",
+                       async_op: bool = False) -> torch.Tensor | Handle:
+        if not self.two_level:
+            return reduce_scatter(output, input, self.codecs["single"], group=group, op=op,
+                                  label=self.label, async_op=async_op)
+        return hierarchical_reduce_scatter(output, input, intra=self.codecs["intra"],
+                                           inter=self.codecs["inter"], topology=self.topology,
+                                           group=group, op=op, label=self.label,
+                                           async_op=async_op)
+
+    def all_reduce(self, tensor: torch.Tensor, group: dist.ProcessGroup | None, op: str = "avg",
+                   async_op: bool = False) -> torch.Tensor | Handle:
+        if not self.two_level:
+            return all_reduce(tensor, self.codecs["single"], group=group, op=op,
+                              label=self.label, async_op=async_op)
+        return hierarchical_all_reduce(tensor, intra=self.codecs["intra"],
+                                       inter=self.codecs["inter"], topology=self.topology,
+                                       group=group, op=op, label=self.label, async_op=async_op)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {k: c.state_dict() for k, c in self.codecs.items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if set(state) != set(self.codecs):
+            raise ValueError(f"gradient codec state has levels {sorted(state)}; this policy "
+                             f"has {sorted(self.codecs)}")
+        for k, c in self.codecs.items():
+            c.load_state_dict(state[k])
