@@ -92,3 +92,15 @@ def test_load_refuses_another_world_size(tmp_path):
                                      bucket_numel=30_000)
     with pytest.raises(ValueError, match="world_size 2 does not match this run's 1"):
         opt.load_state_dict(state)
+
+
+def test_replicas_from_different_initializations_are_made_identical():
+    ranks = spawn(workers.different_initial_weights, 2, ("broadcast",))
+    for step in range(4):  # at construction, and after each of 3 qWD steps
+        assert ranks[0]["hashes"][step] == ranks[1]["hashes"][step], step
+    assert ranks[0]["masters"] is True  # fp32 weights: the masters start from rank 0's
+
+
+def test_different_initializations_are_refused_when_verifying():
+    for r in spawn(workers.different_initial_weights, 2, ("verify",)):
+        assert "data-parallel ranks [1] start from other weights than rank 0" in r["error"]

@@ -147,3 +147,21 @@ def fsdp_training(rank, world, policy, steps):
     commpress.reset_stats()
     losses = train_steps(model, opt, data, rank, world, 0, steps)
     return {"losses": losses, "stats": commpress.stats()}
+
+
+def different_initial_weights(rank, world, init_sync):
+    """Each rank initializes from its own seed: broadcast makes the replicas equal (and
+    qWD keeps them so); verify refuses."""
+    data = _data()
+    model = _model(seed=rank)
+    try:
+        opt = commpress.ShardedOptimizer(model, torch.optim.AdamW, "qwd", lr=1e-3,
+                                         bucket_numel=20_000, init_sync=init_sync)
+    except commpress.CollectiveMismatchError as e:
+        return {"error": str(e)}
+    hashes = [_hash_params(model)]
+    masters_equal_weights = all(
+        torch.equal(b.master, b.param_buffer[b.shard(opt.rank, opt.world)].float())
+        for b in opt.buckets)
+    train_steps(model, opt, data, rank, world, 0, 3, hashes)
+    return {"error": None, "hashes": hashes, "masters": masters_equal_weights}

@@ -111,8 +111,8 @@ class _Run:
                 self.stage, torch.optim.AdamW, self.policy, group=self.mesh.dp_group,
                 topology=Topology(dp_per_node), bucket_numel=cfg.bucket_numel,
                 max_grad_norm=cfg.max_grad_norm, nonfinite=cfg.nonfinite,
-                norm_group=dist.group.WORLD, norm_weights=weights, lr=cfg.lr,
-                betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+                norm_group=dist.group.WORLD, norm_weights=weights, init_sync="verify",
+                lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
         self.schedule = GPipe(self.stage, self.mesh, self.policy, cfg.micro_batches)
         self.start_step = 0
         self.history: list[dict[str, Any]] = []

@@ -1,0 +1,44 @@
+"""Rank functions for the trainer tests (module level: picklable)."""
+
+import hashlib
+
+import torch
+
+from commpress.parallel.tensor import is_tp_sharded
+from commpress.train.config import TrainConfig
+from commpress.train.loop import _Run
+
+
+def _digest(tensors):
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().float().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def replicated_digests(rank, world, base, policies, replication_key=None):
+    """Per policy and step: this rank's mesh coordinates and a digest of the parameters
+    every tensor-parallel rank holds a replica of (norms, biases after the reduce,
+    embeddings, head)."""
+    out = {}
+    for policy in policies:
+        cfg = TrainConfig(**dict(base, policy=policy)).resolved(world)
+        run = _Run(cfg)
+        if replication_key is not None:  # the old bucketing, to show the test can fail
+            from commpress.integrations.sharded_optimizer import ShardedOptimizer
+
+            for hook in run.opt._hooks:
+                hook.remove()
+            run.opt = ShardedOptimizer(
+                run.stage, torch.optim.AdamW, run.policy, group=run.mesh.dp_group,
+                topology=run.opt.topology, bucket_numel=cfg.bucket_numel,
+                norm_group=run.opt.norm_group, norm_weights=run.opt.norm_weights, lr=cfg.lr,
+                replication_key=replication_key)
+        replicated = [p for p in run.stage.parameters() if not is_tp_sharded(p)]
+        digests = []
+        for step in range(cfg.steps):
+            run.train_step(step)
+            digests.append(_digest(replicated))
+        out[policy] = {"coords": (run.mesh.dp_idx, run.mesh.pp_idx, run.mesh.tp_idx),
+                       "digests": digests}
+    return out
