@@ -252,6 +252,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _print_error(message: str) -> None:
+    from rich.markup import escape
+
+    from commpress.console import console
+
+    console(stderr=True).print(f"[red]error:[/red] {escape(message)}", highlight=False)
+
+
 def main(argv: list[str] | None = None) -> int:
     import logging
 
@@ -259,22 +267,18 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.fn(args)
-    except TestbedError as e:
-        from commpress.console import console
-
-        console(stderr=True).print(f"[red]error:[/red] {e}", highlight=False)
-        return 2
-    except ValueError as e:  # bad input: a clear message, not a traceback
-        from commpress.console import console
-
-        console(stderr=True).print(f"[red]error:[/red] {e}", markup=True, highlight=False)
+    except (TestbedError, ValueError) as e:  # bad input: a message, no traceback
+        _print_error(str(e))
         return 2
     except LaunchError as e:  # a rank failed: its message first, its traceback after
+        head, _, tail = str(e).partition("\n")
+        if e.bad_input:  # a rank refused its input (a file, a checkpoint): no traceback
+            _print_error(head)
+            return 2
         from commpress.console import console
 
-        head, _, tail = str(e).partition("\n")
         console(stderr=True).print(tail, markup=False, highlight=False)
-        console(stderr=True).print(f"[red]error:[/red] {head}", highlight=False)
+        _print_error(head)
         return 1
 
 

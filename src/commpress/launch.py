@@ -5,13 +5,22 @@ multi-process runs. Each rank is a fresh process (``spawn``) with the usual
 ``torchrun`` environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_*).
 A rank that raises, dies or outlives ``timeout`` ends the whole launch with an error
 that carries the rank's traceback — never a hang.
+
+The launcher owns its ranks: each asks the kernel to kill it when the launcher dies
+(``PR_SET_PDEATHSIG`` on Linux; elsewhere a thread watches the parent), so ``kill -9``
+or SIGTERM of the launcher never leaves ranks training on and writing into the run
+directory.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import queue
+import signal
 import socket
+import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -22,7 +31,41 @@ import torch.multiprocessing as mp
 
 
 class LaunchError(RuntimeError):
-    """A rank failed, died, or the launch timed out."""
+    """A rank failed, died, or the launch timed out. ``bad_input`` is True when the rank
+    refused its input (a ValueError: a bad option, file or checkpoint), not crashed."""
+
+    def __init__(self, message: str, bad_input: bool = False) -> None:
+        super().__init__(message)
+        self.bad_input = bad_input
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def set_parent_death_signal() -> None:
+    """Ask Linux to SIGKILL this process when its parent dies (kept across ``exec``, so a
+    ``subprocess`` can call it as ``preexec_fn``); a no-op elsewhere."""
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """End this process when ``parent_pid`` (the launcher) dies, however it dies."""
+    set_parent_death_signal()
+    if os.getppid() != parent_pid:  # the parent died before we asked
+        os._exit(1)
+
+    def watch() -> None:  # for platforms without PDEATHSIG, and as a second guard
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent_pid:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="commpress-parent-watch", daemon=True).start()
 
 
 def free_port() -> int:
@@ -31,7 +74,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(fn, rank, world, ranks_per_node, port, pg_timeout_s, args, results, env):
+def _worker(fn, rank, world, ranks_per_node, port, pg_timeout_s, args, results, env,
+            parent_pid):
+    die_with_parent(parent_pid)
     os.environ.update(env)
     os.environ.update({
         "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank % ranks_per_node),
@@ -48,7 +93,8 @@ def _worker(fn, rank, world, ranks_per_node, port, pg_timeout_s, args, results, 
         value = fn(rank, world, *args)
         results.put((rank, "ok", value))
     except BaseException as e:  # noqa: BLE001 - reported to the parent with its traceback
-        results.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        kind = "bad_input" if isinstance(e, ValueError) else "error"
+        results.put((rank, kind, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     finally:
         if dist.is_initialized():
             try:
@@ -82,12 +128,13 @@ def spawn(
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(fn, r, nprocs, rpn, port, pg_timeout_s, args,
-                                               results, env or {}), daemon=True)
+                                               results, env or {}, os.getpid()), daemon=True)
              for r in range(nprocs)]
     for p in procs:
         p.start()
     values: dict[int, Any] = {}
     errors: dict[int, str] = {}
+    bad_input: set[int] = set()
     deadline = time.monotonic() + timeout
     try:
         while len(values) + len(errors) < nprocs:
@@ -108,6 +155,8 @@ def spawn(
                     break
                 continue
             (values if status == "ok" else errors)[rank] = value
+            if status == "bad_input":
+                bad_input.add(rank)
             if errors and not allow_errors:
                 break
     finally:
@@ -119,5 +168,5 @@ def spawn(
                 p.join(timeout=5)
     if errors and not allow_errors:
         rank = min(errors)
-        raise LaunchError(f"rank {rank} failed: {errors[rank]}")
+        raise LaunchError(f"rank {rank} failed: {errors[rank]}", bad_input=rank in bad_input)
     return [values.get(r, LaunchError(errors.get(r, "no result"))) for r in range(nprocs)]

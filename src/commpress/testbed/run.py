@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 
+from commpress.launch import set_parent_death_signal
 from commpress.testbed.netns import Cluster
 
 
@@ -43,8 +44,10 @@ def run_on_testbed(nodes: int, ranks_per_node: int, command: list[str], bandwidt
                 argv = ["ip", "netns", "exec", cluster.ns(node), sys.executable, "-m",
                         "commpress.cli", *command, "--ranks-per-node", str(ranks_per_node)]
                 out = None if rank == 0 else subprocess.DEVNULL
+                # a rank dies with the testbed: kill -9 of it leaves no orphan training on
                 procs.append(subprocess.Popen(argv, env=env, stdout=out,
-                                              stderr=None if rank == 0 else subprocess.PIPE))
+                                              stderr=None if rank == 0 else subprocess.PIPE,
+                                              preexec_fn=set_parent_death_signal))
             deadline = time.monotonic() + timeout
             while True:
                 codes = [p.poll() for p in procs]

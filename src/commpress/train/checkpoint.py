@@ -1,80 +1,211 @@
-"""Checkpoints of the reference trainer: one file per rank, written atomically.
+"""Checkpoints of the reference trainer: one file per rank, a manifest, verified on load.
 
-Layout: ``DIR/ckpt/step_000100/rank00003.pt`` and ``DIR/ckpt/latest`` (a text file
-naming the newest complete step). Each file is written to a temporary name, fsynced,
-then renamed, so a crash never leaves a half-written checkpoint under the real name;
-``latest`` moves only after every rank has written (the caller barriers first).
-Files are loaded with ``weights_only=True``: no pickled code runs on load.
+Layout::
+
+    DIR/ckpt/step_000100/rank00000.pt …   one file per rank
+    DIR/ckpt/step_000100/manifest.json    the run's identity and every file's SHA-256
+    DIR/ckpt/latest                       the newest complete step (for people and tools)
+
+Each rank file is written to a temporary name while its SHA-256 is computed, fsynced,
+then renamed; rank 0 writes the manifest (itself checksummed) once every rank has
+written, and only then ``latest``. On load every file is checked against the
+manifest — one flipped byte anywhere is refused — and the manifest's identity
+(model, layout, policy, dtype, ranks per node, data fingerprint, …) against the run.
+Resuming from a run directory takes the newest step whose manifest verifies, so an
+interrupted save, a stale or empty ``latest`` fall back to the checkpoint before.
+Files load with ``weights_only=True``: no pickled code runs. Temporary files that a
+killed run left behind are removed before the next save.
 """
 
 from __future__ import annotations
 
+import glob
+import hashlib
+import json
 import os
+import re
 from typing import Any
 
 import torch
 
-FORMAT = "commpress.train/1"
+FORMAT = "commpress.train/2"
+MANIFEST = "manifest.json"
+_STEP_DIR = re.compile(r"step_(\d{6,})$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, corrupt, or belongs to another run."""
 
 
 def step_dir(run_dir: str, step: int) -> str:
     return os.path.join(run_dir, "ckpt", f"step_{step:06d}")
 
 
+def rank_name(rank: int) -> str:
+    return f"rank{rank:05d}.pt"
+
+
 def rank_file(run_dir: str, step: int, rank: int) -> str:
-    return os.path.join(step_dir(run_dir, step), f"rank{rank:05d}.pt")
+    return os.path.join(step_dir(run_dir, step), rank_name(rank))
 
 
-def atomic_save(obj: Any, path: str) -> None:
-    """``torch.save`` to ``path`` through a temporary file and a rename."""
+class _HashingWriter:
+    """A file wrapper that hashes what is written (torch.save writes sequentially)."""
+
+    def __init__(self, f) -> None:
+        self.f, self.sha, self.size = f, hashlib.sha256(), 0
+
+    def write(self, data) -> int:
+        self.sha.update(data)
+        self.size += len(data)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def atomic_save(obj: Any, path: str) -> dict[str, Any]:
+    """``torch.save`` to ``path`` through a temporary file and a rename; returns the
+    file's ``{"sha256", "bytes"}``."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.tmp.{os.getpid()}"
     with open(tmp, "wb") as f:
-        torch.save(obj, f)
+        w = _HashingWriter(f)
+        torch.save(obj, w)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return {"sha256": w.sha.hexdigest(), "bytes": w.size}
+
+
+def _atomic_text(path: str, text: str) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
-def write_latest(run_dir: str, step: int) -> None:
-    path = os.path.join(run_dir, "ckpt", "latest")
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(f"{step}\n")
-    os.replace(tmp, path)
+def remove_stale_temporaries(run_dir: str) -> list[str]:
+    """Delete ``*.tmp.*`` files under ``run_dir/ckpt`` left by killed runs (only one run
+    holds a run directory at a time, so no live writer owns them)."""
+    removed = []
+    for path in glob.glob(os.path.join(run_dir, "ckpt", "**", "*.tmp.*"), recursive=True):
+        if not path.endswith(f".tmp.{os.getpid()}"):
+            try:
+                os.remove(path)
+                removed.append(path)
+            except OSError:
+                pass
+    return removed
 
 
-def resolve(path: str, rank: int) -> str:
-    """The rank's checkpoint file from a run directory, a step directory or a rank file."""
+def _manifest_digest(body: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def write_manifest(run_dir: str, step: int, identity: dict[str, Any],
+                   files: dict[str, dict[str, Any]]) -> None:
+    """Record the step's files and the run's identity, then move ``latest`` (rank 0,
+    after every rank has written its file)."""
+    body = {"format": FORMAT, "step": step, "identity": identity, "files": files}
+    manifest = dict(body, sha256=_manifest_digest(body))
+    _atomic_text(os.path.join(step_dir(run_dir, step), MANIFEST),
+                 json.dumps(manifest, indent=1, sort_keys=True))
+    _atomic_text(os.path.join(run_dir, "ckpt", "latest"), f"{step}\n")
+
+
+def read_manifest(directory: str) -> dict[str, Any]:
+    """A step directory's manifest, checked against its own checksum."""
+    path = os.path.join(directory, MANIFEST)
+    try:
+        with open(path) as f:
+            manifest = json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {directory!r} is incomplete: no {MANIFEST} (the "
+                              "save was interrupted)") from None
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"checkpoint manifest {path!r} is corrupted: {e}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{path!r} is not a commpress checkpoint manifest (expected "
+                              f"format {FORMAT!r})")
+    body = {k: v for k, v in manifest.items() if k != "sha256"}
+    match = _STEP_DIR.search(os.path.normpath(directory))
+    if manifest.get("sha256") != _manifest_digest(body) or (
+            match and int(match.group(1)) != manifest.get("step")):
+        raise CheckpointError(f"checkpoint manifest {path!r} is corrupted (its checksum does "
+                              "not match its contents)")
+    return manifest
+
+
+def find(path: str) -> tuple[str, list[str]]:
+    """The step directory to resume from — ``path`` itself, or the newest step under a
+    run directory whose manifest verifies — and why newer steps were passed over."""
     if not os.path.exists(path):
-        raise ValueError(f"--resume {path!r} does not exist; allowed: a run directory, a "
-                         "checkpoint step directory or a rank file")
+        raise CheckpointError(f"--resume {path!r} does not exist; allowed: a run directory or "
+                              "a checkpoint step directory")
     if os.path.isfile(path):
-        if rank != 0 and "rank" in os.path.basename(path):
-            return os.path.join(os.path.dirname(path), f"rank{rank:05d}.pt")
-        return path
-    latest = os.path.join(path, "ckpt", "latest")
-    if os.path.exists(latest):
-        with open(latest) as f:
-            step = int(f.read().strip())
-        return rank_file(path, step, rank)
-    candidate = os.path.join(path, f"rank{rank:05d}.pt")
-    if os.path.exists(candidate):
-        return candidate
-    raise ValueError(f"--resume {path!r} holds no checkpoint (no ckpt/latest, no rank files)")
+        path = os.path.dirname(os.path.abspath(path))
+    if os.path.exists(os.path.join(path, MANIFEST)) or _STEP_DIR.search(os.path.normpath(path)):
+        return path, []
+    steps = sorted(((int(m.group(1)), d) for d in glob.glob(os.path.join(path, "ckpt", "step_*"))
+                    if (m := _STEP_DIR.search(d))), reverse=True)
+    problems = []
+    for _, directory in steps:
+        try:
+            read_manifest(directory)
+            return directory, problems
+        except CheckpointError as e:
+            problems.append(str(e))
+    detail = f" ({'; '.join(problems)})" if problems else ""
+    raise CheckpointError(f"--resume {path!r} holds no complete checkpoint{detail}")
+
+
+def check_identity(directory: str, saved: dict[str, Any], mine: dict[str, Any]) -> None:
+    """Refuse a checkpoint of another run, naming the first field that differs."""
+    if saved.get("world") != mine.get("world"):
+        raise CheckpointError(f"checkpoint {directory!r} was written by {saved.get('world')} "
+                              f"ranks; this run has {mine.get('world')}: resume with the same "
+                              "layout")
+    for key in mine:
+        if saved.get(key) != mine[key]:
+            raise CheckpointError(f"checkpoint {directory!r} has {key}={saved.get(key)!r}, this "
+                                  f"run {key}={mine[key]!r}; resume with the same value")
+
+
+def verify_file(directory: str, manifest: dict[str, Any], rank: int) -> str:
+    """This rank's file, checked against the manifest's size and SHA-256."""
+    name = rank_name(rank)
+    entry = manifest["files"].get(name)
+    path = os.path.join(directory, name)
+    if entry is None:
+        raise CheckpointError(f"checkpoint {directory!r} has no file for rank {rank} (it was "
+                              f"written by {len(manifest['files'])} ranks)")
+    sha, size = hashlib.sha256(), 0
+    try:
+        with open(path, "rb") as f:
+            while block := f.read(1 << 20):
+                sha.update(block)
+                size += len(block)
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint file {path!r} is missing") from None
+    if size != entry["bytes"] or sha.hexdigest() != entry["sha256"]:
+        raise CheckpointError(f"checkpoint file {path!r} is corrupted: its SHA-256 does not "
+                              "match the manifest")
+    return path
 
 
 def load(path: str) -> dict[str, Any]:
-    """Load and check a rank file; a truncated or foreign file is a clear error."""
+    """Load a (verified) rank file; a truncated or foreign file is a clear error."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
-        raise ValueError(f"checkpoint file {path!r} is missing (was the run saved with this "
-                         "many ranks?)") from None
+        raise CheckpointError(f"checkpoint file {path!r} is missing") from None
     except Exception as e:  # noqa: BLE001 - any unpickling failure means a bad file
-        raise ValueError(f"checkpoint file {path!r} is corrupted or truncated: "
-                         f"{type(e).__name__}: {e}") from None
+        raise CheckpointError(f"checkpoint file {path!r} is corrupted or truncated: "
+                              f"{type(e).__name__}: {e}") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise ValueError(f"{path!r} is not a commpress training checkpoint "
-                         f"(expected format {FORMAT!r})")
+        raise CheckpointError(f"{path!r} is not a commpress training checkpoint "
+                              f"(expected format {FORMAT!r})")
     return state

@@ -20,7 +20,10 @@ def read_history(run_dir: str) -> list[dict[str, Any]]:
 
 def compare(policies: list[str], base: TrainConfig, out_dir: str | None = None,
             json_path: str | None = None) -> dict[str, dict[str, Any]]:
-    """Train once per policy (same seed and data); print a table, write plots and JSON."""
+    """Train once per policy (same seed and data); print a table, write plots and JSON.
+
+    Under ``torchrun`` every rank trains; rank 0 alone reports (other ranks return ``{}``).
+    """
     if not policies:
         raise ValueError("--policies is empty; give a comma-separated list such as none,hybrid")
     out_dir = out_dir or base.out or f"runs/compare-s{base.seed}"
@@ -28,8 +31,13 @@ def compare(policies: list[str], base: TrainConfig, out_dir: str | None = None,
     for name in policies:
         console(stderr=True).print(f"[bold]policy {name}[/bold]")
         cfg = dataclasses.replace(base, policy=name, out=os.path.join(out_dir, policy_slug(name)))
-        summaries[name] = train(cfg)
-        histories[name] = read_history(summaries[name]["out"])
+        summary = train(cfg)
+        if summary is None:  # a rank other than 0 under torchrun: rank 0 reports
+            continue
+        summaries[name] = summary
+        histories[name] = read_history(summary["out"])
+    if not summaries:
+        return {}
     console().print(compare_table(summaries))
     os.makedirs(out_dir, exist_ok=True)
     plot_compare(histories, summaries, os.path.join(out_dir, "compare.png"))

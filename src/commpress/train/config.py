@@ -36,7 +36,7 @@ class TrainConfig:
     eval_every: int = 100  # steps between validation evaluations
     eval_batches: int = 8  # validation batches per evaluation
     out: str | None = None  # run directory (default: runs/<policy>-dp…-s<seed>)
-    checkpoint_every: int = 0  # steps between checkpoints (0: only at the end)
+    checkpoint_every: int = 0  # steps between checkpoints, and one at the end (0: none)
     resume: str | None = None  # checkpoint file or run directory to continue
     nonfinite: str = "skip"  # on a NaN/Inf gradient: skip the step, or raise
     timeout_s: float = 120.0  # collective timeout: a dead peer becomes an error, not a hang

@@ -111,6 +111,12 @@ class TextData:
         seqs = stream[idx]
         return seqs[:, :-1], seqs[:, 1:]
 
+    def fingerprint(self) -> str:
+        """SHA-256 of the tokens: the same corpus (and byte limit) gives the same value."""
+        import hashlib
+
+        return hashlib.sha256(self.tokens.numpy().tobytes()).hexdigest()
+
     def unigram_entropy(self) -> float:
         """Entropy of the byte distribution of the training split, in nats per token."""
         counts = torch.bincount(self.train, minlength=self.vocab_size).double()

@@ -21,6 +21,8 @@ import math
 import os
 import statistics
 import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -40,7 +42,7 @@ from commpress.parallel.tensor import (
     load_codec_states,
 )
 from commpress.policy import Policy
-from commpress.train import checkpoint
+from commpress.train import checkpoint, run_lock
 from commpress.train.config import TrainConfig
 from commpress.train.data import TextData, load_tokens
 from commpress.train.ddp_engine import DDPEngine
@@ -97,6 +99,7 @@ class _Run:
         apply_tp(self.stage.blocks, self.mesh.tp_group, self.policy)
         # Step 3: the sharded optimizer over DP
         rpn = cfg.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
+        self.ranks_per_node = rpn
         dp_per_node = max(1, rpn // (cfg.tp * cfg.pp))
         weights = {n: 1.0 / cfg.tp for n, p in self.stage.named_parameters()
                    if cfg.tp > 1 and not is_tp_sharded(p)}
@@ -154,32 +157,55 @@ class _Run:
         return self._dp_mean(sum(losses) / len(losses))
 
     # -- checkpoints -------------------------------------------------------------------
+    def identity(self) -> dict[str, Any]:
+        """What a checkpoint must share with this run to be resumed by it."""
+        cfg = self.cfg
+        return {"world": self.world, "model": cfg.model, "dp": cfg.dp, "tp": cfg.tp,
+                "pp": cfg.pp, "policy": self.policy.to_dict(), "dtype": cfg.dtype,
+                "ranks_per_node": self.ranks_per_node, "seed": cfg.seed,
+                "batch_size": cfg.batch_size, "seq_len": cfg.seq_len,
+                "micro_batches": cfg.micro_batches, "bucket_numel": cfg.bucket_numel,
+                "engine": cfg.engine, "ddp_hook": cfg.ddp_hook, "data": self.data.fingerprint()}
+
     def save(self, step: int) -> None:
-        state = {"format": checkpoint.FORMAT, "step": step, "world": self.world,
-                 "rank": self.rank, "config": self.cfg.to_dict(),
-                 "model": self.stage.state_dict(), "optimizer": self.opt.state_dict(),
-                 "tp_codecs": codec_states(self.stage),
+        state = {"format": checkpoint.FORMAT, "step": step, "rank": self.rank,
+                 "config": self.cfg.to_dict(), "model": self.stage.state_dict(),
+                 "optimizer": self.opt.state_dict(), "tp_codecs": codec_states(self.stage),
                  "pp_codecs": {"act": self.schedule.act_codec.state_dict(),
                                "act_grad": self.schedule.grad_codec.state_dict()},
                  "history": self.history}
-        checkpoint.atomic_save(state, checkpoint.rank_file(self.cfg.out, step, self.rank))
-        dist.barrier()
+        written = checkpoint.atomic_save(state, checkpoint.rank_file(self.cfg.out, step,
+                                                                     self.rank))
+        files: list[dict[str, Any]] = [{} for _ in range(self.world)]
+        dist.all_gather_object(files, written)
         if self.rank == 0:
-            checkpoint.write_latest(self.cfg.out, step)
+            checkpoint.write_manifest(
+                self.cfg.out, step, self.identity(),
+                {checkpoint.rank_name(r): info for r, info in enumerate(files)})
+        dist.barrier()
 
     def load(self, path: str) -> None:
-        mine = checkpoint.resolve(path, self.rank)
-        # a rank beyond the saved world has no file: rank 0's names the saved world size
-        state = checkpoint.load(mine if os.path.exists(mine) else checkpoint.resolve(path, 0))
-        if state["world"] != self.world:
-            raise ValueError(f"checkpoint {path!r} was written by {state['world']} ranks; this "
-                             f"run has {self.world}: resume with the same layout")
-        saved = dict(state["config"])
-        for key in ("policy", "dp", "tp", "pp", "model", "seed", "batch_size", "seq_len",
-                    "engine", "ddp_hook"):
-            if saved[key] != getattr(self.cfg, key):
-                raise ValueError(f"checkpoint {path!r} has {key}={saved[key]!r}, this run "
-                                 f"{key}={getattr(self.cfg, key)!r}; resume with the same value")
+        """Resume from ``path``; every rank verifies its file, and all refuse together."""
+        problem, state = None, None
+        try:
+            directory, passed_over = checkpoint.find(path)
+            if passed_over and self.rank == 0:
+                log.warning("resuming from %s; newer checkpoints were passed over: %s",
+                            directory, "; ".join(passed_over))
+            manifest = checkpoint.read_manifest(directory)
+            checkpoint.check_identity(directory, manifest["identity"], self.identity())
+            state = checkpoint.load(checkpoint.verify_file(directory, manifest, self.rank))
+        except checkpoint.CheckpointError as e:
+            problem = str(e)
+        problems: list[str | None] = [None] * self.world
+        dist.all_gather_object(problems, problem)
+        bad = {r: p for r, p in enumerate(problems) if p is not None}
+        if bad:
+            first = min(bad)
+            others = f" (ranks {sorted(bad)} cannot resume)" if len(bad) > 1 else ""
+            raise checkpoint.CheckpointError(
+                f"{bad[first]}" + ("" if first == self.rank else f" [reported by rank {first}]")
+                + others)
         self.stage.load_state_dict(state["model"])
         self.opt.load_state_dict(state["optimizer"])
         load_codec_states(self.stage, state["tp_codecs"])
@@ -193,6 +219,8 @@ def run_rank(rank: int, world: int, cfg_dict: dict[str, Any]) -> dict[str, Any] 
     """Train on this rank (process group already initialized); rank 0 returns the summary."""
     cfg = TrainConfig(**cfg_dict)
     run = _Run(cfg)
+    if rank == 0:  # before anyone saves: a killed run's half-written files go
+        checkpoint.remove_stale_temporaries(cfg.out)
     if cfg.resume:
         run.load(cfg.resume)
     reset_stats()
@@ -220,7 +248,7 @@ def run_rank(rank: int, world: int, cfg_dict: dict[str, Any]) -> dict[str, Any] 
             if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or last:
                 record["val_loss"] = run.evaluate()
             run.history.append(record)
-            if (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0) or last:
+            if cfg.checkpoint_every and ((step + 1) % cfg.checkpoint_every == 0 or last):
                 run.save(step + 1)
             if progress is not None:
                 progress.update(record)
@@ -278,8 +306,9 @@ def _progress(cfg: TrainConfig):
     return TrainProgress(cfg.steps)
 
 
-def train(cfg: TrainConfig) -> dict[str, Any]:
-    """Run a whole training job; returns rank 0's summary."""
+def train(cfg: TrainConfig) -> dict[str, Any] | None:
+    """Run a whole training job; returns rank 0's summary (None on other ranks under
+    torchrun)."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         # under torchrun / SLURM: this process is one rank
         world = int(os.environ["WORLD_SIZE"])
@@ -291,13 +320,33 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
             dist.init_process_group(backend, timeout=timedelta(seconds=cfg.timeout_s))
         try:
-            return run_rank(dist.get_rank(), world, cfg.to_dict())
+            with _agreed_hold(cfg.out):
+                return run_rank(dist.get_rank(), world, cfg.to_dict())
         finally:
             if owns_group:  # a clean shutdown: Gloo's threads must not outlive the process
                 dist.destroy_process_group()
     from commpress.launch import spawn
 
     cfg = cfg.resolved()
-    results = spawn(run_rank, cfg.nproc, (cfg.to_dict(),), ranks_per_node=cfg.ranks_per_node,
-                    timeout=max(600.0, 30.0 * cfg.steps), pg_timeout_s=cfg.timeout_s)
+    with run_lock.hold(cfg.out):
+        results = spawn(run_rank, cfg.nproc, (cfg.to_dict(),),
+                        ranks_per_node=cfg.ranks_per_node,
+                        timeout=max(600.0, 30.0 * cfg.steps), pg_timeout_s=cfg.timeout_s)
     return results[0]
+
+
+@contextmanager
+def _agreed_hold(run_dir: str) -> Iterator[None]:
+    """Under torchrun: rank 0 holds the run directory; every rank learns if it cannot."""
+    with ExitStack() as stack:
+        problem = None
+        if dist.get_rank() == 0:
+            try:
+                stack.enter_context(run_lock.hold(run_dir))
+            except run_lock.RunDirectoryBusy as e:
+                problem = str(e)
+        message = [problem]
+        dist.broadcast_object_list(message, src=0)
+        if message[0] is not None:
+            raise run_lock.RunDirectoryBusy(message[0])
+        yield
