@@ -148,22 +148,33 @@ class Policy:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Policy:
-        """Load a YAML (``.yaml``/``.yml``, safe loader) or TOML (``.toml``) policy file."""
+        """Load a YAML (``.yaml``/``.yml``, safe loader) or TOML (``.toml``) policy file.
+
+        Hostile files are refused before they cost memory: at most
+        :data:`MAX_POLICY_BYTES`, no YAML aliases (a few hundred bytes of nested aliases
+        expand to gigabytes), nesting bounded.
+        """
         path = os.fspath(path)
         if not os.path.exists(path):
             raise ValueError(f"policy file {path!r} does not exist")
+        if not path.endswith((".toml", ".yaml", ".yml")):
+            raise ValueError(f"policy file {path!r}: unknown extension; allowed: .yaml, .yml, "
+                             ".toml")
         with open(path, "rb") as f:
-            raw = f.read()
+            raw = f.read(MAX_POLICY_BYTES + 1)
+        if len(raw) > MAX_POLICY_BYTES:
+            raise ValueError(f"policy file {path!r} is larger than {MAX_POLICY_BYTES} bytes; "
+                             "a policy is a few lines")
         try:
             if path.endswith(".toml"):
                 d = tomllib.loads(raw.decode())
-            elif path.endswith((".yaml", ".yml")):
-                d = yaml.safe_load(raw)
             else:
-                raise ValueError(f"policy file {path!r}: unknown extension; allowed: .yaml, "
-                                 ".yml, .toml")
+                d = yaml.load(raw, Loader=_NoAliasLoader)  # noqa: S506 - safe, without aliases
         except (yaml.YAMLError, tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise ValueError(f"policy file {path!r} is malformed: {e}") from None
+        except RecursionError:
+            raise ValueError(f"policy file {path!r} is nested too deeply; a policy has at "
+                             "most three levels (axis, kind, level)") from None
         d = d or {}
         if isinstance(d, dict):
             d.setdefault("name", os.path.splitext(os.path.basename(path))[0])
@@ -195,6 +206,30 @@ class Policy:
     def describe(self) -> str:
         return "; ".join(f"{k}={r.codec}" + ("+ef" if r.error_feedback else "") +
                          ("+delta" if r.delta else "") for k, r in sorted(self.rules.items()))
+
+
+MAX_POLICY_BYTES = 1 << 16
+
+
+class _NoAliasLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing aliases (``*name``) and deep nesting."""
+
+    MAX_DEPTH = 20
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise yaml.composer.ComposerError(
+                None, None, "aliases (*name) are not allowed in a policy file", event.start_mark)
+        self._depth = getattr(self, "_depth", 0) + 1
+        try:
+            if self._depth > self.MAX_DEPTH:
+                raise yaml.composer.ComposerError(
+                    None, None, f"nesting deeper than {self.MAX_DEPTH} levels is not allowed",
+                    self.peek_event().start_mark)
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
 
 
 def _check_key(key: str) -> None:

@@ -49,12 +49,28 @@ def test_nearest_rounding_error_is_at_most_half_a_step(bits, group, hadamard, nu
     assert torch.all(err <= scale / 2 * (1 + 1e-6) + slack)
 
 
-def test_fp16_scale_overflow_is_visible_not_silent():
+def test_fp16_scale_beyond_its_range_saturates():
     c = codec("int4:scale_dtype=fp16")
-    x = torch.full((256,), 1e6)
+    x = torch.cat([torch.full((128,), 1e6), torch.full((128,), -1e9)])
     y = c.decode(c.encode(x))
-    assert not torch.isfinite(y).any()  # never a finite wrong value
+    # finite in, finite out: the scale stops at fp16's 65504, the codes at ±7
+    assert torch.equal(y, torch.cat([torch.full((128,), 7 * 65504.0),
+                                     torch.full((128,), -7 * 65504.0)]))
     assert torch.allclose(codec("int4").decode(codec("int4").encode(x)), x)  # fp32 scales fit
+
+
+@pytest.mark.parametrize("spec", ["int8", "int4", "int2", "int8:hadamard=128",
+                                  "int4:hadamard=256", "int4:hadamard=16,scale_dtype=fp16",
+                                  "int2:packing=trits,hadamard=32"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_finite_values_near_the_dtype_max_decode_finite(spec, dtype):
+    top = torch.finfo(dtype).max
+    x = torch.tensor([top, -top, top / 2, 1.0, 1e37 if dtype != torch.float16 else 6e4] * 64,
+                     dtype=dtype)
+    y = codec(spec).decode(codec(spec).encode(x))
+    assert torch.isfinite(y).all(), (spec, dtype)
+    if "fp16" not in spec and "int2" not in spec:  # nothing saturates after the rotation
+        assert (y[::5] > 0).all() and (y[1::5] < 0).all()
 
 
 @pytest.mark.parametrize("spec", ["int4", "int8:group=64", "int2:group=32", "int4:hadamard=128"])

@@ -152,3 +152,8 @@ def test_error_feedback_through_all_reduce():
     for r in ranks:
         assert r["ef"] < 0.5 * r["plain"], r
     assert len({r["digest"] for r in ranks}) == 1
+
+
+def test_non_contiguous_and_requires_grad_tensors():
+    for r in spawn(workers.awkward_inputs, 3):
+        assert all(r.values()), [k for k, ok in r.items() if not ok]

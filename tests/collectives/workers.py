@@ -203,3 +203,34 @@ def error_feedback_all_reduce(rank, world):
     plain = x.clone()
     commpress.all_reduce(plain, "int2", label="plain")
     return {"ef": _rel(acc / steps, exact), "plain": _rel(plain, exact), "digest": _digest(acc)}
+
+
+def awkward_inputs(rank, world):
+    """Non-contiguous and requires-grad tensors in and out of every collective."""
+    out = {}
+    base = _data(rank, 8 * world * 6, torch.float32, seed=21).view(8 * world, 6)
+    x = base.t()  # (6, 8·world), not contiguous
+    exact = x.double().clone()
+    dist.all_reduce(exact)
+    for spec in ("none", "int8"):
+        y = x.clone().t().contiguous().t()  # same values, non-contiguous again
+        assert not y.is_contiguous()
+        commpress.all_reduce(y, spec, op="sum", label=f"nc.{spec}")
+        out[("all_reduce", spec)] = _rel(y, exact) < (1e-6 if spec == "none" else 0.05)
+        leaf = x.contiguous().requires_grad_(True)
+        commpress.all_reduce(leaf, spec, op="sum", label=f"rg.{spec}")
+        out[("requires_grad", spec)] = (_rel(leaf.detach(), exact) <
+                                        (1e-6 if spec == "none" else 0.05) and leaf.requires_grad)
+        full = torch.empty(6, world * 6).t()  # (world·6, 6), not contiguous
+        shard = x[:, :6]  # (6, 6), not contiguous
+        commpress.all_gather(full, shard, spec, label=f"ag.{spec}")
+        everyone = [torch.empty(36) for _ in range(world)]
+        dist.all_gather(everyone, shard.reshape(-1).contiguous())
+        err = _rel(full.reshape(-1), torch.cat(everyone))
+        out[("all_gather", spec)] = err < (1e-7 if spec == "none" else 0.05)
+        part = torch.empty(8, 6).t()  # (6, 8): this rank's piece, not contiguous
+        commpress.reduce_scatter(part, x, spec, op="sum", label=f"rs.{spec}")
+        mine = exact.reshape(-1).view(world, -1)[rank]
+        out[("reduce_scatter", spec)] = _rel(part.reshape(-1), mine) < (
+            1e-6 if spec == "none" else 0.05)
+    return out

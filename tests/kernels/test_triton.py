@@ -109,3 +109,23 @@ def test_supports():
     assert triton_quant.supports(4, 128, 128)
     assert not triton_quant.supports(4, 100, 0)
     assert not triton_quant.supports(4, 128, 8)
+
+
+@pytest.mark.parametrize(("bits", "group", "had"), [(8, 128, 0), (4, 128, 128), (4, 32, 256)])
+@pytest.mark.parametrize("sd", [torch.float32, torch.float16])
+def test_values_near_fp32_max_saturate_as_the_reference_does(bits, group, had, sd):
+    top = torch.finfo(torch.float32).max
+    x = (torch.rand(1024) * 2 - 1) * 3e38  # finite and huge
+    x[:8] = torch.tensor([top, -top, 1e37, -3e38, 1.0, float("nan"), 2.0, 3.0])
+    c_ref, s_ref = ref.quantize(x, bits=bits, group=group, hadamard=had, scale_dtype=sd)
+    c_tri, s_tri = triton_quant.quantize(x, bits=bits, group=group, hadamard=had, scale_dtype=sd)
+    torch.testing.assert_close(s_tri, s_ref, rtol=1e-5, atol=0, equal_nan=True)
+    d_ref = ref.dequantize(c_ref, s_ref, x.numel(), bits=bits, group=group, hadamard=had)
+    d_tri = triton_quant.dequantize(c_tri, s_tri, x.numel(), bits=bits, group=group,
+                                    hadamard=had)
+    for d in (d_ref, d_tri):
+        # only the groups (blocks) holding the NaN decode to NaN; the rest stay finite
+        width = max(group, had)
+        nan_block = torch.zeros(x.numel(), dtype=torch.bool)
+        nan_block[5 // width * width: (5 // width + 1) * width] = True
+        assert d[nan_block].isnan().all() and torch.isfinite(d[~nan_block]).all()

@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from commpress.kernels.reference import sum_rows
+from commpress.kernels.reference import saturate, sum_rows
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -45,7 +45,12 @@ class Packet:
 def finish_decode(values: torch.Tensor, packet: Packet,
                   out: torch.Tensor | None) -> torch.Tensor:
     """Return decoded flat ``values`` in the packet's shape and dtype, or copy them into
-    ``out`` (the one place every codec's ``decode`` ends)."""
+    ``out`` (the one place every codec's ``decode`` ends). Finite values beyond the
+    target dtype's range saturate there (bf16 rounds 65504 up to 65536, which fp16
+    cannot hold); NaN and ±Inf pass unchanged."""
+    target = packet.dtype if out is None else out.dtype
+    if values.dtype != target and torch.finfo(values.dtype).max > torch.finfo(target).max:
+        values = saturate(values.float(), target)
     if out is None:
         return values.to(packet.dtype).view(packet.shape)
     out.copy_(values.view(out.shape))

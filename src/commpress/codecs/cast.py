@@ -3,7 +3,9 @@
 ``none`` sends the tensor as it is (its own dtype's bytes), so every collective run
 with it must equal torch's own collective bit for bit. The casts send 2 bytes per
 element. ``fp16`` overflows to ±Inf above 65504, as torch's ``fp16_compress_hook``
-does: the overflow is visible (non-finite), never silently clipped.
+does: the overflow is visible (non-finite), never silently clipped. ``bf16`` has
+fp32's range, but rounding can carry a finite value just below fp32's max past
+bf16's: it saturates at bf16's max instead of becoming Inf.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import ClassVar
 import torch
 
 from commpress.codecs.base import Codec, Packet, finish_decode, register_codec
+from commpress.kernels.reference import saturate
 
 
 @register_codec
@@ -38,10 +41,14 @@ class NoCompression(Codec):
 @dataclass
 class _Cast(Codec):
     wire_dtype: ClassVar[torch.dtype]
+    saturates: ClassVar[bool] = False
 
     def encode(self, x: torch.Tensor, *, rng_stream: int = 0) -> Packet:
         self.check_input(x)
-        flat = x.reshape(-1).to(self.wire_dtype).contiguous()
+        flat = x.reshape(-1)
+        if self.saturates and x.dtype == torch.float32:
+            flat = saturate(flat, self.wire_dtype)
+        flat = flat.to(self.wire_dtype).contiguous()
         return Packet((flat,), x.numel(), tuple(x.shape), x.dtype)
 
     def decode(self, packet: Packet, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -58,6 +65,7 @@ class BF16Cast(_Cast):
 
     name: ClassVar[str] = "bf16"
     wire_dtype: ClassVar[torch.dtype] = torch.bfloat16
+    saturates: ClassVar[bool] = True
 
 
 @register_codec

@@ -6,17 +6,20 @@ codecs (top-k, int2, sign-like) converge, and trims the error of the others.
 
 The residual is kept in fp32 per ``key`` (a parameter or bucket name) and is part of
 ``state_dict()``. Where the compensated value is not finite the old residual is
-kept: a NaN/Inf step must not poison every later step through the memory.
+kept: a NaN/Inf step must not poison every later step through the memory. Where
+``g + e`` is finite but beyond the range of ``g``'s dtype (fp16's 65504), it saturates
+there before encoding — the excess stays in the residual — rather than overflowing to
+±Inf and sending a non-finite value for finite input.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 
 from commpress.codecs.base import Codec, Packet
+from commpress.kernels.reference import saturate
 
 
 class ErrorFeedback:
@@ -69,12 +72,12 @@ class ErrorFeedback:
                              f"from the residual's {tuple(old.shape)}")
         compensated = x.float() + old if old is not None else x.float().clone()
         # the cast to x's dtype is part of what is lost: the residual includes it
-        packet = self.codec.encode(compensated.to(x.dtype), rng_stream=rng_stream)
+        sent = saturate(compensated, x.dtype).to(x.dtype)
+        packet = self.codec.encode(sent, rng_stream=rng_stream)
         new = compensated.sub_(self.codec.decode(packet).float())  # in place: one pass
-        # a sum is finite iff every term is (or it overflowed: then the exact check runs)
-        if not math.isfinite(new.sum().item()):  # rare: keep the old memory there
-            new = torch.where(torch.isfinite(new), new, old if old is not None else 0.0)
-        self.residuals[key] = new
+        # keep the old memory where this step was not finite (no host sync to check)
+        self.residuals[key] = torch.where(torch.isfinite(new), new,
+                                          old if old is not None else 0.0)
         return packet
 
     def decode(self, packet: Packet, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -39,9 +39,15 @@ def group_rows(x: torch.Tensor, group: int) -> torch.Tensor:
     return g.view(-1, group)
 
 
-def _check_group(name: str, group: int) -> None:
-    if group < 1:
-        raise option_error(name, "group", group, "allowed: a positive integer (e.g. 128)")
+MAX_GROUP = 1 << 20  # elements per scale; the papers use 32…4096
+
+
+def check_group(name: str, group: int) -> None:
+    """A group size is bounded when parsed: a typo such as 1e11 must not reach an
+    allocation of hundreds of GB."""
+    if not 1 <= group <= MAX_GROUP:
+        raise option_error(name, "group", group,
+                           f"allowed: an integer from 1 to {MAX_GROUP} (e.g. 128)")
 
 
 @dataclass
@@ -56,7 +62,7 @@ class _GroupQuantizer(Codec):
     _calls: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        _check_group(self.name, self.group)
+        check_group(self.name, self.group)
         if self.hadamard not in HADAMARD_SIZES:
             raise option_error(self.name, "hadamard", self.hadamard,
                                "allowed: 0 (off) or a power of two 16, 32, 64, 128, 256")
@@ -258,7 +264,7 @@ class FP8(ScaledGroups):
     name: ClassVar[str] = "fp8"
 
     def __post_init__(self) -> None:
-        _check_group(self.name, self.group)
+        check_group(self.name, self.group)
 
     def encode(self, x: torch.Tensor, *, rng_stream: int = 0) -> Packet:
         self.check_input(x)

@@ -26,7 +26,7 @@ from typing import ClassVar
 import torch
 
 from commpress.codecs.base import Packet, finish_decode, option_error, register_codec
-from commpress.codecs.quantize import SCALE_DTYPES, ScaledGroups, group_rows
+from commpress.codecs.quantize import SCALE_DTYPES, ScaledGroups, check_group, group_rows
 
 
 @dataclass
@@ -36,6 +36,7 @@ class _MeanAbsQuantizer(ScaledGroups):
     threshold: ClassVar[float]  # |x| / a above which the larger magnitude is sent
 
     def __post_init__(self) -> None:
+        check_group(self.name, self.group)
         if self.group < 8 or self.group % 8:
             raise option_error(self.name, "group", self.group,
                                "allowed: a positive multiple of 8 (e.g. 128)")

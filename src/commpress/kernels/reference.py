@@ -21,6 +21,11 @@ Conventions shared with the Triton kernels, so that both give the same codes:
   (key, element index): identical on every device and every run.
 * A group holding NaN or ±Inf gets scale NaN and codes 0: it decodes to NaN,
   never to finite values.
+* Finite values never decode to ±Inf: inputs to a rotation are saturated at
+  ``±FP32_MAX / (2h)`` (so ``x·H`` cannot overflow, with room for bf16 rounding), fp16
+  scales at 65504 (codes then saturate at ``±qmax``), and ``q · scale`` at ``±FP32_MAX``;
+  decode scales by ``1/h`` before rotating back. Values that large mean training has
+  already diverged; what matters is that they stay finite, not exact.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ import math
 import torch
 
 MASK32 = 0xFFFFFFFF
+FP32_MAX = torch.finfo(torch.float32).max
+FP16_MAX = torch.finfo(torch.float16).max
 # Multipliers below 2**31 keep int64 products exact in torch (no overflow), and
 # equal the uint32 arithmetic of the Triton kernels modulo 2**32.
 HASH_MUL_1 = 0x7FEB352D
@@ -173,7 +180,9 @@ def quantize_levels(
     scale = absmax / qmax
     if scale_dtype == torch.float16:
         # Round the fp16 scale up (never down), so no element exceeds qmax steps and
-        # |x − x̂| ≤ scale/2 holds even where fp16 is subnormal and coarse.
+        # |x − x̂| ≤ scale/2 holds even where fp16 is subnormal and coarse; beyond fp16's
+        # range the scale saturates (and so do the codes) instead of becoming Inf.
+        scale = scale.clamp(max=FP16_MAX)
         s16 = scale.to(torch.float16)
         s16 = torch.where(s16.float() < scale, (s16.view(torch.int16) + 1).view(torch.float16), s16)
         scale = s16.float()
@@ -198,7 +207,9 @@ def dequantize_rotated(
 ) -> torch.Tensor:
     """Flat fp32 values in the rotated domain: ``q · scale``."""
     q = unpack_codes(codes, bits) - (1 << (bits - 1))
-    return (q.view(-1, group).to(torch.float32) * scales.float().view(-1, 1)).view(-1)
+    y = q.view(-1, group).to(torch.float32) * scales.float().view(-1, 1)
+    # qmax · (absmax / qmax) may round above FP32_MAX; NaN (a non-finite group) stays NaN
+    return y.clamp_(-FP32_MAX, FP32_MAX).view(-1)
 
 
 def quantize(
@@ -224,12 +235,20 @@ def pad_and_rotate(x: torch.Tensor, *, bits: int, group: int, hadamard: int) -> 
     flat = x.reshape(-1)
     n = flat.numel()
     total = padded_numel(n, bits, group, hadamard)
-    if total == n and flat.dtype == torch.float32:
-        y = flat  # read only below: no copy needed
-    else:
-        y = torch.zeros(total, dtype=torch.float32, device=x.device)
-        y[:n] = flat
-    return hadamard_transform(y, hadamard)
+    if total == n and flat.dtype == torch.float32 and hadamard <= 1:
+        return flat  # read only below: no copy needed
+    y = torch.zeros(total, dtype=torch.float32, device=x.device)
+    y[:n] = flat
+    if hadamard > 1:
+        return hadamard_transform(saturate_for_rotation(y, hadamard), hadamard)
+    return y
+
+
+def saturate_for_rotation(y: torch.Tensor, hadamard: int) -> torch.Tensor:
+    """Clamp finite values to ``±FP32_MAX / (2h)`` so a rotation cannot overflow; NaN and
+    ±Inf pass unchanged (they must stay non-finite)."""
+    bound = FP32_MAX / (2 * hadamard)
+    return torch.where(torch.isfinite(y), y.clamp(-bound, bound), y)
 
 
 def dequantize(
@@ -278,8 +297,8 @@ def sum_rows(rows: torch.Tensor) -> torch.Tensor:
 def unrotate(y: torch.Tensor, numel: int, *, hadamard: int,
              out_dtype: torch.dtype) -> torch.Tensor:
     """Decoded fp32 values in the rotated domain → ``numel`` values of ``out_dtype``."""
-    if hadamard > 1:
-        y = hadamard_transform(y, hadamard) * (1.0 / hadamard)
+    if hadamard > 1:  # scale first: ŷ·H alone could overflow
+        y = hadamard_transform(y * (1.0 / hadamard), hadamard)
     return saturate(y[:numel], out_dtype).to(out_dtype)
 
 
@@ -311,5 +330,7 @@ def dequant_reduce_requant(
     levels work on the same rotated values.
     """
     total = dequantize_sum(codes, scales, bits=bits_in, group=group_in)
+    # a sum that overflowed would re-encode as a non-finite group (NaN): saturate it
+    total.clamp_(-FP32_MAX, FP32_MAX)
     return quantize_rotated(total, bits=bits_out, group=group_out, scale_dtype=scale_dtype,
                             keys=keys)

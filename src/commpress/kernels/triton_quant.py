@@ -88,6 +88,7 @@ def _quantize_tile(y, base, k1, k2, TILE: tl.constexpr, BITS: tl.constexpr,
     absmax = tl.max(tl.where(ok, tl.abs(g), 0.0), axis=1)
     scale = tl.div_rn(absmax, QMAX * 1.0)
     if SCALE_FP16:
+        scale = tl.minimum(scale, 65504.0)  # saturate, as the reference does
         s16 = scale.to(tl.float16)
         up = (s16.to(tl.int16, bitcast=True) + 1).to(tl.float16, bitcast=True)
         scale = tl.where(s16.to(tl.float32) < scale, up, s16).to(tl.float32)
@@ -119,7 +120,14 @@ def _dequantize_tile(packed, scale, TILE: tl.constexpr, BITS: tl.constexpr, GROU
     shifts = tl.arange(0, PER_BYTE) * BITS
     u = (packed.to(tl.int32)[:, None] >> shifts[None, :]) & ((1 << BITS) - 1)
     q = tl.reshape(u - (1 << (BITS - 1)), (TILE // GROUP, GROUP)).to(tl.float32)
-    return tl.reshape(q * scale[:, None], (TILE,))
+    return _saturate(tl.reshape(q * scale[:, None], (TILE,)))
+
+
+@triton.jit
+def _saturate(v):
+    """±Inf (an overflow: non-finite groups decode to NaN, which passes) → ±FP32_MAX."""
+    big = tl.where(v > 0, 3.4028234663852886e38, -3.4028234663852886e38)
+    return tl.where(tl.abs(v) == float("inf"), big, v)
 
 
 @triton.jit
@@ -132,7 +140,12 @@ def _quantize_kernel(x_ptr, codes_ptr, scales_ptr, numel, total, k1, k2,
     offs = base + tl.arange(0, TILE)
     x = tl.load(x_ptr + offs, mask=offs < numel, other=0.0)
     if HAD > 1:
-        y = _rotate(x, TILE, HAD, DOT_FP32)
+        # finite inputs saturate at ±FP32_MAX / (2·HAD): x·H cannot overflow
+        xf = x.to(tl.float32)
+        BOUND: tl.constexpr = 3.4028234663852886e38 / (2 * HAD)
+        xf = tl.where(tl.abs(xf) < float("inf"), tl.minimum(tl.maximum(xf, -BOUND), BOUND),
+                      xf)
+        y = _rotate(xf.to(x.dtype), TILE, HAD, DOT_FP32)
     else:
         y = x.to(tl.float32)
     packed, scale = _quantize_tile(y, base, k1, k2, TILE, BITS, GROUP, STOCHASTIC,
@@ -155,8 +168,8 @@ def _dequantize_kernel(codes_ptr, scales_ptr, out_ptr, numel, total,
     goffs = pid.to(tl.int64) * (TILE // GROUP) + tl.arange(0, TILE // GROUP)
     scale = tl.load(scales_ptr + goffs, mask=goffs < total // GROUP, other=0.0).to(tl.float32)
     y = _dequantize_tile(packed, scale, TILE, BITS, GROUP)
-    if HAD > 1:
-        y = _rotate(y, TILE, HAD, True) * (1.0 / HAD)
+    if HAD > 1:  # scale first: ŷ·H alone could overflow
+        y = _rotate(y * (1.0 / HAD), TILE, HAD, True)
     offs = pid.to(tl.int64) * TILE + tl.arange(0, TILE)
     if OUT_MAX > 0:  # saturate finite values to the output dtype (see reference.saturate)
         finite = tl.abs(y) < float("inf")
@@ -184,6 +197,7 @@ def _dequant_reduce_requant_kernel(codes_ptr, scales_ptr, out_codes_ptr, out_sca
         packed = tl.load(codes_ptr + i * (chunk * BITS_IN // 8) + boffs, mask=bmask, other=0)
         scale = tl.load(scales_ptr + i * (chunk // GROUP_IN) + goffs, mask=gmask, other=0.0)
         acc += _dequantize_tile(packed, scale.to(tl.float32), TILE, BITS_IN, GROUP_IN)
+    acc = _saturate(acc)  # an overflowed sum must not re-encode as a non-finite group
     packed, scale = _quantize_tile(acc, base, k1, k2, TILE, BITS_OUT, GROUP_OUT, STOCHASTIC,
                                    SCALE_FP16, FLOOR)
     NB_OUT: tl.constexpr = TILE * BITS_OUT // 8

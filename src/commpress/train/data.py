@@ -46,9 +46,9 @@ def load_tokens(path: str | None = None, max_bytes: int | None = 4 << 20) -> tor
         if not files:
             raise ValueError(f"data folder {path!r} holds no {', '.join(TEXT_SUFFIXES)} files")
     elif path.endswith(".bin"):
-        arr = np.fromfile(path, dtype=np.uint16)
-        if max_bytes is not None:
-            arr = arr[: max_bytes // 2]
+        # read at most max_bytes: a multi-GB corpus costs only what is used
+        count = -1 if max_bytes is None else max_bytes // 2
+        arr = np.fromfile(path, dtype=np.uint16, count=count)
         tokens = torch.from_numpy(arr.astype(np.int64))
         _check_nonempty(tokens, path)
         return tokens
@@ -57,12 +57,12 @@ def load_tokens(path: str | None = None, max_bytes: int | None = 4 << 20) -> tor
     chunks, total = [], 0
     for f in files:
         with open(f, "rb") as fh:
-            data = fh.read()
+            data = fh.read(-1 if max_bytes is None else max_bytes - total)
         chunks.append(data)
         total += len(data)
         if max_bytes is not None and total >= max_bytes:
             break
-    raw = b"".join(chunks)[:max_bytes]
+    raw = b"".join(chunks)
     if not raw:
         raise ValueError(f"the corpus {path or 'the standard library'!r} is empty")
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(torch.int64)
@@ -96,7 +96,7 @@ class TextData:
         if seq_len + 1 > shortest:
             raise ValueError(f"sequence length {seq_len} is longer than the data allows: the "
                              f"smaller split has {shortest} tokens; allowed: seq_len <= "
-                             f"{shortest - 1} (use more data or a shorter --seq)")
+                             f"{shortest - 1} (use more data or a shorter --seq-len)")
 
     def batch(self, split: str, batch_size: int, seq_len: int, seed: int,
               step: int) -> tuple[torch.Tensor, torch.Tensor]:
