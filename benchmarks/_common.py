@@ -11,7 +11,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
-from commpress.train.config import TrainConfig  # noqa: E402
+from commpress.train.config import TrainConfig, policy_slug  # noqa: E402
 from commpress.train.loop import train  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
@@ -30,7 +30,8 @@ def run_grid(name: str, base: TrainConfig, policies: list[str], seeds: list[int]
                 tag = "-".join(f"{k}{v}" for k, v in layout.items())
                 key = f"{tag}|{policy}|{seed}"
                 if key not in cache:
-                    out = os.path.join("runs", "bench", name, tag, f"{policy}-s{seed}")
+                    out = os.path.join("runs", "bench", name, tag,
+                                       f"{policy_slug(policy)}-s{seed}")
                     cfg = dataclasses.replace(base, policy=policy, seed=seed, out=out,
                                               progress=False, **layout)
                     print(f"[{name}] {key}", flush=True)

@@ -156,6 +156,8 @@ def _cmd_testbed(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from commpress.plan.hardware import GPUS
+
     p = argparse.ArgumentParser(prog="commpress", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -186,7 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--seq", type=int, default=2048)
     pl.add_argument("--global-batch", type=int, default=256)
     pl.add_argument("--recompute", action="store_true", help="activation recomputation")
-    pl.add_argument("--gpu", default="a100", choices=["v100", "a100", "h100", "h200"])
+    pl.add_argument("--gpu", default="a100", choices=sorted(GPUS),
+                    help="GPU kind: peak TFLOPS, NVLink bandwidth, measured codec speeds")
     pl.add_argument("--tflops", type=float, default=None, help="peak TFLOPS per GPU (overrides "
                     "--gpu)")
     pl.add_argument("--mfu", type=float, default=0.4, help="fraction of peak achieved")

@@ -12,7 +12,8 @@ from commpress.codecs import codec, list_codecs, packet_to_bytes
 CPU_CODECS = [n for n in list_codecs() if n != "nvcomp"]  # nvcomp needs CUDA (tests/gpu)
 SPECS = CPU_CODECS + ["int4:hadamard=128", "int8:group=64,rounding=stochastic,seed=5",
                       "int4:group=32,hadamard=64,scale_dtype=fp16",
-                      "int2:packing=trits,group=64,scale_dtype=fp16"]
+                      "int2:packing=trits,group=64,scale_dtype=fp16",
+                      "fp8:hadamard=64,scale_dtype=fp16"]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 # Relative L2 error bounds on Gaussian data, loose enough for every dtype: the codec's

@@ -258,33 +258,51 @@ class ScaledGroups(Codec):
 class FP8(ScaledGroups):
     """float8 e4m3 with one scale per group (``absmax / 448``): 8 bits + scale per element.
 
-    Nearest rounding only (torch's cast). A group holding NaN or ±Inf decodes to NaN.
+    ``hadamard`` (0 or 16…256) rotates blocks first, as for the int codecs (TACO uses
+    Hadamard + fp8 for tensor-parallel activations): outliers spread, the group's
+    absmax shrinks. Nearest rounding only (torch's cast). A group holding NaN or ±Inf
+    decodes to NaN; finite values saturate (fp16 scales at 65504), never decode to Inf.
     """
 
     name: ClassVar[str] = "fp8"
+    hadamard: int = 0
 
     def __post_init__(self) -> None:
         check_group(self.name, self.group)
+        if self.hadamard not in HADAMARD_SIZES:
+            raise option_error(self.name, "hadamard", self.hadamard,
+                               "allowed: 0 (off) or a power of two 16, 32, 64, 128, 256")
+
+    @property
+    def alignment(self) -> int:
+        return kernels.padded_unit(8, self.group, self.hadamard)
+
+    def _padded(self, numel: int) -> int:
+        return kernels.padded_numel(numel, 8, self.group, self.hadamard)
 
     def encode(self, x: torch.Tensor, *, rng_stream: int = 0) -> Packet:
         self.check_input(x)
-        n = x.numel()
-        g = group_rows(x, self.group)
+        ref = kernels.reference
+        y = ref.pad_and_rotate(x, bits=8, group=self.group, hadamard=self.hadamard)
+        g = y.view(-1, self.group)
         finite = torch.isfinite(g).all(dim=1, keepdim=True)
         absmax = torch.where(finite, g.abs(), 0.0).amax(dim=1, keepdim=True)
         sdt = SCALE_DTYPES[self.scale_dtype]
-        scale = (absmax / FP8_MAX).to(sdt).float()
-        scale = torch.where(absmax > 0, scale.clamp_min(kernels.reference.scale_floor(sdt)), scale)
+        scale = (absmax / FP8_MAX).clamp(max=torch.finfo(sdt).max).to(sdt).float()
+        scale = torch.where(absmax > 0, scale.clamp_min(ref.scale_floor(sdt)), scale)
         inv = torch.where(scale > 0, 1.0 / scale, 0.0)
         codes = torch.where(finite, (g * inv).clamp(-FP8_MAX, FP8_MAX), 0.0)
         codes = codes.to(torch.float8_e4m3fn).view(torch.uint8).view(-1)
         scale = torch.where(finite, scale, float("nan")).view(-1).to(sdt)
-        return Packet((codes, scale), n, tuple(x.shape), x.dtype)
+        return Packet((codes, scale), x.numel(), tuple(x.shape), x.dtype)
 
     def decode(self, packet: Packet, out: torch.Tensor | None = None) -> torch.Tensor:
         codes, scales = packet.tensors
         vals = codes.view(torch.float8_e4m3fn).float().view(-1, self.group)
-        flat = (vals * scales.float().view(-1, 1)).view(-1)[: packet.numel].to(packet.dtype)
+        y = (vals * scales.float().view(-1, 1)).view(-1)
+        y = y.clamp_(-kernels.reference.FP32_MAX, kernels.reference.FP32_MAX)  # NaN stays
+        flat = kernels.reference.unrotate(y, packet.numel, hadamard=self.hadamard,
+                                          out_dtype=packet.dtype)
         return finish_decode(flat, packet, out)
 
     def packet_layout(self, numel: int, dtype: torch.dtype) -> list[tuple[torch.dtype, int]]:

@@ -183,12 +183,15 @@ def wire_bytes(spec: str, numel: float, in_bytes: int) -> float:
 
 
 def _codec_kind(spec: str) -> str:
-    name = spec.split(":")[0]
-    if name in ("int8", "int4", "int2"):
-        return "int"
-    if name in ("bf16", "fp16"):
+    """The row of :data:`CODEC_GBps` that stands for ``spec``."""
+    c = build_codec(spec)
+    if c.name in ("int8", "int4", "int2"):
+        if getattr(c, "packing", "bits") == "trits":
+            return "trits"
+        return "int_hadamard" if c.hadamard else c.name
+    if c.name in ("bf16", "fp16"):
         return "cast"
-    return name if name in ("fp8", "topk") else "other"
+    return c.name if c.name in ("fp8", "topk") else "other"
 
 
 def codec_seconds(c: ClusterSpec, spec: str, encoded: float, decoded: float,
@@ -196,7 +199,7 @@ def codec_seconds(c: ClusterSpec, spec: str, encoded: float, decoded: float,
     """Time to encode ``encoded`` and decode ``decoded`` elements."""
     if spec == "none":
         return 0.0
-    enc, dec = c.codec_GBps.get(spec) or (CODEC_GBps[c.device][_codec_kind(spec)],) * 2
+    enc, dec = c.codec_GBps.get(spec) or CODEC_GBps[c.device][_codec_kind(spec)]
     w = wire_bytes(spec, 1 << 20, in_bytes) / (1 << 20)  # per element, padding amortized
     return (encoded * (in_bytes + w) / enc + decoded * (w + in_bytes) / dec) / 1e9
 
@@ -231,12 +234,23 @@ def load_codec_throughput(path: str) -> dict[str, tuple[float, float]]:
 
 # -- one policy -------------------------------------------------------------------------
 
-def _layout(c: ClusterSpec, j: JobSpec) -> tuple[int, bool]:
-    """(DP members per node, whether adjacent pipeline stages sit on different nodes)."""
-    mp = j.tp * j.pp
-    n_local = max(1, min(j.dp, c.gpus_per_node // mp)) if mp <= c.gpus_per_node else 1
-    pp_crosses = j.pp > 1 and j.tp * 2 > c.gpus_per_node
-    return n_local, pp_crosses
+def _layout(c: ClusterSpec, j: JobSpec) -> tuple[int, int]:
+    """(DP members per node, pipeline stage boundaries that cross a node boundary).
+
+    Megatron's order puts TP innermost, then PP: a node of ``G`` GPUs holds ``G / tp``
+    consecutive stages when ``tp < G``, so a pipeline of ``pp`` stages crosses
+    ``ceil(pp · tp / G) − 1`` node boundaries (tp2 × pp4 on 4-GPU nodes: stages 1 → 2);
+    with ``tp ≥ G`` every boundary crosses.
+    """
+    G, mp = c.gpus_per_node, j.tp * j.pp
+    n_local = max(1, min(j.dp, G // mp)) if mp <= G else 1
+    if j.pp == 1 or mp <= G:
+        crossings = 0
+    elif j.tp >= G:
+        crossings = j.pp - 1
+    else:
+        crossings = -(-mp // G) - 1
+    return n_local, crossings
 
 
 def plan_policy(c: ClusterSpec, j: JobSpec, policy: Policy) -> dict[str, Any]:
@@ -248,7 +262,7 @@ def plan_policy(c: ClusterSpec, j: JobSpec, policy: Policy) -> dict[str, Any]:
     tokens = j.global_batch * j.seq
     flops = (8 if j.recompute else 6) * P * tokens
     compute = flops / c.gpus / (c.tflops * 1e12 * c.mfu) * (1 + (j.pp - 1) / m)
-    n_local, pp_crosses = _layout(c, j)
+    n_local, pp_crossings = _layout(c, j)
     p_local = P / (j.tp * j.pp)
     shard = p_local / j.dp
     out: dict[str, float] = {"compute_s": compute}
@@ -282,13 +296,19 @@ def plan_policy(c: ClusterSpec, j: JobSpec, policy: Policy) -> dict[str, Any]:
             tp_s += count * m * layers * t
     out["tp_s"] = tp_s
 
-    # PP transfers on the critical path: (m + pp − 2) per direction
+    # PP transfers on the critical path, per direction: each of the pp − 1 boundaries
+    # once, and m − 1 more on the slowest (a node boundary if any: its GPUs, min(G, tp)
+    # of them, share the node's link)
     pp_s = 0.0
     if j.pp > 1:
         for kind in ("act", "act_grad"):
             spec = policy.rule("pp", kind).codec
             b = wire_bytes(spec, act_elems, j.act_bytes)
-            pp_s += (m + j.pp - 2) * p2p(b, pp_crosses, G, G).time(c)
+            t_cross = p2p(b, True, G, min(G, j.tp)).time(c)
+            t_local = p2p(b, False, G, 1).time(c)
+            slowest = t_cross if pp_crossings else t_local
+            pp_s += ((m - 1) * slowest + pp_crossings * t_cross
+                     + (j.pp - 1 - pp_crossings) * t_local)
             codec_s += m * codec_seconds(c, spec, act_elems, act_elems, j.act_bytes)
     out["pp_s"] = pp_s
     out["codec_s"] = codec_s

@@ -1,12 +1,15 @@
 """Hardware defaults for the cost model, each with its source.
 
 GPU peak dense bf16/fp16 tensor TFLOPS (vendor datasheets):
-  V100 SXM2 125 (NVIDIA V100 datasheet), A100 SXM 312 (A100 datasheet),
-  H100 SXM 989 (H100 datasheet), H200 SXM 989 (H200 datasheet; same compute as H100).
+  V100 SXM2 125 (NVIDIA V100 datasheet; the CCGrid paper's Lassen), A100 SXM 312 (A100
+  datasheet; SDP4Bit's Slingshot-10 cluster), H100 SXM 989 (H100 datasheet), H800 SXM
+  989 (the export H100: same compute, NVLink cut to 400 GB/s bidirectional; SDP4Bit's
+  InfiniBand cluster), H200 SXM 989 (H200 datasheet; same compute as H100).
 
 Links, GB/s per direction:
   NVLink: V100 NVLink 2.0 150 per GPU (300 GB/s bidirectional, V100 datasheet);
-  A100 NVLink 3.0 300 (600 bidirectional); H100/H200 NVLink 4.0 450 (900 bidirectional).
+  A100 NVLink 3.0 300 (600 bidirectional); H100/H200 NVLink 4.0 450 (900
+  bidirectional); H800 200 (400 bidirectional).
   InfiniBand per port: EDR 100 Gb/s = 12.5, HDR 200 Gb/s = 25, NDR 400 Gb/s = 50.
   HPE Slingshot-10 100 Gb/s = 12.5; Slingshot-11 200 Gb/s = 25 per NIC.
   A node's injection bandwidth is NICs × per-NIC: e.g. a DGX H100 with 8 NDR NICs has
@@ -21,6 +24,7 @@ GPUS: dict[str, dict[str, float]] = {
     "v100": {"tflops": 125.0, "nvlink_GBps": 150.0},
     "a100": {"tflops": 312.0, "nvlink_GBps": 300.0},
     "h100": {"tflops": 989.0, "nvlink_GBps": 450.0},
+    "h800": {"tflops": 989.0, "nvlink_GBps": 200.0},
     "h200": {"tflops": 989.0, "nvlink_GBps": 450.0},
 }
 
@@ -31,11 +35,21 @@ NETWORKS_GBps: dict[str, float] = {
 INTRA_LATENCY_US = 2.0
 INTER_LATENCY_US = 5.0
 
-# Codec throughput defaults, GB/s of bytes read + written, used when no
-# ``commpress bench codecs --json`` file is given. GPU: the untuned fused Triton
-# kernel measured on an H200 (DESIGN.md, ~2500 GB/s) for int codecs, memory copies for
-# casts. CPU: measured on the 2-core development machine (BENCHMARKS.md).
-CODEC_GBps: dict[str, dict[str, float]] = {
-    "gpu": {"int": 2500.0, "cast": 3000.0, "fp8": 1500.0, "topk": 100.0, "other": 200.0},
-    "cpu": {"int": 2.0, "cast": 50.0, "fp8": 2.0, "topk": 1.0, "other": 0.3},
+# Codec throughput defaults, (encode, decode) GB/s of bytes read + written, used when no
+# ``commpress bench codecs --json`` file is given. GPU: the shipped kernels measured on
+# an H200 with benchmarks/gpu_kernels.py, 256 Mi bf16 elements (BENCHMARKS.md, "Codecs
+# on the GPU"): int8/int4/int2 group 128; int with Hadamard-128: encode 672, and for
+# decode the measured dequantize-reduce-requantize kernel (685), because the gradient
+# paths decode Hadamard codes as a plain dequantize, a sum and one rotation — not with
+# the 10 GB/s fused decode kernel of issue #12; fp8, top-1 %, trits; casts at the
+# measured device-to-device copy rate. "other" (zfp, sign, nf2: eager torch or host
+# libraries) was not measured: a guess, labelled so. CPU: measured on the 2-core
+# development machine (BENCHMARKS.md, "Codecs on the CPU").
+CODEC_GBps: dict[str, dict[str, tuple[float, float]]] = {
+    "gpu": {"int8": (2174.0, 4145.0), "int4": (2156.0, 3272.0), "int2": (1948.0, 3100.0),
+            "int_hadamard": (672.0, 685.0), "trits": (59.0, 97.0), "cast": (3840.0, 3840.0),
+            "fp8": (106.0, 409.0), "topk": (66.0, 564.0), "other": (100.0, 100.0)},
+    "cpu": {"int8": (10.1, 13.1), "int4": (7.1, 5.7), "int2": (6.1, 6.9),
+            "int_hadamard": (2.2, 2.1), "trits": (1.0, 1.0), "cast": (101.5, 102.7),
+            "fp8": (1.3, 1.5), "topk": (0.3, 38.0), "other": (0.3, 0.3)},
 }
