@@ -73,7 +73,7 @@ def main() -> None:
     ap.add_argument("--codec-throughput", default=os.path.join(RESULTS, "codecs_cpu.json"))
     args = ap.parse_args()
     res = json.load(open(os.path.join(RESULTS, "testbed_peers.json")))
-    codec_tp = (load_codec_throughput(args.codec_throughput)
+    codec_tp = (load_codec_throughput(args.codec_throughput, "cpu")
                 if os.path.exists(args.codec_throughput) else {})
     codec_tp = {k: (e / RANKS_PER_CORE, d / RANKS_PER_CORE) for k, (e, d) in codec_tp.items()}
     lines = ["| configuration | bandwidth | measured s | a priori s | error | CPU-calibrated s "

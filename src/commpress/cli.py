@@ -14,12 +14,12 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    """Round-trip every codec on a small tensor and print bits and errors."""
+    """Round-trip every codec on a small tensor and print its bits and errors."""
     from commpress.bench.codecs import bench_codecs, print_codec_table
 
     rows = bench_codecs(device="cpu", numel=1 << 18, dtype=torch.float32,
-                        with_reference=False, iters=3)
-    print_codec_table(rows)
+                        with_reference=False, iters=1)
+    print_codec_table(rows, speed=False)
     return 0
 
 
@@ -49,8 +49,20 @@ def _cmd_bench_collectives(args: argparse.Namespace) -> int:
     return 0
 
 
+def _optional(base: type):
+    """An argparse type that also takes ``none`` (or ``off``) for an optional value."""
+
+    def parse(text: str):
+        if text.lower() in ("none", "off"):
+            return None
+        return base(text)
+
+    parse.__name__ = base.__name__  # argparse names the type in its error message
+    return parse
+
+
 def _add_train_options(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
-    """One flag per TrainConfig field; the comment beside the field is its help."""
+    """One flag per TrainConfig field; the field's help text, then its default once."""
     import dataclasses
     import typing
 
@@ -63,13 +75,17 @@ def _add_train_options(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -
             continue
         flag = "--" + f.name.replace("_", "-")
         hint = hints[f.name]
-        base = next((t for t in typing.get_args(hint) if t is not type(None)), hint)
+        args = typing.get_args(hint)
+        base = next((t for t in args if t is not type(None)), hint)
+        text = helps[f.name]
         if base is bool:
             p.add_argument(f"--no-{f.name.replace('_', '-')}", dest=f.name, action="store_false",
-                           help=f"turn off: {helps.get(f.name, '')}")
+                           help=f"do not {text}")
             continue
-        p.add_argument(flag, dest=f.name, type=base, default=f.default,
-                       help=f"{helps.get(f.name, '')} (default: {f.default})")
+        if f.default is not None and "default:" not in text:
+            text = f"{text} (default: {f.default})"
+        p.add_argument(flag, dest=f.name, type=_optional(base) if type(None) in args else base,
+                       default=f.default, help=text)
 
 
 def _train_config(args: argparse.Namespace, **override):
@@ -129,8 +145,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         intra_latency_us=INTRA_LATENCY_US,
         inter_latency_us=args.latency if args.latency is not None else INTER_LATENCY_US,
         device=args.device, backend=args.backend, link_efficiency=args.link_efficiency,
-        codec_GBps=load_codec_throughput(args.codec_throughput) if args.codec_throughput
-        else {})
+        codec_GBps=load_codec_throughput(args.codec_throughput, args.device)
+        if args.codec_throughput else {})
     job = JobSpec(model=model_from_arg(args.model), dp=dp, tp=tp, pp=pp,
                   zero_stage=args.zero_stage, micro_batch=args.micro_batch, seq=args.seq,
                   global_batch=args.global_batch, recompute=args.recompute, overlap=args.overlap)

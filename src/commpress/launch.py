@@ -75,7 +75,7 @@ def free_port() -> int:
 
 
 def _worker(fn, rank, world, ranks_per_node, port, pg_timeout_s, args, results, env,
-            parent_pid):
+            parent_pid, backend):
     die_with_parent(parent_pid)
     os.environ.update(env)
     os.environ.update({
@@ -88,7 +88,10 @@ def _worker(fn, rank, world, ranks_per_node, port, pg_timeout_s, args, results, 
 
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world,
+        if backend == "nccl" or (backend == "gloo" and env.get("COMMPRESS_DEVICE") == "cuda"):
+            # ranks round-robin over the visible GPUs (several share one over Gloo)
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(backend, rank=rank, world_size=world,
                                 timeout=timedelta(seconds=pg_timeout_s))
         value = fn(rank, world, *args)
         results.put((rank, "ok", value))
@@ -113,11 +116,14 @@ def spawn(
     pg_timeout_s: float = 60.0,
     env: dict[str, str] | None = None,
     allow_errors: bool = False,
+    backend: str = "gloo",
 ) -> list[Any]:
     """Run ``fn(rank, world, *args)`` on ``nprocs`` ranks; return the values by rank.
 
     ``fn`` must be importable (a module-level function). With ``allow_errors`` a failed
     rank's entry is the :class:`LaunchError` instead of raising (for fault tests).
+    ``backend="nccl"`` (or ``env={"COMMPRESS_DEVICE": "cuda"}`` with Gloo) gives rank
+    ``r`` the GPU ``r mod (visible GPUs)``; NCCL needs one GPU per rank.
     """
     if nprocs < 1:
         raise ValueError(f"nprocs={nprocs} is not allowed; allowed: >= 1")
@@ -127,8 +133,11 @@ def spawn(
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend={backend!r} is not allowed; allowed: gloo, nccl")
     procs = [ctx.Process(target=_worker, args=(fn, r, nprocs, rpn, port, pg_timeout_s, args,
-                                               results, env or {}, os.getpid()), daemon=True)
+                                               results, env or {}, os.getpid(), backend),
+                         daemon=True)
              for r in range(nprocs)]
     for p in procs:
         p.start()

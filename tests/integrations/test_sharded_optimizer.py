@@ -24,10 +24,18 @@ def test_weights_are_bitwise_identical_on_all_ranks_after_every_step(every_polic
             assert len({h[step] for h in per_rank}) == 1, f"{policy}: step {step} differs"
 
 
-def test_every_policy_trains(every_policy):
+def test_every_policy_tracks_the_uncompressed_run(every_policy):
+    # same initialization and batches: after 4 steps every policy is within its
+    # compression error of exact ZeRO, and all of them trained
+    exact = every_policy[0]["none"]["losses"]
+    assert exact[-1] < exact[0] - 0.05
     for policy in POLICIES:
         losses = every_policy[0][policy]["losses"]
-        assert losses[-1] < losses[0], f"{policy}: {losses}"
+        gaps = [abs(a - b) / b for a, b in zip(losses, exact)]
+        # int2ef's error feedback delivers what its ternary codes drop a few steps late:
+        # it lags at first (BENCHMARKS.md: the final loss matches)
+        limit = 0.05 if policy == "int2ef" else 0.01
+        assert max(gaps) < limit, f"{policy}: {losses} vs {exact}"
 
 
 def test_sdp4bit_wire_bits_per_element(every_policy):

@@ -184,3 +184,17 @@ def test_bad_plan_inputs():
     with pytest.raises(ValueError, match="is not a preset or a parameter count"):
         model_from_arg("gpt-huge")
     assert model_from_arg("1.3B").params == 1.3e9
+
+
+def test_codec_throughput_of_another_device_is_refused(tmp_path):
+    from commpress.plan.cost import load_codec_throughput
+
+    path = tmp_path / "cpu.json"
+    path.write_text('[{"codec": "int4", "device": "cpu", "encode_GBps": 7.0, '
+                    '"decode_GBps": 6.0}]')
+    assert load_codec_throughput(str(path), "cpu") == {"int4": (7.0, 6.0)}
+    with pytest.raises(ValueError, match="was measured on cpu, but the plan is for --device gpu"):
+        load_codec_throughput(str(path), "gpu")
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="cannot be read"):
+        load_codec_throughput(str(path), "cpu")

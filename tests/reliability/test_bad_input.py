@@ -36,7 +36,9 @@ def test_cli_reports_bad_input_without_traceback(capsys):
     assert main(["train", "--policy", "fastest"]) == 2
     assert "unknown policy preset 'fastest'" in capsys.readouterr().err
     assert main(["train", "--data", "/no/such/corpus", "--steps", "1", "--nproc", "1",
-                 "--no-progress"]) != 0
+                 "--no-progress"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "data='/no/such/corpus' does not exist" in err and "Traceback" not in err
 
 
 def test_dtype_mismatch_across_ranks():

@@ -12,11 +12,22 @@ TINY = dict(model="gpt-tiny", steps=4, batch_size=8, seq_len=32, eval_every=0, e
             progress=False, max_data_bytes=200_000, engine="ddp", nproc=2)
 
 
-@pytest.mark.parametrize("hook", ["allreduce", "fp16", "powersgd:2", "commpress"])
-def test_ddp_hooks_train(tmp_path, hook):
+@pytest.fixture(scope="module")
+def allreduce_run(tmp_path_factory):
+    return train(TrainConfig(ddp_hook="allreduce", out=str(tmp_path_factory.mktemp("ar")),
+                             **TINY))
+
+
+@pytest.mark.parametrize(("hook", "tolerance"), [("fp16", 1e-4), ("powersgd:2", 0.01),
+                                                 ("commpress", 1e-4)])
+def test_ddp_hooks_track_plain_all_reduce(tmp_path, allreduce_run, hook, tolerance):
+    # the same seed, data and steps: a hook may only cost its compression error (fp16 and
+    # sdp4bit here are ~1e-6 of the loss after 4 steps; PowerSGD rank 2, ~0.2 %)
     s = train(TrainConfig(ddp_hook=hook, policy="sdp4bit", out=str(tmp_path), **TINY))
-    assert s["final_val_loss"] < 5.6  # below the uniform-byte loss, ln 256 = 5.55
-    if hook in ("allreduce", "fp16", "commpress"):
+    ref = allreduce_run["final_val_loss"]
+    assert abs(s["final_val_loss"] - ref) <= tolerance * ref, (s["final_val_loss"], ref)
+    assert ref < 5.45  # 4 steps moved it off the uniform-byte loss ln 256 = 5.55
+    if not hook.startswith("powersgd"):  # torch's PowerSGD does not report its bytes
         assert sum(s["wire_bytes"].values()) > 0
 
 

@@ -9,6 +9,7 @@ heavy-tailed (Student-t, df = 2) data, and wire bits per element.
 from __future__ import annotations
 
 import json
+import logging
 import math
 from dataclasses import asdict, dataclass
 
@@ -17,6 +18,8 @@ import torch
 from commpress.bench.timing import median_seconds
 from commpress.codecs import codec as build_codec
 from commpress.kernels import reference
+
+log = logging.getLogger(__name__)
 
 DEFAULT_CPU = ["none", "bf16", "fp16", "fp8", "int8", "int4", "int2", "int8:hadamard=128",
                "int4:hadamard=128", "topk:ratio=0.01", "zfp:rate=8"]
@@ -50,14 +53,30 @@ def _rel_err(c, x: torch.Tensor) -> float:
 
 
 def _reference_fns(spec_codec, x):
-    """torch.compile'd plain-PyTorch encode/decode of the same group quantizer."""
+    """torch.compile'd plain-PyTorch encode/decode of the same group quantizer — a fair
+    one: the Hadamard is one matrix product in the input's dtype (bf16 runs on tensor
+    cores; ±1 is exact in bf16, products accumulate in fp32), built outside the traced
+    function."""
     bits, group, had = spec_codec.bits, spec_codec.group, spec_codec.hadamard
-    enc = torch.compile(lambda t: reference.quantize(t, bits=bits, group=group, hadamard=had),
-                        dynamic=False)
+    n = x.numel()
+    total = reference.padded_numel(n, bits, group, had)
+    H = reference.hadamard_pm1(max(had, 1), x.device).to(x.dtype)
+
+    def encode(t):
+        y = torch.nn.functional.pad(t.reshape(-1), (0, total - n))
+        y = (y.view(-1, had) @ H).float().view(-1) if had else y.float()
+        return reference.quantize_rotated(y, bits=bits, group=group,
+                                          scale_dtype=torch.float32, keys=None)
+
+    def decode(c, s):
+        y = reference.dequantize_rotated(c, s, bits=bits, group=group)
+        if had:
+            y = ((y * (1.0 / had)).to(x.dtype).view(-1, had) @ H).view(-1)
+        return y[:n].to(x.dtype)
+
+    enc = torch.compile(encode, dynamic=False)
+    dec = torch.compile(decode, dynamic=False)
     codes, scales = enc(x)
-    dec = torch.compile(lambda c, s: reference.dequantize(c, s, x.numel(), bits=bits, group=group,
-                                                          hadamard=had, out_dtype=x.dtype),
-                        dynamic=False)
     return (lambda: enc(x)), (lambda: dec(codes, scales))
 
 
@@ -74,16 +93,15 @@ def bench_codecs(specs: list[str] | None = None, *, device: str = "cpu", numel: 
     dst = torch.empty_like(x)
     copy_s = median_seconds(lambda: dst.copy_(x), dev, iters=iters)
     copy_gbps = 2 * in_bytes / copy_s / 1e9
-    rows = []
-    for spec in specs:
+    codecs = {spec: build_codec(spec) for spec in specs}  # a bad spec is an error, at once
+    rows, skipped = [], []
+    for spec, c in codecs.items():
         if progress:
             progress(spec)
         try:
-            c = build_codec(spec)
             packet = c.encode(x)
-        except (ImportError, ValueError) as e:
-            if progress:
-                progress(f"{spec}: skipped ({e})")
+        except (ImportError, RuntimeError) as e:  # an optional library or device is missing
+            skipped.append(f"{spec} ({type(e).__name__}: {e})")
             continue
         wire = packet.nbytes
         enc_s = median_seconds(lambda c=c: c.encode(x), dev, iters=iters)
@@ -105,29 +123,43 @@ def bench_codecs(specs: list[str] | None = None, *, device: str = "cpu", numel: 
             rel_err_gauss=_rel_err(c, gauss), rel_err_heavy=_rel_err(c, heavy),
             bits_per_elem=8.0 * wire / numel,
         ))
+    if not rows:
+        raise ValueError(f"no codec could run on {device}: {'; '.join(skipped)}")
+    for line in skipped:
+        log.warning("bench codecs: skipped %s", line)
     return rows
 
 
-def print_codec_table(rows: list[CodecRow], console=None) -> None:
+def print_codec_table(rows: list[CodecRow], console=None, speed: bool = True) -> None:
+    """The rows as a table; ``speed=False`` leaves out the GB/s columns (too few
+    iterations to mean anything, as in ``commpress demo``)."""
     from rich.table import Table
 
     from commpress.console import console as default_console
 
     console = console or default_console()
-    if not rows:
-        console.print("no codec rows")
-        return
-    t = Table(title=f"codecs on {rows[0].device}, {rows[0].numel:,} elements "
-                    f"(copy roofline {rows[0].copy_GBps:,.0f} GB/s)")
-    for col in ("codec", "bits/elem", "encode GB/s", "decode GB/s", "ref enc", "ref dec",
-                "rel err gauss", "rel err t(2)"):
+    title = f"codecs on {rows[0].device}, {rows[0].numel:,} elements"
+    if speed:
+        title += (f" (GB/s = bytes read + written; copy roofline "
+                  f"{rows[0].copy_GBps:,.0f} GB/s; ref = torch.compile'd plain PyTorch)")
+    t = Table(title=title)
+    cols = ["codec", "bits/elem"]
+    if speed:
+        cols += ["encode GB/s", "decode GB/s", "ref encode GB/s", "ref decode GB/s"]
+    cols += ["rel err Gaussian", "rel err Student-t(2)"]
+    for col in cols:
         t.add_column(col, justify="left" if col == "codec" else "right")
-    fmt = lambda v, f: "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f.format(v)  # noqa: E731
+
+    def fmt(v, f):
+        return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f.format(v)
+
     for r in rows:
-        t.add_row(r.codec, fmt(r.bits_per_elem, "{:.2f}"), fmt(r.encode_GBps, "{:,.1f}"),
-                  fmt(r.decode_GBps, "{:,.1f}"), fmt(r.ref_encode_GBps, "{:,.1f}"),
-                  fmt(r.ref_decode_GBps, "{:,.1f}"), fmt(r.rel_err_gauss, "{:.4f}"),
-                  fmt(r.rel_err_heavy, "{:.4f}"))
+        cells = [r.codec, fmt(r.bits_per_elem, "{:.2f}")]
+        if speed:
+            cells += [fmt(r.encode_GBps, "{:,.1f}"), fmt(r.decode_GBps, "{:,.1f}"),
+                      fmt(r.ref_encode_GBps, "{:,.1f}"), fmt(r.ref_decode_GBps, "{:,.1f}")]
+        cells += [fmt(r.rel_err_gauss, "{:.4f}"), fmt(r.rel_err_heavy, "{:.4f}")]
+        t.add_row(*cells)
     console.print(t)
 
 

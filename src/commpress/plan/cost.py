@@ -224,10 +224,23 @@ def compressed_all_reduce(n: int, n_local: int, spec: str, numel: float,
                    a.intra_msgs + r.intra_msgs, a.inter_msgs + r.inter_msgs)
 
 
-def load_codec_throughput(path: str) -> dict[str, tuple[float, float]]:
-    """Codec throughputs from ``commpress bench codecs --json``."""
-    with open(path) as f:
-        rows = json.load(f)
+def load_codec_throughput(path: str, device: str) -> dict[str, tuple[float, float]]:
+    """Codec throughputs from ``commpress bench codecs --json``, measured on ``device``
+    (``gpu`` or ``cpu``): numbers of the other kind would be off by 1000×."""
+    try:
+        with open(path) as f:
+            rows = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--codec-throughput {path!r} cannot be read: {e}") from None
+    if not isinstance(rows, list) or not all(isinstance(r, dict) and "codec" in r
+                                             for r in rows):
+        raise ValueError(f"--codec-throughput {path!r} is not the JSON of 'commpress bench "
+                         "codecs --json'")
+    measured = {"cuda": "gpu"}.get(rows[0].get("device"), rows[0].get("device")) if rows else None
+    if measured != device:
+        raise ValueError(f"--codec-throughput {path!r} was measured on {measured}, but the plan "
+                         f"is for --device {device}; allowed: a measurement of the same kind "
+                         f"(or --device {measured})")
     return {r["codec"]: (r["encode_GBps"], r["decode_GBps"]) for r in rows
             if r.get("encode_GBps")}
 

@@ -6,45 +6,61 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
+import torch
+
 from commpress.model.gpt import PRESETS as MODEL_PRESETS
 from commpress.policy import Policy
 
 
+def _opt(default, help: str):
+    """A field whose ``help`` is its ``--help`` text (one sentence, defaults said once)."""
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
 @dataclass(frozen=True)
 class TrainConfig:
-    """Everything that defines a run; the field comments are the CLI's help."""
+    """Everything that defines a run; each field's help is the CLI's ``--help`` for it."""
 
-    policy: str = "hybrid"  # preset name (none, naive, hybrid, sdp4bit, zeropp, ...) or file
-    dp: int | None = None  # data-parallel degree (default: nproc / (tp · pp))
-    tp: int = 1  # tensor-parallel degree
-    pp: int = 1  # pipeline-parallel degree
-    nproc: int | None = None  # ranks to spawn on CPU (default: dp · tp · pp, or 4)
-    ranks_per_node: int | None = None  # ranks per node (default: LOCAL_WORLD_SIZE or all)
-    model: str = "gpt-1m"  # model preset
-    steps: int = 300  # optimizer steps
-    batch_size: int = 16  # global batch, in sequences
-    seq_len: int = 128  # tokens per sequence
-    micro_batches: int | None = None  # per step and rank (default: pp)
-    lr: float = 3e-3  # peak learning rate (AdamW)
-    min_lr_ratio: float = 0.1  # cosine decay to lr · this
-    warmup: int = 30  # linear warm-up steps
-    weight_decay: float = 0.1
-    max_grad_norm: float | None = 1.0  # global-norm clipping (None: off)
-    seed: int = 0
-    data: str | None = None  # text file, folder or .bin (default: Python's stdlib sources)
-    max_data_bytes: int = 8 << 20  # read at most this much of the corpus
-    eval_every: int = 100  # steps between validation evaluations
-    eval_batches: int = 8  # validation batches per evaluation
-    out: str | None = None  # run directory (default: runs/<policy>-dp…-s<seed>)
-    checkpoint_every: int = 0  # steps between checkpoints, and one at the end (0: none)
-    resume: str | None = None  # checkpoint file or run directory to continue
-    nonfinite: str = "skip"  # on a NaN/Inf gradient: skip the step, or raise
-    timeout_s: float = 120.0  # collective timeout: a dead peer becomes an error, not a hang
-    bucket_numel: int = 1 << 20  # elements per gradient bucket
-    progress: bool = True  # show a progress bar on rank 0
-    dtype: str = "fp32"  # training dtype of the model: fp32, bf16 or fp16 (masters stay fp32)
-    engine: str = "sharded"  # data parallelism: sharded (commpress ZeRO) or ddp (torch DDP)
-    ddp_hook: str = "commpress"  # with --engine ddp: allreduce, fp16, powersgd:R, commpress
+    policy: str = _opt("hybrid",
+                       "a preset (none, naive, hybrid, sdp4bit, zeropp, …) or a YAML/TOML file")
+    dp: int | None = _opt(None, "data-parallel degree; default: the ranks / (tp · pp)")
+    tp: int = _opt(1, "tensor-parallel degree")
+    pp: int = _opt(1, "pipeline-parallel degree")
+    nproc: int | None = _opt(None, "ranks to spawn; default: dp · tp · pp, or 4")
+    ranks_per_node: int | None = _opt(None,
+                                      "ranks that share a node; default: LOCAL_WORLD_SIZE, else "
+                                      "all")
+    model: str = _opt("gpt-1m", f"model preset: {', '.join(MODEL_PRESETS)}")
+    steps: int = _opt(300, "optimizer steps")
+    batch_size: int = _opt(16, "global batch in sequences")
+    seq_len: int = _opt(128, "tokens per sequence")
+    micro_batches: int | None = _opt(None, "micro-batches per step and rank; default: pp")
+    lr: float = _opt(3e-3, "peak learning rate of AdamW")
+    min_lr_ratio: float = _opt(0.1, "the cosine schedule ends at lr times this")
+    warmup: int = _opt(30, "steps of linear learning-rate warm-up")
+    weight_decay: float = _opt(0.1, "AdamW weight decay of matrices (not of biases and norms)")
+    max_grad_norm: float | None = _opt(1.0,
+                                       "clip the global gradient norm to this; none turns it off")
+    seed: int = _opt(0, "seed of the initialization and of the batch order")
+    data: str | None = _opt(None,
+                            "a text file, a folder of text files or a uint16 .bin; default: "
+                            "Python's own sources")
+    max_data_bytes: int = _opt(8 << 20, "read at most this many bytes of the corpus")
+    eval_every: int = _opt(100, "steps between validation evaluations (0: only at the end)")
+    eval_batches: int = _opt(8, "validation batches per evaluation")
+    out: str | None = _opt(None, "run directory; default: runs/<policy>-dp…tp…pp…-s<seed>")
+    checkpoint_every: int = _opt(0, "steps between checkpoints, plus one at the end (0: none)")
+    resume: str | None = _opt(None, "a run directory or checkpoint step directory to continue")
+    nonfinite: str = _opt("skip", "on a NaN or Inf gradient: skip the step, or raise")
+    timeout_s: float = _opt(120.0, "seconds before a collective waiting for a dead peer fails")
+    bucket_numel: int = _opt(1 << 20, "elements per gradient bucket")
+    progress: bool = _opt(True, "show a progress bar on rank 0")
+    dtype: str = _opt("fp32", "model dtype: fp32, bf16 or fp16 (master weights stay fp32)")
+    engine: str = _opt("sharded", "data parallelism: sharded (commpress ZeRO) or ddp (torch DDP)")
+    ddp_hook: str = _opt("commpress",
+                         "the DDP hook with --engine ddp: allreduce, fp16, powersgd:R or commpress")
+    device: str | None = _opt(None, "cpu or cuda; default: cuda when a GPU is visible")
+    backend: str | None = _opt(None, "gloo or nccl; default: nccl on cuda, gloo on cpu")
 
     def __post_init__(self) -> None:
         Policy.resolve(self.policy)  # an unknown preset or a bad file fails here
@@ -81,6 +97,15 @@ class TrainConfig:
                              "of text files, or a uint16 .bin file")
         if self.checkpoint_every < 0 or self.eval_every < 0:
             raise ValueError("checkpoint_every and eval_every must be >= 0")
+        if self.device not in (None, "cpu", "cuda"):
+            raise ValueError(f"device={self.device!r} is not allowed; allowed: cpu, cuda")
+        if self.backend not in (None, "gloo", "nccl"):
+            raise ValueError(f"backend={self.backend!r} is not allowed; allowed: gloo, nccl")
+        if self.backend == "nccl" and self.device == "cpu":
+            raise ValueError("backend=nccl needs device=cuda; allowed with device=cpu: gloo")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm={self.max_grad_norm} is not allowed; allowed: > 0 "
+                             "or none")
 
     def resolved(self, world: int | None = None) -> TrainConfig:
         """Fill dp, nproc, micro_batches and out; check the layout against the world size."""
@@ -99,7 +124,14 @@ class TrainConfig:
                              f"micro_batches = {dp} × {micro}")
         layout = f"dp{dp}tp{self.tp}pp{self.pp}"
         out = self.out or f"runs/{policy_slug(self.policy)}-{layout}-s{self.seed}"
-        return dataclasses.replace(self, dp=dp, nproc=world, micro_batches=micro, out=out)
+        device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device=cuda, but no GPU is visible; allowed here: device=cpu")
+        backend = self.backend or ("nccl" if device == "cuda" else "gloo")
+        if backend == "nccl" and device != "cuda":
+            raise ValueError("backend=nccl needs device=cuda; allowed with device=cpu: gloo")
+        return dataclasses.replace(self, dp=dp, nproc=world, micro_batches=micro, out=out,
+                                   device=device, backend=backend)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -111,14 +143,5 @@ def policy_slug(policy: str) -> str:
 
 
 def field_help() -> dict[str, str]:
-    """Field name → the comment beside it (the CLI's --help text)."""
-    import inspect
-
-    src = inspect.getsource(TrainConfig)
-    out = {}
-    for line in src.splitlines():
-        line = line.strip()
-        if ":" in line and "#" in line and not line.startswith(("#", '"')):
-            name = line.split(":", 1)[0].strip()
-            out[name] = line.split("#", 1)[1].strip()
-    return out
+    """Field name → its ``--help`` text."""
+    return {f.name: f.metadata["help"] for f in dataclasses.fields(TrainConfig)}

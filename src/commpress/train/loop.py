@@ -83,8 +83,8 @@ class _Run:
         self.cfg = cfg
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.policy = Policy.resolve(cfg.policy)
-        self.device = torch.device("cuda", torch.cuda.current_device()) if (
-            dist.get_backend() == "nccl") else torch.device("cpu")
+        self.device = (torch.device("cuda", torch.cuda.current_device())
+                       if cfg.device == "cuda" else torch.device("cpu"))
         # Step 1: mesh and the full model from the seed
         self.mesh = build_mesh(MeshShape(cfg.dp, cfg.tp, cfg.pp))
         self.data = TextData(load_tokens(cfg.data, cfg.max_data_bytes))
@@ -315,10 +315,10 @@ def train(cfg: TrainConfig) -> dict[str, Any] | None:
         cfg = cfg.resolved(world)
         owns_group = not dist.is_initialized()
         if owns_group:
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
-            if backend == "nccl":
-                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-            dist.init_process_group(backend, timeout=timedelta(seconds=cfg.timeout_s))
+            if cfg.device == "cuda":
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0))
+                                      % torch.cuda.device_count())
+            dist.init_process_group(cfg.backend, timeout=timedelta(seconds=cfg.timeout_s))
         try:
             with _agreed_hold(cfg.out):
                 return run_rank(dist.get_rank(), world, cfg.to_dict())
@@ -328,9 +328,14 @@ def train(cfg: TrainConfig) -> dict[str, Any] | None:
     from commpress.launch import spawn
 
     cfg = cfg.resolved()
+    if cfg.backend == "nccl" and cfg.nproc > torch.cuda.device_count():
+        raise ValueError(f"backend=nccl runs one rank per GPU: nproc={cfg.nproc} > "
+                         f"{torch.cuda.device_count()} visible GPUs; allowed: --backend gloo "
+                         "(ranks share GPUs) or fewer ranks")
     with run_lock.hold(cfg.out):
         results = spawn(run_rank, cfg.nproc, (cfg.to_dict(),),
-                        ranks_per_node=cfg.ranks_per_node,
+                        ranks_per_node=cfg.ranks_per_node, backend=cfg.backend,
+                        env={"COMMPRESS_DEVICE": cfg.device},
                         timeout=max(600.0, 30.0 * cfg.steps), pg_timeout_s=cfg.timeout_s)
     return results[0]
 
