@@ -15,9 +15,13 @@ pp    ``act``, ``act_grad``       pipeline send/recv forward / backward
 cross-node links) for the two-level reduce-scatter. A lookup falls back from
 ``dp.grad.inter`` to ``dp.grad`` to exact (``none``).
 
-Presets: ``none``, ``naive`` and ``hybrid`` (Xu et al., CCGrid 2024), ``sdp4bit`` and
-its ablations ``qw``, ``qwd``, ``tlq``, ``tlqhs`` (Jia et al., NeurIPS 2024), and
-``zeropp`` (ZeRO++). A policy round-trips through a dict, YAML and TOML:
+Presets: ``naive`` and ``hybrid`` are this project's schemes in the spirit of Xu et al.
+(CCGrid 2024) — the same codec everywhere, or aggressive on data-parallel gradients
+and mild elsewhere — built from group quantizers; ``ccgrid`` follows that paper's
+compressors (ZFP fixed-rate). ``sdp4bit`` and its ablations ``qw``, ``qwd``, ``tlq``,
+``tlqhs`` follow Jia et al. (NeurIPS 2024); ``zeropp`` ZeRO++ (Wang et al., 2023);
+``int2ef`` is ours, for DDP on slow links. A policy round-trips through a dict, YAML
+and TOML:
 
 .. code-block:: yaml
 
@@ -287,6 +291,14 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tlq": {"dp": {"grad": _TLQ}},
     "tlqhs": {"dp": {"grad": _TLQHS}},
     "int2ef": {"dp": {"grad": _INT2EF}},
+    # The CCGrid paper's choice of compressors, as far as the libraries here allow: ZFP
+    # fixed-rate everywhere — aggressive (8 bits per value) on data-parallel gradients,
+    # mild (16) on weights and on tensor/pipeline activations. Its lossless GPU
+    # compressor (MPC) has no counterpart that runs everywhere: on CUDA, a policy file
+    # can put nvcomp:algorithm=ans on dp.param.
+    "ccgrid": {"dp": {"grad": "zfp:rate=8", "param": "zfp:rate=16"},
+               "tp": {"act": "zfp:rate=16", "act_grad": "zfp:rate=16"},
+               "pp": {"act": "zfp:rate=16", "act_grad": "zfp:rate=16"}},
 }
 
 

@@ -67,5 +67,5 @@ class ZFP(Codec):
             values = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32))
         else:
             values = torch.empty(0)
-        values = (values + flag).to(device=packet.tensors[0].device, dtype=packet.dtype)
-        return finish_decode(values, packet, out)
+        values = (values + flag).to(device=packet.tensors[0].device)
+        return finish_decode(values, packet, out)  # fp32 → the packet's dtype, saturating
