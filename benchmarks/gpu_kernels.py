@@ -1,6 +1,6 @@
 """One script for a lent GPU: kernel correctness against float64, then every variant timed.
 
-    PYTHONPATH=src python benchmarks/gpu_kernels.py --out $OUT [--numel 268435456]
+    PYTHONPATH=src python benchmarks/gpu_kernels.py --out $OUT [--numel 268435456] [--tune]
 
 1. Correctness (1 Mi elements, bf16 and fp32 inputs): the Triton encode gives the same
    codes as the torch reference (differences only at rounding ties under Hadamard), and
@@ -8,7 +8,12 @@
    half a quantization step.
 2. Speed: ``bench_codecs`` on CUDA (copy roofline, torch.compile reference, every
    codec), and ``dequant_reduce_requant`` (k = 4 chunks, 8 → 4 bits) in GB/s.
-Writes ``gpu_kernels.json`` under --out; its numbers go into BENCHMARKS.md.
+3. ``--tune``: every (tile, warps) candidate of the quantize, dequantize and
+   dequantize-reduce-requantize kernels, with registers and spills per compiled
+   kernel where Triton reports them; prints the best as the ``CONFIGS`` table of
+   ``commpress/kernels/triton_quant.py``.
+Every row is printed and appended to ``gpu_kernels.jsonl`` under --out as it finishes
+(a timeout keeps the finished rows); its numbers go into BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import argparse
 import json
 import os
 import sys
+from functools import partial
 
 import torch
 
@@ -68,23 +74,85 @@ def drr_speed(numel: int) -> dict:
     return {"k": k, "chunk": chunk, "GBps": moved / t / 1e9}
 
 
+TUNE_CONFIGS = [(4, 128, 128), (8, 128, 128), (4, 128, 0), (8, 128, 0), (2, 128, 0),
+                (4, 2048, 0)]
+TUNE_TILES = [2048, 4096, 8192, 16384]
+TUNE_WARPS = [4, 8]
+
+
+def _resources(jit_fn) -> list[dict]:
+    """Registers and spills of every compiled variant, where this Triton reports them."""
+    out = []
+    try:
+        for cache in getattr(jit_fn, "device_caches", {}).values():
+            kernels = cache[0] if isinstance(cache, tuple) else cache
+            for key, ck in kernels.items():
+                out.append({"key": str(key)[:120], "n_regs": getattr(ck, "n_regs", None),
+                            "n_spills": getattr(ck, "n_spills", None)})
+    except Exception as e:  # noqa: BLE001 - introspection only
+        out.append({"error": repr(e)})
+    return out
+
+
+def tune(numel: int, emit) -> None:
+    dev = torch.device("cuda")
+    x = torch.randn(numel, device=dev).to(torch.bfloat16)
+    best: dict[tuple, tuple[float, int, int]] = {}
+    for bits, group, had in TUNE_CONFIGS:
+        codes, scales = tq.quantize(x, bits=bits, group=group, hadamard=had)
+        out = torch.empty_like(x)
+        moved = x.numel() * 2 + codes.numel() + scales.numel() * 4
+        for tile in TUNE_TILES:
+            for warps in TUNE_WARPS:
+                for kernel, fn in (
+                        ("quantize", partial(tq.quantize, x, bits=bits, group=group,
+                                             hadamard=had)),
+                        ("dequantize", partial(tq.dequantize, codes, scales, numel, bits=bits,
+                                               group=group, hadamard=had, out=out))):
+                    tq.CONFIGS[(kernel, bits, group, had)] = (tile, warps)
+                    try:
+                        gbps = moved / median_seconds(fn, dev, iters=10) / 1e9
+                    except Exception as e:  # noqa: BLE001 - a candidate that fails to compile
+                        emit({"tune": kernel, "bits": bits, "group": group, "hadamard": had,
+                              "tile": tile, "warps": warps, "error": repr(e)[:200]})
+                        continue
+                    emit({"tune": kernel, "bits": bits, "group": group, "hadamard": had,
+                          "tile": tile, "warps": warps, "GBps": gbps})
+                    key = (kernel, bits, group, had)
+                    if gbps > best.get(key, (0.0, 0, 0))[0]:
+                        best[key] = (gbps, tile, warps)
+                tq.CONFIGS.pop(("quantize", bits, group, had), None)
+                tq.CONFIGS.pop(("dequantize", bits, group, had), None)
+    emit({"resources_quantize": _resources(tq._quantize_kernel),
+          "resources_dequantize": _resources(tq._dequantize_kernel)})
+    print("CONFIGS = {")
+    for key, (gbps, tile, warps) in sorted(best.items()):
+        print(f"    {key!r}: ({tile}, {warps}),  # {gbps:.0f} GB/s")
+    print("}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
     ap.add_argument("--numel", type=int, default=256 * 2**20)
+    ap.add_argument("--tune", action="store_true")
     args = ap.parse_args()
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "correctness": check(1 << 20)}
-    print(json.dumps(result["correctness"], indent=1), flush=True)
-    rows = bench_codecs(device="cuda", numel=args.numel, dtype=torch.bfloat16, iters=20)
-    result["codecs"] = [r.__dict__ for r in rows]
-    result["dequant_reduce_requant"] = drr_speed(args.numel)
-    with open(os.path.join(args.out, "gpu_kernels.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    for r in rows:
-        print(f"{r.codec:24s} enc {r.encode_GBps:8.0f} dec {r.decode_GBps:8.0f} "
-              f"(copy {r.copy_GBps:.0f}, ref {r.ref_encode_GBps} / {r.ref_decode_GBps}) GB/s")
-    print(result["dequant_reduce_requant"])
+    log_path = os.path.join(args.out, "gpu_kernels.jsonl")
+
+    def emit(row: dict) -> None:
+        print(json.dumps(row), flush=True)
+        with open(log_path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    emit({"device": torch.cuda.get_device_name(), "torch": torch.__version__})
+    for row in check(1 << 20):
+        emit(row)
+    for r in bench_codecs(device="cuda", numel=args.numel, dtype=torch.bfloat16, iters=20,
+                          progress=lambda msg: print(f"... {msg}", flush=True)):
+        emit(r.__dict__)
+    emit({"dequant_reduce_requant": drr_speed(args.numel)})
+    if args.tune:
+        tune(min(args.numel, 64 * 2**20), emit)
 
 
 if __name__ == "__main__":

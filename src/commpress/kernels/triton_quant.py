@@ -4,9 +4,23 @@ Hadamard, and dequantize-reduce-requantize.
 Each kernel follows :mod:`commpress.kernels.reference` exactly (same padding, same
 offset-binary packing, same ``floor(y + 0.5)`` / counter-hash rounding, same
 non-finite rule), so the reference is its oracle. One program handles a tile of
-``ROWS × WIDTH`` elements, ``WIDTH = max(group, hadamard)``; the Hadamard rotation is
-one ``tl.dot`` of the tile, viewed as ``(ROWS·WIDTH/h, h)``, with the ±1 matrix built
-in registers (exact in bf16/fp16; 1/h is applied as a power of two).
+``TILE`` elements (a multiple of the group and of the Hadamard block); the rotation is
+one ``tl.dot`` of the tile, viewed as ``(TILE / h, h)``, with the ±1 matrix.
+
+Why the decode is an *integer* product: the shipped kernel built the ``h × h`` matrix
+in registers and multiplied fp32 values (``q · scale``) with an ieee fp32 dot; on an
+H200 that spilled (32 registers per thread, 7.8 GB of local-memory traffic for 42 MB
+of data: 10 GB/s, issue #12). Now the matrix is loaded from global memory (a
+``h × h`` tensor, cached per device and dtype: it stays in L2), and when every
+Hadamard block lies inside one group (``group % h == 0``, the case of every preset)
+the codes are rotated *before* scaling: ``x̂ = scale · (q · H) / h``, where ``q · H`` is
+an integer product — exact with bf16 operands (|q| ≤ 127, ±1) and fp32 accumulation
+(|sum| ≤ 127 · 256 < 2²⁴), so it runs on tensor cores and still equals the reference.
+Encode rotates bf16/fp16 inputs the same exact way; fp32 inputs use the ieee fp32 dot.
+
+Tile sizes and warps come from :data:`CONFIGS` — a table to be filled from
+measurements on the H200 (``benchmarks/gpu_kernels.py --tune`` times every candidate
+and prints the table); entries not measured use the defaults.
 
 Written for Triton 3.6 (the GPU machine) and 3.9 (pinned for CI, interpreter mode).
 Under ``TRITON_INTERPRET=1`` ``tl.dot`` on bf16 operands is wrong, so the interpreter
@@ -15,6 +29,7 @@ path casts dot operands to fp32 (the ``DOT_FP32`` constexpr).
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -24,12 +39,35 @@ import triton.language as tl
 from commpress.kernels.reference import padded_numel, qmax_for_bits, scale_floor
 
 # The tile must give tl.dot at least 16 rows; 4096 elements per program keeps the
-# interpreter quick on CPU and is a reasonable untuned start on the GPU.
+# interpreter quick on CPU and is the untuned start on the GPU.
 TILE_ELEMENTS = 4096
+DEFAULT_WARPS = 4
+# (kernel, bits, group, hadamard) → (tile elements, warps), measured on the H200 with
+# ``benchmarks/gpu_kernels.py --tune``; not yet measured, so empty (defaults apply).
+CONFIGS: dict[tuple[str, int, int, int], tuple[int, int]] = {}
 
 
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def config(kernel: str, bits: int, group: int, hadamard: int) -> tuple[int, int]:
+    """(tile elements, warps) of a kernel for a configuration (measured, else default)."""
+    tile, warps = CONFIGS.get((kernel, bits, group, hadamard), (TILE_ELEMENTS, DEFAULT_WARPS))
+    return max(tile, group, hadamard), warps
+
+
+@functools.cache
+def _hadamard_matrix(h: int, dtype: torch.dtype, device: str) -> torch.Tensor:
+    """The ±1 Sylvester matrix as a contiguous (h, h) tensor the kernels load."""
+    from commpress.kernels.reference import hadamard_pm1
+
+    return hadamard_pm1(h, device).to(dtype).contiguous()
+
+
+def hadamard_matrix(h: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    # a 1 × 1 placeholder when there is no rotation (the kernels never read it)
+    return _hadamard_matrix(max(h, 1), dtype, str(device))
 
 
 def supports(bits: int, group: int, hadamard: int) -> bool:
@@ -53,25 +91,22 @@ def _hash32(x):
 
 
 @triton.jit
-def _hadamard_pm1(H: tl.constexpr):
-    i = tl.arange(0, H)[:, None]
-    j = tl.arange(0, H)[None, :]
-    p = i & j
-    p = p ^ (p >> 4)
-    p = p ^ (p >> 2)
-    p = p ^ (p >> 1)
-    return (1 - 2 * (p & 1)).to(tl.float32)
+def _load_hadamard(h_ptr, HAD: tl.constexpr):
+    """The (HAD, HAD) ±1 matrix from global memory (small; L2 keeps it for every program)."""
+    i = tl.arange(0, HAD)
+    return tl.load(h_ptr + i[:, None] * HAD + i[None, :])
 
 
 @triton.jit
-def _rotate(x, TILE: tl.constexpr, HAD: tl.constexpr, DOT_FP32: tl.constexpr):
-    """``x`` (TILE,) → blocks of HAD times the ±1 Hadamard matrix, fp32 out."""
-    Hm = _hadamard_pm1(HAD)
+def _rotate(x, Hm, TILE: tl.constexpr, HAD: tl.constexpr, DOT_FP32: tl.constexpr):
+    """``x`` (TILE,) → blocks of HAD times the ±1 matrix ``Hm``, fp32 out. With
+    ``DOT_FP32`` an ieee fp32 product, else one in ``Hm``'s dtype (exact for values
+    that dtype holds exactly: ±1 times bf16 inputs, or integer codes)."""
     xb = tl.reshape(x, (TILE // HAD, HAD))
     if DOT_FP32:
-        y = tl.dot(xb.to(tl.float32), Hm, input_precision="ieee")
+        y = tl.dot(xb.to(tl.float32), Hm.to(tl.float32), input_precision="ieee")
     else:
-        y = tl.dot(xb, Hm.to(xb.dtype))
+        y = tl.dot(xb.to(Hm.dtype), Hm)
     return tl.reshape(y, (TILE,))
 
 
@@ -114,12 +149,18 @@ def _quantize_tile(y, base, k1, k2, TILE: tl.constexpr, BITS: tl.constexpr,
 
 
 @triton.jit
-def _dequantize_tile(packed, scale, TILE: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr):
-    """Unpack bytes (TILE·BITS/8,) and scale per group; fp32 (TILE,) in the rotated domain."""
+def _unpack_tile(packed, TILE: tl.constexpr, BITS: tl.constexpr):
+    """Bytes (TILE·BITS/8,) → signed integer codes (TILE,), int32."""
     PER_BYTE: tl.constexpr = 8 // BITS
     shifts = tl.arange(0, PER_BYTE) * BITS
     u = (packed.to(tl.int32)[:, None] >> shifts[None, :]) & ((1 << BITS) - 1)
-    q = tl.reshape(u - (1 << (BITS - 1)), (TILE // GROUP, GROUP)).to(tl.float32)
+    return tl.reshape(u - (1 << (BITS - 1)), (TILE,))
+
+
+@triton.jit
+def _dequantize_tile(packed, scale, TILE: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr):
+    """Unpack bytes (TILE·BITS/8,) and scale per group; fp32 (TILE,) in the rotated domain."""
+    q = tl.reshape(_unpack_tile(packed, TILE, BITS), (TILE // GROUP, GROUP)).to(tl.float32)
     return _saturate(tl.reshape(q * scale[:, None], (TILE,)))
 
 
@@ -131,7 +172,7 @@ def _saturate(v):
 
 
 @triton.jit
-def _quantize_kernel(x_ptr, codes_ptr, scales_ptr, numel, total, k1, k2,
+def _quantize_kernel(x_ptr, codes_ptr, scales_ptr, h_ptr, numel, total, k1, k2,
                      BITS: tl.constexpr, GROUP: tl.constexpr, HAD: tl.constexpr,
                      TILE: tl.constexpr, STOCHASTIC: tl.constexpr, SCALE_FP16: tl.constexpr,
                      FLOOR: tl.constexpr, DOT_FP32: tl.constexpr):
@@ -145,7 +186,7 @@ def _quantize_kernel(x_ptr, codes_ptr, scales_ptr, numel, total, k1, k2,
         BOUND: tl.constexpr = 3.4028234663852886e38 / (2 * HAD)
         xf = tl.where(tl.abs(xf) < float("inf"), tl.minimum(tl.maximum(xf, -BOUND), BOUND),
                       xf)
-        y = _rotate(xf.to(x.dtype), TILE, HAD, DOT_FP32)
+        y = _rotate(xf.to(x.dtype), _load_hadamard(h_ptr, HAD), TILE, HAD, DOT_FP32)
     else:
         y = x.to(tl.float32)
     packed, scale = _quantize_tile(y, base, k1, k2, TILE, BITS, GROUP, STOCHASTIC,
@@ -158,7 +199,7 @@ def _quantize_kernel(x_ptr, codes_ptr, scales_ptr, numel, total, k1, k2,
 
 
 @triton.jit
-def _dequantize_kernel(codes_ptr, scales_ptr, out_ptr, numel, total,
+def _dequantize_kernel(codes_ptr, scales_ptr, h_ptr, out_ptr, numel, total,
                        BITS: tl.constexpr, GROUP: tl.constexpr, HAD: tl.constexpr,
                        TILE: tl.constexpr, DOT_FP32: tl.constexpr, OUT_MAX: tl.constexpr):
     pid = tl.program_id(0)
@@ -167,9 +208,17 @@ def _dequantize_kernel(codes_ptr, scales_ptr, out_ptr, numel, total,
     packed = tl.load(codes_ptr + boffs, mask=boffs < total * BITS // 8, other=0)
     goffs = pid.to(tl.int64) * (TILE // GROUP) + tl.arange(0, TILE // GROUP)
     scale = tl.load(scales_ptr + goffs, mask=goffs < total // GROUP, other=0.0).to(tl.float32)
-    y = _dequantize_tile(packed, scale, TILE, BITS, GROUP)
-    if HAD > 1:  # scale first: ŷ·H alone could overflow
-        y = _rotate(y * (1.0 / HAD), TILE, HAD, True)
+    if HAD > 1 and GROUP % HAD == 0:
+        # every block inside one group: rotate the integer codes (exact), then scale
+        Hm = _load_hadamard(h_ptr, HAD)
+        r = _rotate(_unpack_tile(packed, TILE, BITS), Hm, TILE, HAD, DOT_FP32)
+        r = tl.reshape(r, (TILE // GROUP, GROUP))
+        y = _saturate(tl.reshape(r * (scale * (1.0 / HAD))[:, None], (TILE,)))
+    elif HAD > 1:  # blocks span groups: scale first, then an fp32 product
+        y = _dequantize_tile(packed, scale, TILE, BITS, GROUP)
+        y = _rotate(y * (1.0 / HAD), _load_hadamard(h_ptr, HAD), TILE, HAD, True)
+    else:
+        y = _dequantize_tile(packed, scale, TILE, BITS, GROUP)
     offs = pid.to(tl.int64) * TILE + tl.arange(0, TILE)
     if OUT_MAX > 0:  # saturate finite values to the output dtype (see reference.saturate)
         finite = tl.abs(y) < float("inf")
@@ -208,10 +257,6 @@ def _dequant_reduce_requant_kernel(codes_ptr, scales_ptr, out_codes_ptr, out_sca
              mask=soffs < chunk // GROUP_OUT)
 
 
-def _tile(*widths: int) -> int:
-    return max(TILE_ELEMENTS, *widths)
-
-
 def quantize(
     x: torch.Tensor,
     *,
@@ -231,14 +276,15 @@ def quantize(
     scales = torch.empty(total // group, dtype=scale_dtype, device=x.device)
     if total == 0:
         return codes, scales
-    tile = _tile(group, hadamard)
+    tile, warps = config("quantize", bits, group, hadamard)
     k1, k2 = keys if keys is not None else (0, 0)
     dot_fp32 = interpreting() or flat.dtype == torch.float32
+    h = hadamard_matrix(hadamard, torch.float32 if dot_fp32 else flat.dtype, x.device)
     _quantize_kernel[(triton.cdiv(total, tile),)](
-        flat, codes, scales, numel, total, k1, k2,
+        flat, codes, scales, h, numel, total, k1, k2,
         BITS=bits, GROUP=group, HAD=hadamard, TILE=tile, STOCHASTIC=keys is not None,
         SCALE_FP16=scale_dtype == torch.float16, FLOOR=scale_floor(scale_dtype),
-        DOT_FP32=dot_fp32,
+        DOT_FP32=dot_fp32, num_warps=warps,
     )
     return codes, scales
 
@@ -260,11 +306,15 @@ def dequantize(
         out = torch.empty(numel, dtype=out_dtype, device=codes.device)
     if numel == 0:
         return out
-    tile = _tile(group, hadamard)
+    tile, warps = config("dequantize", bits, group, hadamard)
+    # integer codes rotate exactly in bf16 on tensor cores (not in the interpreter)
+    dot_fp32 = interpreting()
+    h = hadamard_matrix(hadamard, torch.float32 if dot_fp32 else torch.bfloat16, codes.device)
     _dequantize_kernel[(triton.cdiv(total, tile),)](
-        codes, scales, out, numel, total,
-        BITS=bits, GROUP=group, HAD=hadamard, TILE=tile, DOT_FP32=True,
+        codes, scales, h, out, numel, total,
+        BITS=bits, GROUP=group, HAD=hadamard, TILE=tile, DOT_FP32=dot_fp32,
         OUT_MAX=0.0 if out.dtype == torch.float32 else torch.finfo(out.dtype).max,
+        num_warps=warps,
     )
     return out
 
@@ -287,15 +337,16 @@ def dequant_reduce_requant(
     out_scales = torch.empty(chunk // group_out, dtype=scale_dtype, device=codes.device)
     if chunk == 0:
         return out_codes, out_scales
-    tile = _tile(group_in, group_out)
+    tile, warps = config("dequant_reduce_requant", bits_in, max(group_in, group_out), 0)
     k1, k2 = keys if keys is not None else (0, 0)
     _dequant_reduce_requant_kernel[(triton.cdiv(chunk, tile),)](
         codes.contiguous(), scales.contiguous(), out_codes, out_scales, k, chunk, k1, k2,
         BITS_IN=bits_in, GROUP_IN=group_in, BITS_OUT=bits_out, GROUP_OUT=group_out,
         TILE=tile, STOCHASTIC=keys is not None, SCALE_FP16=scale_dtype == torch.float16,
-        FLOOR=scale_floor(scale_dtype),
+        FLOOR=scale_floor(scale_dtype), num_warps=warps,
     )
     return out_codes, out_scales
 
 
-__all__ = ["dequant_reduce_requant", "dequantize", "quantize", "qmax_for_bits", "supports"]
+__all__ = ["CONFIGS", "config", "dequant_reduce_requant", "dequantize", "quantize",
+           "qmax_for_bits", "supports"]
