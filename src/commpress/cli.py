@@ -43,9 +43,20 @@ def _cmd_bench_codecs(args: argparse.Namespace) -> int:
 def _cmd_bench_collectives(args: argparse.Namespace) -> int:
     from commpress.bench.collectives import run_collectives_bench
 
-    run_collectives_bench(nproc=args.nproc, ranks_per_node=args.ranks_per_node,
-                          numel=args.numel, codecs=args.codecs.split(";") if args.codecs else None,
-                          json_path=args.json, iters=args.iters)
+    sizes = [int(float(v)) for v in args.sizes.split(",")]
+    if any(v < 1 for v in sizes):
+        raise ValueError(f"--sizes {args.sizes!r} is not allowed; allowed: positive element "
+                         "counts such as 65536,1048576")
+    if args.codecs:
+        from commpress.codecs import codec
+
+        for spec in args.codecs.split(";"):
+            codec(spec)  # a bad spec is an error before any rank starts
+    run_collectives_bench(nproc=args.nproc, ranks_per_node=args.ranks_per_node, sizes=sizes,
+                          codecs=args.codecs.split(";") if args.codecs else None,
+                          json_path=args.json, iters=args.iters, device=args.device,
+                          backend=args.backend, dtype={"fp32": "float32", "bf16": "bfloat16",
+                                                       "fp16": "float16"}[args.dtype])
     return 0
 
 
@@ -260,13 +271,26 @@ def build_parser() -> argparse.ArgumentParser:
     bc.add_argument("--json", default=None, help="write the rows as JSON to this path")
     bc.set_defaults(fn=_cmd_bench_codecs)
 
-    bcol = bsub.add_parser("collectives", help="compressed vs torch collectives")
-    bcol.add_argument("--nproc", type=int, default=4)
-    bcol.add_argument("--ranks-per-node", type=int, default=None)
-    bcol.add_argument("--numel", type=int, default=1 << 20)
-    bcol.add_argument("--codecs", default=None, help="';'-separated codec specs")
-    bcol.add_argument("--iters", type=int, default=5)
-    bcol.add_argument("--json", default=None)
+    bcol = bsub.add_parser("collectives", help="compressed collectives beside torch's own "
+                           "(nccl-tests style: time, algbw, busbw, codec and wire time)")
+    bcol.add_argument("--nproc", type=int, default=4,
+                      help="ranks to spawn (ignored under torchrun) (default: 4)")
+    bcol.add_argument("--ranks-per-node", type=int, default=None,
+                      help="ranks that share a node; default: all")
+    bcol.add_argument("--sizes", default="65536,1048576",
+                      help="comma-separated elements per rank (default: 65536,1048576)")
+    bcol.add_argument("--codecs", default=None,
+                      help="';'-separated codec specs; default: none, bf16, int8, int4, "
+                           "int4:hadamard=128, int2")
+    bcol.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                      choices=["cpu", "cuda"], help="where the tensors live; default: cuda when "
+                      "a GPU is visible")
+    bcol.add_argument("--backend", default=None, choices=["gloo", "nccl"],
+                      help="default: nccl on cuda, gloo on cpu")
+    bcol.add_argument("--dtype", default="fp32", choices=sorted(DTYPES),
+                      help="element dtype (default: fp32)")
+    bcol.add_argument("--iters", type=int, default=5, help="timed calls per row (default: 5)")
+    bcol.add_argument("--json", default=None, help="write the rows to this JSON file")
     bcol.set_defaults(fn=_cmd_bench_collectives)
     return p
 

@@ -157,3 +157,8 @@ def test_error_feedback_through_all_reduce():
 def test_non_contiguous_and_requires_grad_tensors():
     for r in spawn(workers.awkward_inputs, 3):
         assert all(r.values()), [k for k, ok in r.items() if not ok]
+
+
+def test_async_inputs_may_be_reused_right_after_the_call():
+    for r in spawn(workers.async_inputs_reusable, 3):
+        assert all(r.values()), [k for k, ok in r.items() if not ok]

@@ -1,4 +1,22 @@
-"""Compressed collectives over any torch.distributed process group."""
+"""Compressed collectives over any torch.distributed process group.
+
+Rules for asynchronous calls (``async_op=True``) and CUDA streams:
+
+1. **Inputs** (``reduce_scatter``'s and ``all_gather``'s ``input``, a send's tensor) may
+   be reused or freed as soon as the call returns: compressed paths encode them during
+   the call, and the exact paths hand torch a copy.
+2. **Outputs and in-place tensors** (``all_reduce``'s ``tensor``, the ``output``
+   arguments, a receive's tensor) hold the result only after ``handle.wait()``; do not
+   read or write them before.
+3. **Streams**: encoding runs on the caller's current stream when the call is made;
+   ``wait()`` waits for the transfer (for NCCL: makes the current stream wait for the
+   communication stream) and then decodes on the current stream. Every buffer handed
+   to the backend stays referenced by the handle until the transfer completes. To
+   read a result on another stream, record an event after ``wait()`` on this one.
+4. One group, one thread at a time: collectives on a group must be issued in the same
+   order on every rank (as with torch.distributed); each call is checked across ranks
+   (:mod:`commpress.collectives.context`).
+"""
 
 from commpress.collectives.all_gather import all_gather
 from commpress.collectives.all_reduce import all_reduce

@@ -99,5 +99,7 @@ def all_gather(
     call = begin("all_gather", group, label, {"codec": codec},
                  tensors={"input": input, "output": output},
                  check=lambda n: check_sizes("all_gather", output, input, n, "output", "input"))
+    if async_op and is_exact(call.codec):
+        input = input.clone()  # torch reads it until the transfer ends: the caller may not
     return end(run_all_gather(output, input, call.codec, call.group, call.stats, call.label),
                async_op)

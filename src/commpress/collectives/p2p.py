@@ -101,6 +101,9 @@ def isend(tensor: torch.Tensor, dst: int, codec="none", group: dist.ProcessGroup
         packet = chunks.encode(codec, tensor.detach(), rng_stream=dist.get_rank(),
                                key=f"{label}->{dst}")
         payload = packet_to_bytes(packet).to(device)
+        if payload.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr():
+            payload = payload.clone()  # codec "none" sends the tensor itself: the caller
+            # may reuse its tensor once isend returns
     ctx.stats.record(label, calls=1, elements=tensor.numel(), wire_bytes=payload.numel(),
                      raw_bytes=tensor.numel() * tensor.element_size())
     seq = ctx.next_p2p("send", dst, tag)

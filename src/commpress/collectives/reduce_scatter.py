@@ -114,6 +114,8 @@ def reduce_scatter(
                  tensors={"input": input, "output": output},
                  check=lambda n: check_sizes("reduce_scatter", input, output, n, "input",
                                              "output"))
+    if async_op and is_exact(call.codec):
+        input = input.clone()  # torch reads it until the transfer ends: the caller may not
     return end(run_reduce_scatter(output, input, call.codec, call.group, call.stats,
                                   call.label, op), async_op)
 
