@@ -137,6 +137,32 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+SIMULATE_SKIPS = ("nproc", "tp", "pp", "dp", "engine", "ddp_hook", "backend", "resume",
+                  "checkpoint_every")
+
+
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    import json
+
+    from commpress.console import console
+    from commpress.train.compare import compare
+    from commpress.train.report import summary_table
+    from commpress.train.simulate import simulate
+
+    if args.policies:
+        policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+        compare(policies, _train_config(args, policy=policies[0], nproc=args.ranks),
+                out_dir=args.out, json_path=args.json, runner=simulate)
+        return 0
+    summary = simulate(_train_config(args, nproc=args.ranks))
+    console().print(summary_table(summary))
+    console().print(f"run directory: {summary['out']} (metrics.jsonl, summary.json, loss.png)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=1)
+    return 0
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     import json
 
@@ -199,6 +225,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train_options(cmp, skip=("policy",))
     cmp.add_argument("--json", default=None, help="write every summary to this JSON file")
     cmp.set_defaults(fn=_cmd_compare)
+
+    sim = sub.add_parser("simulate", help="one process plays an N-rank data-parallel run: the "
+                         "loss a policy gives, before renting the cluster")
+    sim.add_argument("--ranks", type=int, default=8,
+                     help="data-parallel ranks to play (default: 8)")
+    sim.add_argument("--policies", default=None,
+                     help="comma-separated policies to compare (a table and plots); "
+                          "default: --policy alone")
+    _add_train_options(sim, skip=SIMULATE_SKIPS)
+    sim.add_argument("--json", default=None, help="also write the summary to this JSON file")
+    sim.set_defaults(fn=_cmd_simulate)
 
     pl = sub.add_parser("plan", help="predict step time and speedup of policies on a cluster")
     pl.add_argument("--model", default="gpt-6.7b",

@@ -42,3 +42,21 @@ def replicated_digests(rank, world, base, policies, replication_key=None):
         out[policy] = {"coords": (run.mesh.dp_idx, run.mesh.pp_idx, run.mesh.tp_idx),
                        "digests": digests}
     return out
+
+
+def played_weights(rank, world, cfg_dict):
+    """Train with `simulate`'s played optimizer (in a process of its own, one thread, as
+    every rank of `train` runs); digests of the final weights by name."""
+    from commpress.train.simulate import PlayedRun
+
+    cfg = TrainConfig(**cfg_dict).resolved()
+    run = PlayedRun(cfg)
+    losses = [run.train_step(step) for step in range(cfg.steps)]
+    return {n: _digest([t]) for n, t in run.stage.state_dict().items()}, losses
+
+
+def weights_of_checkpoint(path):
+    import torch
+
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    return {n: _digest([t]) for n, t in state["model"].items()}

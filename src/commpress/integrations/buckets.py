@@ -80,14 +80,17 @@ class Bucket:
         else:
             self.master.data.copy_(shard)
 
-    def grad_sumsq(self, rank: int, world: int, weights: dict[str, float]) -> torch.Tensor:
-        """Σ weight(name) · ‖this rank's part of the parameter's gradient‖² (fp64)."""
+    def grad_sumsq(self, rank: int, world: int, weights: dict[str, float],
+                   grad_shard: torch.Tensor | None = None) -> torch.Tensor:
+        """Σ weight(name) · ‖rank's part of the parameter's gradient‖² (fp64), from
+        ``grad_shard`` (default: this bucket's own)."""
+        shard = self.grad_shard if grad_shard is None else grad_shard
         lo = self.shard(rank, world).start
-        total = torch.zeros((), dtype=torch.float64, device=self.grad_shard.device)
+        total = torch.zeros((), dtype=torch.float64, device=shard.device)
         for name, p, off in zip(self.names, self.params, self.offsets):
-            start, end = max(off, lo), min(off + p.numel(), lo + self.grad_shard.numel())
+            start, end = max(off, lo), min(off + p.numel(), lo + shard.numel())
             if start < end:
-                part = self.grad_shard[start - lo : end - lo].double().pow(2).sum()
+                part = shard[start - lo : end - lo].double().pow(2).sum()
                 total += part * weights.get(name, 1.0)
         return total
 

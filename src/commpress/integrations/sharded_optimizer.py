@@ -41,6 +41,7 @@ from commpress.collectives import (
     delta_all_gather,
     hierarchical_all_gather,
 )
+from commpress.collectives.comm import all_gather_single
 from commpress.collectives.handle import completed
 from commpress.integrations.buckets import (
     Bucket,
@@ -50,6 +51,7 @@ from commpress.integrations.buckets import (
     tensor_parallel_key,
 )
 from commpress.integrations.grad_path import GradPath
+from commpress.kernels.reference import sum_rows
 from commpress.policy import Policy
 
 log = logging.getLogger(__name__)
@@ -261,14 +263,22 @@ class ShardedOptimizer:
         return True
 
     def _global_grad_norm(self) -> float:
-        """The gradient norm over ``norm_group``: one float all-reduced, NaN if any rank
-        holds a non-finite gradient (so all ranks skip or stop together)."""
-        sumsq = sum(b.grad_sumsq(self.rank, self.world, self.norm_weights)
-                    for b in self.buckets).reshape(1)
+        """The gradient norm over ``norm_group``, NaN if any rank holds a non-finite
+        gradient (so all ranks skip or stop together). Each rank's squared sum is
+        gathered and the parts are added in rank order: the same bits on every backend
+        (an all-reduce's order is the backend's), which ``commpress simulate`` repeats."""
+        sumsq = self.local_grad_sumsq().reshape(1)
         if self.norm_group is not None and dist.get_world_size(self.norm_group) > 1:
-            dist.all_reduce(sumsq, group=self.norm_group)
-        value = sumsq.item()
-        return math.sqrt(value) if value >= 0 else float("nan")
+            parts = torch.empty(dist.get_world_size(self.norm_group), dtype=sumsq.dtype,
+                                device=sumsq.device)
+            all_gather_single(parts, sumsq, self.norm_group)
+            sumsq = sum_rows(parts.view(-1, 1))  # left to right, rank order
+        return norm_from_sumsq(sumsq.item())
+
+    def local_grad_sumsq(self) -> torch.Tensor:
+        """This rank's weighted squared gradient sum over its shards (fp64)."""
+        return sum(b.grad_sumsq(self.rank, self.world, self.norm_weights)
+                   for b in self.buckets)
 
     def _gather_params(self) -> None:
         levels = self.topology.resolve(self.group) if self.world > 1 else None
@@ -356,6 +366,10 @@ class ShardedOptimizer:
             b.param_codec.load_state_dict(pcodec)
         self.steps = state["steps"]
         self.skipped_steps = state["skipped_steps"]
+
+
+def norm_from_sumsq(value: float) -> float:
+    return math.sqrt(value) if value >= 0 else float("nan")
 
 
 def _check_arguments(model, optimizer_cls, policy, nonfinite: str, bucket_numel: int,

@@ -287,8 +287,9 @@ def dequantize_sum(
 
 
 def sum_rows(rows: torch.Tensor) -> torch.Tensor:
-    """``rows[0] + rows[1] + …`` in fp32, strictly in row order (as the kernels add)."""
-    total = rows[0].float().clone()
+    """``rows[0] + rows[1] + …`` strictly in row order (as the kernels add), in fp32 (fp64
+    rows stay fp64)."""
+    total = rows[0].to(torch.float64 if rows.dtype == torch.float64 else torch.float32).clone()
     for i in range(1, rows.shape[0]):
         total += rows[i]
     return total

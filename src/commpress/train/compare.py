@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Callable
 from typing import Any
 
 from commpress.console import console
@@ -19,8 +20,10 @@ def read_history(run_dir: str) -> list[dict[str, Any]]:
 
 
 def compare(policies: list[str], base: TrainConfig, out_dir: str | None = None,
-            json_path: str | None = None) -> dict[str, dict[str, Any]]:
-    """Train once per policy (same seed and data); print a table, write plots and JSON.
+            json_path: str | None = None,
+            runner: Callable[[TrainConfig], dict | None] = train) -> dict[str, dict[str, Any]]:
+    """Train once per policy (same seed and data) with ``runner`` (``train``, or
+    ``simulate``); print a table, write plots and JSON.
 
     Under ``torchrun`` every rank trains; rank 0 alone reports (other ranks return ``{}``).
     """
@@ -31,7 +34,7 @@ def compare(policies: list[str], base: TrainConfig, out_dir: str | None = None,
     for name in policies:
         console(stderr=True).print(f"[bold]policy {name}[/bold]")
         cfg = dataclasses.replace(base, policy=name, out=os.path.join(out_dir, policy_slug(name)))
-        summary = train(cfg)
+        summary = runner(cfg)
         if summary is None:  # a rank other than 0 under torchrun: rank 0 reports
             continue
         summaries[name] = summary

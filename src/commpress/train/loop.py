@@ -228,7 +228,7 @@ def run_rank(rank: int, world: int, cfg_dict: dict[str, Any]) -> dict[str, Any] 
         os.makedirs(cfg.out, exist_ok=True)
         with open(os.path.join(cfg.out, "config.json"), "w") as f:
             json.dump({"train": cfg.to_dict(), "policy": run.policy.to_dict()}, f, indent=1)
-    progress = _progress(cfg) if rank == 0 and cfg.progress else None
+    progress = progress_bar(cfg) if rank == 0 and cfg.progress else None
     tokens_per_step = cfg.batch_size * cfg.seq_len
     wall0 = time.perf_counter() - (run.history[-1]["wall_s"] if run.history else 0.0)
     try:
@@ -258,10 +258,10 @@ def run_rank(rank: int, world: int, cfg_dict: dict[str, Any]) -> dict[str, Any] 
     totals = _summed_counters(run.device)
     if rank != 0:
         return None
-    return _write_outputs(cfg, run, totals)
+    return write_outputs(cfg, run, totals)
 
 
-def _write_outputs(cfg: TrainConfig, run: _Run, totals: dict) -> dict[str, Any]:
+def write_outputs(cfg: TrainConfig, run: _Run, totals: dict) -> dict[str, Any]:
     from commpress.train.report import plot_loss
 
     hist = run.history
@@ -300,7 +300,7 @@ def _write_outputs(cfg: TrainConfig, run: _Run, totals: dict) -> dict[str, Any]:
     return summary
 
 
-def _progress(cfg: TrainConfig):
+def progress_bar(cfg: TrainConfig):
     from commpress.train.report import TrainProgress
 
     return TrainProgress(cfg.steps)

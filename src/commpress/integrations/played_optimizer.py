@@ -1,0 +1,182 @@
+""":class:`ShardedOptimizer`'s data-parallel step, played by one process for ``N`` ranks.
+
+``commpress simulate`` trains one model replica — every replica of a real data-parallel
+run holds the same bits — and feeds it the ``N`` ranks' gradients one at a time. This
+object keeps what the ``N`` real optimizers keep: the same flat buckets
+(:func:`build_buckets` with ``world = N``), one set of codec objects per rank and
+bucket (stochastic-rounding counters, error-feedback memory), the ``N`` master shards
+(together: one fp32 master per bucket, updated by the same elementwise optimizer), and
+it runs the policy's collectives as :mod:`commpress.collectives.played` plays them. The
+gradient norm adds the ranks' parts in rank order, as the real optimizer does.
+
+Per step: :meth:`take` after each rank's backward (the gradient is encoded and freed:
+only codes of ``N`` ranks are held), then :meth:`step`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from commpress.collectives import Topology
+from commpress.collectives.call import is_exact, resolve_codec
+from commpress.collectives.played import (
+    PlayedReduceScatter,
+    PlayedTwoLevelReduceScatter,
+    played_delta_gather,
+    played_gather,
+)
+from commpress.integrations.buckets import Bucket, build_buckets, tensor_parallel_key
+from commpress.integrations.grad_path import GradPath
+from commpress.integrations.sharded_optimizer import NonFiniteGradientError, norm_from_sumsq
+from commpress.kernels.reference import sum_rows
+from commpress.policy import Policy
+
+log = logging.getLogger(__name__)
+
+
+class PlayedShardedOptimizer:
+    """``N`` data-parallel ranks of :class:`ShardedOptimizer` in one process.
+
+    Args mirror :class:`ShardedOptimizer`'s; ``ranks`` and ``ranks_per_node`` replace the
+    process group and topology.
+    """
+
+    def __init__(self, model: nn.Module, optimizer_cls: type[torch.optim.Optimizer] | None,
+                 policy: str | dict | Policy, *, ranks: int, ranks_per_node: int,
+                 bucket_numel: int = 1 << 22, max_grad_norm: float | None = None,
+                 nonfinite: str = "skip", decay_1d: bool = False,
+                 **optimizer_kwargs: Any) -> None:
+        if ranks < 1 or ranks_per_node < 1 or ranks % ranks_per_node:
+            raise ValueError(f"ranks={ranks}, ranks_per_node={ranks_per_node} is not allowed; "
+                             "allowed: positive, ranks a multiple of ranks_per_node")
+        self.policy = Policy.resolve(policy)
+        self.world, self.L = ranks, ranks_per_node
+        self.nodes = ranks // ranks_per_node
+        self.max_grad_norm = max_grad_norm
+        self.nonfinite = nonfinite
+        self.steps = self.skipped_steps = 0
+        self.last_grad_norm = float("nan")
+        self.param_rule = self.policy.rule("dp", "param")
+        topology = Topology(ranks_per_node)
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.buckets = build_buckets(named[::-1], bucket_numel, decay_1d,
+                                     lambda: GradPath(self.policy, topology),
+                                     self.param_rule.build, ranks, tensor_parallel_key)
+        for b in self.buckets:
+            self._materialize(b)
+            # each rank's own codec objects (the bucket's own only fixed the alignment)
+            b.grad_paths = [GradPath(self.policy, topology) for _ in range(ranks)]
+            b.param_codecs = [self.param_rule.build() for _ in range(ranks)]
+            b.played = None
+        weight_decay = optimizer_kwargs.pop("weight_decay", None)
+        groups = []
+        for b in self.buckets:
+            g: dict[str, Any] = {"params": [b.master]}
+            if weight_decay is not None:
+                g["weight_decay"] = weight_decay if b.decay else 0.0
+            groups.append(g)
+        self.optimizer = (optimizer_cls or torch.optim.AdamW)(groups, **optimizer_kwargs)
+
+    @staticmethod
+    def _materialize(b: Bucket) -> None:
+        """The one replica's buffers: weights (the parameters become views), one rank's
+        gradient at a time, and the whole fp32 master (all ranks' shards)."""
+        b.materialize(0, 1)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    # -- gradients ---------------------------------------------------------------------
+    def _play(self, b: Bucket):
+        shard = b.numel // self.world
+        paths = b.grad_paths
+        if self.world == 1:  # nothing crosses a wire: nothing is compressed
+            return PlayedReduceScatter([resolve_codec("none")], shard, "dp.grad", "avg")
+        if not self.policy.two_level():
+            return PlayedReduceScatter([p.codecs["single"] for p in paths], shard, "dp.grad",
+                                       "avg")
+        if self.nodes > 1 and self.L > 1:
+            return PlayedTwoLevelReduceScatter([p.codecs["intra"] for p in paths],
+                                               [p.codecs["inter"] for p in paths], self.L,
+                                               shard, "dp.grad", "avg")
+        level = "intra" if self.nodes == 1 else "inter"  # one level only
+        return PlayedReduceScatter([p.codecs[level] for p in paths], shard, f"dp.grad.{level}",
+                                   "avg")
+
+    @torch.no_grad()
+    def take(self, rank: int) -> None:
+        """Rank ``rank``'s gradients (now in ``p.grad``) into its reduce-scatters; the
+        gradients are cleared (accumulated over micro-batches first, as the real
+        optimizer's buffer does: call :meth:`accumulate` after each backward)."""
+        self.accumulate()
+        for b in self.buckets:
+            if b.played is None:
+                b.played = self._play(b)
+            b.played.add(rank, b.grad_buffer)
+            b.grad_buffer.zero_()
+
+    @torch.no_grad()
+    def accumulate(self) -> None:
+        """Add ``p.grad`` into the fp32 bucket buffer and clear it (one micro-batch)."""
+        for b in self.buckets:
+            for p, off in zip(b.params, b.offsets):
+                if p.grad is not None:
+                    b.grad_buffer[off:off + p.numel()].add_(p.grad.reshape(-1))
+                    p.grad = None
+
+    # -- step --------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self) -> bool:
+        shards = [b.played.finish() for b in self.buckets]
+        for b in self.buckets:
+            b.played = None
+        # the norm: each rank's part over its shards, added in rank order
+        parts = [sum(b.grad_sumsq(r, self.world, {}, s[r]) for b, s in zip(self.buckets, shards))
+                 for r in range(self.world)]
+        norm = norm_from_sumsq(sum_rows(torch.stack(parts).view(-1, 1)).item())
+        self.last_grad_norm = norm
+        if not math.isfinite(norm):
+            self.skipped_steps += 1
+            self.steps += 1
+            if self.nonfinite == "raise":
+                raise NonFiniteGradientError(f"simulated step {self.steps - 1}: gradient norm "
+                                             f"{norm}")
+            log.warning("simulated step %d: non-finite gradient norm, skipped", self.steps - 1)
+            return False
+        coef = (self.max_grad_norm / (norm + 1e-6)
+                if self.max_grad_norm is not None and norm > self.max_grad_norm else None)
+        for b, s in zip(self.buckets, shards):
+            grad = torch.cat(s)
+            if coef is not None:
+                grad.mul_(coef)
+            b.master.grad = grad
+        self.optimizer.step()
+        for b in self.buckets:
+            b.master.grad = None
+        self._gather()
+        self.steps += 1
+        return True
+
+    def _gather(self) -> None:
+        two_level = self.nodes > 1 and self.L > 1 and not self.param_rule.exact
+        for b in self.buckets:
+            shard = b.numel // self.world
+            news = [b.master[r * shard:(r + 1) * shard].detach().to(b.dtype)
+                    for r in range(self.world)]
+            # random streams: the rank in the group that encodes (across nodes: the node)
+            streams = ([r // self.L for r in range(self.world)] if two_level
+                       else list(range(self.world)))
+            label = "dp.param.inter" if two_level else "dp.param"
+            if self.world == 1 or (is_exact(b.param_codecs[0]) and not self.param_rule.delta):
+                b.param_buffer.copy_(torch.cat(news))
+            elif self.param_rule.delta:
+                played_delta_gather(b.param_buffer, news, b.param_codecs, label, streams)
+            else:
+                decoded = played_gather(b.param_codecs, news, label, streams)
+                b.param_buffer.copy_(torch.cat(decoded))

@@ -1,0 +1,70 @@
+"""`commpress simulate` plays an N-rank data-parallel run in one process: for every
+preset whose gradients are compressed, the weights equal the real run's bit for bit."""
+
+import json
+import os
+
+import pytest
+
+import commpress
+from commpress.launch import spawn
+from commpress.train import checkpoint
+from commpress.train.config import TrainConfig
+from commpress.train.loop import train
+from tests.train import workers
+
+BASE = dict(model="gpt-tiny", batch_size=8, seq_len=32, warmup=2, eval_every=0,
+            eval_batches=1, max_data_bytes=200_000, progress=False, bucket_numel=20_000,
+            nproc=4, ranks_per_node=2)
+# gradients reduced exactly: the backend's own summation order, so fp32-close only
+EXACT_GRADIENTS = {"none", "qw", "qwd"}
+FAST = ["sdp4bit", "int2ef", "qwd"]
+
+
+def _compare(tmp_path, policy, steps):
+    cfg = dict(BASE, policy=policy, steps=steps)
+    out = str(tmp_path / "real")
+    train(TrainConfig(out=out, checkpoint_every=steps, **cfg))
+    real = workers.weights_of_checkpoint(checkpoint.rank_file(out, steps, 0))
+    played, losses = spawn(workers.played_weights, 1, (dict(cfg, out=str(tmp_path / "sim")),))[0]
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        real_losses = [json.loads(line)["loss"] for line in f]
+    return real, played, real_losses, losses
+
+
+def _check(policy, real, played, real_losses, played_losses):
+    assert real.keys() == played.keys()
+    if policy not in EXACT_GRADIENTS:
+        assert real == played, [n for n in real if real[n] != played[n]]
+    for a, b in zip(real_losses, played_losses, strict=True):
+        assert a == pytest.approx(b, rel=1e-5)
+
+
+@pytest.mark.parametrize("policy", FAST)
+def test_simulate_equals_a_real_4_rank_run(tmp_path, policy):
+    _check(policy, *_compare(tmp_path, policy, 8))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", [p for p in commpress.list_presets() if p not in FAST])
+def test_simulate_equals_a_real_4_rank_run_every_preset(tmp_path, policy):
+    _check(policy, *_compare(tmp_path, policy, 20))
+
+
+def test_simulate_cli_one_policy_and_a_comparison(tmp_path, capsys):
+    from commpress.cli import main
+
+    common = ["--ranks", "4", "--ranks-per-node", "2", "--model", "gpt-tiny", "--steps", "2",
+              "--seq-len", "32", "--batch-size", "8", "--eval-batches", "1",
+              "--max-data-bytes", "200000", "--no-progress"]
+    assert main(["simulate", *common, "--policy", "tlq", "--out", str(tmp_path / "one")]) == 0
+    summary = json.load(open(tmp_path / "one" / "summary.json"))
+    assert summary["policy"] == "tlq" and summary["dp"] == 4 and summary["final_val_loss"] > 0
+    assert (tmp_path / "one" / "loss.png").exists()
+    assert main(["simulate", *common, "--policies", "none,sdp4bit", "--out",
+                 str(tmp_path / "cmp")]) == 0
+    assert (tmp_path / "cmp" / "compare.png").exists()
+    assert "policy comparison" in capsys.readouterr().out
+    # what it does not play is refused with the reason
+    assert main(["simulate", *common, "--policy", "sdp4bit", "--ranks", "3",
+                 "--ranks-per-node", "2", "--out", str(tmp_path / "bad")]) == 2
