@@ -18,8 +18,9 @@ RESULTS = os.path.join(os.path.dirname(__file__), "results")
 
 
 def run_grid(name: str, base: TrainConfig, policies: list[str], seeds: list[int],
-             layouts: list[dict] | None = None) -> list[dict]:
-    """Train every (layout, policy, seed); reuse summaries already on disk."""
+             layouts: list[dict] | None = None, runner=train) -> list[dict]:
+    """Train every (layout, policy, seed) with ``runner`` (``train`` or ``simulate``);
+    reuse summaries already on disk (each is saved as soon as it finishes)."""
     os.makedirs(RESULTS, exist_ok=True)
     cache_path = os.path.join(RESULTS, f"{name}.runs.json")
     cache = json.load(open(cache_path)) if os.path.exists(cache_path) else {}
@@ -35,7 +36,7 @@ def run_grid(name: str, base: TrainConfig, policies: list[str], seeds: list[int]
                     cfg = dataclasses.replace(base, policy=policy, seed=seed, out=out,
                                               progress=False, **layout)
                     print(f"[{name}] {key}", flush=True)
-                    s = train(cfg)
+                    s = runner(cfg)
                     cache[key] = {k: s[k] for k in ("final_val_loss", "step_time_s_median",
                                                     "wire_bytes", "raw_bytes",
                                                     "bits_per_elem", "skipped_steps")}

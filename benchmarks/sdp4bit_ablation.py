@@ -1,9 +1,13 @@
-"""SDP4Bit ablation at small scale: every policy over 3 seeds on 2 nodes × 2 ranks.
+"""SDP4Bit ablation: every policy over seeds, next to the paper's Table 1.
 
     python benchmarks/sdp4bit_ablation.py [--steps 300] [--seeds 0,1,2]
+    python benchmarks/sdp4bit_ablation.py --simulate --model gpt-125m --ranks 16 \
+        --ranks-per-node 8 --dtype bf16 --data DIR --steps 400 --seeds 0
 
-Writes benchmarks/results/sdp4bit_ablation.md (the table that goes into BENCHMARKS.md)
-next to the paper's numbers, and says which gaps exceed the seed spread.
+Real ranks: 2 nodes × 2 (CPU, Gloo). ``--simulate``: one process plays ``--ranks`` ranks
+(``commpress simulate``; on a GPU, the paper's scale of model). Writes
+benchmarks/results/sdp4bit_ablation_<model>_<steps>[_sim<ranks>].md; each finished run is
+saved as it ends, so an interrupted run keeps its rows.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from _common import (
     loss_cells,
     paired_deltas,
     run_grid,
+    train,
     write_markdown,
 )
 
@@ -33,23 +38,45 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--model", default="gpt-1m")
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--simulate", action="store_true", help="play the ranks in one process")
+    ap.add_argument("--ranks", type=int, default=4)
+    ap.add_argument("--ranks-per-node", type=int, default=2)
+    ap.add_argument("--dtype", default="fp32")
+    ap.add_argument("--data", default=None)
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--eval-batches", type=int, default=16)
     args = ap.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
-    base = TrainConfig(model=args.model, steps=args.steps, nproc=4, ranks_per_node=2, dp=4,
-                       eval_every=0, eval_batches=16)
-    rows = run_grid(f"sdp4bit_ablation_{args.model}_{args.steps}", base, POLICIES, seeds)
+    policies = args.policies.split(",")
+    base = TrainConfig(model=args.model, steps=args.steps, nproc=args.ranks,
+                       ranks_per_node=args.ranks_per_node, dp=args.ranks, eval_every=0,
+                       eval_batches=args.eval_batches, dtype=args.dtype, data=args.data,
+                       batch_size=args.batch_size, seq_len=args.seq_len,
+                       max_data_bytes=1 << 30 if args.data else 8 << 20)
+    name = f"sdp4bit_ablation_{args.model}_{args.steps}"
+    if args.simulate:
+        from commpress.train.simulate import simulate
+
+        name += f"_sim{args.ranks}"
+    rows = run_grid(name, base, policies, seeds,
+                    runner=simulate if args.simulate else train)
     agg = aggregate(rows, by=("policy",))
     none = agg[("none",)]
-    lines = [f"{args.model}, {args.steps} steps, 2 nodes × 2 ranks (dp 4), seeds {args.seeds}; "
-             "validation loss over 16 batches:", "",
+    how = "played in one process" if args.simulate else "real ranks"
+    lines = [f"{args.model}, {args.dtype}, {args.steps} steps, {args.ranks} ranks in nodes of "
+             f"{args.ranks_per_node} ({how}), seeds {args.seeds}; validation loss over "
+             f"{args.eval_batches} batches:", "",
              "| policy | val loss (mean ± std) | vs none | paired Δ vs none (mean ± std) | "
              "paper 125M | paper 350M | wire bits/elem |", "|---|---|---|---|---|---|---|"]
-    for p in POLICIES:
+    for p in policies:
         a = agg[(p,)]
         bits = ", ".join(f"{k} {v:.2f}" for k, v in sorted(a["bits"].items()))
+        paper = [f"{PAPER[size][p]:.4f}" if p in PAPER[size] else "-" for size in PAPER]
         lines.append(f"| {p} | {loss_cells(a, none, paired_deltas(rows, p))} | "
-                     f"{PAPER['125M'][p]:.4f} | {PAPER['350M'][p]:.4f} | {bits} |")
-    write_markdown(f"sdp4bit_ablation_{args.model}_{args.steps}.md", lines)
+                     f"{' | '.join(paper)} | {bits} |")
+    write_markdown(f"{name}.md", lines)
 
 
 if __name__ == "__main__":

@@ -111,21 +111,26 @@ def _train_config(args: argparse.Namespace, **override):
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    from commpress.train.loop import train
+
+    summary = train(_train_config(args))
+    if summary is not None:  # None: a rank other than 0 under torchrun
+        _report(summary, args.json)
+    return 0
+
+
+def _report(summary: dict, json_path: str | None) -> None:
+    """A run's summary table and directory (and the summary as JSON if asked)."""
     import json
 
     from commpress.console import console
-    from commpress.train.loop import train
     from commpress.train.report import summary_table
 
-    summary = train(_train_config(args))
-    if summary is None:  # a non-zero rank under torchrun
-        return 0
     console().print(summary_table(summary))
     console().print(f"run directory: {summary['out']} (metrics.jsonl, summary.json, loss.png)")
-    if args.json:
-        with open(args.json, "w") as f:
+    if json_path:
+        with open(json_path, "w") as f:
             json.dump(summary, f, indent=1)
-    return 0
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
@@ -142,11 +147,7 @@ SIMULATE_SKIPS = ("nproc", "tp", "pp", "dp", "engine", "ddp_hook", "backend", "r
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
-    import json
-
-    from commpress.console import console
     from commpress.train.compare import compare
-    from commpress.train.report import summary_table
     from commpress.train.simulate import simulate
 
     if args.policies:
@@ -154,12 +155,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         compare(policies, _train_config(args, policy=policies[0], nproc=args.ranks),
                 out_dir=args.out, json_path=args.json, runner=simulate)
         return 0
-    summary = simulate(_train_config(args, nproc=args.ranks))
-    console().print(summary_table(summary))
-    console().print(f"run directory: {summary['out']} (metrics.jsonl, summary.json, loss.png)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(summary, f, indent=1)
+    _report(simulate(_train_config(args, nproc=args.ranks)), args.json)
     return 0
 
 

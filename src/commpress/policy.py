@@ -280,9 +280,12 @@ PRESETS: dict[str, dict[str, Any]] = {
     "naive": {"dp": {"grad": "int4", "param": "int4"},
               "tp": {"act": "int4", "act_grad": "int4"},
               "pp": {"act": "int4", "act_grad": "int4"}},
+    # TP activations as int8 (8.25 bits): chosen over fp8 and fp8 + Hadamard-128 by loss
+    # at dp2 × tp2 (benchmarks/hybrid_tp_codec.py, BENCHMARKS.md); bf16, used before,
+    # compressed nothing in a bf16 run
     "hybrid": {"dp": {"grad": {"intra": "int8:hadamard=128", "inter": "int4:hadamard=128"},
                       "param": "int8"},
-               "tp": {"act": "bf16", "act_grad": "bf16"},
+               "tp": {"act": "int8", "act_grad": "int8"},
                "pp": {"act": "int8", "act_grad": "int8"}},
     "sdp4bit": {"dp": {"grad": _TLQHS, "param": _QWD}},
     "zeropp": {"dp": {"grad": {"intra": "int4", "inter": "int4"}, "param": "int8:group=4096"}},

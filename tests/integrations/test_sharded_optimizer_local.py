@@ -68,3 +68,15 @@ def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="no parameters that require grad"):
         commpress.ShardedOptimizer(torch.nn.Linear(2, 2).requires_grad_(False), torch.optim.SGD,
                                    "none", lr=0.1)
+
+
+def test_a_policy_or_an_optimizer_instance_in_the_wrong_place_is_named():
+    with pytest.raises(TypeError, match="a policy name goes in the third argument"):
+        commpress.ShardedOptimizer(_model(), "sdp4bit")
+    model = _model()
+    with pytest.raises(TypeError, match="pass the class, e.g. torch.optim.AdamW"):
+        commpress.ShardedOptimizer(model, torch.optim.AdamW(model.parameters()), "none")
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        commpress.ShardedOptimizer([torch.nn.Parameter(torch.ones(2))], torch.optim.SGD)
+    with pytest.raises(ValueError, match="init_sync='copy' is not allowed"):
+        commpress.ShardedOptimizer(_model(), torch.optim.SGD, "none", lr=0.1, init_sync="copy")

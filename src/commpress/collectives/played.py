@@ -23,6 +23,7 @@ import torch
 from commpress.codecs import Delta
 from commpress.collectives import chunks
 from commpress.collectives.call import AnyCodec, is_exact
+from commpress.collectives.stats import Stats
 
 
 def _received(rows_by_source: list, index: int):
@@ -38,8 +39,10 @@ class PlayedReduceScatter:
     → every rank's output (fp32).
     """
 
-    def __init__(self, codecs: list[AnyCodec], m: int, label: str, op: str) -> None:
+    def __init__(self, codecs: list[AnyCodec], m: int, label: str, op: str,
+                 stats: Stats | None = None) -> None:
         self.codecs, self.m, self.label, self.op = codecs, m, label, op
+        self.stats = stats or Stats()  # bytes every rank sends, summed over the ranks
         self.world = len(codecs)
         self.exact = is_exact(codecs[0])
         self.m_pad = chunks.padded_chunk(codecs[0], m)
@@ -51,6 +54,9 @@ class PlayedReduceScatter:
     def add(self, rank: int, input: torch.Tensor) -> None:
         self.dtype = input.dtype
         if self.exact:
+            sent = (self.world - 1) * self.m * input.element_size()
+            self.stats.record(self.label, calls=1, elements=(self.world - 1) * self.m,
+                              wire_bytes=sent, raw_bytes=sent)
             # the running sum must be taken in rank order: keep inputs until their turn
             self.rows[rank] = input.reshape(-1).clone()
             while self._added < self.world and self.rows[self._added] is not None:
@@ -62,6 +68,7 @@ class PlayedReduceScatter:
         x = chunks.pad_chunks(input.reshape(-1), self.world, self.m, self.m_pad)
         self.rows[rank] = chunks.encode_rows(self.codecs[rank], x, rng_stream=rank,
                                              key=self.label)
+        _count(self.stats, self.label, self.rows[rank], rank, self.m_pad, input.element_size())
 
     def finish(self) -> list[torch.Tensor]:
         n = self.world
@@ -86,8 +93,9 @@ class PlayedTwoLevelReduceScatter:
     """
 
     def __init__(self, intra: list[AnyCodec], inter: list[AnyCodec], ranks_per_node: int,
-                 m: int, label: str, op: str) -> None:
+                 m: int, label: str, op: str, stats: Stats | None = None) -> None:
         self.intra, self.inter, self.L, self.m, self.op = intra, inter, ranks_per_node, m, op
+        self.stats = stats or Stats()
         self.world = len(intra)
         self.nodes = self.world // ranks_per_node
         unit = math.lcm(max(intra[0].alignment, 1), max(inter[0].alignment, 1))
@@ -105,6 +113,8 @@ class PlayedTwoLevelReduceScatter:
         x = x.view(nodes, L, m_pad).transpose(0, 1).reshape(L, nodes * m_pad)
         self.intra_rows[rank] = chunks.encode_rows(self.intra[rank], x, rng_stream=rank,
                                                    key=self.lab_intra)
+        _count(self.stats, self.lab_intra, self.intra_rows[rank], rank % L, nodes * m_pad,
+               input.element_size())
         node = rank // L
         members = range(node * L, (node + 1) * L)
         if all(self.intra_rows[r] is not None for r in members):
@@ -127,6 +137,8 @@ class PlayedTwoLevelReduceScatter:
                 partial = chunks.decode_sum_rows(intra, received, nodes * m_pad, self.dtype)
                 self.inter_rows[d] = chunks.encode_rows(inter, partial.view(nodes, m_pad),
                                                         rng_stream=d, key=self.lab_inter)
+            _count(self.stats, self.lab_inter, self.inter_rows[d], node, m_pad,
+                   self.dtype.itemsize)
         for r in range(node * L, (node + 1) * L):
             self.intra_rows[r] = True  # done: the codes are no longer needed
 
@@ -142,6 +154,13 @@ class PlayedTwoLevelReduceScatter:
                 total /= self.world
             outs.append(total[: self.m].clone())
         return outs
+
+
+def _count(stats: Stats, label: str, rows, own: int, m_pad: int, itemsize: int) -> None:
+    """A rank's sent bytes, as the real collective records them (all rows but its own)."""
+    sent, count = chunks.row_bytes(rows, skip=own)
+    stats.record(label, calls=1, elements=count * m_pad, wire_bytes=sent,
+                 raw_bytes=count * m_pad * itemsize)
 
 
 def played_gather(codecs: list[AnyCodec], shards: list[torch.Tensor], label: str,

@@ -134,3 +134,18 @@ def checksum(t: torch.Tensor) -> int:
     w = words.view(torch.int32).long()
     weights = torch.arange(w.numel(), device=w.device, dtype=torch.int64) * 2 + 1
     return int((w * weights).sum())
+
+
+def build_optimizer(buckets: list[Bucket], optimizer_cls: type[torch.optim.Optimizer] | None,
+                    optimizer_kwargs: dict[str, Any]) -> torch.optim.Optimizer:
+    """The inner optimizer over the buckets' fp32 masters, one group per bucket; a
+    ``weight_decay`` applies to decaying buckets only (not biases and norms)."""
+    kwargs = dict(optimizer_kwargs)
+    weight_decay = kwargs.pop("weight_decay", None)
+    groups = []
+    for b in buckets:
+        g: dict[str, Any] = {"params": [b.master]}
+        if weight_decay is not None:
+            g["weight_decay"] = weight_decay if b.decay else 0.0
+        groups.append(g)
+    return (optimizer_cls or torch.optim.AdamW)(groups, **kwargs)

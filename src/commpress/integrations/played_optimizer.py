@@ -30,9 +30,19 @@ from commpress.collectives.played import (
     played_delta_gather,
     played_gather,
 )
-from commpress.integrations.buckets import Bucket, build_buckets, tensor_parallel_key
+from commpress.collectives.stats import Stats
+from commpress.integrations.buckets import (
+    Bucket,
+    build_buckets,
+    build_optimizer,
+    tensor_parallel_key,
+)
 from commpress.integrations.grad_path import GradPath
-from commpress.integrations.sharded_optimizer import NonFiniteGradientError, norm_from_sumsq
+from commpress.integrations.sharded_optimizer import (
+    NonFiniteGradientError,
+    clip_and_step,
+    norm_from_sumsq,
+)
 from commpress.kernels.reference import sum_rows
 from commpress.policy import Policy
 
@@ -62,6 +72,7 @@ class PlayedShardedOptimizer:
         self.steps = self.skipped_steps = 0
         self.last_grad_norm = float("nan")
         self.param_rule = self.policy.rule("dp", "param")
+        self.stats = Stats()  # gradient bytes every rank sends, summed over the ranks
         topology = Topology(ranks_per_node)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.buckets = build_buckets(named[::-1], bucket_numel, decay_1d,
@@ -73,14 +84,7 @@ class PlayedShardedOptimizer:
             b.grad_paths = [GradPath(self.policy, topology) for _ in range(ranks)]
             b.param_codecs = [self.param_rule.build() for _ in range(ranks)]
             b.played = None
-        weight_decay = optimizer_kwargs.pop("weight_decay", None)
-        groups = []
-        for b in self.buckets:
-            g: dict[str, Any] = {"params": [b.master]}
-            if weight_decay is not None:
-                g["weight_decay"] = weight_decay if b.decay else 0.0
-            groups.append(g)
-        self.optimizer = (optimizer_cls or torch.optim.AdamW)(groups, **optimizer_kwargs)
+        self.optimizer = build_optimizer(self.buckets, optimizer_cls, optimizer_kwargs)
 
     @staticmethod
     def _materialize(b: Bucket) -> None:
@@ -97,17 +101,18 @@ class PlayedShardedOptimizer:
         shard = b.numel // self.world
         paths = b.grad_paths
         if self.world == 1:  # nothing crosses a wire: nothing is compressed
-            return PlayedReduceScatter([resolve_codec("none")], shard, "dp.grad", "avg")
+            return PlayedReduceScatter([resolve_codec("none")], shard, "dp.grad", "avg",
+                                       self.stats)
         if not self.policy.two_level():
             return PlayedReduceScatter([p.codecs["single"] for p in paths], shard, "dp.grad",
-                                       "avg")
+                                       "avg", self.stats)
         if self.nodes > 1 and self.L > 1:
             return PlayedTwoLevelReduceScatter([p.codecs["intra"] for p in paths],
                                                [p.codecs["inter"] for p in paths], self.L,
-                                               shard, "dp.grad", "avg")
+                                               shard, "dp.grad", "avg", self.stats)
         level = "intra" if self.nodes == 1 else "inter"  # one level only
         return PlayedReduceScatter([p.codecs[level] for p in paths], shard, f"dp.grad.{level}",
-                                   "avg")
+                                   "avg", self.stats)
 
     @torch.no_grad()
     def take(self, rank: int) -> None:
@@ -149,16 +154,8 @@ class PlayedShardedOptimizer:
                                              f"{norm}")
             log.warning("simulated step %d: non-finite gradient norm, skipped", self.steps - 1)
             return False
-        coef = (self.max_grad_norm / (norm + 1e-6)
-                if self.max_grad_norm is not None and norm > self.max_grad_norm else None)
-        for b, s in zip(self.buckets, shards):
-            grad = torch.cat(s)
-            if coef is not None:
-                grad.mul_(coef)
-            b.master.grad = grad
-        self.optimizer.step()
-        for b in self.buckets:
-            b.master.grad = None
+        grads = [(b.master, torch.cat(s)) for b, s in zip(self.buckets, shards)]
+        clip_and_step(self.optimizer, grads, norm, self.max_grad_norm)
         self._gather()
         self.steps += 1
         return True

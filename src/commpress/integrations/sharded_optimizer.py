@@ -47,6 +47,7 @@ from commpress.integrations.buckets import (
     Bucket,
     ReplicationKey,
     build_buckets,
+    build_optimizer,
     checksum,
     tensor_parallel_key,
 )
@@ -145,15 +146,7 @@ class ShardedOptimizer:
         for b in self.buckets:
             b.materialize(self.rank, self.world)
         self._sync_initial_weights(init_sync)
-        optimizer_cls = optimizer_cls or torch.optim.AdamW
-        weight_decay = optimizer_kwargs.pop("weight_decay", None)
-        groups = []
-        for b in self.buckets:
-            g: dict[str, Any] = {"params": [b.master]}
-            if weight_decay is not None:
-                g["weight_decay"] = weight_decay if b.decay else 0.0
-            groups.append(g)
-        self.optimizer = optimizer_cls(groups, **optimizer_kwargs)
+        self.optimizer = build_optimizer(self.buckets, optimizer_cls, optimizer_kwargs)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
                        for b in self.buckets for p in b.params]
         self._where = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
@@ -247,16 +240,9 @@ class ShardedOptimizer:
                         self.steps, norm)
             self.steps += 1
             return False
-        if self.max_grad_norm is not None and norm > self.max_grad_norm:
-            coef = self.max_grad_norm / (norm + 1e-6)
-            for b in self.buckets:
-                b.grad_shard.mul_(coef)
-        # Step 3: the inner optimizer on the fp32 master shards
-        for b in self.buckets:
-            b.master.grad = b.grad_shard
-        self.optimizer.step()
-        for b in self.buckets:
-            b.master.grad = None
+        # Step 3: clip; the inner optimizer on the fp32 master shards
+        clip_and_step(self.optimizer, [(b.master, b.grad_shard) for b in self.buckets], norm,
+                      self.max_grad_norm)
         # Step 4: the new weights to every replica
         self._gather_params()
         self.steps += 1
@@ -366,6 +352,23 @@ class ShardedOptimizer:
             b.param_codec.load_state_dict(pcodec)
         self.steps = state["steps"]
         self.skipped_steps = state["skipped_steps"]
+
+
+def clip_and_step(optimizer: torch.optim.Optimizer,
+                  masters: list[tuple[nn.Parameter, torch.Tensor]], norm: float,
+                  max_grad_norm: float | None) -> None:
+    """Scale the gradients to ``max_grad_norm`` if the norm exceeds it, and step the inner
+    optimizer on the master weights with them (elementwise: shards or whole, the same
+    bits)."""
+    if max_grad_norm is not None and norm > max_grad_norm:
+        coef = max_grad_norm / (norm + 1e-6)
+        for _, grad in masters:
+            grad.mul_(coef)
+    for master, grad in masters:
+        master.grad = grad
+    optimizer.step()
+    for master, _ in masters:
+        master.grad = None
 
 
 def norm_from_sumsq(value: float) -> float:

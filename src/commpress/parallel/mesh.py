@@ -56,10 +56,6 @@ class Mesh:
     pp_ranks: list[int]
 
     @property
-    def first_stage(self) -> bool:
-        return self.pp_idx == 0
-
-    @property
     def last_stage(self) -> bool:
         return self.pp_idx == self.shape.pp - 1
 

@@ -229,23 +229,18 @@ def run_rank(rank: int, world: int, cfg_dict: dict[str, Any]) -> dict[str, Any] 
         with open(os.path.join(cfg.out, "config.json"), "w") as f:
             json.dump({"train": cfg.to_dict(), "policy": run.policy.to_dict()}, f, indent=1)
     progress = progress_bar(cfg) if rank == 0 and cfg.progress else None
-    tokens_per_step = cfg.batch_size * cfg.seq_len
     wall0 = time.perf_counter() - (run.history[-1]["wall_s"] if run.history else 0.0)
     try:
         for step in range(run.start_step, cfg.steps):
             before = {k: v.get("wire_bytes", 0) for k, v in stats().items()}
             t0 = time.perf_counter()
             loss = run.train_step(step)
-            dt = time.perf_counter() - t0
-            record: dict[str, Any] = {
-                "step": step + 1, "loss": loss, "lr": lr_at(cfg, step), "step_time_s": dt,
-                "tokens_per_s": tokens_per_step / dt, "wall_s": time.perf_counter() - wall0,
-                "wire_bytes_rank0": {k: v["wire_bytes"] - before.get(k, 0)
-                                     for k, v in stats().items()},
-                "skipped": run.opt.skipped_steps,
-            }
+            record = step_record(cfg, step, loss, time.perf_counter() - t0,
+                                 time.perf_counter() - wall0, run.opt.skipped_steps,
+                                 {k: v["wire_bytes"] - before.get(k, 0)
+                                  for k, v in stats().items()})
             last = step + 1 == cfg.steps
-            if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or last:
+            if evaluates_at(cfg, step):
                 record["val_loss"] = run.evaluate()
             run.history.append(record)
             if cfg.checkpoint_every and ((step + 1) % cfg.checkpoint_every == 0 or last):
@@ -259,6 +254,19 @@ def run_rank(rank: int, world: int, cfg_dict: dict[str, Any]) -> dict[str, Any] 
     if rank != 0:
         return None
     return write_outputs(cfg, run, totals)
+
+
+def step_record(cfg: TrainConfig, step: int, loss: float, seconds: float, wall_s: float,
+                skipped: int, wire_bytes: dict[str, float]) -> dict[str, Any]:
+    """One line of ``metrics.jsonl``."""
+    return {"step": step + 1, "loss": loss, "lr": lr_at(cfg, step), "step_time_s": seconds,
+            "tokens_per_s": cfg.batch_size * cfg.seq_len / seconds, "wall_s": wall_s,
+            "wire_bytes_rank0": wire_bytes, "skipped": skipped}
+
+
+def evaluates_at(cfg: TrainConfig, step: int) -> bool:
+    """Whether step ``step`` (0-based) ends with a validation evaluation."""
+    return bool(cfg.eval_every and (step + 1) % cfg.eval_every == 0) or step + 1 == cfg.steps
 
 
 def write_outputs(cfg: TrainConfig, run: _Run, totals: dict) -> dict[str, Any]:

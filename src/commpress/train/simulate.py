@@ -34,7 +34,7 @@ from commpress.policy import Policy
 from commpress.train import run_lock
 from commpress.train.config import TrainConfig
 from commpress.train.data import TextData, load_tokens
-from commpress.train.loop import lr_at, progress_bar, write_outputs
+from commpress.train.loop import evaluates_at, lr_at, progress_bar, step_record, write_outputs
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -116,18 +116,14 @@ def simulate(cfg: TrainConfig) -> dict[str, Any]:
         with open(os.path.join(cfg.out, "config.json"), "w") as f:
             json.dump({"simulate": cfg.to_dict(), "policy": run.policy.to_dict()}, f, indent=1)
         progress = progress_bar(cfg) if cfg.progress else None
-        tokens = cfg.batch_size * cfg.seq_len
         wall0 = time.perf_counter()
         try:
             for step in range(cfg.steps):
                 t0 = time.perf_counter()
                 loss = run.train_step(step)
-                dt = time.perf_counter() - t0
-                record: dict[str, Any] = {
-                    "step": step + 1, "loss": loss, "lr": lr_at(cfg, step), "step_time_s": dt,
-                    "tokens_per_s": tokens / dt, "wall_s": time.perf_counter() - wall0,
-                    "wire_bytes_rank0": {}, "skipped": run.opt.skipped_steps}
-                if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or step + 1 == cfg.steps:
+                record = step_record(cfg, step, loss, time.perf_counter() - t0,
+                                     time.perf_counter() - wall0, run.opt.skipped_steps, {})
+                if evaluates_at(cfg, step):
                     record["val_loss"] = run.evaluate()
                 run.history.append(record)
                 if progress is not None:
@@ -135,4 +131,4 @@ def simulate(cfg: TrainConfig) -> dict[str, Any]:
         finally:
             if progress is not None:
                 progress.close()
-        return write_outputs(cfg, run, {})
+        return write_outputs(cfg, run, run.opt.stats.snapshot())
