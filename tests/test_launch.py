@@ -47,7 +47,8 @@ def _start(out):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+@pytest.mark.parametrize("sig", [signal.SIGKILL, pytest.param(signal.SIGTERM,
+                                                                marks=pytest.mark.slow)])
 def test_killing_the_launcher_stops_every_rank_within_10_s(tmp_path, sig):
     proc, ranks = _start(str(tmp_path / "run"))
     os.kill(proc.pid, sig)

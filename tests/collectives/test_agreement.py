@@ -46,6 +46,7 @@ def test_a_send_and_receive_that_disagree_raise_on_both_sides(field):
     assert receiver["untouched"] and receiver["second_equal"], receiver
 
 
+@pytest.mark.slow
 def test_a_rank_that_never_comes_is_named_within_the_timeout():
     results = spawn(workers.one_rank_never_comes, 3, pg_timeout_s=4, timeout=60)
     assert results[2] == "absent"
@@ -62,6 +63,7 @@ CALL = st.tuples(st.sampled_from(COLLECTIVES), st.integers(1, 700), st.integers(
                           min_size=4, max_size=4))
 
 
+@pytest.mark.slow
 @settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(calls=st.lists(CALL, min_size=10, max_size=10))
 def test_fuzz_per_call_disagreement_never_returns_a_wrong_result(calls):
@@ -87,6 +89,7 @@ TRANSFER = st.tuples(st.integers(1, 500), st.integers(0, 1), st.integers(0, 3),
                               min_size=3, max_size=3))
 
 
+@pytest.mark.slow
 @settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(transfers=st.lists(TRANSFER, min_size=8, max_size=8))
 def test_fuzz_point_to_point_disagreement(transfers):
@@ -102,6 +105,7 @@ def test_fuzz_point_to_point_disagreement(transfers):
             assert good, (transfers[i], r)
 
 
+@pytest.mark.slow
 def test_agreement_cost_is_one_small_exchange():
     # the cost per call, measured (BENCHMARKS.md has the figure for this machine)
     for r in spawn(workers.agreement_cost, 4, (1 << 16, 20)):

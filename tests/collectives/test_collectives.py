@@ -69,14 +69,16 @@ def test_two_level_reduce_scatter_error_and_wire_bytes():
         assert 8 * inter["wire_bytes"] / inter["elements"] == pytest.approx(4.25)
 
 
-@pytest.mark.parametrize("rpn", [1, 4])
+@pytest.mark.parametrize("rpn", [pytest.param(1, marks=pytest.mark.slow), 4])
 def test_two_level_falls_back_to_one_level(rpn):
     # 4 ranks: one node of 4, or 4 nodes of 1 — one level, still correct
     for r in spawn(workers.hierarchical, 4, (rpn, 1024), ranks_per_node=rpn):
         assert r["err"] <= 1.5 * r["single"]
 
 
-@pytest.mark.parametrize("world,rpn", [(8, 4), (4, 2), (4, 4), (4, 1)])
+@pytest.mark.parametrize("world,rpn", [pytest.param(8, 4, marks=pytest.mark.slow), (4, 2),
+                                       pytest.param(4, 4, marks=pytest.mark.slow),
+                                       pytest.param(4, 1, marks=pytest.mark.slow)])
 def test_two_level_all_gather_matches_flat_and_crosses_nodes_once(world, rpn):
     numel = 1024 + 256
     ranks = spawn(workers.hierarchical_gather, world, (rpn, numel), ranks_per_node=rpn)
@@ -96,7 +98,9 @@ def test_two_level_all_gather_matches_flat_and_crosses_nodes_once(world, rpn):
             assert "g.inter" not in s and r["err"] == 0
 
 
-@pytest.mark.parametrize("world,rpn", [(8, 4), (4, 2), (6, 2), (4, 4)])
+@pytest.mark.parametrize("world,rpn", [pytest.param(8, 4, marks=pytest.mark.slow), (4, 2),
+                                       pytest.param(6, 2, marks=pytest.mark.slow),
+                                       pytest.param(4, 4, marks=pytest.mark.slow)])
 def test_two_level_all_reduce_sends_node_sums_once(world, rpn):
     numel = 4096 + 99  # not a multiple of the ranks per node: the padded path
     ranks = spawn(workers.hierarchical_all_reduce, world, (rpn, numel, "int4"),

@@ -1,5 +1,7 @@
 """The DDP comm hook and the FSDP2 integration on real Gloo ranks."""
 
+import pytest
+
 from commpress.launch import spawn
 from tests.integrations import workers
 
@@ -23,6 +25,7 @@ def test_ddp_hook_tracks_uncompressed_training():
         assert len({r["hashes"][step] for r in hybrid}) == 1
 
 
+@pytest.mark.slow
 def test_ddp_hook_int2ef_pipelined_equals_in_order_and_tracks_uncompressed():
     steps = 8
     piped = spawn(workers.ddp_hook_training, 4, ("int2ef", steps), ranks_per_node=2)

@@ -3,12 +3,15 @@
 import json
 import os
 
+import pytest
+
 from commpress.launch import spawn
 from commpress.train.config import TrainConfig
 from commpress.train.loop import train
 from tests.reliability import workers
 
 
+@pytest.mark.slow
 def test_same_seed_same_loss_trajectory(tmp_path):
     cfg = dict(model="gpt-tiny", steps=5, batch_size=8, seq_len=32, eval_every=0,
                eval_batches=1, progress=False, policy="naive", dp=2, tp=1, pp=1,
@@ -21,6 +24,7 @@ def test_same_seed_same_loss_trajectory(tmp_path):
     assert runs[0] == runs[1]
 
 
+@pytest.mark.slow
 def test_replicas_identical_at_every_step_of_a_1000_step_run():
     digests = spawn(workers.long_run_replicas, 2, (1000,), timeout=900)
     assert len(digests[0]) == 1000

@@ -1,5 +1,6 @@
 """Fuzzing codecs and collectives with hypothesis: shapes, dtypes, groups, extreme values."""
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -56,6 +57,7 @@ def test_codec_fuzz(spec, dtype, shape, specials, seed):
                                 SPECS, st.lists(st.sampled_from(SPECIALS), max_size=3)),
                       min_size=12, max_size=12),
        world=st.sampled_from([2, 3]))
+@pytest.mark.slow
 def test_collective_fuzz(cases, world):
     ranks = spawn(workers.fuzz_collectives, world, (cases,), timeout=300)
     for i in range(len(cases)):

@@ -121,12 +121,16 @@ def test_stale_temporary_files_are_removed(saved_run, tmp_path):
     assert not os.path.exists(stale)
 
 
+SLOW = pytest.mark.slow
+
+
 @pytest.mark.parametrize(("change", "needle"), [
     (dict(dp=4), "was written by 2 ranks; this run has 4"),
-    (dict(policy="zeropp"), "has policy="),
+    pytest.param(dict(policy="zeropp"), "has policy=", marks=SLOW),
     (dict(dtype="bf16"), "has dtype='fp32', this run dtype='bf16'"),
-    (dict(ranks_per_node=1), "has ranks_per_node=2, this run ranks_per_node=1"),
-    (dict(max_data_bytes=100_000), "has data="),
+    pytest.param(dict(ranks_per_node=1), "has ranks_per_node=2, this run ranks_per_node=1",
+                 marks=SLOW),
+    pytest.param(dict(max_data_bytes=100_000), "has data=", marks=SLOW),
 ])
 def test_a_checkpoint_of_another_run_is_refused(saved_run, tmp_path, change, needle):
     cfg = dict(TINY, steps=4, out=str(tmp_path), resume=saved_run)

@@ -18,8 +18,8 @@ def allreduce_run(tmp_path_factory):
                              **TINY))
 
 
-@pytest.mark.parametrize(("hook", "tolerance"), [("fp16", 1e-4), ("powersgd:2", 0.01),
-                                                 ("commpress", 1e-4)])
+@pytest.mark.parametrize(("hook", "tolerance"), [
+    pytest.param("fp16", 1e-4, marks=pytest.mark.slow), ("powersgd:2", 0.01), ("commpress", 1e-4)])
 def test_ddp_hooks_track_plain_all_reduce(tmp_path, allreduce_run, hook, tolerance):
     # the same seed, data and steps: a hook may only cost its compression error (fp16 and
     # sdp4bit here are ~1e-6 of the loss after 4 steps; PowerSGD rank 2, ~0.2 %)
@@ -38,7 +38,8 @@ def test_ddp_engine_refuses_tp():
         TrainConfig(ddp_hook="powersgd")
 
 
-@pytest.mark.parametrize("policy", ["int2ef", "tlq", "none"])
+@pytest.mark.parametrize("policy", ["int2ef", pytest.param("tlq", marks=pytest.mark.slow),
+                                    pytest.param("none", marks=pytest.mark.slow)])
 def test_ddp_engine_resume_is_bitwise(tmp_path, policy):
     # DDP re-buckets after the first iteration of every process; the commpress hook's own
     # fixed buckets keep its error-feedback memory, rounding streams and summation order

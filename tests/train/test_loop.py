@@ -25,7 +25,9 @@ def reference_run(tmp_path_factory):
     return _losses(out)
 
 
-@pytest.mark.parametrize(("dp", "tp", "pp"), [(1, 2, 2), (2, 2, 1), (2, 1, 2), (4, 1, 1)])
+@pytest.mark.parametrize(("dp", "tp", "pp"), [
+    pytest.param(1, 2, 2, marks=pytest.mark.slow), (2, 2, 1), (2, 1, 2),
+    pytest.param(4, 1, 1, marks=pytest.mark.slow)])
 def test_none_policy_reproduces_the_single_rank_curve(reference_run, tmp_path, dp, tp, pp):
     out = str(tmp_path)
     train(TrainConfig(policy="none", dp=dp, tp=tp, pp=pp, out=out, **TINY))
@@ -50,6 +52,7 @@ def test_outputs_and_summary(tmp_path):
     assert summary["bits_per_elem"]["pp.act"] == pytest.approx(8.25)
 
 
+@pytest.mark.slow
 def test_resume_is_bitwise_identical(tmp_path):
     full_dir, part_dir = str(tmp_path / "full"), str(tmp_path / "part")
     policy = "sdp4bit"

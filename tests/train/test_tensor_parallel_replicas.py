@@ -44,6 +44,7 @@ def _one_class(name, p):
     return 0
 
 
+@pytest.mark.slow
 def test_dp2_tp2_pp2_every_preset():
     policies = commpress.list_presets()
     ranks = spawn(workers.replicated_digests, 8,
