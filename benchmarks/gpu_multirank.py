@@ -1,0 +1,190 @@
+"""One script for a lent GPU: the multi-rank path on CUDA, checked and timed end to end.
+
+    PYTHONPATH=src python benchmarks/gpu_multirank.py --out $OUT [--model gpt-125m]
+
+4 ranks as 2 nodes × 2 share the GPU over Gloo with CUDA tensors (NCCL refuses two ranks
+on one device), bf16:
+
+1. every collective (all-reduce, reduce-scatter, all-gather, the two-level three,
+   point-to-point) and codec against the exact float64 result;
+2. ``ShardedOptimizer`` for every preset, the DDP hook (int2ef, sdp4bit) and FSDP2
+   ``compress``: replicas bitwise identical after every step;
+3. ``commpress train`` dp2 × tp2 and dp2 × pp2;
+4. end to end on ``--model``: ZeRO none / sdp4bit / zeropp, DDP all-reduce / int2ef /
+   PowerSGD rank 4 — Gloo's trip through host memory is the slow link here.
+
+Every row is printed and appended to ``gpu_multirank.jsonl`` under --out as it finishes
+(a timeout keeps the finished rows). ``--device cpu --model gpt-tiny`` dry-runs it on CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+
+import commpress  # noqa: E402
+from commpress.launch import spawn  # noqa: E402
+from commpress.model.gpt import GPT, config_from_preset  # noqa: E402
+from commpress.model.gpt import PRESETS as MODEL_PRESETS  # noqa: E402
+from commpress.train.config import TrainConfig  # noqa: E402
+from commpress.train.data import TextData, load_tokens  # noqa: E402
+from commpress.train.loop import train  # noqa: E402
+
+CODECS = ["none", "bf16", "int8", "int4:hadamard=128", "int2:packing=trits", "fp8"]
+
+
+def _device() -> torch.device:
+    return (torch.device("cuda", torch.cuda.current_device())
+            if os.environ.get("COMMPRESS_DEVICE") == "cuda" else torch.device("cpu"))
+
+
+def _rel(a, b) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def collectives(rank: int, world: int) -> list[dict]:
+    dev, rows = _device(), []
+    topo = commpress.Topology(2)
+    for spec in CODECS:
+        g = torch.Generator().manual_seed(rank)
+        x = torch.randn(1 << 16, generator=g).to(dev, torch.bfloat16)
+        everyone = [torch.empty_like(x) for _ in range(world)]
+        dist.all_gather(everyone, x)
+        exact = torch.stack([e.double() for e in everyone]).sum(0)
+        m = x.numel() // world
+        checks = {}
+        y = x.clone()
+        commpress.all_reduce(y, spec, op="sum")
+        checks["all_reduce"] = _rel(y, exact)
+        out = torch.empty(m, device=dev, dtype=x.dtype)
+        commpress.reduce_scatter(out, x, spec, op="sum")
+        checks["reduce_scatter"] = _rel(out, exact.view(world, m)[rank])
+        full = torch.empty(world * m, device=dev, dtype=x.dtype)
+        commpress.all_gather(full, x[:m], spec)
+        checks["all_gather"] = _rel(full, torch.cat([e[:m] for e in everyone]))
+        y = x.clone()
+        commpress.hierarchical_all_reduce(y, intra="none", inter=spec, topology=topo, op="sum")
+        checks["hierarchical_all_reduce"] = _rel(y, exact)
+        commpress.hierarchical_reduce_scatter(out, x, intra="int8", inter=spec, topology=topo,
+                                              op="sum")
+        checks["hierarchical_reduce_scatter"] = _rel(out, exact.view(world, m)[rank])
+        commpress.hierarchical_all_gather(full, x[:m], inter=spec, topology=topo)
+        checks["hierarchical_all_gather"] = _rel(full, torch.cat([e[:m] for e in everyone]))
+        got = torch.empty(1024, device=dev, dtype=x.dtype)
+        ops = [commpress.P2POp("send", x[:1024], (rank + 1) % world, spec),
+               commpress.P2POp("recv", got, (rank - 1) % world, spec)]
+        for h in commpress.batch_isend_irecv(ops):
+            h.wait()
+        checks["p2p"] = _rel(got, everyone[(rank - 1) % world][:1024])
+        rows.append({"codec": spec, **checks})
+    return rows
+
+
+def _digest(model) -> str:
+    h = hashlib.sha256()
+    for p in model.parameters():
+        t = p.full_tensor() if hasattr(p, "full_tensor") else p  # FSDP2: gather the shards
+        h.update(t.detach().float().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def replicas(rank: int, world: int, model_name: str) -> dict:
+    """Digests after every step for every preset (ShardedOptimizer), the DDP hook and FSDP2."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dev = _device()
+    data = TextData(load_tokens(max_bytes=1 << 20))
+    out: dict[str, list[str]] = {}
+
+    def model():
+        torch.manual_seed(0)
+        return GPT(config_from_preset(model_name, block_size=64)).to(dev, torch.bfloat16)
+
+    def steps(m, opt, name):
+        digests = []
+        for step in range(3):
+            x, y = data.batch("train", 4 * world, 64, 0, step)
+            per = x.shape[0] // world
+            _, loss = m(x[rank * per:(rank + 1) * per].to(dev), y[rank * per:(rank + 1) * per]
+                        .to(dev))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            digests.append(_digest(m))
+        out[name] = digests
+
+    for preset in commpress.list_presets():
+        m = model()
+        steps(m, commpress.ShardedOptimizer(m, torch.optim.AdamW, preset, lr=1e-3,
+                                            topology=commpress.Topology(2)), f"zero-{preset}")
+    for preset in ("int2ef", "sdp4bit"):
+        m = DDP(model())
+        m.register_comm_hook(*commpress.ddp_hook(m, preset, topology=commpress.Topology(2)))
+        steps(m, torch.optim.AdamW(m.parameters(), lr=1e-3), f"ddp-{preset}")
+    m = model()
+    for block in m.blocks:
+        fully_shard(block)
+    fully_shard(m)
+    commpress.fsdp.compress(m, "zeropp", topology=commpress.Topology(2))
+    steps(m, torch.optim.AdamW(m.parameters(), lr=1e-3), "fsdp-zeropp")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--model", default="gpt-125m")
+    ap.add_argument("--check-model", default="gpt-tiny")
+    ap.add_argument("--steps", type=int, default=12)
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "gpu_multirank.jsonl")
+    env = {"COMMPRESS_DEVICE": args.device}
+
+    def emit(row: dict) -> None:
+        print(json.dumps(row), flush=True)
+        with open(path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    t0 = time.perf_counter()
+    for row in spawn(collectives, 4, ranks_per_node=2, env=env, timeout=300)[0]:
+        emit({"check": "collectives", **row})
+    ranks = spawn(replicas, 4, (args.check_model,), ranks_per_node=2, env=env, timeout=300)
+    for name in ranks[0]:
+        emit({"check": "replicas", "run": name,
+              "identical_every_step": all(len({r[name][s] for r in ranks}) == 1
+                                          for s in range(len(ranks[0][name])))})
+    small = dict(model=args.check_model, steps=4, batch_size=8, seq_len=32, eval_every=0,
+                 eval_batches=1, progress=False, device=args.device, backend="gloo", nproc=4,
+                 ranks_per_node=2, dtype="bf16", max_data_bytes=1 << 20)
+    for layout in ({"dp": 2, "tp": 2}, {"dp": 2, "pp": 2}):
+        s = train(TrainConfig(policy="hybrid", out=f"{args.out}/train-{layout}", **layout,
+                              **small))
+        emit({"check": "train", "layout": layout, "val_loss": s["final_val_loss"]})
+    emit({"check": "elapsed_s", "value": time.perf_counter() - t0})
+    big = dict(small, model=args.model, steps=args.steps, batch_size=16,
+               seq_len=min(256, MODEL_PRESETS[args.model].block_size), bucket_numel=1 << 24)
+    runs = [("sharded", "none", "commpress"), ("sharded", "sdp4bit", "commpress"),
+            ("sharded", "zeropp", "commpress"), ("ddp", "none", "allreduce"),
+            ("ddp", "int2ef", "commpress"), ("ddp", "none", "powersgd:4")]
+    for engine, policy, hook in runs:
+        s = train(TrainConfig(engine=engine, policy=policy, ddp_hook=hook,
+                              out=f"{args.out}/e2e-{engine}-{policy}-{hook}", **big))
+        emit({"check": "end_to_end", "model": args.model, "engine": engine, "policy": policy,
+              "hook": hook, "step_time_s": s["step_time_s_median"],
+              "val_loss": s["final_val_loss"], "elapsed_s": time.perf_counter() - t0})
+
+
+if __name__ == "__main__":
+    main()
