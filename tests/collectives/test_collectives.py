@@ -166,3 +166,8 @@ def test_non_contiguous_and_requires_grad_tensors():
 def test_async_inputs_may_be_reused_right_after_the_call():
     for r in spawn(workers.async_inputs_reusable, 3):
         assert all(r.values()), [k for k, ok in r.items() if not ok]
+
+
+def test_groups_destroyed_and_created_again_get_fresh_sub_groups():
+    for r in spawn(workers.recreated_groups, 4, ranks_per_node=2):
+        assert all(r.values()), r

@@ -278,3 +278,27 @@ def async_inputs_reusable(rank, world):
             sending.wait()
             out[("send", spec)] = _rel(got, everyone[src][:32]) < tol
     return out
+
+
+def recreated_groups(rank, world):
+    """Destroy every group and make new ones in the same process: the two-level
+    collectives get fresh sub-groups (not the dead ones of the old world)."""
+    import os
+    from datetime import timedelta
+
+    x = torch.ones(256)
+    commpress.hierarchical_all_reduce(x, intra="none", inter="int8",
+                                      topology=commpress.Topology(2), op="sum")
+    first = x.clone()
+    dist.destroy_process_group()
+    os.environ["MASTER_PORT"] = str(int(os.environ["MASTER_PORT"]) + 1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=30))
+    y = torch.ones(256)
+    commpress.hierarchical_all_reduce(y, intra="none", inter="int8",
+                                      topology=commpress.Topology(2), op="sum")
+    group = dist.new_group(list(range(world)))
+    z = torch.ones(256)
+    commpress.hierarchical_all_reduce(z, intra="none", inter="int8",
+                                      topology=commpress.Topology(2), group=group, op="sum")
+    return {"first": bool((first == world).all()), "after": bool((y == world).all()),
+            "new_group": bool((z == world).all())}

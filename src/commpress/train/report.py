@@ -45,8 +45,9 @@ class TrainProgress:
         axes = bytes_per_axis(r.get("wire_bytes_rank0", {}))
         wire = " ".join(f"{a} {_human(v)}" for a, v in axes.items() if v)
         val = f" val {r['val_loss']:.3f}" if "val_loss" in r else ""
+        sent = f" | rank 0 sent this step: {wire}" if wire else ""
         info = (f"loss {r['loss']:.3f}{val} | {r['tokens_per_s']:,.0f} tok/s | "
-                f"{1e3 * r['step_time_s']:.0f} ms | {wire}")
+                f"{1e3 * r['step_time_s']:.0f} ms{sent}")
         self.progress.update(self.task, completed=r["step"], info=info)
 
     def close(self) -> None:
@@ -65,16 +66,17 @@ def summary_table(summary: dict[str, Any]) -> Table:
     t.add_row("skipped steps", str(summary["skipped_steps"]))
     for label, wire in sorted(summary["wire_bytes"].items()):
         raw = summary["raw_bytes"].get(label, 0)
-        t.add_row(f"wire {label}", f"{_human(wire)} ({summary['bits_per_elem'][label]:.2f} "
-                                   f"bits/elem, {raw / max(wire, 1):.1f}x)")
+        t.add_row(f"sent {label} (all ranks, whole run)",
+                  f"{_human(wire)} ({summary['bits_per_elem'][label]:.2f} bits/elem, "
+                  f"{raw / max(wire, 1):.1f}x smaller)")
     return t
 
 
 def compare_table(results: dict[str, dict[str, Any]]) -> Table:
     base = results.get("none")
-    t = Table(title="policy comparison (same seed, data and steps)")
-    for col in ("policy", "val loss", "Δ vs none", "step ms", "speedup", "dp bytes", "tp bytes",
-                "pp bytes"):
+    t = Table(title="policy comparison (same seed, data and steps; bytes: all ranks, whole run)")
+    for col in ("policy", "val loss", "Δ vs none", "step ms", "speedup", "dp bytes sent",
+                "tp bytes sent", "pp bytes sent"):
         t.add_column(col, justify="left" if col == "policy" else "right")
     for name, s in results.items():
         axes = bytes_per_axis(s["wire_bytes"])
