@@ -302,3 +302,58 @@ def recreated_groups(rank, world):
                                       topology=commpress.Topology(2), group=group, op="sum")
     return {"first": bool((first == world).all()), "after": bool((y == world).all()),
             "new_group": bool((z == world).all())}
+
+
+# -- played collectives (commpress simulate) against the real ones ----------------------
+def _grad_codecs(grad_rule):
+    from commpress.policy import Policy
+
+    policy = Policy.from_dict({"name": "t", "dp": {"grad": grad_rule}})
+    if policy.two_level():
+        return {lv: policy.codec_for("dp", "grad", lv) for lv in ("intra", "inter")}
+    return {"single": policy.codec_for("dp", "grad")}
+
+
+def played_inputs(rank, numel, dtype, calls):
+    """Rank ``rank``'s inputs of ``calls`` successive calls (codec state carries over)."""
+    return [_data(rank, numel, dtype, seed=10 + c) for c in range(calls)]
+
+
+def real_all_reduces(rank, world, grad_rule, numel, dtype, calls, rpn):
+    """Digests of ``calls`` successive all-reduces of this rank's inputs (one-level, or
+    two-level with ``rpn`` ranks per node), op avg."""
+    from commpress.collectives import Topology
+
+    codecs = _grad_codecs(grad_rule)
+    out = []
+    for x in played_inputs(rank, numel, dtype, calls):
+        if "single" in codecs:
+            commpress.all_reduce(x, codecs["single"], op="avg", label="g")
+        else:
+            commpress.hierarchical_all_reduce(x, intra=codecs["intra"], inter=codecs["inter"],
+                                              topology=Topology(rpn), op="avg", label="g")
+        out.append(_digest(x))
+    return out
+
+
+def played_all_reduces(world, grad_rule, numel, dtype, calls, rpn):
+    """The same calls played in this process for ``world`` ranks."""
+    from commpress.collectives.played import PlayedAllReduce, PlayedHierarchicalAllReduce
+
+    per_rank = [_grad_codecs(grad_rule) for _ in range(world)]
+    inputs = [played_inputs(r, numel, dtype, calls) for r in range(world)]
+    out = []
+    for c in range(calls):
+        if "single" in per_rank[0]:
+            played = PlayedAllReduce([p["single"] for p in per_rank], numel, "g", "avg")
+        elif world // rpn == 1 or rpn == 1:
+            level = "intra" if world // rpn == 1 else "inter"
+            played = PlayedAllReduce([p[level] for p in per_rank], numel, f"g.{level}", "avg")
+        else:
+            played = PlayedHierarchicalAllReduce([p["intra"] for p in per_rank],
+                                                 [p["inter"] for p in per_rank], rpn, numel,
+                                                 "g", "avg")
+        for r in reversed(range(world)):  # any order of arrival
+            played.add(r, inputs[r][c])
+        out.append(_digest(played.finish()))
+    return out

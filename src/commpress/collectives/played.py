@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from commpress.codecs import Delta
+from commpress.codecs import Delta, packet_to_bytes
 from commpress.collectives import chunks
 from commpress.collectives.call import AnyCodec, is_exact
 from commpress.collectives.stats import Stats
@@ -156,11 +156,161 @@ class PlayedTwoLevelReduceScatter:
         return outs
 
 
+class PlayedAllReduce:
+    """:func:`commpress.all_reduce` over ``len(codecs)`` ranks of a ``numel``-element tensor.
+
+    ``add(r, tensor)`` in any order; ``finish()`` → the result every rank holds (bitwise
+    the same on all of them), in the tensor's dtype.
+    """
+
+    def __init__(self, codecs: list[AnyCodec], numel: int, label: str, op: str,
+                 stats: Stats | None = None) -> None:
+        self.codecs, self.numel, self.label, self.op = codecs, numel, label, op
+        self.stats = stats or Stats()
+        self.world = n = len(codecs)
+        self.exact = is_exact(codecs[0])
+        # two ranks exchange whole tensors; more ranks reduce-scatter chunks first
+        self.chunk = numel if n == 2 else -(-numel // n)
+        self.m_pad = chunks.padded_chunk(codecs[0], self.chunk)
+        self.rows: list = [None] * n
+        self.dtype: torch.dtype | None = None
+
+    def add(self, rank: int, tensor: torch.Tensor) -> None:
+        n, flat = self.world, tensor.reshape(-1)
+        self.dtype = flat.dtype
+        if n == 1 or self.numel == 0 or self.exact:
+            if n > 1:
+                size = 2 * (n - 1) * self.chunk * flat.element_size()
+                self.stats.record(self.label, calls=1, elements=2 * (n - 1) * self.chunk,
+                                  wire_bytes=size, raw_bytes=size)
+            self.rows[rank] = flat.clone()
+            return
+        parts = 1 if n == 2 else n
+        x = chunks.pad_chunks(flat, parts, self.chunk, self.m_pad)
+        rows = chunks.encode_rows(self.codecs[rank], x, rng_stream=rank, key=self.label)
+        if n == 2:
+            self.rows[rank] = rows.view(-1) if isinstance(rows, torch.Tensor) else rows[0]
+            _count_gather(self.stats, self.label, self.rows[rank], n, self.m_pad,
+                          flat.element_size(), calls=1)
+        else:
+            self.rows[rank] = rows
+            _count(self.stats, self.label, rows, rank, self.m_pad, flat.element_size())
+
+    def finish(self) -> torch.Tensor:
+        n, dtype = self.world, self.dtype
+        if n == 1 or self.numel == 0:
+            return self.rows[0]
+        if self.exact:  # the backend's sum; here in rank order
+            total = self.rows[0].clone()
+            for x in self.rows[1:]:
+                total += x
+            return total / n if self.op == "avg" else total
+        if n == 2:
+            c = self.codecs[0]
+            values = chunks.decode_rows(c, _gathered(c, self.rows), self.m_pad, dtype)
+            total = values[0] + values[1]
+            if self.op == "avg":
+                total /= 2
+            return total[: self.numel].to(dtype)
+        shards = []
+        for d in range(n):  # rank d's reduced chunk, encoded once for the all-gather
+            shard = chunks.decode_sum_rows(self.codecs[d], _received(self.rows, d), self.m_pad,
+                                           dtype)
+            if self.op == "avg":
+                shard /= n
+            row = chunks.encode_rows(self.codecs[d], shard.to(dtype).view(1, -1), rng_stream=d,
+                                     key=self.label + ".shard")
+            shards.append(row.view(-1) if isinstance(row, torch.Tensor) else row[0])
+            _count_gather(self.stats, self.label, shards[-1], n, self.m_pad,
+                          dtype.itemsize, calls=0)
+        c = self.codecs[0]
+        values = chunks.decode_rows(c, _gathered(c, shards), self.m_pad, dtype)
+        return values[:, : self.chunk].reshape(-1)[: self.numel].to(dtype)
+
+
+class PlayedHierarchicalAllReduce:
+    """:func:`commpress.hierarchical_all_reduce` over ``nodes × L`` ranks.
+
+    ``intra[r]``/``inter[r]`` are rank ``r``'s codecs. Once a node's ``L`` ranks are
+    added, its reduction inside the node runs and each local index's chunk enters the
+    all-reduce across nodes; ``finish()`` → the result every rank holds.
+    """
+
+    def __init__(self, intra: list[AnyCodec], inter: list[AnyCodec], ranks_per_node: int,
+                 numel: int, label: str, op: str, stats: Stats | None = None) -> None:
+        self.world, self.L, self.numel, self.op = len(intra), ranks_per_node, numel, op
+        self.stats = stats or Stats()
+        self.label = label
+        self.nodes = self.world // ranks_per_node
+        self.m = -(-numel // ranks_per_node)
+        L, nodes = self.L, self.nodes
+        self.exact_intra = is_exact(intra[0])
+        self.intra = [PlayedReduceScatter(intra[k * L:(k + 1) * L], self.m, f"{label}.intra",
+                                          "sum", self.stats) for k in range(nodes)]
+        self.across = [PlayedAllReduce(inter[local::L], self.m, f"{label}.inter", "sum",
+                                       self.stats) for local in range(L)]
+        self.padded: list = [None] * self.world  # exact intra: inputs until the node is in
+
+    def add(self, rank: int, tensor: torch.Tensor) -> None:
+        L, m = self.L, self.m
+        node, local = divmod(rank, L)
+        flat = tensor.reshape(-1)
+        padded = torch.zeros(L * m, dtype=flat.dtype, device=flat.device)
+        padded[: self.numel] = flat
+        if not self.exact_intra:
+            self.intra[node].add(local, padded)
+            if all(r is not None for r in self.intra[node].rows):
+                for j, c in enumerate(self.intra[node].finish()):
+                    self.across[j].add(node, c.to(flat.dtype))
+            return
+        self.padded[rank] = padded
+        members = self.padded[node * L:(node + 1) * L]
+        if any(p is None for p in members):
+            return
+        size = (L - 1) * m * flat.element_size()
+        for j in range(L):
+            # what local rank j received, summed in local-rank order as the real one does
+            recv = torch.stack([p.view(L, m)[j] for p in members])
+            chunk = torch.empty(m, dtype=flat.dtype, device=flat.device)
+            torch.sum(recv, dim=0, out=chunk)
+            self.stats.record(f"{self.label}.intra", calls=1, elements=(L - 1) * m,
+                              wire_bytes=size, raw_bytes=size)
+            self.across[j].add(node, chunk)
+        self.padded[node * L:(node + 1) * L] = [True] * L
+
+    def finish(self) -> torch.Tensor:
+        L, m = self.L, self.m
+        parts = []
+        for a in self.across:
+            chunk = a.finish()
+            if self.op == "avg":
+                chunk.div_(self.world)
+            parts.append(chunk)
+            size = (L - 1) * m * chunk.element_size()
+            for _ in range(self.nodes):  # every rank of local index j shares its chunk
+                self.stats.record(f"{self.label}.gather.intra", calls=1,
+                                  elements=(L - 1) * m, wire_bytes=size, raw_bytes=size)
+        return torch.cat(parts)[: self.numel]
+
+
+def _gathered(codec: AnyCodec, rows: list[torch.Tensor]):
+    """What an all-gather of one byte row per rank hands every rank: a ``(n, bytes)``
+    tensor for a splittable codec, else the list of rows."""
+    return torch.stack(rows) if chunks.splittable(codec) else rows
+
+
 def _count(stats: Stats, label: str, rows, own: int, m_pad: int, itemsize: int) -> None:
     """A rank's sent bytes, as the real collective records them (all rows but its own)."""
     sent, count = chunks.row_bytes(rows, skip=own)
     stats.record(label, calls=1, elements=count * m_pad, wire_bytes=sent,
                  raw_bytes=count * m_pad * itemsize)
+
+
+def _count_gather(stats: Stats, label: str, row: torch.Tensor, n: int, m_pad: int,
+                  itemsize: int, calls: int) -> None:
+    """A rank's bytes in an all-gather of its one row, as the real one records them."""
+    stats.record(label, calls=calls, elements=(n - 1) * m_pad, wire_bytes=(n - 1) * row.numel(),
+                 raw_bytes=(n - 1) * m_pad * itemsize)
 
 
 def played_gather(codecs: list[AnyCodec], shards: list[torch.Tensor], label: str,
@@ -195,3 +345,20 @@ def played_delta_gather(weights: torch.Tensor, shards: list[torch.Tensor],
         view = weights.view(-1)[r * m:(r + 1) * m]
         Delta.apply(view, d.float(), out=view)
 
+
+
+def played_transfer(send_codec: AnyCodec, recv_codec: AnyCodec, tensor: torch.Tensor, *,
+                    rng_stream: int, key: str, stats: Stats | None = None,
+                    label: str = "p2p") -> torch.Tensor:
+    """What :func:`commpress.recv` writes on the receiver when the sender calls
+    :func:`commpress.isend` on ``tensor`` (``rng_stream``: the sender's global rank;
+    ``key``: ``"<label>-><dst>"``) — the same encode, bytes and decode into a new tensor."""
+    packet = chunks.encode(send_codec, tensor.detach(), rng_stream=rng_stream, key=key)
+    payload = packet_to_bytes(packet)
+    if stats is not None:
+        stats.record(label, calls=1, elements=tensor.numel(), wire_bytes=payload.numel(),
+                     raw_bytes=tensor.numel() * tensor.element_size())
+    out = torch.empty_like(tensor, memory_format=torch.contiguous_format)
+    received = recv_codec.packet_from_bytes(payload, out.numel(), tuple(out.shape), out.dtype)
+    recv_codec.decode(received, out=out)
+    return out
