@@ -142,7 +142,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
-SIMULATE_SKIPS = ("nproc", "tp", "pp", "dp", "engine", "ddp_hook", "backend", "resume",
+SIMULATE_SKIPS = ("nproc", "tp", "dp", "ddp_hook", "backend", "resume",
                   "checkpoint_every")
 
 
@@ -152,10 +152,10 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
     if args.policies:
         policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-        compare(policies, _train_config(args, policy=policies[0], nproc=args.ranks),
+        compare(policies, _train_config(args, policy=policies[0], nproc=args.ranks * args.pp),
                 out_dir=args.out, json_path=args.json, runner=simulate)
         return 0
-    _report(simulate(_train_config(args, nproc=args.ranks)), args.json)
+    _report(simulate(_train_config(args, nproc=args.ranks * args.pp)), args.json)
     return 0
 
 
@@ -225,7 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim = sub.add_parser("simulate", help="one process plays an N-rank data-parallel run: the "
                          "loss a policy gives, before renting the cluster")
     sim.add_argument("--ranks", type=int, default=8,
-                     help="data-parallel ranks to play (default: 8)")
+                     help="data-parallel ranks to play, each of --pp stages (default: 8)")
     sim.add_argument("--policies", default=None,
                      help="comma-separated policies to compare (a table and plots); "
                           "default: --policy alone")

@@ -1,5 +1,6 @@
 """`commpress simulate` plays an N-rank data-parallel run in one process: for every
-preset whose gradients are compressed, the weights equal the real run's bit for bit."""
+preset whose gradients are compressed, the weights equal the real run's bit for bit —
+with the sharded optimizer and with DDP and commpress's hook."""
 
 import json
 import os
@@ -21,11 +22,13 @@ EXACT_GRADIENTS = {"none", "qw", "qwd"}
 FAST = ["sdp4bit", "int2ef", "qwd"]  # sdp4bit in the default run, the rest slow
 
 
-def _compare(tmp_path, policy, steps):
-    cfg = dict(BASE, policy=policy, steps=steps)
+def _compare(tmp_path, policy, steps, **extra):
+    cfg = dict(BASE, policy=policy, steps=steps, **extra)
     out = str(tmp_path / "real")
     train(TrainConfig(out=out, checkpoint_every=steps, **cfg))
-    real = workers.weights_of_checkpoint(checkpoint.rank_file(out, steps, 0))
+    # data-parallel rank 0's stages are global ranks 0 … pp - 1
+    real = {(s, n): w for s in range(cfg.get("pp", 1)) for n, w in
+            workers.weights_of_checkpoint(checkpoint.rank_file(out, steps, s)).items()}
     played, losses = spawn(workers.played_weights, 1, (dict(cfg, out=str(tmp_path / "sim")),))[0]
     with open(os.path.join(out, "metrics.jsonl")) as f:
         real_losses = [json.loads(line)["loss"] for line in f]
@@ -52,6 +55,57 @@ def test_simulate_equals_a_real_4_rank_run_every_preset(tmp_path, policy):
     _check(policy, *_compare(tmp_path, policy, 20))
 
 
+# the DDP hook's gradient paths: two levels with exact intra (int2ef), compressed intra
+# with the fused TLq-HS codecs (sdp4bit), one level (naive: int4 on 4 ranks)
+DDP_FAST = ["int2ef"]
+DDP_SLOW = ["sdp4bit", "naive", "hybrid"]
+
+
+@pytest.mark.parametrize("policy", [*DDP_FAST, *(pytest.param(p, marks=pytest.mark.slow)
+                                                 for p in DDP_SLOW)])
+def test_simulate_equals_a_real_4_rank_ddp_run(tmp_path, policy):
+    _check(policy, *_compare(tmp_path, policy, 8 if policy in DDP_FAST else 20, engine="ddp",
+                             micro_batches=2))
+
+
+# pipeline parallelism: activations and their gradients through the pp codecs (naive:
+# int4, hybrid: its own), one optimizer per stage, one norm over all ranks
+# stochastic rounding and error feedback on the pipeline's codecs: each rank's random
+# stream (its global rank) and error-feedback memory (keyed by destination) must match
+STATEFUL_PP = """
+dp:
+  grad: "int4:rounding=stochastic"
+pp:
+  act: "int4:rounding=stochastic"
+  act_grad: {codec: "int8:rounding=stochastic", error_feedback: true}
+"""
+
+
+@pytest.mark.parametrize("policy,layout", [
+    ("stateful-pp", dict(nproc=4, pp=2, ranks_per_node=2)),
+    pytest.param("naive", dict(nproc=4, pp=2, ranks_per_node=2), marks=pytest.mark.slow),
+    pytest.param("hybrid", dict(nproc=4, pp=2, ranks_per_node=2), marks=pytest.mark.slow),
+    pytest.param("sdp4bit", dict(nproc=8, pp=2, ranks_per_node=4, batch_size=16),
+                 marks=pytest.mark.slow),  # dp 4 in 2 nodes: two-level with stages
+])
+def test_simulate_equals_a_real_pipeline_run(tmp_path, policy, layout):
+    if policy == "stateful-pp":
+        policy = str(tmp_path / "stateful-pp.yaml")
+        with open(policy, "w") as f:
+            f.write(STATEFUL_PP)
+    _check(policy, *_compare(tmp_path, policy, 6, **layout))
+
+
+def test_simulate_refuses_what_it_does_not_play():
+    from commpress.train.simulate import simulate
+
+    base = dict(BASE, policy="int2ef", steps=1)
+    with pytest.raises(ValueError, match="ddp_hook='powersgd:4'.*allowed: commpress"):
+        simulate(TrainConfig(engine="ddp", ddp_hook="powersgd:4", **base))
+    with pytest.raises(ValueError, match="tp=2.*allowed: tp=1"):
+        simulate(TrainConfig(tp=2, **base))
+
+
 def test_simulate_cli_one_policy_and_a_comparison(tmp_path, capsys):
     from commpress.cli import main
 
@@ -62,6 +116,11 @@ def test_simulate_cli_one_policy_and_a_comparison(tmp_path, capsys):
     summary = json.load(open(tmp_path / "one" / "summary.json"))
     assert summary["policy"] == "tlq" and summary["dp"] == 4 and summary["final_val_loss"] > 0
     assert (tmp_path / "one" / "loss.png").exists()
+    # --ranks data-parallel ranks, each of --pp stages: 2 × 2 ranks in 2 nodes of 2
+    assert main(["simulate", *common, "--ranks", "2", "--pp", "2", "--policy", "hybrid",
+                 "--out", str(tmp_path / "pp")]) == 0
+    summary = json.load(open(tmp_path / "pp" / "summary.json"))
+    assert (summary["dp"], summary["pp"]) == (2, 2) and "pp.act" in summary["wire_bytes"]
     assert main(["simulate", *common, "--policies", "none,sdp4bit", "--out",
                  str(tmp_path / "cmp")]) == 0
     assert (tmp_path / "cmp" / "compare.png").exists()

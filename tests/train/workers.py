@@ -52,7 +52,8 @@ def played_weights(rank, world, cfg_dict):
     cfg = TrainConfig(**cfg_dict).resolved()
     run = PlayedRun(cfg)
     losses = [run.train_step(step) for step in range(cfg.steps)]
-    return {n: _digest([t]) for n, t in run.stage.state_dict().items()}, losses
+    return {(s, n): _digest([t]) for s, stage in enumerate(run.stages)
+            for n, t in stage.state_dict().items()}, losses
 
 
 def weights_of_checkpoint(path):

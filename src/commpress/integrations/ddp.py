@@ -43,6 +43,7 @@ from commpress.integrations.grad_path import GradPath
 from commpress.policy import Policy
 
 STATE_FORMAT = "commpress.DDPHookState/2"
+BUCKET_NUMEL = 1 << 22  # elements per hook bucket, by default
 
 
 class _CommThread:
@@ -125,7 +126,7 @@ class DDPHookState:
     def __init__(self, model: nn.Module, policy: str | dict | Policy = "none",
                  group: dist.ProcessGroup | None = None, topology: Topology | None = None,
                  label: str = "dp.grad", overlap: bool = True,
-                 bucket_numel: int = 1 << 22) -> None:
+                 bucket_numel: int = BUCKET_NUMEL) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"ddp_hook: model must be the torch.nn.Module DDP wraps (or the "
                             f"DDP module); got {type(model).__name__} — call "
@@ -142,7 +143,7 @@ class DDPHookState:
         self.overlap = overlap
         # internal state
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        self.buckets = _layout(named, bucket_numel,
+        self.buckets = hook_layout(named, bucket_numel,
                                lambda: GradPath(self.policy, self.topology, label))
         self._where = _locate(named, self.buckets)
         self._waiting: dict[int, list[_Waiting]] = {}  # hook bucket index → DDP buckets
@@ -255,7 +256,7 @@ class DDPHookState:
                 g.view(-1).copy_(hb.buffer[hb.offsets[i]: hb.offsets[i] + hb.numels[i]])
 
 
-def _layout(named: list[tuple[str, nn.Parameter]], bucket_numel: int,
+def hook_layout(named: list[tuple[str, nn.Parameter]], bucket_numel: int,
             make_grad_path: Callable[[], GradPath]) -> list[_HookBucket]:
     """Fixed buckets: parameters in reverse registration order (roughly the order their
     gradients become ready), one dtype per bucket, about ``bucket_numel`` elements each."""
@@ -300,7 +301,7 @@ def compressed_allreduce_hook(state: DDPHookState,
 
 def ddp_hook(model: nn.Module, policy: str | dict | Policy = "none",
              group: dist.ProcessGroup | None = None, topology: Topology | None = None,
-             overlap: bool = True, bucket_numel: int = 1 << 22):
+             overlap: bool = True, bucket_numel: int = BUCKET_NUMEL):
     """``(state, hook)`` for ``DistributedDataParallel.register_comm_hook``.
 
     Args:

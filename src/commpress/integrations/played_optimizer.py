@@ -49,17 +49,23 @@ from commpress.policy import Policy
 log = logging.getLogger(__name__)
 
 
+def global_norm(parts: list[torch.Tensor]) -> float:
+    """The gradient norm from every rank's squared part, added in rank order as the real
+    optimizer's all-gather and :func:`sum_rows` do."""
+    return norm_from_sumsq(sum_rows(torch.stack(parts).view(-1, 1)).item())
+
+
 class PlayedShardedOptimizer:
     """``N`` data-parallel ranks of :class:`ShardedOptimizer` in one process.
 
     Args mirror :class:`ShardedOptimizer`'s; ``ranks`` and ``ranks_per_node`` replace the
-    process group and topology.
+    process group and topology; ``stats`` receives the byte counts (default: its own).
     """
 
     def __init__(self, model: nn.Module, optimizer_cls: type[torch.optim.Optimizer] | None,
                  policy: str | dict | Policy, *, ranks: int, ranks_per_node: int,
                  bucket_numel: int = 1 << 22, max_grad_norm: float | None = None,
-                 nonfinite: str = "skip", decay_1d: bool = False,
+                 nonfinite: str = "skip", decay_1d: bool = False, stats: Stats | None = None,
                  **optimizer_kwargs: Any) -> None:
         if ranks < 1 or ranks_per_node < 1 or ranks % ranks_per_node:
             raise ValueError(f"ranks={ranks}, ranks_per_node={ranks_per_node} is not allowed; "
@@ -70,9 +76,11 @@ class PlayedShardedOptimizer:
         self.max_grad_norm = max_grad_norm
         self.nonfinite = nonfinite
         self.steps = self.skipped_steps = 0
+        self._shards: list | None = None  # between reduce() and update()
         self.last_grad_norm = float("nan")
         self.param_rule = self.policy.rule("dp", "param")
-        self.stats = Stats()  # gradient bytes every rank sends, summed over the ranks
+        # gradient bytes every rank sends, summed over the ranks
+        self.stats = stats if stats is not None else Stats()
         topology = Topology(ranks_per_node)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.buckets = build_buckets(named[::-1], bucket_numel, decay_1d,
@@ -138,17 +146,28 @@ class PlayedShardedOptimizer:
     # -- step --------------------------------------------------------------------------
     @torch.no_grad()
     def step(self) -> bool:
-        shards = [b.played.finish() for b in self.buckets]
+        """Reduce, take the norm over these ranks, update; False if the step was skipped."""
+        return self.update(global_norm(self.reduce()))
+
+    @torch.no_grad()
+    def reduce(self) -> list[torch.Tensor]:
+        """Finish the reduce-scatters; returns each rank's part of the squared gradient
+        norm (fp64), in rank order — a pipeline adds the parts of every stage's ranks."""
+        self._shards = [b.played.finish() for b in self.buckets]
         for b in self.buckets:
             b.played = None
-        # the norm: each rank's part over its shards, added in rank order
-        parts = [sum(b.grad_sumsq(r, self.world, {}, s[r]) for b, s in zip(self.buckets, shards))
-                 for r in range(self.world)]
-        norm = norm_from_sumsq(sum_rows(torch.stack(parts).view(-1, 1)).item())
+        return [sum(b.grad_sumsq(r, self.world, {}, s[r])
+                    for b, s in zip(self.buckets, self._shards)) for r in range(self.world)]
+
+    @torch.no_grad()
+    def update(self, norm: float) -> bool:
+        """Clip to ``norm`` (the global norm), step and gather the new weights; a
+        non-finite norm skips the step (or raises)."""
         self.last_grad_norm = norm
+        shards, self._shards = self._shards, None
+        self.steps += 1
         if not math.isfinite(norm):
             self.skipped_steps += 1
-            self.steps += 1
             if self.nonfinite == "raise":
                 raise NonFiniteGradientError(f"simulated step {self.steps - 1}: gradient norm "
                                              f"{norm}")
@@ -157,7 +176,6 @@ class PlayedShardedOptimizer:
         grads = [(b.master, torch.cat(s)) for b, s in zip(self.buckets, shards)]
         clip_and_step(self.optimizer, grads, norm, self.max_grad_norm)
         self._gather()
-        self.steps += 1
         return True
 
     def _gather(self) -> None:

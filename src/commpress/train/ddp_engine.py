@@ -73,6 +73,32 @@ def install_hook(model: DDP, name: str, policy, group, topology: Topology) -> ob
     return state
 
 
+def replica_optimizer(module: nn.Module, lr: float,
+                      weight_decay: float) -> torch.optim.Optimizer:
+    """AdamW over a whole replica; matrices decay, biases and norms do not."""
+    decay = [p for p in module.parameters() if p.dim() >= 2]
+    rest = [p for p in module.parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                              {"params": rest, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95))
+
+
+def step_replica(module: nn.Module, opt: torch.optim.Optimizer, max_grad_norm: float | None,
+                 nonfinite: str, what: str) -> bool:
+    """Clip the averaged gradients and step; a non-finite norm skips the step (or raises
+    :class:`NonFiniteGradientError`). Gradients are cleared either way."""
+    params = [p for p in module.parameters() if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm or math.inf).item()
+    if not math.isfinite(norm):
+        opt.zero_grad()
+        if nonfinite == "raise":
+            raise NonFiniteGradientError(f"{what}: gradient norm {norm}")
+        log.warning("%s: non-finite gradient norm, step skipped", what)
+        return False
+    opt.step()
+    opt.zero_grad()
+    return True
+
+
 class DDPEngine:
     """Forward/backward/step of one data-parallel replica under torch DDP."""
 
@@ -82,11 +108,7 @@ class DDPEngine:
         self.module = module
         self.model = DDP(module, process_group=group, bucket_cap_mb=4)
         self.hook_state = install_hook(self.model, hook, policy, group, topology)
-        decay = [p for p in module.parameters() if p.dim() >= 2]
-        rest = [p for p in module.parameters() if p.dim() < 2]
-        self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
-                                      {"params": rest, "weight_decay": 0.0}], lr=lr,
-                                     betas=(0.9, 0.95))
+        self.opt = replica_optimizer(module, lr, weight_decay)
         self.max_grad_norm = max_grad_norm
         self.nonfinite = nonfinite
         self.skipped_steps = 0
@@ -108,19 +130,11 @@ class DDPEngine:
         return total / micro
 
     def step(self) -> bool:
-        params = [p for p in self.module.parameters() if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm or math.inf).item()
+        stepped = step_replica(self.module, self.opt, self.max_grad_norm, self.nonfinite,
+                               f"DDP step {self.steps}")
         self.steps += 1
-        if not math.isfinite(norm):
-            self.skipped_steps += 1
-            self.opt.zero_grad()
-            if self.nonfinite == "raise":
-                raise NonFiniteGradientError(f"DDP step {self.steps - 1}: gradient norm {norm}")
-            log.warning("DDP step %d: non-finite gradient norm, step skipped", self.steps - 1)
-            return False
-        self.opt.step()
-        self.opt.zero_grad()
-        return True
+        self.skipped_steps += not stepped
+        return stepped
 
     def state_dict(self) -> dict:
         state = {"optimizer": self.opt.state_dict(), "steps": self.steps,

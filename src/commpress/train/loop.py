@@ -120,6 +120,10 @@ class _Run:
         self.start_step = 0
         self.history: list[dict[str, Any]] = []
 
+    @property
+    def skipped_steps(self) -> int:
+        return self.opt.skipped_steps
+
     # -- data ------------------------------------------------------------------------
     def local_batch(self, split: str, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
@@ -236,7 +240,7 @@ def run_rank(rank: int, world: int, cfg_dict: dict[str, Any]) -> dict[str, Any] 
             t0 = time.perf_counter()
             loss = run.train_step(step)
             record = step_record(cfg, step, loss, time.perf_counter() - t0,
-                                 time.perf_counter() - wall0, run.opt.skipped_steps,
+                                 time.perf_counter() - wall0, run.skipped_steps,
                                  {k: v["wire_bytes"] - before.get(k, 0)
                                   for k, v in stats().items()})
             last = step + 1 == cfg.steps
@@ -294,7 +298,7 @@ def write_outputs(cfg: TrainConfig, run: _Run, totals: dict) -> dict[str, Any]:
         "tokens_per_s": cfg.batch_size * cfg.seq_len / statistics.median(timed)
         if timed[0] else None,
         "wall_s": hist[-1]["wall_s"] if hist else 0.0,
-        "skipped_steps": run.opt.skipped_steps,
+        "skipped_steps": run.skipped_steps,
         "wire_bytes": {k: v["wire_bytes"] for k, v in totals.items()},
         "raw_bytes": {k: v["raw_bytes"] for k, v in totals.items()},
         "bits_per_elem": {k: 8 * v["wire_bytes"] / v["elements"] for k, v in totals.items()

@@ -11,8 +11,13 @@ bit for bit, those of a real ``N``-rank ``commpress train`` (tested for every su
 preset); exact gradient reductions agree to the backend's fp32 summation order.
 
 Covered: data parallelism with the sharded optimizer (ZeRO-1/2, one or two levels,
-qWD). Not covered yet: the DDP hook, tensor and pipeline parallelism (their activation
-collectives are inside the model), FSDP.
+qWD), also with ``pp`` pipeline stages (``dp × pp`` ranks: each data-parallel rank's
+GPipe step runs through every stage, activations and their gradients through the
+policy's ``pp`` codecs with each rank's own codec objects, one optimizer per stage and
+one gradient norm over all ranks); and torch DDP with :func:`commpress.ddp_hook`
+(``--engine ddp``: the hook's buckets and all-reduces, one or two levels, played by
+:class:`PlayedDDPHook`). Not covered yet: DDP with torch's own hooks, tensor
+parallelism (its collectives are inside the layers), FSDP.
 
 Outputs as ``commpress train``: ``metrics.jsonl``, ``summary.json``, ``loss.png``.
 """
@@ -27,38 +32,92 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from commpress.integrations.played_optimizer import PlayedShardedOptimizer
+from commpress.collectives.played import played_transfer
+from commpress.collectives.stats import Stats
+from commpress.integrations.played_ddp import PlayedDDPHook
+from commpress.integrations.played_optimizer import PlayedShardedOptimizer, global_norm
 from commpress.model.gpt import GPT, config_from_preset
+from commpress.parallel.mesh import MeshShape
 from commpress.parallel.pipeline import Stage
 from commpress.policy import Policy
 from commpress.train import run_lock
 from commpress.train.config import TrainConfig
 from commpress.train.data import TextData, load_tokens
+from commpress.train.ddp_engine import replica_optimizer, step_replica
 from commpress.train.loop import evaluates_at, lr_at, progress_bar, step_record, write_outputs
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+class PlayedDDP:
+    """What :class:`~commpress.train.ddp_engine.DDPEngine` does on every rank, played:
+    the hook's all-reduce of the ranks' gradients, then the same clip and AdamW step."""
+
+    def __init__(self, module: torch.nn.Module, policy: Policy, cfg: TrainConfig, ranks: int,
+                 ranks_per_node: int, stats: Stats) -> None:
+        self.module, self.cfg = module, cfg
+        self.hook = PlayedDDPHook(module, policy, ranks=ranks, ranks_per_node=ranks_per_node,
+                                  stats=stats)
+        self.optimizer = replica_optimizer(module, cfg.lr, cfg.weight_decay)
+        self.steps = self.skipped_steps = 0
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    def take(self, rank: int) -> None:
+        self.hook.take(rank)
+
+    def step(self) -> bool:
+        self.hook.finish()
+        stepped = step_replica(self.module, self.optimizer, self.cfg.max_grad_norm,
+                               self.cfg.nonfinite, f"simulated DDP step {self.steps}")
+        self.steps += 1
+        self.skipped_steps += not stepped
+        return stepped
+
+
 class PlayedRun:
-    """One replica and the played optimizer of an ``N``-rank data-parallel run."""
+    """One replica of a ``dp × pp`` run: its stages, one played optimizer per stage, and
+    the pipeline's activation codecs of every rank."""
 
     def __init__(self, cfg: TrainConfig) -> None:
         self.cfg = cfg
-        self.ranks = cfg.nproc
-        self.ranks_per_node = cfg.ranks_per_node or cfg.nproc
+        self.ranks, self.pp = cfg.dp, cfg.pp  # data-parallel ranks, pipeline stages
+        self.shape = MeshShape(cfg.dp, 1, cfg.pp)
+        rpn = cfg.ranks_per_node or cfg.nproc
+        dp_per_node = max(1, rpn // cfg.pp)  # as `train` lays ranks out: stages innermost
         self.policy = Policy.resolve(cfg.policy)
         self.device = torch.device(cfg.device)
         self.data = TextData(load_tokens(cfg.data, cfg.max_data_bytes))
         self.data.check_seq_len(cfg.seq_len)
         mcfg = config_from_preset(cfg.model, vocab_size=max(256, self.data.vocab_size))
         torch.manual_seed(cfg.seed)  # the same initialization as every rank of `train`
-        self.stage = Stage(GPT(mcfg), 0, 1).to(self.device, DTYPES[cfg.dtype])
-        self.opt = PlayedShardedOptimizer(
-            self.stage, torch.optim.AdamW, self.policy, ranks=self.ranks,
-            ranks_per_node=self.ranks_per_node, bucket_numel=cfg.bucket_numel,
-            max_grad_norm=cfg.max_grad_norm, nonfinite=cfg.nonfinite, lr=cfg.lr,
-            betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+        model = GPT(mcfg)
+        self.stages = [Stage(model, s, cfg.pp).to(self.device, DTYPES[cfg.dtype])
+                       for s in range(cfg.pp)]
+        self.stage = self.stages[0]
+        self.stats = Stats()  # bytes every rank sends, summed over the ranks
+        if cfg.engine == "ddp":
+            self.opts = [PlayedDDP(self.stage, self.policy, cfg, self.ranks, dp_per_node,
+                                   self.stats)]
+        else:
+            self.opts = [PlayedShardedOptimizer(
+                stage, torch.optim.AdamW, self.policy, ranks=self.ranks,
+                ranks_per_node=dp_per_node, bucket_numel=cfg.bucket_numel,
+                max_grad_norm=cfg.max_grad_norm, nonfinite=cfg.nonfinite, stats=self.stats,
+                lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+                for stage in self.stages]
+        # every rank's pipeline codecs (their state: random streams, error feedback)
+        self.act = [[self.policy.codec_for("pp", "act") for _ in range(cfg.pp)]
+                    for _ in range(cfg.dp)]
+        self.act_grad = [[self.policy.codec_for("pp", "act_grad") for _ in range(cfg.pp)]
+                         for _ in range(cfg.dp)]
         self.history: list[dict[str, Any]] = []
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.opts[0].skipped_steps
 
     def rank_batch(self, split: str, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
@@ -67,47 +126,102 @@ class PlayedRun:
         return (x[rank * per:(rank + 1) * per].to(self.device),
                 y[rank * per:(rank + 1) * per].to(self.device))
 
-    def _loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        out = self.stage(x)
-        return F.cross_entropy(out.reshape(-1, out.size(-1)), y.reshape(-1))
+    def _transfer(self, rank: int, src: int, dst: int, tensor: torch.Tensor,
+                  kind: str) -> torch.Tensor:
+        """Stage ``src`` of data-parallel rank ``rank`` sends ``tensor`` to stage ``dst``."""
+        codecs = self.act if kind == "act" else self.act_grad
+        label = f"pp.{kind}"
+        return played_transfer(codecs[rank][src], codecs[rank][dst], tensor,
+                               rng_stream=self.shape.rank_of(rank, src, 0),
+                               key=f"{label}->{dst}", stats=self.stats, label=label)
 
-    def rank_backward(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        """One rank's step of the GPipe schedule with one stage: every micro-batch
-        forward, then backward in reverse order (the gradients add up in that order)."""
-        micro = self.cfg.micro_batches
-        losses = [self._loss(xm, ym) for xm, ym in zip(x.chunk(micro), y.chunk(micro))]
-        for loss in reversed(losses):
+    def pipeline(self, rank: int, x: torch.Tensor, y: torch.Tensor, train: bool) -> float:
+        """Rank ``rank``'s GPipe step over every stage: all micro-batches forward
+        (activations through the ``pp.act`` codec), then backward in reverse order
+        (activation gradients through ``pp.act_grad``); the batch's mean loss."""
+        micro, P = self.cfg.micro_batches, self.pp
+        inputs = [[None] * micro for _ in range(P)]
+        outputs = [[None] * micro for _ in range(P)]
+        loss_sum = torch.zeros((), device=x.device)
+        with torch.enable_grad() if train else torch.no_grad():
+            for i, (xm, ym) in enumerate(zip(x.chunk(micro), y.chunk(micro))):
+                h = xm
+                for s in range(P):
+                    if s > 0:
+                        h = self._transfer(rank, s - 1, s, h, "act")
+                        h.requires_grad_(train)
+                    inputs[s][i] = h
+                    h = self.stages[s](h)
+                    if s == P - 1:
+                        loss = F.cross_entropy(h.reshape(-1, h.size(-1)), ym.reshape(-1))
+                        loss_sum += loss.detach()
+                        h = loss / micro
+                    outputs[s][i] = h
+        if train:
+            for i in reversed(range(micro)):
+                for s in reversed(range(P)):
+                    if s == P - 1:
+                        outputs[s][i].backward()
+                    else:
+                        g = self._transfer(rank, s + 1, s, inputs[s + 1][i].grad, "act_grad")
+                        outputs[s][i].backward(g)
+                    self.opts[s].accumulate()
+        return float(loss_sum / micro)
+
+    def ddp_backward(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        """One DDP rank's micro-batches: each backward right after its forward (the
+        gradients add up in ``p.grad`` in that order)."""
+        micro, total = self.cfg.micro_batches, 0.0
+        for xm, ym in zip(x.chunk(micro), y.chunk(micro)):
+            out = self.stage(xm)
+            loss = F.cross_entropy(out.reshape(-1, out.size(-1)), ym.reshape(-1))
             (loss / micro).backward()
-            self.opt.accumulate()
-        return float(sum(loss.detach() for loss in losses) / micro)
+            total += loss.item()
+        return total / micro
 
     def train_step(self, step: int) -> float:
-        for g in self.opt.param_groups:
-            g["lr"] = lr_at(self.cfg, step)
+        for opt in self.opts:
+            for g in opt.param_groups:
+                g["lr"] = lr_at(self.cfg, step)
         losses = []
         for rank in range(self.ranks):
-            losses.append(self.rank_backward(*self.rank_batch("train", step, rank)))
-            self.opt.take(rank)
-        self.opt.step()
+            x, y = self.rank_batch("train", step, rank)
+            losses.append(self.ddp_backward(x, y) if self.cfg.engine == "ddp"
+                          else self.pipeline(rank, x, y, train=True))
+            for opt in self.opts:
+                opt.take(rank)
+        if self.cfg.engine == "ddp":
+            self.opts[0].step()
+        else:
+            # one norm over every rank of every stage, parts added in global rank order
+            parts = [opt.reduce() for opt in self.opts]
+            norm = global_norm([parts[s][d] for d in range(self.ranks) for s in range(self.pp)])
+            for opt in self.opts:
+                opt.update(norm)
         return sum(losses) / self.ranks
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        self.stage.eval()
+        for stage in self.stages:
+            stage.eval()
         per_rank = []
         for rank in range(self.ranks):
-            batches = [float(self._loss(*self.rank_batch("val", i, rank)))
+            batches = [self.pipeline(rank, *self.rank_batch("val", i, rank), train=False)
                        for i in range(self.cfg.eval_batches)]
             per_rank.append(sum(batches) / len(batches))
-        self.stage.train()
+        for stage in self.stages:
+            stage.train()
         return sum(per_rank) / self.ranks
 
 
 def simulate(cfg: TrainConfig) -> dict[str, Any]:
     """Play a data-parallel run of ``cfg.nproc`` ranks in one process; returns the summary."""
-    if cfg.tp != 1 or cfg.pp != 1 or cfg.engine != "sharded":
-        raise ValueError("simulate plays data parallelism with the sharded optimizer; allowed: "
-                         "tp=1, pp=1, engine=sharded")
+    if cfg.tp != 1:
+        raise ValueError(f"simulate plays data and pipeline parallelism; got tp={cfg.tp}; "
+                         "allowed: tp=1")
+    if cfg.engine == "ddp" and cfg.ddp_hook != "commpress":
+        raise ValueError(f"simulate plays DDP with the commpress hook only; got "
+                         f"ddp_hook={cfg.ddp_hook!r}; allowed: commpress")
     if cfg.resume:
         raise ValueError("simulate does not resume; allowed: resume=None")
     cfg = cfg.resolved()
@@ -122,7 +236,7 @@ def simulate(cfg: TrainConfig) -> dict[str, Any]:
                 t0 = time.perf_counter()
                 loss = run.train_step(step)
                 record = step_record(cfg, step, loss, time.perf_counter() - t0,
-                                     time.perf_counter() - wall0, run.opt.skipped_steps, {})
+                                     time.perf_counter() - wall0, run.skipped_steps, {})
                 if evaluates_at(cfg, step):
                     record["val_loss"] = run.evaluate()
                 run.history.append(record)
@@ -131,4 +245,4 @@ def simulate(cfg: TrainConfig) -> dict[str, Any]:
         finally:
             if progress is not None:
                 progress.close()
-        return write_outputs(cfg, run, run.opt.stats.snapshot())
+        return write_outputs(cfg, run, run.stats.snapshot())

@@ -1,0 +1,92 @@
+""":func:`commpress.ddp_hook`'s gradient all-reduce, played by one process for ``N`` ranks.
+
+What ``commpress simulate --engine ddp`` runs: the hook's own fixed buckets
+(:func:`~commpress.integrations.ddp.hook_layout`, the same layout as in a real run),
+one :class:`GradPath` per rank and bucket (each rank's stochastic-rounding counters and
+error-feedback memory), and each bucket's all-reduce as
+:mod:`commpress.collectives.played` plays it — one level, or two over ``N / M`` nodes.
+DDP then holds the same averaged gradient on every rank; so does the one replica here.
+
+Per step: :meth:`take` after each rank's backward (its gradients are encoded and
+cleared), then :meth:`finish` writes the averaged gradients into ``p.grad``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from commpress.collectives import Topology
+from commpress.collectives.played import PlayedAllReduce, PlayedHierarchicalAllReduce
+from commpress.collectives.stats import Stats
+from commpress.integrations.ddp import BUCKET_NUMEL, hook_layout
+from commpress.integrations.grad_path import GradPath
+from commpress.policy import Policy
+
+
+class PlayedDDPHook:
+    """``N`` data-parallel ranks of the DDP hook in one process.
+
+    Args mirror :func:`commpress.ddp_hook`'s; ``ranks`` and ``ranks_per_node`` replace
+    the process group and topology; ``stats`` receives the byte counts.
+    """
+
+    def __init__(self, model: nn.Module, policy: str | dict | Policy, *, ranks: int,
+                 ranks_per_node: int, bucket_numel: int = BUCKET_NUMEL,
+                 label: str = "dp.grad", stats: Stats | None = None) -> None:
+        if ranks < 1 or ranks_per_node < 1 or ranks % ranks_per_node:
+            raise ValueError(f"ranks={ranks}, ranks_per_node={ranks_per_node} is not allowed; "
+                             "allowed: positive, ranks a multiple of ranks_per_node")
+        self.policy = Policy.resolve(policy)
+        self.world, self.L, self.label = ranks, ranks_per_node, label
+        # gradient bytes every rank sends, summed over the ranks
+        self.stats = stats if stats is not None else Stats()
+        topology = Topology(ranks_per_node)
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.params = dict(named)
+        self.buckets = hook_layout(named, bucket_numel,
+                                   lambda: GradPath(self.policy, topology, label))
+        # each rank's own codec objects per bucket
+        self.paths = [[GradPath(self.policy, topology, label) for _ in range(ranks)]
+                      for _ in self.buckets]
+        self.played: list = [None] * len(self.buckets)
+
+    def _play(self, j: int, numel: int):
+        paths, n, L = self.paths[j], self.world, self.L
+        if not paths[0].two_level:
+            return PlayedAllReduce([p.codecs["single"] for p in paths], numel, self.label,
+                                   "avg", self.stats)
+        nodes = n // L
+        if nodes > 1 and L > 1:
+            return PlayedHierarchicalAllReduce([p.codecs["intra"] for p in paths],
+                                               [p.codecs["inter"] for p in paths], L, numel,
+                                               self.label, "avg", self.stats)
+        level = "intra" if nodes == 1 else "inter"  # one level only
+        return PlayedAllReduce([p.codecs[level] for p in paths], numel,
+                               f"{self.label}.{level}", "avg", self.stats)
+
+    @torch.no_grad()
+    def take(self, rank: int) -> None:
+        """Rank ``rank``'s gradients (now in ``p.grad``) into its bucket all-reduces; the
+        gradients are cleared."""
+        for j, b in enumerate(self.buckets):
+            grads = []
+            for name, numel in zip(b.names, b.numels):
+                p = self.params[name]
+                grads.append(p.grad.reshape(-1) if p.grad is not None
+                             else torch.zeros(numel, dtype=p.dtype, device=p.device))
+                p.grad = None
+            flat = torch.cat(grads)
+            if self.played[j] is None:
+                self.played[j] = self._play(j, flat.numel())
+            self.played[j].add(rank, flat)
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """Every bucket's all-reduced gradient — what every rank holds — into ``p.grad``."""
+        for j, b in enumerate(self.buckets):
+            reduced = self.played[j].finish()
+            self.played[j] = None
+            for name, off, numel in zip(b.names, b.offsets, b.numels):
+                p = self.params[name]
+                p.grad = reduced[off:off + numel].view_as(p).clone()
