@@ -129,3 +129,73 @@ def test_values_near_fp32_max_saturate_as_the_reference_does(bits, group, had, s
         nan_block = torch.zeros(x.numel(), dtype=torch.bool)
         nan_block[5 // width * width: (5 // width + 1) * width] = True
         assert d[nan_block].isnan().all() and torch.isfinite(d[~nan_block]).all()
+
+
+def _fp8_values(codes: torch.Tensor) -> torch.Tensor:
+    return codes.view(torch.float8_e4m3fn).float()
+
+
+def test_fp8_bits_equal_torchs_cast_on_every_code_and_tie():
+    # every finite e4m3 value, the midpoints between neighbours (ties: to even), points
+    # just off the midpoints, both signs and both zeros, through the quantize kernel
+    # (group 1, scale 1/448·448 = 1: the scale is exactly 1 for a group at 448)
+    values = _fp8_values(torch.arange(0, 127, dtype=torch.uint8))  # 0 … 448
+    mids = (values[1:] + values[:-1]) / 2
+    eps = torch.finfo(torch.float32).eps
+    probe = torch.cat([values, mids, mids * (1 + 4 * eps), mids * (1 - 4 * eps),
+                       torch.tensor([0.0, 1e-30, 2.0**-10, 2.0**-6 * (1 - eps)])])
+    probe = torch.cat([probe, -probe])
+    x = torch.stack([probe, torch.full_like(probe, 448.0)], dim=1).reshape(-1)  # group 2
+    c_ref, s_ref = ref.fp8_quantize(x, group=2)
+    c_tri, s_tri = triton_quant.fp8_quantize(x, group=2)
+    assert torch.equal(s_tri, s_ref) and torch.equal(c_tri, c_ref)
+    assert torch.equal(triton_quant.fp8_dequantize(c_ref, s_ref, x.numel(), group=2),
+                       ref.fp8_dequantize(c_ref, s_ref, x.numel(), group=2))
+
+
+@pytest.mark.parametrize(("group", "had"), [(128, 0), (32, 0), (128, 128), (256, 32),
+                                            (32, 128)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("numel", [1, 1000, 9000])
+def test_fp8_encode_decode_match_reference(group, had, dtype, numel):
+    x = (torch.randn(numel) * 3).to(dtype)
+    x[numel // 2] = float("nan") if numel > 1 else x[0]
+    if numel > 8:
+        x[3] = -0.0
+    for sd in (torch.float32, torch.float16):
+        c_ref, s_ref = ref.fp8_quantize(x, group=group, hadamard=had, scale_dtype=sd)
+        c_tri, s_tri = triton_quant.fp8_quantize(x, group=group, hadamard=had, scale_dtype=sd)
+        assert c_tri.shape == c_ref.shape and s_tri.dtype == s_ref.dtype
+        if had:  # rotation sums in another order: scales within rounding, codes at ties
+            torch.testing.assert_close(s_tri, s_ref, rtol=1e-5, atol=0, equal_nan=True)
+            differs = c_ref != c_tri
+            a, b = _fp8_values(c_ref[differs]), _fp8_values(c_tri[differs])
+            assert differs.float().mean() < 0.01, "fp8 codes differ beyond rounding ties"
+            assert torch.all((a - b).abs() <= torch.maximum(a.abs(), b.abs()) / 8 + 2.0**-9)
+        else:
+            assert torch.equal(c_tri, c_ref) and torch.equal(s_tri.isnan(), s_ref.isnan())
+            assert torch.equal(s_tri[~s_tri.isnan()], s_ref[~s_ref.isnan()])
+        d_ref = ref.fp8_dequantize(c_ref, s_ref, numel, group=group, hadamard=had,
+                                   out_dtype=dtype)
+        d_tri = triton_quant.fp8_dequantize(c_ref, s_ref, numel, group=group, hadamard=had,
+                                            out_dtype=dtype)
+        assert torch.equal(d_ref.isnan(), d_tri.isnan())
+        bound = _ulp(d_ref) * 1.01
+        if had:  # the inverse rotation sums in another order (see the int test above)
+            y_hat = (_fp8_values(c_ref).view(-1, group) * s_ref.float().view(-1, 1))
+            block_max = y_hat.reshape(-1, had).abs().amax(1).repeat_interleave(had)[:numel]
+            bound = bound + had.bit_length() * torch.finfo(torch.float32).eps * block_max
+        ok = ~d_ref.isnan()
+        assert torch.all((d_ref[ok].float() - d_tri[ok].float()).abs() <= bound[ok])
+
+
+def test_fp8_near_fp32_max_saturates_as_the_reference_does():
+    top = torch.finfo(torch.float32).max
+    x = (torch.rand(1024) * 2 - 1) * 3e38
+    x[:6] = torch.tensor([top, -top, 1e37, -3e38, 1.0, float("nan")])
+    for had in (0, 128):
+        c_ref, s_ref = ref.fp8_quantize(x, group=128, hadamard=had)
+        c_tri, s_tri = triton_quant.fp8_quantize(x, group=128, hadamard=had)
+        torch.testing.assert_close(s_tri, s_ref, rtol=1e-5, atol=0, equal_nan=True)
+        d = triton_quant.fp8_dequantize(c_tri, s_tri, x.numel(), group=128, hadamard=had)
+        assert d[:128].isnan().all() and torch.isfinite(d[128:]).all()

@@ -28,7 +28,6 @@ from commpress.codecs.base import Codec, Packet, finish_decode, option_error, re
 
 SCALE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 HADAMARD_SIZES = (0, 16, 32, 64, 128, 256)
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
 def group_rows(x: torch.Tensor, group: int) -> torch.Tensor:
@@ -282,27 +281,14 @@ class FP8(ScaledGroups):
 
     def encode(self, x: torch.Tensor, *, rng_stream: int = 0) -> Packet:
         self.check_input(x)
-        ref = kernels.reference
-        y = ref.pad_and_rotate(x, bits=8, group=self.group, hadamard=self.hadamard)
-        g = y.view(-1, self.group)
-        finite = torch.isfinite(g).all(dim=1, keepdim=True)
-        absmax = torch.where(finite, g.abs(), 0.0).amax(dim=1, keepdim=True)
-        sdt = SCALE_DTYPES[self.scale_dtype]
-        scale = (absmax / FP8_MAX).clamp(max=torch.finfo(sdt).max).to(sdt).float()
-        scale = torch.where(absmax > 0, scale.clamp_min(ref.scale_floor(sdt)), scale)
-        inv = torch.where(scale > 0, 1.0 / scale, 0.0)
-        codes = torch.where(finite, (g * inv).clamp(-FP8_MAX, FP8_MAX), 0.0)
-        codes = codes.to(torch.float8_e4m3fn).view(torch.uint8).view(-1)
-        scale = torch.where(finite, scale, float("nan")).view(-1).to(sdt)
-        return Packet((codes, scale), x.numel(), tuple(x.shape), x.dtype)
+        codes, scales = kernels.fp8_quantize(x, group=self.group, hadamard=self.hadamard,
+                                             scale_dtype=SCALE_DTYPES[self.scale_dtype])
+        return Packet((codes, scales), x.numel(), tuple(x.shape), x.dtype)
 
     def decode(self, packet: Packet, out: torch.Tensor | None = None) -> torch.Tensor:
         codes, scales = packet.tensors
-        vals = codes.view(torch.float8_e4m3fn).float().view(-1, self.group)
-        y = (vals * scales.float().view(-1, 1)).view(-1)
-        y = y.clamp_(-kernels.reference.FP32_MAX, kernels.reference.FP32_MAX)  # NaN stays
-        flat = kernels.reference.unrotate(y, packet.numel, hadamard=self.hadamard,
-                                          out_dtype=packet.dtype)
+        flat = kernels.fp8_dequantize(codes, scales, packet.numel, group=self.group,
+                                      hadamard=self.hadamard, out_dtype=packet.dtype)
         return finish_decode(flat, packet, out)
 
     def packet_layout(self, numel: int, dtype: torch.dtype) -> list[tuple[torch.dtype, int]]:

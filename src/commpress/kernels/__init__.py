@@ -1,4 +1,5 @@
-"""Kernels: group quantization with optional Hadamard smoothing, on any device.
+"""Kernels: group quantization (int8/int4/int2 codes, or float8 e4m3 values) with
+optional Hadamard smoothing, on any device.
 
 Each entry point picks its implementation once per call site from the tensor's
 device: the Triton kernels on CUDA (when Triton is installed and the configuration
@@ -72,6 +73,21 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, numel: int, *, bits: i
                            out_dtype=out_dtype)
 
 
+def fp8_quantize(x: torch.Tensor, *, group: int, hadamard: int = 0,
+                 scale_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Encode ``x`` as float8 e4m3 with per-group scales; see :func:`reference.fp8_quantize`."""
+    impl = backend_for(x.device, 8, group, hadamard)
+    return impl.fp8_quantize(x, group=group, hadamard=hadamard, scale_dtype=scale_dtype)
+
+
+def fp8_dequantize(codes: torch.Tensor, scales: torch.Tensor, numel: int, *, group: int,
+                   hadamard: int = 0, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Decode :func:`fp8_quantize`'s ``(codes, scales)`` to ``numel`` values."""
+    impl = backend_for(codes.device, 8, group, hadamard)
+    return impl.fp8_dequantize(codes, scales, numel, group=group, hadamard=hadamard,
+                               out_dtype=out_dtype)
+
+
 def dequantize_sum(codes: torch.Tensor, scales: torch.Tensor, *, bits: int, group: int,
                    hadamard: int = 0) -> torch.Tensor:
     """Decode ``k`` chunks (rows) and sum them in fp32; see :func:`reference.dequantize_sum`."""
@@ -105,6 +121,8 @@ __all__ = [
     "dequant_reduce_requant",
     "dequantize",
     "dequantize_sum",
+    "fp8_dequantize",
+    "fp8_quantize",
     "padded_numel",
     "padded_unit",
     "qmax_for_bits",

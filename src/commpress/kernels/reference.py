@@ -335,3 +335,34 @@ def dequant_reduce_requant(
     total.clamp_(-FP32_MAX, FP32_MAX)
     return quantize_rotated(total, bits=bits_out, group=group_out, scale_dtype=scale_dtype,
                             keys=keys)
+
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def fp8_quantize(x: torch.Tensor, *, group: int, hadamard: int = 0,
+                 scale_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Encode ``x`` as float8 e4m3 bytes with one scale per group (``absmax / 448``),
+    after an optional block Hadamard rotation; round to nearest even (torch's cast).
+
+    A group holding NaN or ±Inf gets a NaN scale (it decodes to NaN) and zero codes.
+    """
+    y = pad_and_rotate(x, bits=8, group=group, hadamard=hadamard)
+    g = y.view(-1, group)
+    finite = torch.isfinite(g).all(dim=1, keepdim=True)
+    absmax = torch.where(finite, g.abs(), 0.0).amax(dim=1, keepdim=True)
+    scale = (absmax / FP8_MAX).clamp(max=torch.finfo(scale_dtype).max).to(scale_dtype).float()
+    scale = torch.where(absmax > 0, scale.clamp_min(scale_floor(scale_dtype)), scale)
+    inv = torch.where(scale > 0, 1.0 / scale, 0.0)
+    codes = torch.where(finite, (g * inv).clamp(-FP8_MAX, FP8_MAX), 0.0)
+    codes = codes.to(torch.float8_e4m3fn).view(torch.uint8).view(-1)
+    return codes, torch.where(finite, scale, float("nan")).view(-1).to(scale_dtype)
+
+
+def fp8_dequantize(codes: torch.Tensor, scales: torch.Tensor, numel: int, *, group: int,
+                   hadamard: int = 0, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Decode :func:`fp8_quantize`'s bytes to ``numel`` values of ``out_dtype``."""
+    vals = codes.view(torch.float8_e4m3fn).float().view(-1, group)
+    y = (vals * scales.float().view(-1, 1)).view(-1)
+    y = y.clamp_(-FP32_MAX, FP32_MAX)  # NaN stays
+    return unrotate(y, numel, hadamard=hadamard, out_dtype=out_dtype)

@@ -172,12 +172,9 @@ def _saturate(v):
 
 
 @triton.jit
-def _quantize_kernel(x_ptr, codes_ptr, scales_ptr, h_ptr, numel, total, k1, k2,
-                     BITS: tl.constexpr, GROUP: tl.constexpr, HAD: tl.constexpr,
-                     TILE: tl.constexpr, STOCHASTIC: tl.constexpr, SCALE_FP16: tl.constexpr,
-                     FLOOR: tl.constexpr, DOT_FP32: tl.constexpr):
-    pid = tl.program_id(0)
-    base = pid.to(tl.int64) * TILE
+def _load_rotated(x_ptr, h_ptr, base, numel, HAD: tl.constexpr, TILE: tl.constexpr,
+                  DOT_FP32: tl.constexpr):
+    """The tile at ``base`` (zero past ``numel``) as fp32, block-rotated when ``HAD > 1``."""
     offs = base + tl.arange(0, TILE)
     x = tl.load(x_ptr + offs, mask=offs < numel, other=0.0)
     if HAD > 1:
@@ -186,9 +183,18 @@ def _quantize_kernel(x_ptr, codes_ptr, scales_ptr, h_ptr, numel, total, k1, k2,
         BOUND: tl.constexpr = 3.4028234663852886e38 / (2 * HAD)
         xf = tl.where(tl.abs(xf) < float("inf"), tl.minimum(tl.maximum(xf, -BOUND), BOUND),
                       xf)
-        y = _rotate(xf.to(x.dtype), _load_hadamard(h_ptr, HAD), TILE, HAD, DOT_FP32)
-    else:
-        y = x.to(tl.float32)
+        return _rotate(xf.to(x.dtype), _load_hadamard(h_ptr, HAD), TILE, HAD, DOT_FP32)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _quantize_kernel(x_ptr, codes_ptr, scales_ptr, h_ptr, numel, total, k1, k2,
+                     BITS: tl.constexpr, GROUP: tl.constexpr, HAD: tl.constexpr,
+                     TILE: tl.constexpr, STOCHASTIC: tl.constexpr, SCALE_FP16: tl.constexpr,
+                     FLOOR: tl.constexpr, DOT_FP32: tl.constexpr):
+    pid = tl.program_id(0)
+    base = pid.to(tl.int64) * TILE
+    y = _load_rotated(x_ptr, h_ptr, base, numel, HAD, TILE, DOT_FP32)
     packed, scale = _quantize_tile(y, base, k1, k2, TILE, BITS, GROUP, STOCHASTIC,
                                    SCALE_FP16, FLOOR)
     NBYTES: tl.constexpr = TILE * BITS // 8
@@ -255,6 +261,93 @@ def _dequant_reduce_requant_kernel(codes_ptr, scales_ptr, out_codes_ptr, out_sca
     soffs = pid.to(tl.int64) * (TILE // GROUP_OUT) + tl.arange(0, TILE // GROUP_OUT)
     tl.store(out_scales_ptr + soffs, scale.to(out_scales_ptr.dtype.element_ty),
              mask=soffs < chunk // GROUP_OUT)
+
+
+@triton.jit
+def _fp8_bits(v):
+    """fp32 (finite, |v| ≤ 448) → float8 e4m3fn bits, rounded to nearest even as torch's
+    cast does. Integer arithmetic, not ``.to(tl.float8e4nv)``: the interpreter's fp8 cast
+    rounds wrongly across binades (124.4 → 64), so the kernel could not be tested on CPU."""
+    bits = v.to(tl.uint32, bitcast=True)
+    sign = (bits >> 31) << 7
+    a = bits & 0x7FFFFFFF
+    # normal (|v| ≥ 2⁻⁶): round the fp32 mantissa to 3 bits (a carry bumps the exponent),
+    # then rebias the exponent from 127 to 7
+    normal = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20).to(tl.int32) - (120 << 3)
+    # subnormal: multiples of 2⁻⁹, rounded half to even (8 is the least normal, code 8)
+    t = tl.abs(v) * 512.0
+    f = tl.floor(t)
+    d = t - f
+    odd = (f.to(tl.int32) & 1) == 1
+    sub = (f + tl.where((d > 0.5) | ((d == 0.5) & odd), 1.0, 0.0)).to(tl.int32)
+    mag = tl.where(a < 0x3C800000, sub, normal)  # 0x3C800000 = 2⁻⁶
+    return (mag | sign.to(tl.int32)).to(tl.uint8)
+
+
+@triton.jit
+def _fp8_value(c):
+    """float8 e4m3fn bits (int32) → fp32 value (0x7F/0xFF: NaN)."""
+    e = (c >> 3) & 15
+    m = c & 7
+    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    v = tl.where(e == 0, m.to(tl.float32) * (1.0 / 512.0), normal)
+    v = tl.where((e == 15) & (m == 7), float("nan"), v)
+    return tl.where((c >> 7) == 1, -v, v)
+
+
+@triton.jit
+def _fp8_quantize_kernel(x_ptr, codes_ptr, scales_ptr, h_ptr, numel, total,
+                         GROUP: tl.constexpr, HAD: tl.constexpr, TILE: tl.constexpr,
+                         SCALE_FP16: tl.constexpr, FLOOR: tl.constexpr,
+                         DOT_FP32: tl.constexpr):
+    pid = tl.program_id(0)
+    base = pid.to(tl.int64) * TILE
+    y = _load_rotated(x_ptr, h_ptr, base, numel, HAD, TILE, DOT_FP32)
+    g = tl.reshape(y, (TILE // GROUP, GROUP))
+    ok = tl.abs(g) < float("inf")  # False for NaN and ±Inf
+    bad = tl.max(tl.where(ok, 0, 1), axis=1) > 0
+    absmax = tl.max(tl.where(ok, tl.abs(g), 0.0), axis=1)
+    scale = tl.div_rn(absmax, 448.0)
+    if SCALE_FP16:  # saturate, then round to fp16 (nearest even) as the reference does
+        scale = tl.minimum(scale, 65504.0).to(tl.float16).to(tl.float32)
+    scale = tl.where(absmax > 0, tl.maximum(scale, FLOOR), scale)
+    safe = tl.where(scale > 0, scale, 1.0)  # no 1/0 computed for all-zero groups
+    inv = tl.where(scale > 0, tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), safe), 0.0)
+    v = tl.minimum(tl.maximum(g * inv[:, None], -448.0), 448.0)
+    codes = tl.where(bad[:, None], 0, _fp8_bits(tl.where(bad[:, None], 0.0, v)))
+    offs = base + tl.arange(0, TILE)
+    tl.store(codes_ptr + offs, tl.reshape(codes, (TILE,)), mask=offs < total)
+    goffs = pid.to(tl.int64) * (TILE // GROUP) + tl.arange(0, TILE // GROUP)
+    scale = tl.where(bad, float("nan"), scale)
+    tl.store(scales_ptr + goffs, scale.to(scales_ptr.dtype.element_ty), mask=goffs < total // GROUP)
+
+
+@triton.jit
+def _fp8_dequantize_kernel(codes_ptr, scales_ptr, h_ptr, out_ptr, numel, total,
+                           GROUP: tl.constexpr, HAD: tl.constexpr, TILE: tl.constexpr,
+                           DOT_FP32: tl.constexpr, OUT_MAX: tl.constexpr):
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * TILE + tl.arange(0, TILE)
+    c = tl.load(codes_ptr + offs, mask=offs < total, other=0).to(tl.int32)
+    goffs = pid.to(tl.int64) * (TILE // GROUP) + tl.arange(0, TILE // GROUP)
+    scale = tl.load(scales_ptr + goffs, mask=goffs < total // GROUP, other=0.0).to(tl.float32)
+    vals = _fp8_value(c)
+    if HAD > 1 and GROUP % HAD == 0:
+        # every block inside one group: rotate the fp8 values (exact products in bf16),
+        # then scale once
+        r = _rotate(vals, _load_hadamard(h_ptr, HAD), TILE, HAD, DOT_FP32)
+        r = tl.reshape(r, (TILE // GROUP, GROUP))
+        y = _saturate(tl.reshape(r * (scale * (1.0 / HAD))[:, None], (TILE,)))
+    else:
+        g = tl.reshape(vals, (TILE // GROUP, GROUP)) * scale[:, None]
+        y = _saturate(tl.reshape(g, (TILE,)))
+        if HAD > 1:  # blocks span groups: scale first, then an fp32 product
+            y = _rotate(y * (1.0 / HAD), _load_hadamard(h_ptr, HAD), TILE, HAD, True)
+    if OUT_MAX > 0:  # saturate finite values to the output dtype (see reference.saturate)
+        finite = tl.abs(y) < float("inf")
+        y = tl.where(finite, tl.minimum(tl.maximum(y, -OUT_MAX), OUT_MAX), y)
+    y = y.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+    tl.store(out_ptr + offs, y, mask=offs < numel)
 
 
 def quantize(
@@ -348,5 +441,51 @@ def dequant_reduce_requant(
     return out_codes, out_scales
 
 
-__all__ = ["CONFIGS", "config", "dequant_reduce_requant", "dequantize", "quantize",
-           "qmax_for_bits", "supports"]
+def fp8_quantize(x: torch.Tensor, *, group: int, hadamard: int = 0,
+                 scale_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton twin of :func:`commpress.kernels.reference.fp8_quantize`."""
+    flat = x.reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    numel = flat.numel()
+    total = padded_numel(numel, 8, group, hadamard)
+    codes = torch.empty(total, dtype=torch.uint8, device=x.device)
+    scales = torch.empty(total // group, dtype=scale_dtype, device=x.device)
+    if total == 0:
+        return codes, scales
+    tile, warps = config("fp8_quantize", 8, group, hadamard)
+    dot_fp32 = interpreting() or flat.dtype == torch.float32
+    h = hadamard_matrix(hadamard, torch.float32 if dot_fp32 else flat.dtype, x.device)
+    _fp8_quantize_kernel[(triton.cdiv(total, tile),)](
+        flat, codes, scales, h, numel, total, GROUP=group, HAD=hadamard, TILE=tile,
+        SCALE_FP16=scale_dtype == torch.float16, FLOOR=scale_floor(scale_dtype),
+        DOT_FP32=dot_fp32, num_warps=warps,
+    )
+    return codes, scales
+
+
+def fp8_dequantize(codes: torch.Tensor, scales: torch.Tensor, numel: int, *, group: int,
+                   hadamard: int = 0, out_dtype: torch.dtype = torch.float32,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton twin of :func:`commpress.kernels.reference.fp8_dequantize` (writes ``out``
+    if given)."""
+    total = padded_numel(numel, 8, group, hadamard)
+    if out is None:
+        out = torch.empty(numel, dtype=out_dtype, device=codes.device)
+    if numel == 0:
+        return out
+    tile, warps = config("fp8_dequantize", 8, group, hadamard)
+    # fp8 values times ±1 are exact in bf16 (not in the interpreter: see the module doc)
+    dot_fp32 = interpreting()
+    h = hadamard_matrix(hadamard, torch.float32 if dot_fp32 else torch.bfloat16, codes.device)
+    _fp8_dequantize_kernel[(triton.cdiv(total, tile),)](
+        codes, scales, h, out, numel, total, GROUP=group, HAD=hadamard, TILE=tile,
+        DOT_FP32=dot_fp32,
+        OUT_MAX=0.0 if out.dtype == torch.float32 else torch.finfo(out.dtype).max,
+        num_warps=warps,
+    )
+    return out
+
+
+__all__ = ["CONFIGS", "config", "dequant_reduce_requant", "dequantize", "fp8_dequantize",
+           "fp8_quantize", "quantize", "qmax_for_bits", "supports"]
