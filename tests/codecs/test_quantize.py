@@ -42,8 +42,10 @@ def test_nearest_rounding_error_is_at_most_half_a_step(bits, group, hadamard, nu
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(numel, generator=g) * 10.0**log_mag
     err, scale, y = _rotated_error_and_scale(c, x)
-    # fp16 scales cover group absmax up to 65504·qmax (beyond: see the overflow test)
-    assume(torch.isfinite(scale).all())
+    # fp16 scales cover group absmax up to 65504·qmax; beyond, the scale saturates at
+    # 65504 and values clip (the overflow test covers that)
+    if scale_dtype == "fp16":
+        assume(bool((scale < torch.finfo(torch.float16).max).all()))
     # |y − q·s| ≤ s/2, plus fp32 rounding of y·(1/s) and of q·s (a few ulps of |y|)
     slack = 4 * torch.finfo(torch.float32).eps * y.abs() + 1e-30
     assert torch.all(err <= scale / 2 * (1 + 1e-6) + slack)
