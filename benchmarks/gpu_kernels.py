@@ -1,14 +1,18 @@
 """One script for a lent GPU: kernel correctness against float64, then every variant timed.
 
     PYTHONPATH=src python benchmarks/gpu_kernels.py --out $OUT [--numel 268435456] [--tune]
+    TRITON_INTERPRET=1 PYTHONPATH=src python benchmarks/gpu_kernels.py --device cpu  # dry run
 
 1. Correctness (1 Mi elements, bf16 and fp32 inputs): the Triton encode gives the same
    codes as the torch reference (differences only at rounding ties under Hadamard), and
    the decoded values' error against a float64 quantize-dequantize stays within
-   half a quantization step.
-2. Speed: ``bench_codecs`` on CUDA (copy roofline, torch.compile reference, every
+   half a quantization step (int codecs) or the fp8 rounding bound (2⁻⁴ relative).
+2. Host path: the public ``codec.encode``/``decode`` on a 4 Mi-element bf16 bucket —
+   host µs per call (calls queued without synchronizing) and whether any call
+   synchronizes with the host (``torch.cuda.set_sync_debug_mode("error")``).
+3. Speed: ``bench_codecs`` on CUDA (copy roofline, torch.compile reference, every
    codec), and ``dequant_reduce_requant`` (k = 4 chunks, 8 → 4 bits) in GB/s.
-3. ``--tune``: every (tile, warps) candidate of the quantize, dequantize and
+4. ``--tune``: every (tile, warps) candidate of the quantize, dequantize, fp8 and
    dequantize-reduce-requantize kernels, with registers and spills per compiled
    kernel where Triton reports them; prints the best as the ``CONFIGS`` table of
    ``commpress/kernels/triton_quant.py``.
@@ -22,6 +26,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from functools import partial
 
 import torch
@@ -30,16 +35,20 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
 from commpress.bench.codecs import bench_codecs  # noqa: E402
 from commpress.bench.timing import median_seconds  # noqa: E402
+from commpress.codecs import codec as build_codec  # noqa: E402
 from commpress.kernels import reference as ref  # noqa: E402
 from commpress.kernels import triton_quant as tq  # noqa: E402
 
 CONFIGS = [(4, 128, 0), (8, 128, 0), (4, 128, 128), (8, 128, 128), (2, 128, 0), (4, 2048, 0)]
 
 
-def check(n: int) -> list[dict]:
+FP8_CONFIGS = [(128, 0), (128, 128), (32, 128)]
+
+
+def check(n: int, device: str = "cuda") -> list[dict]:
     rows = []
     for dtype in (torch.bfloat16, torch.float32):
-        x = torch.randn(n, device="cuda").to(dtype)
+        x = torch.randn(n, device=device).to(dtype)
         for bits, group, had in CONFIGS:
             c_ref, s_ref = ref.quantize(x, bits=bits, group=group, hadamard=had)
             c_tri, s_tri = tq.quantize(x, bits=bits, group=group, hadamard=had)
@@ -47,9 +56,7 @@ def check(n: int) -> list[dict]:
             d = tq.dequantize(c_tri, s_tri, n, bits=bits, group=group, hadamard=had,
                               out_dtype=torch.float32)
             # float64 oracle: the rotated values, their scales, half a step each
-            y = x.double()
-            if had:
-                y = (y.view(-1, had) @ ref.hadamard_pm1(had, "cuda").double()).view(-1)
+            y = _rotated64(x, had)
             step = s_tri.double().repeat_interleave(group)
             y_hat = ref.dequantize_rotated(c_tri, s_tri, bits=bits, group=group).double()
             rows.append({"dtype": str(dtype), "bits": bits, "group": group, "hadamard": had,
@@ -58,18 +65,77 @@ def check(n: int) -> list[dict]:
                          "max_err_over_half_step": float(((y - y_hat).abs() / (step / 2))
                                                          .nan_to_num(0).max()),
                          "rel_err": float((d.double() - x.double()).norm() / x.double().norm())})
+            rows[-1]["ok"] = (rows[-1]["codes_equal_frac"] > 0.99 and rows[-1]["max_code_diff"] <= 1
+                              and rows[-1]["max_err_over_half_step"] <= 1.001)
+        for group, had in FP8_CONFIGS:
+            c_ref, s_ref = ref.fp8_quantize(x, group=group, hadamard=had)
+            c_tri, s_tri = tq.fp8_quantize(x, group=group, hadamard=had)
+            d = tq.fp8_dequantize(c_tri, s_tri, n, group=group, hadamard=had)
+            # float64 oracle: e4m3 keeps 4 significant bits, so |y − ŷ| ≤ 2⁻⁴·|y| for
+            # normals, and at most half the least subnormal step (2⁻¹⁰·scale) near zero
+            y = _rotated64(x, had)
+            scale = s_tri.double().repeat_interleave(group)
+            y_hat = c_tri.view(torch.float8_e4m3fn).double() * scale
+            bound = y.abs() / 16 + scale * 2.0**-10
+            rows.append({"dtype": str(dtype), "codec": "fp8", "group": group, "hadamard": had,
+                         "codes_equal_frac": float((c_ref == c_tri).double().mean()),
+                         "max_err_over_bound": float(((y - y_hat).abs() / bound).max()),
+                         "rel_err": float((d.double() - x.double()).norm() / x.double().norm())})
+            rows[-1]["ok"] = (rows[-1]["codes_equal_frac"] > 0.99
+                              and rows[-1]["max_err_over_bound"] <= 1.0)
     return rows
 
 
-def drr_speed(numel: int) -> dict:
+def _rotated64(x: torch.Tensor, had: int) -> torch.Tensor:
+    y = x.double()
+    if had:
+        y = (y.view(-1, had) @ ref.hadamard_pm1(had, x.device).double()).view(-1)
+    return y
+
+
+HOST_SPECS = ["int4", "int8", "int4:hadamard=128", "int8:hadamard=128", "fp8",
+              "int2:packing=trits"]
+
+
+def host_path(numel: int, device: str, emit, calls: int = 200) -> None:
+    """Host µs per public encode/decode call (queued, no synchronize between calls), and
+    whether a call synchronizes with the host."""
+    dev = torch.device(device)
+    x = torch.randn(numel, device=dev).to(torch.bfloat16)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    for spec in HOST_SPECS:
+        c = build_codec(spec)
+        packet = c.encode(x)
+        row = {"host_path": spec, "numel": numel}
+        for what, fn in (("encode", partial(c.encode, x)), ("decode", partial(c.decode, packet))):
+            fn()
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            row[f"{what}_host_us"] = (time.perf_counter() - t0) / calls * 1e6
+            sync()
+            if dev.type == "cuda":
+                torch.cuda.set_sync_debug_mode("error")
+                try:
+                    fn()
+                    row[f"{what}_syncs"] = False
+                except RuntimeError as e:
+                    row[f"{what}_syncs"] = str(e)[:160]
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+        emit(row)
+
+
+def drr_speed(numel: int, device: str = "cuda") -> dict:
     k, chunk = 4, numel // 4
-    enc = [ref.quantize_rotated(torch.randn(chunk, device="cuda"), bits=8, group=128,
+    enc = [ref.quantize_rotated(torch.randn(chunk, device=device), bits=8, group=128,
                                 scale_dtype=torch.float32, keys=None) for _ in range(k)]
     codes = torch.stack([e[0] for e in enc])
     scales = torch.stack([e[1] for e in enc])
     fn = lambda: tq.dequant_reduce_requant(codes, scales, bits_in=8, group_in=128,  # noqa: E731
                                            bits_out=4, group_out=128)
-    t = median_seconds(fn, torch.device("cuda"), iters=20)
+    t = median_seconds(fn, torch.device(device), iters=20)
     moved = codes.numel() + scales.numel() * 4 + chunk * (0.5 + 4 / 128)
     return {"k": k, "chunk": chunk, "GBps": moved / t / 1e9}
 
@@ -94,8 +160,8 @@ def _resources(jit_fn) -> list[dict]:
     return out
 
 
-def tune(numel: int, emit) -> None:
-    dev = torch.device("cuda")
+def tune(numel: int, emit, device: str = "cuda") -> None:
+    dev = torch.device(device)
     x = torch.randn(numel, device=dev).to(torch.bfloat16)
     best: dict[tuple, tuple[float, int, int]] = {}
     for bits, group, had in TUNE_CONFIGS:
@@ -104,11 +170,19 @@ def tune(numel: int, emit) -> None:
         moved = x.numel() * 2 + codes.numel() + scales.numel() * 4
         for tile in TUNE_TILES:
             for warps in TUNE_WARPS:
-                for kernel, fn in (
-                        ("quantize", partial(tq.quantize, x, bits=bits, group=group,
-                                             hadamard=had)),
-                        ("dequantize", partial(tq.dequantize, codes, scales, numel, bits=bits,
-                                               group=group, hadamard=had, out=out))):
+                kernels = [("quantize", partial(tq.quantize, x, bits=bits, group=group,
+                                                hadamard=had)),
+                           ("dequantize", partial(tq.dequantize, codes, scales, numel,
+                                                  bits=bits, group=group, hadamard=had,
+                                                  out=out))]
+                if bits == 8:  # fp8 has the int8 kernels' shape: one byte per element
+                    c8, s8 = tq.fp8_quantize(x, group=group, hadamard=had)
+                    kernels += [("fp8_quantize", partial(tq.fp8_quantize, x, group=group,
+                                                         hadamard=had)),
+                                ("fp8_dequantize", partial(tq.fp8_dequantize, c8, s8, numel,
+                                                           group=group, hadamard=had,
+                                                           out=out))]
+                for kernel, fn in kernels:
                     tq.CONFIGS[(kernel, bits, group, had)] = (tile, warps)
                     try:
                         gbps = moved / median_seconds(fn, dev, iters=10) / 1e9
@@ -121,8 +195,8 @@ def tune(numel: int, emit) -> None:
                     key = (kernel, bits, group, had)
                     if gbps > best.get(key, (0.0, 0, 0))[0]:
                         best[key] = (gbps, tile, warps)
-                tq.CONFIGS.pop(("quantize", bits, group, had), None)
-                tq.CONFIGS.pop(("dequantize", bits, group, had), None)
+                for kernel, _ in kernels:
+                    tq.CONFIGS.pop((kernel, bits, group, had), None)
     emit({"resources_quantize": _resources(tq._quantize_kernel),
           "resources_dequantize": _resources(tq._dequantize_kernel)})
     print("CONFIGS = {")
@@ -134,9 +208,14 @@ def tune(numel: int, emit) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
-    ap.add_argument("--numel", type=int, default=256 * 2**20)
+    ap.add_argument("--numel", type=int, default=None,
+                    help="elements per timed tensor (default: 256 Mi on cuda, 16 Ki on cpu)")
+    ap.add_argument("--device", default="cuda",
+                    help="cuda; or cpu with TRITON_INTERPRET=1: a dry run on small sizes")
     ap.add_argument("--tune", action="store_true")
     args = ap.parse_args()
+    small = args.device != "cuda"
+    numel = args.numel or (1 << 14 if small else 256 * 2**20)
     log_path = os.path.join(args.out, "gpu_kernels.jsonl")
 
     def emit(row: dict) -> None:
@@ -144,15 +223,18 @@ def main() -> None:
         with open(log_path, "a") as f:
             f.write(json.dumps(row) + "\n")
 
-    emit({"device": torch.cuda.get_device_name(), "torch": torch.__version__})
-    for row in check(1 << 20):
+    emit({"device": torch.cuda.get_device_name() if not small else "cpu (dry run)",
+          "torch": torch.__version__})
+    for row in check(1 << 12 if small else 1 << 20, args.device):
         emit(row)
-    for r in bench_codecs(device="cuda", numel=args.numel, dtype=torch.bfloat16, iters=20,
+    host_path(1 << 12 if small else 4 << 20, args.device, emit, calls=5 if small else 200)
+    for r in bench_codecs(device=args.device, numel=numel, dtype=torch.bfloat16,
+                          iters=2 if small else 20, with_reference=not small,
                           progress=lambda msg: print(f"... {msg}", flush=True)):
         emit(r.__dict__)
-    emit({"dequant_reduce_requant": drr_speed(args.numel)})
+    emit({"dequant_reduce_requant": drr_speed(numel, args.device)})
     if args.tune:
-        tune(min(args.numel, 64 * 2**20), emit)
+        tune(min(numel, 64 * 2**20), emit, args.device)
 
 
 if __name__ == "__main__":
