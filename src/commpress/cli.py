@@ -150,6 +150,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     from commpress.train.compare import compare
     from commpress.train.simulate import simulate
 
+    if args.ranks < 1:
+        raise ValueError(f"--ranks {args.ranks} is not allowed; allowed: an integer >= 1")
     if args.policies:
         policies = [p.strip() for p in args.policies.split(",") if p.strip()]
         compare(policies, _train_config(args, policy=policies[0], nproc=args.ranks * args.pp),

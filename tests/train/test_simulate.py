@@ -125,6 +125,7 @@ def test_simulate_cli_one_policy_and_a_comparison(tmp_path, capsys):
                  str(tmp_path / "cmp")]) == 0
     assert (tmp_path / "cmp" / "compare.png").exists()
     assert "policy comparison" in capsys.readouterr().out
-    # what it does not play is refused with the reason
+    # what it does not play, or cannot, is refused with the reason
+    assert main(["simulate", *common, "--ranks", "0", "--out", str(tmp_path / "zero")]) == 2
     assert main(["simulate", *common, "--policy", "sdp4bit", "--ranks", "3",
                  "--ranks-per-node", "2", "--out", str(tmp_path / "bad")]) == 2
