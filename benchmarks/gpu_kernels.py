@@ -6,14 +6,14 @@
 1. Correctness (1 Mi elements, bf16 and fp32 inputs): the Triton encode gives the same
    codes as the torch reference (differences only at rounding ties under Hadamard), and
    the decoded values' error against a float64 quantize-dequantize stays within
-   half a quantization step (int codecs) or the fp8 rounding bound (2⁻⁴ relative).
+   half a quantization step (int codecs, trits) or the fp8 rounding bound (2⁻⁴ relative).
 2. Host path: the public ``codec.encode``/``decode`` on a 4 Mi-element bf16 bucket —
    host µs per call (calls queued without synchronizing) and whether any call
    synchronizes with the host (``torch.cuda.set_sync_debug_mode("error")``).
 3. Speed: ``bench_codecs`` on CUDA (copy roofline, torch.compile reference, every
    codec), and ``dequant_reduce_requant`` (k = 4 chunks, 8 → 4 bits) in GB/s.
-4. ``--tune``: every (tile, warps) candidate of the quantize, dequantize, fp8 and
-   dequantize-reduce-requantize kernels, with registers and spills per compiled
+4. ``--tune``: every (tile, warps) candidate of the quantize, dequantize, fp8, trits
+   and dequantize-reduce-requantize kernels, with registers and spills per compiled
    kernel where Triton reports them; prints the best as the ``CONFIGS`` table of
    ``commpress/kernels/triton_quant.py``.
 Every row is printed and appended to ``gpu_kernels.jsonl`` under --out as it finishes
@@ -43,6 +43,7 @@ CONFIGS = [(4, 128, 0), (8, 128, 0), (4, 128, 128), (8, 128, 128), (2, 128, 0), 
 
 
 FP8_CONFIGS = [(128, 0), (128, 128), (32, 128)]
+TRIT_CONFIGS = [(128, 0), (128, 128)]
 
 
 def check(n: int, device: str = "cuda") -> list[dict]:
@@ -83,7 +84,32 @@ def check(n: int, device: str = "cuda") -> list[dict]:
                          "rel_err": float((d.double() - x.double()).norm() / x.double().norm())})
             rows[-1]["ok"] = (rows[-1]["codes_equal_frac"] > 0.99
                               and rows[-1]["max_err_over_bound"] <= 1.0)
+        for group, had in TRIT_CONFIGS:
+            c_ref, s_ref = ref.trits_quantize(x, group=group, hadamard=had)
+            c_tri, s_tri = tq.trits_quantize(x, group=group, hadamard=had)
+            d = tq.trits_dequantize(c_tri, s_tri, n, group=group, hadamard=had)
+            y = _rotated64(x, had)
+            step = s_tri.double().repeat_interleave(group)  # int2: one step = the scale
+            y_hat = (ref.trits_dequantize(c_tri, s_tri, n, group=group, hadamard=0)
+                     if not had else None)
+            q_hat = (_trit_values(c_tri, group).double() * step)[:y.numel()]
+            rows.append({"dtype": str(dtype), "codec": "trits", "group": group, "hadamard": had,
+                         "codes_equal_frac": float((c_ref == c_tri).double().mean()),
+                         "max_err_over_half_step": float(((y - q_hat).abs() / (step / 2))
+                                                         .nan_to_num(0).max()),
+                         "rel_err": float((d.double() - x.double()).norm() / x.double().norm())})
+            if y_hat is not None:  # without rotation the reference decodes the same values
+                rows[-1]["decode_equal"] = bool(torch.equal(y_hat, d))
+            rows[-1]["ok"] = (rows[-1]["codes_equal_frac"] > 0.99
+                              and rows[-1]["max_err_over_half_step"] <= 1.001
+                              and rows[-1].get("decode_equal", True))
     return rows
+
+
+def _trit_values(packed: torch.Tensor, group: int) -> torch.Tensor:
+    powers = torch.tensor(ref.TRIT_POWERS, dtype=torch.int32, device=packed.device)
+    q = (packed.to(torch.int32).view(-1, 1) // powers) % 3 - 1
+    return q.view(-1, 5 * ref.trit_bytes(group))[:, :group].reshape(-1)
 
 
 def _rotated64(x: torch.Tensor, had: int) -> torch.Tensor:
@@ -175,6 +201,13 @@ def tune(numel: int, emit, device: str = "cuda") -> None:
                            ("dequantize", partial(tq.dequantize, codes, scales, numel,
                                                   bits=bits, group=group, hadamard=had,
                                                   out=out))]
+                if bits == 2 and tq.supports(2, group, had, trits=True):
+                    ct, st = tq.trits_quantize(x, group=group, hadamard=had)
+                    kernels += [("trits_quantize", partial(tq.trits_quantize, x, group=group,
+                                                           hadamard=had)),
+                                ("trits_dequantize", partial(tq.trits_dequantize, ct, st,
+                                                             numel, group=group, hadamard=had,
+                                                             out=out))]
                 if bits == 8:  # fp8 has the int8 kernels' shape: one byte per element
                     c8, s8 = tq.fp8_quantize(x, group=group, hadamard=had)
                     kernels += [("fp8_quantize", partial(tq.fp8_quantize, x, group=group,

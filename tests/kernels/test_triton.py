@@ -199,3 +199,53 @@ def test_fp8_near_fp32_max_saturates_as_the_reference_does():
         torch.testing.assert_close(s_tri, s_ref, rtol=1e-5, atol=0, equal_nan=True)
         d = triton_quant.fp8_dequantize(c_tri, s_tri, x.numel(), group=128, hadamard=had)
         assert d[:128].isnan().all() and torch.isfinite(d[128:]).all()
+
+
+def _trits(packed: torch.Tensor, group: int) -> torch.Tensor:
+    powers = torch.tensor(ref.TRIT_POWERS, dtype=torch.int32)
+    q = (packed.to(torch.int32).view(-1, 1) // powers) % 3 - 1
+    return q.view(-1, 5 * ref.trit_bytes(group))[:, :group].reshape(-1)
+
+
+@pytest.mark.parametrize(("group", "had"), [(128, 0), (16, 0), (256, 0), (128, 128), (64, 16),
+                                            (32, 128)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("stochastic", [False, True])
+@pytest.mark.parametrize("numel", [1, 5000])
+def test_trits_encode_decode_match_reference(group, had, dtype, stochastic, numel):
+    x = (torch.randn(numel) * 2).to(dtype)
+    x[numel // 2] = float("nan") if numel > 1 else x[0]
+    keys = ref.stream_keys(3, 1, 4) if stochastic else None
+    for sd in (torch.float32, torch.float16):
+        c_ref, s_ref = ref.trits_quantize(x, group=group, hadamard=had, scale_dtype=sd,
+                                          keys=keys)
+        c_tri, s_tri = triton_quant.trits_quantize(x, group=group, hadamard=had, scale_dtype=sd,
+                                                   keys=keys)
+        assert c_tri.shape == c_ref.shape and s_tri.dtype == s_ref.dtype
+        if had:  # rotation sums in another order: a trit may differ at a rounding tie
+            torch.testing.assert_close(s_tri, s_ref, rtol=1e-5, atol=0, equal_nan=True)
+            q_ref, q_tri = _trits(c_ref, group), _trits(c_tri, group)
+            assert (q_ref - q_tri).abs().max() <= 1
+            assert (q_ref != q_tri).float().mean() < 0.01
+        else:
+            assert torch.equal(c_tri, c_ref)
+            torch.testing.assert_close(s_tri, s_ref, rtol=0, atol=0, equal_nan=True)
+        d_ref = ref.trits_dequantize(c_ref, s_ref, numel, group=group, hadamard=had,
+                                     out_dtype=dtype)
+        d_tri = triton_quant.trits_dequantize(c_ref, s_ref, numel, group=group, hadamard=had,
+                                              out_dtype=dtype)
+        assert torch.equal(d_ref.isnan(), d_tri.isnan())
+        bound = _ulp(d_ref) * 1.01
+        if had:
+            q = _trits(c_ref, group).float().view(-1, group) * s_ref.float().view(-1, 1)
+            block_max = q.reshape(-1, had).abs().amax(1).repeat_interleave(had)[:numel]
+            bound = bound + had.bit_length() * torch.finfo(torch.float32).eps * block_max
+        ok = ~d_ref.isnan()
+        assert torch.all((d_ref[ok].float() - d_tri[ok].float()).abs() <= bound[ok])
+
+
+def test_trits_supported_groups():
+    assert triton_quant.supports(2, 128, 128, trits=True)
+    assert not triton_quant.supports(2, 8, 0, trits=True)   # tl.dot needs 16 columns
+    assert not triton_quant.supports(2, 512, 0, trits=True)
+    assert not triton_quant.supports(4, 128, 0, trits=True)

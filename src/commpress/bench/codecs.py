@@ -21,8 +21,9 @@ from commpress.kernels import reference
 
 log = logging.getLogger(__name__)
 
-DEFAULT_CPU = ["none", "bf16", "fp16", "fp8", "int8", "int4", "int2", "int8:hadamard=128",
-               "int4:hadamard=128", "topk:ratio=0.01", "zfp:rate=8"]
+DEFAULT_CPU = ["none", "bf16", "fp16", "fp8", "fp8:hadamard=128", "int8", "int4", "int2",
+               "int2:packing=trits", "int8:hadamard=128", "int4:hadamard=128",
+               "topk:ratio=0.01", "zfp:rate=8"]
 DEFAULT_CUDA = [s for s in DEFAULT_CPU if not s.startswith("zfp")] + ["nvcomp:algorithm=ans"]
 
 

@@ -185,22 +185,17 @@ class Int2(_GroupQuantizer):
         if self.packing == "bits":
             return super().encode(x, rng_stream=rng_stream)
         self.check_input(x)
-        ref = kernels.reference
-        y = ref.pad_and_rotate(x, bits=2, group=self.group, hadamard=self.hadamard)
-        u, scales = ref.quantize_levels(y, bits=2, group=self.group,
-                                        scale_dtype=self.torch_scale_dtype,
-                                        keys=self.next_keys(rng_stream))
-        trits = _pack_trits(u - 1, self.group)  # offset codes 1..3 → trits 0..2
+        trits, scales = kernels.trits_quantize(
+            x, group=self.group, hadamard=self.hadamard, scale_dtype=self.torch_scale_dtype,
+            keys=self.next_keys(rng_stream))
         return Packet((trits, scales), x.numel(), tuple(x.shape), x.dtype)
 
     def decode(self, packet: Packet, out: torch.Tensor | None = None) -> torch.Tensor:
         if self.packing == "bits":
             return super().decode(packet, out)
         trits, scales = packet.tensors
-        q = _unpack_trits(trits, self.group).view(-1, self.group)
-        y = (q * scales.float().view(-1, 1)).view(-1)
-        flat = kernels.reference.unrotate(y, packet.numel, hadamard=self.hadamard,
-                                          out_dtype=packet.dtype)
+        flat = kernels.trits_dequantize(trits, scales, packet.numel, group=self.group,
+                                        hadamard=self.hadamard, out_dtype=packet.dtype)
         return finish_decode(flat, packet, out)
 
     def packet_layout(self, numel: int, dtype: torch.dtype) -> list[tuple[torch.dtype, int]]:
@@ -208,33 +203,7 @@ class Int2(_GroupQuantizer):
         if self.packing == "bits":
             return layout
         groups = layout[1][1]
-        return [(torch.uint8, groups * _trit_bytes(self.group)), layout[1]]
-
-
-_TRIT_POWERS = (1, 3, 9, 27, 81)
-# byte → its five ternary values -1, 0, 1 (bytes 243..255 never occur)
-_TRIT_VALUES = torch.tensor([[(b // p) % 3 - 1 for p in _TRIT_POWERS] for b in range(256)],
-                            dtype=torch.float32)
-
-
-def _trit_bytes(group: int) -> int:
-    return -(-group // 5)
-
-
-def _pack_trits(u: torch.Tensor, group: int) -> torch.Tensor:
-    """Codes 0..2 (float), whole groups → five per byte, each group padded to 5."""
-    g = u.view(-1, group).to(torch.uint8)
-    width = 5 * _trit_bytes(group)
-    if width != group:
-        g = torch.nn.functional.pad(g, (0, width - group))
-    powers = torch.tensor(_TRIT_POWERS, dtype=torch.uint8, device=u.device)
-    return (g.view(-1, 5) * powers).sum(dim=1, dtype=torch.uint8)
-
-
-def _unpack_trits(packed: torch.Tensor, group: int) -> torch.Tensor:
-    """Packed bytes → flat fp32 values -1, 0, 1 of whole groups."""
-    values = _TRIT_VALUES.to(packed.device)[packed.long()]
-    return values.view(-1, 5 * _trit_bytes(group))[:, :group].reshape(-1)
+        return [(torch.uint8, groups * kernels.reference.trit_bytes(self.group)), layout[1]]
 
 
 @dataclass

@@ -5,7 +5,8 @@ Each entry point picks its implementation once per call site from the tensor's
 device: the Triton kernels on CUDA (when Triton is installed and the configuration
 is one they support), the torch reference elsewhere. ``COMMPRESS_KERNELS=reference``
 forces the reference everywhere (for debugging or comparison);
-``COMMPRESS_KERNELS=triton`` forces Triton (on CPU that needs ``TRITON_INTERPRET=1``).
+``COMMPRESS_KERNELS=triton`` runs Triton on every device for every configuration it
+supports (on CPU that needs ``TRITON_INTERPRET=1``).
 """
 
 from __future__ import annotations
@@ -36,8 +37,10 @@ def _triton_module() -> ModuleType | None:
     return triton_quant
 
 
-def backend_for(device: torch.device, bits: int, group: int, hadamard: int) -> ModuleType:
-    """The module (reference or Triton) that runs this configuration on ``device``."""
+def backend_for(device: torch.device, bits: int, group: int, hadamard: int,
+                trits: bool = False) -> ModuleType:
+    """The module (reference or Triton) that runs this configuration on ``device``
+    (``trits``: int2 codes packed five per byte)."""
     choice = os.environ.get("COMMPRESS_KERNELS", "auto")
     if choice not in KERNEL_CHOICES:
         raise ValueError(
@@ -46,11 +49,10 @@ def backend_for(device: torch.device, bits: int, group: int, hadamard: int) -> M
     if choice == "reference":
         return reference
     tq = _triton_module()
-    if choice == "triton":
-        if tq is None:
-            raise ImportError("COMMPRESS_KERNELS=triton needs Triton: pip install triton")
-        return tq
-    if device.type == "cuda" and tq is not None and tq.supports(bits, group, hadamard):
+    if choice == "triton" and tq is None:
+        raise ImportError("COMMPRESS_KERNELS=triton needs Triton: pip install triton")
+    supported = tq is not None and tq.supports(bits, group, hadamard, trits)
+    if supported and (choice == "triton" or device.type == "cuda"):
         return tq
     return reference
 
@@ -86,6 +88,23 @@ def fp8_dequantize(codes: torch.Tensor, scales: torch.Tensor, numel: int, *, gro
     impl = backend_for(codes.device, 8, group, hadamard)
     return impl.fp8_dequantize(codes, scales, numel, group=group, hadamard=hadamard,
                                out_dtype=out_dtype)
+
+
+def trits_quantize(x: torch.Tensor, *, group: int, hadamard: int = 0,
+                   scale_dtype: torch.dtype = torch.float32,
+                   keys: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """int2's ternary codes, five per byte; see :func:`reference.trits_quantize`."""
+    impl = backend_for(x.device, 2, group, hadamard, trits=True)
+    return impl.trits_quantize(x, group=group, hadamard=hadamard, scale_dtype=scale_dtype,
+                               keys=keys)
+
+
+def trits_dequantize(packed: torch.Tensor, scales: torch.Tensor, numel: int, *, group: int,
+                     hadamard: int = 0, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Decode :func:`trits_quantize`'s bytes to ``numel`` values."""
+    impl = backend_for(packed.device, 2, group, hadamard, trits=True)
+    return impl.trits_dequantize(packed, scales, numel, group=group, hadamard=hadamard,
+                                 out_dtype=out_dtype)
 
 
 def dequantize_sum(codes: torch.Tensor, scales: torch.Tensor, *, bits: int, group: int,
@@ -129,4 +148,6 @@ __all__ = [
     "quantize",
     "reference",
     "stream_keys",
+    "trits_dequantize",
+    "trits_quantize",
 ]

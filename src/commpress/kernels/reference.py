@@ -366,3 +366,38 @@ def fp8_dequantize(codes: torch.Tensor, scales: torch.Tensor, numel: int, *, gro
     y = (vals * scales.float().view(-1, 1)).view(-1)
     y = y.clamp_(-FP32_MAX, FP32_MAX)  # NaN stays
     return unrotate(y, numel, hadamard=hadamard, out_dtype=out_dtype)
+
+
+# -- ternary codes, five per byte (int2:packing=trits) ------------------------------------
+TRIT_POWERS = (1, 3, 9, 27, 81)
+
+
+def trit_bytes(group: int) -> int:
+    """Bytes per group: five trits per byte, the group padded to a multiple of 5."""
+    return -(-group // 5)
+
+
+def trits_quantize(x: torch.Tensor, *, group: int, hadamard: int = 0,
+                   scale_dtype: torch.dtype = torch.float32,
+                   keys: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Encode ``x`` as int2's ternary codes -1, 0, 1 (the same levels and scales as
+    :func:`quantize` with ``bits=2``), packed five per byte: byte ``b`` of a group holds
+    its elements ``5b … 5b + 4`` as ``Σ (q + 1) · 3^i`` (the last byte zero-padded)."""
+    y = pad_and_rotate(x, bits=2, group=group, hadamard=hadamard)
+    u, scales = quantize_levels(y, bits=2, group=group, scale_dtype=scale_dtype, keys=keys)
+    g = (u - 1).view(-1, group).to(torch.uint8)  # offset codes 1..3 → trits 0..2
+    width = 5 * trit_bytes(group)
+    if width != group:
+        g = torch.nn.functional.pad(g, (0, width - group))
+    powers = torch.tensor(TRIT_POWERS, dtype=torch.uint8, device=x.device)
+    return (g.view(-1, 5) * powers).sum(dim=1, dtype=torch.uint8), scales
+
+
+def trits_dequantize(packed: torch.Tensor, scales: torch.Tensor, numel: int, *, group: int,
+                     hadamard: int = 0, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Decode :func:`trits_quantize`'s bytes to ``numel`` values of ``out_dtype``."""
+    powers = torch.tensor(TRIT_POWERS, dtype=torch.int32, device=packed.device)
+    q = (packed.to(torch.int32).view(-1, 1) // powers) % 3 - 1  # (bytes, 5): -1, 0, 1
+    q = q.view(-1, 5 * trit_bytes(group))[:, :group].float()
+    y = (q * scales.float().view(-1, 1)).view(-1)
+    return unrotate(y, numel, hadamard=hadamard, out_dtype=out_dtype)

@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from commpress.kernels.reference import padded_numel, qmax_for_bits, scale_floor
+from commpress.kernels.reference import padded_numel, qmax_for_bits, scale_floor, trit_bytes
 
 # The tile must give tl.dot at least 16 rows; 4096 elements per program keeps the
 # interpreter quick on CPU and is the untuned start on the GPU.
@@ -54,6 +54,8 @@ def interpreting() -> bool:
 def config(kernel: str, bits: int, group: int, hadamard: int) -> tuple[int, int]:
     """(tile elements, warps) of a kernel for a configuration (measured, else default)."""
     tile, warps = CONFIGS.get((kernel, bits, group, hadamard), (TILE_ELEMENTS, DEFAULT_WARPS))
+    if kernel.startswith("trits"):  # tl.dot needs 16 groups per tile
+        tile = max(tile, 16 * group)
     return max(tile, group, hadamard), warps
 
 
@@ -70,10 +72,13 @@ def hadamard_matrix(h: int, dtype: torch.dtype, device: torch.device) -> torch.T
     return _hadamard_matrix(max(h, 1), dtype, str(device))
 
 
-def supports(bits: int, group: int, hadamard: int) -> bool:
-    """Whether these kernels handle a configuration (else the caller uses the reference)."""
+def supports(bits: int, group: int, hadamard: int, trits: bool = False) -> bool:
+    """Whether these kernels handle a configuration (else the caller uses the reference);
+    ``trits``: int2 codes five per byte (groups of 16 … 256)."""
     pow2 = lambda v: v > 0 and v & (v - 1) == 0  # noqa: E731
     if bits not in (2, 4, 8) or not pow2(group) or group < 8 // bits:
+        return False
+    if trits and not (bits == 2 and 16 <= group <= 256):
         return False
     if hadamard and (not pow2(hadamard) or hadamard < 16):
         return False
@@ -111,12 +116,13 @@ def _rotate(x, Hm, TILE: tl.constexpr, HAD: tl.constexpr, DOT_FP32: tl.constexpr
 
 
 @triton.jit
-def _quantize_tile(y, base, k1, k2, TILE: tl.constexpr, BITS: tl.constexpr,
-                   GROUP: tl.constexpr, STOCHASTIC: tl.constexpr, SCALE_FP16: tl.constexpr,
-                   FLOOR: tl.constexpr):
-    """Quantize fp32 ``y`` (TILE,) in groups; return (packed bytes, scales)."""
+def _levels_tile(y, base, k1, k2, TILE: tl.constexpr, BITS: tl.constexpr,
+                 GROUP: tl.constexpr, STOCHASTIC: tl.constexpr, SCALE_FP16: tl.constexpr,
+                 FLOOR: tl.constexpr):
+    """Quantize fp32 ``y`` (TILE,) in groups; return the codes ``q`` as fp32
+    ``(TILE / GROUP, GROUP)`` in ``-QMAX … QMAX`` (0 in a non-finite group) and the
+    scales (NaN for a non-finite group)."""
     QMAX: tl.constexpr = (1 << (BITS - 1)) - 1
-    PER_BYTE: tl.constexpr = 8 // BITS
     g = tl.reshape(y, (TILE // GROUP, GROUP))
     ok = tl.abs(g) < float("inf")  # False for NaN and ±Inf
     bad = tl.max(tl.where(ok, 0, 1), axis=1) > 0
@@ -139,12 +145,20 @@ def _quantize_tile(y, base, k1, k2, TILE: tl.constexpr, BITS: tl.constexpr,
     else:
         v = v + 0.5
     q = tl.minimum(tl.maximum(tl.floor(v), -QMAX * 1.0), QMAX * 1.0)
-    q = tl.where(bad[:, None], 0.0, q)
+    return tl.where(bad[:, None], 0.0, q), tl.where(bad, float("nan"), scale)
+
+
+@triton.jit
+def _quantize_tile(y, base, k1, k2, TILE: tl.constexpr, BITS: tl.constexpr,
+                   GROUP: tl.constexpr, STOCHASTIC: tl.constexpr, SCALE_FP16: tl.constexpr,
+                   FLOOR: tl.constexpr):
+    """Quantize fp32 ``y`` (TILE,) in groups; return (packed bytes, scales)."""
+    PER_BYTE: tl.constexpr = 8 // BITS
+    q, scale = _levels_tile(y, base, k1, k2, TILE, BITS, GROUP, STOCHASTIC, SCALE_FP16, FLOOR)
     codes = (q.to(tl.int32) + (1 << (BITS - 1)))
     codes = tl.reshape(codes, (TILE // PER_BYTE, PER_BYTE))
     shifts = tl.arange(0, PER_BYTE) * BITS
     packed = tl.sum(codes << shifts[None, :], axis=1).to(tl.uint8)
-    scale = tl.where(bad, float("nan"), scale)
     return packed, scale
 
 
@@ -350,6 +364,70 @@ def _fp8_dequantize_kernel(codes_ptr, scales_ptr, h_ptr, out_ptr, numel, total,
     tl.store(out_ptr + offs, y, mask=offs < numel)
 
 
+@triton.jit
+def _dot(a, b, DOT_FP32: tl.constexpr):
+    """``a @ b`` in fp32: an ieee product, or one in ``b``'s dtype (exact for the small
+    integers the trit kernels multiply)."""
+    if DOT_FP32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a.to(b.dtype), b)
+
+
+@triton.jit
+def _trits_quantize_kernel(x_ptr, codes_ptr, scales_ptr, h_ptr, w_ptr, numel, total, k1, k2,
+                           GROUP: tl.constexpr, HAD: tl.constexpr, TILE: tl.constexpr,
+                           NB: tl.constexpr, NBP: tl.constexpr, STOCHASTIC: tl.constexpr,
+                           SCALE_FP16: tl.constexpr, FLOOR: tl.constexpr,
+                           DOT_FP32: tl.constexpr):
+    pid = tl.program_id(0)
+    base = pid.to(tl.int64) * TILE
+    y = _load_rotated(x_ptr, h_ptr, base, numel, HAD, TILE, DOT_FP32)
+    q, scale = _levels_tile(y, base, k1, k2, TILE, 2, GROUP, STOCHASTIC, SCALE_FP16, FLOOR)
+    # five trits per byte: byte b of a group is Σ_i (q[5b + i] + 1)·3^i, one product
+    # with the (GROUP, NBP) matrix W[j, b] = 3^(j − 5b) for 0 ≤ j − 5b < 5
+    j = tl.arange(0, GROUP)
+    W = tl.load(w_ptr + j[:, None] * NBP + tl.arange(0, NBP)[None, :])
+    packed = _dot(q + 1.0, W, DOT_FP32).to(tl.int32).to(tl.uint8)  # (TILE / GROUP, NBP)
+    rows = pid.to(tl.int64) * (TILE // GROUP) + tl.arange(0, TILE // GROUP)
+    cols = tl.arange(0, NBP)
+    mask = (cols[None, :] < NB) & (rows[:, None] < total // GROUP)
+    tl.store(codes_ptr + rows[:, None] * NB + cols[None, :], packed, mask=mask)
+    tl.store(scales_ptr + rows, scale.to(scales_ptr.dtype.element_ty), mask=rows < total // GROUP)
+
+
+@triton.jit
+def _trits_dequantize_kernel(codes_ptr, scales_ptr, h_ptr, s_ptr, p_ptr, out_ptr, numel, total,
+                             GROUP: tl.constexpr, HAD: tl.constexpr, TILE: tl.constexpr,
+                             NB: tl.constexpr, NBP: tl.constexpr, DOT_FP32: tl.constexpr,
+                             OUT_MAX: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = pid.to(tl.int64) * (TILE // GROUP) + tl.arange(0, TILE // GROUP)
+    cols = tl.arange(0, NBP)
+    mask = (cols[None, :] < NB) & (rows[:, None] < total // GROUP)
+    packed = tl.load(codes_ptr + rows[:, None] * NB + cols[None, :], mask=mask, other=0)
+    # every element's byte, by a product with the selection S[b, j] = (j // 5 == b),
+    # then its trit: (byte // 3^(j % 5)) % 3
+    j = tl.arange(0, GROUP)
+    S = tl.load(s_ptr + cols[:, None] * GROUP + j[None, :])
+    byte = _dot(packed.to(tl.float32), S, DOT_FP32).to(tl.int32)  # (TILE / GROUP, GROUP)
+    q = ((byte // tl.load(p_ptr + j)[None, :]) % 3 - 1).to(tl.float32)
+    scale = tl.load(scales_ptr + rows, mask=rows < total // GROUP, other=0.0).to(tl.float32)
+    if HAD > 1 and GROUP % HAD == 0:  # rotate the integer codes (exact), then scale
+        r = _rotate(tl.reshape(q, (TILE,)), _load_hadamard(h_ptr, HAD), TILE, HAD, DOT_FP32)
+        r = tl.reshape(r, (TILE // GROUP, GROUP))
+        y = _saturate(tl.reshape(r * (scale * (1.0 / HAD))[:, None], (TILE,)))
+    else:
+        y = _saturate(tl.reshape(q * scale[:, None], (TILE,)))
+        if HAD > 1:  # blocks span groups: scale first, then an fp32 product
+            y = _rotate(y * (1.0 / HAD), _load_hadamard(h_ptr, HAD), TILE, HAD, True)
+    offs = pid.to(tl.int64) * TILE + tl.arange(0, TILE)
+    if OUT_MAX > 0:  # saturate finite values to the output dtype (see reference.saturate)
+        finite = tl.abs(y) < float("inf")
+        y = tl.where(finite, tl.minimum(tl.maximum(y, -OUT_MAX), OUT_MAX), y)
+    y = y.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+    tl.store(out_ptr + offs, y, mask=offs < numel)
+
+
 def quantize(
     x: torch.Tensor,
     *,
@@ -487,5 +565,76 @@ def fp8_dequantize(codes: torch.Tensor, scales: torch.Tensor, numel: int, *, gro
     return out
 
 
+@functools.cache
+def _trit_matrices(group: int, dtype: torch.dtype,
+                   device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+    """(W, S, powers, NB, NBP) of the trit kernels: W packs a group's trits into bytes,
+    S selects each element's byte, powers are 3^(j % 5); NB bytes per group, NBP the
+    next power of two (≥ 16, as tl.dot asks)."""
+    nb = trit_bytes(group)
+    nbp = max(16, 1 << (nb - 1).bit_length())
+    j = torch.arange(group)
+    w = torch.zeros(group, nbp)
+    w[j, j // 5] = 3.0 ** (j % 5).float()
+    sel = torch.zeros(nbp, group)
+    sel[j // 5, j] = 1.0
+    powers = (3 ** (j % 5)).to(torch.int32)
+    return (w.to(device, dtype).contiguous(), sel.to(device, dtype).contiguous(),
+            powers.to(device), nb, nbp)
+
+
+def trits_quantize(x: torch.Tensor, *, group: int, hadamard: int = 0,
+                   scale_dtype: torch.dtype = torch.float32,
+                   keys: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton twin of :func:`commpress.kernels.reference.trits_quantize`."""
+    flat = x.reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    numel = flat.numel()
+    total = padded_numel(numel, 2, group, hadamard)
+    groups = total // group
+    codes = torch.empty(groups * trit_bytes(group), dtype=torch.uint8, device=x.device)
+    scales = torch.empty(groups, dtype=scale_dtype, device=x.device)
+    if total == 0:
+        return codes, scales
+    tile, warps = config("trits_quantize", 2, group, hadamard)
+    k1, k2 = keys if keys is not None else (0, 0)
+    dot_fp32 = interpreting() or flat.dtype == torch.float32
+    h = hadamard_matrix(hadamard, torch.float32 if dot_fp32 else flat.dtype, x.device)
+    # trits and powers of 3 are exact in bf16
+    w, _, _, nb, nbp = _trit_matrices(group, torch.float32 if interpreting() else torch.bfloat16,
+                                      str(x.device))
+    _trits_quantize_kernel[(triton.cdiv(total, tile),)](
+        flat, codes, scales, h, w, numel, total, k1, k2, GROUP=group, HAD=hadamard, TILE=tile,
+        NB=nb, NBP=nbp, STOCHASTIC=keys is not None, SCALE_FP16=scale_dtype == torch.float16,
+        FLOOR=scale_floor(scale_dtype), DOT_FP32=dot_fp32, num_warps=warps,
+    )
+    return codes, scales
+
+
+def trits_dequantize(codes: torch.Tensor, scales: torch.Tensor, numel: int, *, group: int,
+                     hadamard: int = 0, out_dtype: torch.dtype = torch.float32,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton twin of :func:`commpress.kernels.reference.trits_dequantize`."""
+    total = padded_numel(numel, 2, group, hadamard)
+    if out is None:
+        out = torch.empty(numel, dtype=out_dtype, device=codes.device)
+    if numel == 0:
+        return out
+    tile, warps = config("trits_dequantize", 2, group, hadamard)
+    dot_fp32 = interpreting()
+    dot_dtype = torch.float32 if dot_fp32 else torch.bfloat16  # bytes ≤ 242: exact in bf16
+    h = hadamard_matrix(hadamard, dot_dtype, codes.device)
+    _, sel, powers, nb, nbp = _trit_matrices(group, dot_dtype, str(codes.device))
+    _trits_dequantize_kernel[(triton.cdiv(total, tile),)](
+        codes, scales, h, sel, powers, out, numel, total, GROUP=group, HAD=hadamard, TILE=tile,
+        NB=nb, NBP=nbp, DOT_FP32=dot_fp32,
+        OUT_MAX=0.0 if out.dtype == torch.float32 else torch.finfo(out.dtype).max,
+        num_warps=warps,
+    )
+    return out
+
+
 __all__ = ["CONFIGS", "config", "dequant_reduce_requant", "dequantize", "fp8_dequantize",
-           "fp8_quantize", "quantize", "qmax_for_bits", "supports"]
+           "fp8_quantize", "quantize", "qmax_for_bits", "supports", "trits_dequantize",
+           "trits_quantize"]
