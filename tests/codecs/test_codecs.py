@@ -109,6 +109,44 @@ def test_decode_into_out(spec):
     out = torch.empty_like(x)
     assert c.decode(packet, out=out) is out
     assert torch.equal(out, c.decode(packet))
+    # another dtype, or a non-contiguous out: written through a copy, the same values
+    wide = torch.empty(10, 30, dtype=torch.float64)
+    assert torch.equal(c.decode(packet, out=wide), out.double())
+    strided = torch.empty(30, 10).t()
+    assert torch.equal(c.decode(packet, out=strided), out)
+
+
+@pytest.mark.parametrize("spec", ["int4", "int8:hadamard=128", "fp8", "fp8:hadamard=32",
+                                  "int2:packing=trits"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_decoders_write_into_out_without_a_temporary(spec, dtype, monkeypatch):
+    # the lean host path: a decoded bucket lands in the caller's buffer; no tensor of its
+    # size is allocated on the way (counted at the dispatcher, Triton in interpreter mode)
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountBig(TorchDispatchMode):
+        big = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            result = func(*args, **(kwargs or {}))
+            if (func.name().startswith("aten::empty") and isinstance(result, torch.Tensor)
+                    and result.numel() >= 4096):
+                CountBig.big += 1
+            return result
+
+    monkeypatch.setenv("COMMPRESS_KERNELS", "triton")
+    c = codec(spec)
+    x = torch.randn(4096).to(dtype)
+    packet = c.encode(x)
+    expected = c.decode(packet)
+    out = torch.full_like(x, float("nan"))
+    with CountBig():
+        assert c.decode(packet, out=out) is out
+    assert CountBig.big == 0
+    assert torch.equal(out, expected)
+    with CountBig():  # without out= the decoder allocates its result (the count works)
+        c.decode(packet)
+    assert CountBig.big >= 1
 
 
 def test_spec_string_dict_and_kwargs_agree():

@@ -48,6 +48,8 @@ def finish_decode(values: torch.Tensor, packet: Packet,
     ``out`` (the one place every codec's ``decode`` ends). Finite values beyond the
     target dtype's range saturate there (bf16 rounds 65504 up to 65536, which fp16
     cannot hold); NaN and ±Inf pass unchanged."""
+    if out is not None and values.data_ptr() == out.data_ptr():
+        return out  # the kernel wrote into ``out`` (see :func:`direct_out`)
     target = packet.dtype if out is None else out.dtype
     if values.dtype != target and torch.finfo(values.dtype).max > torch.finfo(target).max:
         values = saturate(values.float(), target)
@@ -55,6 +57,15 @@ def finish_decode(values: torch.Tensor, packet: Packet,
         return values.to(packet.dtype).view(packet.shape)
     out.copy_(values.view(out.shape))
     return out
+
+
+def direct_out(packet: Packet, out: torch.Tensor | None) -> torch.Tensor | None:
+    """``out`` as the flat tensor a decoder may write into directly (no allocation, no
+    copy), or None when it cannot: another dtype than the packet's, or not contiguous."""
+    if (out is None or out.dtype != packet.dtype or not out.is_contiguous()
+            or out.numel() != packet.numel):
+        return None
+    return out.view(-1)
 
 
 def packet_to_bytes(packet: Packet) -> torch.Tensor:

@@ -24,7 +24,14 @@ from typing import Any, ClassVar, Literal
 import torch
 
 from commpress import kernels
-from commpress.codecs.base import Codec, Packet, finish_decode, option_error, register_codec
+from commpress.codecs.base import (
+    Codec,
+    Packet,
+    direct_out,
+    finish_decode,
+    option_error,
+    register_codec,
+)
 
 SCALE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 HADAMARD_SIZES = (0, 16, 32, 64, 128, 256)
@@ -99,7 +106,8 @@ class _GroupQuantizer(Codec):
     def decode(self, packet: Packet, out: torch.Tensor | None = None) -> torch.Tensor:
         codes, scales = packet.tensors
         flat = kernels.dequantize(codes, scales, packet.numel, bits=self.bits, group=self.group,
-                                  hadamard=self.hadamard, out_dtype=packet.dtype)
+                                  hadamard=self.hadamard, out_dtype=packet.dtype,
+                                  out=direct_out(packet, out))
         return finish_decode(flat, packet, out)
 
     def decode_sum(self, packet: Packet) -> torch.Tensor:
@@ -195,7 +203,8 @@ class Int2(_GroupQuantizer):
             return super().decode(packet, out)
         trits, scales = packet.tensors
         flat = kernels.trits_dequantize(trits, scales, packet.numel, group=self.group,
-                                        hadamard=self.hadamard, out_dtype=packet.dtype)
+                                        hadamard=self.hadamard, out_dtype=packet.dtype,
+                                        out=direct_out(packet, out))
         return finish_decode(flat, packet, out)
 
     def packet_layout(self, numel: int, dtype: torch.dtype) -> list[tuple[torch.dtype, int]]:
@@ -257,7 +266,8 @@ class FP8(ScaledGroups):
     def decode(self, packet: Packet, out: torch.Tensor | None = None) -> torch.Tensor:
         codes, scales = packet.tensors
         flat = kernels.fp8_dequantize(codes, scales, packet.numel, group=self.group,
-                                      hadamard=self.hadamard, out_dtype=packet.dtype)
+                                      hadamard=self.hadamard, out_dtype=packet.dtype,
+                                      out=direct_out(packet, out))
         return finish_decode(flat, packet, out)
 
     def packet_layout(self, numel: int, dtype: torch.dtype) -> list[tuple[torch.dtype, int]]:

@@ -67,12 +67,13 @@ def quantize(x: torch.Tensor, *, bits: int, group: int, hadamard: int = 0,
 
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, numel: int, *, bits: int,
-               group: int, hadamard: int = 0,
-               out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Decode ``(codes, scales)`` to a flat tensor of ``numel`` elements."""
+               group: int, hadamard: int = 0, out_dtype: torch.dtype = torch.float32,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode ``(codes, scales)`` to a flat tensor of ``numel`` elements (written into
+    ``out``, flat and contiguous in ``out_dtype``, if given: no allocation)."""
     impl = backend_for(codes.device, bits, group, hadamard)
     return impl.dequantize(codes, scales, numel, bits=bits, group=group, hadamard=hadamard,
-                           out_dtype=out_dtype)
+                           out_dtype=out_dtype, out=out)
 
 
 def fp8_quantize(x: torch.Tensor, *, group: int, hadamard: int = 0,
@@ -83,11 +84,12 @@ def fp8_quantize(x: torch.Tensor, *, group: int, hadamard: int = 0,
 
 
 def fp8_dequantize(codes: torch.Tensor, scales: torch.Tensor, numel: int, *, group: int,
-                   hadamard: int = 0, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                   hadamard: int = 0, out_dtype: torch.dtype = torch.float32,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
     """Decode :func:`fp8_quantize`'s ``(codes, scales)`` to ``numel`` values."""
     impl = backend_for(codes.device, 8, group, hadamard)
     return impl.fp8_dequantize(codes, scales, numel, group=group, hadamard=hadamard,
-                               out_dtype=out_dtype)
+                               out_dtype=out_dtype, out=out)
 
 
 def trits_quantize(x: torch.Tensor, *, group: int, hadamard: int = 0,
@@ -100,11 +102,12 @@ def trits_quantize(x: torch.Tensor, *, group: int, hadamard: int = 0,
 
 
 def trits_dequantize(packed: torch.Tensor, scales: torch.Tensor, numel: int, *, group: int,
-                     hadamard: int = 0, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                     hadamard: int = 0, out_dtype: torch.dtype = torch.float32,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
     """Decode :func:`trits_quantize`'s bytes to ``numel`` values."""
     impl = backend_for(packed.device, 2, group, hadamard, trits=True)
     return impl.trits_dequantize(packed, scales, numel, group=group, hadamard=hadamard,
-                                 out_dtype=out_dtype)
+                                 out_dtype=out_dtype, out=out)
 
 
 def dequantize_sum(codes: torch.Tensor, scales: torch.Tensor, *, bits: int, group: int,

@@ -260,10 +260,19 @@ def dequantize(
     group: int,
     hadamard: int = 0,
     out_dtype: torch.dtype = torch.float32,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Decode to a flat tensor of ``numel`` elements of ``out_dtype``."""
+    """Decode to a flat tensor of ``numel`` elements of ``out_dtype`` (into ``out``, a
+    flat contiguous tensor of that dtype, if given)."""
     y = dequantize_rotated(codes, scales, bits=bits, group=group)
-    return unrotate(y, numel, hadamard=hadamard, out_dtype=out_dtype)
+    return written(unrotate(y, numel, hadamard=hadamard, out_dtype=out_dtype), out)
+
+
+def written(values: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """``values``, or ``out`` holding them (the decoders' ``out=``)."""
+    if out is None:
+        return values
+    return out.copy_(values)
 
 
 def dequantize_sum(
@@ -360,12 +369,13 @@ def fp8_quantize(x: torch.Tensor, *, group: int, hadamard: int = 0,
 
 
 def fp8_dequantize(codes: torch.Tensor, scales: torch.Tensor, numel: int, *, group: int,
-                   hadamard: int = 0, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                   hadamard: int = 0, out_dtype: torch.dtype = torch.float32,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
     """Decode :func:`fp8_quantize`'s bytes to ``numel`` values of ``out_dtype``."""
     vals = codes.view(torch.float8_e4m3fn).float().view(-1, group)
     y = (vals * scales.float().view(-1, 1)).view(-1)
     y = y.clamp_(-FP32_MAX, FP32_MAX)  # NaN stays
-    return unrotate(y, numel, hadamard=hadamard, out_dtype=out_dtype)
+    return written(unrotate(y, numel, hadamard=hadamard, out_dtype=out_dtype), out)
 
 
 # -- ternary codes, five per byte (int2:packing=trits) ------------------------------------
@@ -394,10 +404,11 @@ def trits_quantize(x: torch.Tensor, *, group: int, hadamard: int = 0,
 
 
 def trits_dequantize(packed: torch.Tensor, scales: torch.Tensor, numel: int, *, group: int,
-                     hadamard: int = 0, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                     hadamard: int = 0, out_dtype: torch.dtype = torch.float32,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
     """Decode :func:`trits_quantize`'s bytes to ``numel`` values of ``out_dtype``."""
     powers = torch.tensor(TRIT_POWERS, dtype=torch.int32, device=packed.device)
     q = (packed.to(torch.int32).view(-1, 1) // powers) % 3 - 1  # (bytes, 5): -1, 0, 1
     q = q.view(-1, 5 * trit_bytes(group))[:, :group].float()
     y = (q * scales.float().view(-1, 1)).view(-1)
-    return unrotate(y, numel, hadamard=hadamard, out_dtype=out_dtype)
+    return written(unrotate(y, numel, hadamard=hadamard, out_dtype=out_dtype), out)
