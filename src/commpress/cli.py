@@ -72,14 +72,16 @@ def _optional(base: type):
     return parse
 
 
-def _add_train_options(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
-    """One flag per TrainConfig field; the field's help text, then its default once."""
+def _add_train_options(p: argparse.ArgumentParser, skip: tuple[str, ...] = (),
+                       helps: dict[str, str] | None = None) -> None:
+    """One flag per TrainConfig field; the field's help text (or ``helps``' for this
+    command), then its default once."""
     import dataclasses
     import typing
 
     from commpress.train.config import TrainConfig, field_help
 
-    helps = field_help()
+    helps = {**field_help(), **(helps or {})}
     hints = typing.get_type_hints(TrainConfig)
     for f in dataclasses.fields(TrainConfig):
         if f.name in skip:
@@ -142,8 +144,10 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
-SIMULATE_SKIPS = ("nproc", "tp", "dp", "ddp_hook", "backend", "resume",
-                  "checkpoint_every")
+SIMULATE_SKIPS = ("nproc", "tp", "dp", "ddp_hook", "backend", "resume", "checkpoint_every",
+                  "timeout_s")
+SIMULATE_HELPS = {"ranks_per_node": "played ranks (data-parallel ranks × stages) per node; "
+                                    "default: all in one node"}
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
@@ -231,7 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--policies", default=None,
                      help="comma-separated policies to compare (a table and plots); "
                           "default: --policy alone")
-    _add_train_options(sim, skip=SIMULATE_SKIPS)
+    _add_train_options(sim, skip=SIMULATE_SKIPS, helps=SIMULATE_HELPS)
     sim.add_argument("--json", default=None, help="also write the summary to this JSON file")
     sim.set_defaults(fn=_cmd_simulate)
 
@@ -239,16 +243,19 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--model", default="gpt-6.7b",
                     help="preset (gpt-125m … gpt-neox-20b, llama-7b/13b/70b) or a parameter "
                          "count such as 6.7e9")
-    pl.add_argument("--gpus", type=int, default=64)
-    pl.add_argument("--gpus-per-node", type=int, default=4)
+    pl.add_argument("--gpus", type=int, default=64, help="GPUs in the job (default: 64)")
+    pl.add_argument("--gpus-per-node", type=int, default=4,
+                    help="GPUs per node, joined by the fast intra-node links (default: 4)")
     pl.add_argument("--dp", type=int, default=None, help="default: gpus / (tp · pp)")
-    pl.add_argument("--tp", type=int, default=1)
-    pl.add_argument("--pp", type=int, default=1)
+    pl.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default: 1)")
+    pl.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree (default: 1)")
     pl.add_argument("--zero-stage", type=int, default=1, choices=[0, 1, 2, 3],
                     help="0: plain data parallel (DDP, commpress.ddp_hook); 1-3: ZeRO")
-    pl.add_argument("--micro-batch", type=int, default=1)
-    pl.add_argument("--seq", type=int, default=2048)
-    pl.add_argument("--global-batch", type=int, default=256)
+    pl.add_argument("--micro-batch", type=int, default=1,
+                    help="sequences per micro-batch and rank (default: 1)")
+    pl.add_argument("--seq", type=int, default=2048, help="tokens per sequence (default: 2048)")
+    pl.add_argument("--global-batch", type=int, default=256,
+                    help="sequences per optimizer step, all ranks together (default: 256)")
     pl.add_argument("--recompute", action="store_true", help="activation recomputation")
     pl.add_argument("--gpu", default="a100", choices=sorted(GPUS),
                     help="GPU kind: peak TFLOPS, NVLink bandwidth, measured codec speeds")
@@ -274,13 +281,15 @@ def build_parser() -> argparse.ArgumentParser:
                          "computed")
     pl.add_argument("--codec-throughput", default=None,
                     help="JSON from 'commpress bench codecs --json'")
-    pl.add_argument("--json", default=None)
+    pl.add_argument("--json", default=None, help="also write the plan to this JSON file")
     pl.set_defaults(fn=_cmd_plan)
 
     tb = sub.add_parser("testbed", help="run train/compare on an emulated multi-node cluster "
                         "(network namespaces, shaped links; needs root and iproute2)")
-    tb.add_argument("--nodes", type=int, default=2)
-    tb.add_argument("--ranks-per-node", type=int, default=2)
+    tb.add_argument("--nodes", type=int, default=2,
+                    help="emulated nodes, one network namespace each (default: 2)")
+    tb.add_argument("--ranks-per-node", type=int, default=2,
+                    help="ranks started in each node (default: 2)")
     tb.add_argument("--bandwidth", default="50mbit", help="per node and direction, e.g. 50mbit")
     tb.add_argument("--latency", default=None, help="added one-way delay, e.g. 1ms")
     tb.add_argument("--link-stats", default=None, metavar="PATH",
