@@ -171,3 +171,18 @@ def test_async_inputs_may_be_reused_right_after_the_call():
 def test_groups_destroyed_and_created_again_get_fresh_sub_groups():
     for r in spawn(workers.recreated_groups, 4, ranks_per_node=2):
         assert all(r.values()), r
+
+
+def test_values_at_the_dtype_max_gather_finite_and_sum_as_torch_does():
+    # gathered values decode finite; a sum beyond the dtype's range is ±Inf in every
+    # codec exactly as in torch's own collectives (codec "none"), so the optimizers see
+    # a non-finite gradient and skip the step instead of applying a clipped one
+    specs = ["none", "int8", "int4:hadamard=128", "fp8", "int2:packing=trits"]
+    result = spawn(workers.near_dtype_max, 2, (specs,))[0]
+    for spec in specs:
+        assert result[spec]["all_gather"], spec
+        if "hadamard" in spec:  # the rotation saturates its inputs at FP32_MAX / 2h first
+            assert result[spec]["all_reduce"] and result[spec]["reduce_scatter"], spec
+            continue
+        assert result[spec]["all_reduce"] == result["none"]["all_reduce"] is False, spec
+        assert result[spec]["reduce_scatter"] == result["none"]["reduce_scatter"] is False, spec

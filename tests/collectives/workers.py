@@ -357,3 +357,22 @@ def played_all_reduces(world, grad_rule, numel, dtype, calls, rpn):
             played.add(r, inputs[r][c])
         out.append(_digest(played.finish()))
     return out
+
+
+def near_dtype_max(rank, world, specs):
+    """bf16 ±max through every collective: which results are all finite."""
+    top = torch.finfo(torch.bfloat16).max
+    x = torch.full((256,), top, dtype=torch.bfloat16)
+    x[1::2] = -top
+    out = {}
+    for spec in specs:
+        full = torch.empty(256 * world, dtype=torch.bfloat16)
+        commpress.all_gather(full, x, spec)
+        y = x.clone()
+        commpress.all_reduce(y, spec, op="avg")
+        part = torch.empty(256 // world, dtype=torch.bfloat16)
+        commpress.reduce_scatter(part, x, spec, op="avg")
+        out[spec] = {"all_gather": bool(torch.isfinite(full).all()),
+                     "all_reduce": bool(torch.isfinite(y).all()),
+                     "reduce_scatter": bool(torch.isfinite(part).all())}
+    return out
