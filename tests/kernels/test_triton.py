@@ -31,6 +31,21 @@ def _ulp(x: torch.Tensor) -> torch.Tensor:
     return (x.float().abs() * eps).clamp_min(tiny)
 
 
+def _assert_decodes_close(d_ref, d_tri, y_hat, had):
+    """Decoded values within 1 ulp of the output dtype; with Hadamard, plus the fp32
+    summation error of the inverse rotation, which sums h terms of |ŷ|/h in another
+    order than torch: ≤ log2(h)·eps·max|ŷ| over the block (ŷ: the values in the
+    rotated domain)."""
+    numel = d_ref.numel()
+    assert torch.equal(d_ref.isnan(), d_tri.isnan())
+    bound = _ulp(d_ref) * 1.01
+    if had:
+        block_max = y_hat.reshape(-1, had).abs().amax(1).repeat_interleave(had)[:numel]
+        bound = bound + had.bit_length() * torch.finfo(torch.float32).eps * block_max
+    ok = ~d_ref.isnan()
+    assert torch.all((d_ref[ok].float() - d_tri[ok].float()).abs() <= bound[ok])
+
+
 def _assert_codes_match(x, bits, group, had, sd, keys, c_ref, c_tri):
     if torch.equal(c_ref, c_tri):
         return
@@ -74,17 +89,8 @@ def test_encode_decode_match_reference(bits, group, had, dtype, stochastic, nume
                                out_dtype=dtype)
         d_tri = triton_quant.dequantize(c_ref, s_ref, numel, bits=bits, group=group,
                                         hadamard=had, out_dtype=dtype)
-        assert torch.equal(d_ref.isnan(), d_tri.isnan())
-        bound = _ulp(d_ref) * 1.01
-        if had:
-            # the inverse rotation sums h terms of |ŷ|/h in another order than torch:
-            # fp32 summation error ≤ log2(h)·eps·max|ŷ| over the block
-            y_hat = ref.dequantize_rotated(c_ref, s_ref, bits=bits, group=group).view(-1, had)
-            block_max = y_hat.abs().amax(1).repeat_interleave(had)[:numel]
-            bound = bound + had.bit_length() * torch.finfo(torch.float32).eps * block_max
-        ok = ~d_ref.isnan()
-        gap = (d_ref[ok].float() - d_tri[ok].float()).abs()
-        assert torch.all(gap <= bound[ok])
+        _assert_decodes_close(d_ref, d_tri, ref.dequantize_rotated(c_ref, s_ref, bits=bits,
+                                                                   group=group), had)
 
 
 @pytest.mark.parametrize("k", [1, 2, 4])
@@ -179,14 +185,8 @@ def test_fp8_encode_decode_match_reference(group, had, dtype, numel):
                                    out_dtype=dtype)
         d_tri = triton_quant.fp8_dequantize(c_ref, s_ref, numel, group=group, hadamard=had,
                                             out_dtype=dtype)
-        assert torch.equal(d_ref.isnan(), d_tri.isnan())
-        bound = _ulp(d_ref) * 1.01
-        if had:  # the inverse rotation sums in another order (see the int test above)
-            y_hat = (_fp8_values(c_ref).view(-1, group) * s_ref.float().view(-1, 1))
-            block_max = y_hat.reshape(-1, had).abs().amax(1).repeat_interleave(had)[:numel]
-            bound = bound + had.bit_length() * torch.finfo(torch.float32).eps * block_max
-        ok = ~d_ref.isnan()
-        assert torch.all((d_ref[ok].float() - d_tri[ok].float()).abs() <= bound[ok])
+        _assert_decodes_close(d_ref, d_tri, _fp8_values(c_ref).view(-1, group)
+                              * s_ref.float().view(-1, 1), had)
 
 
 def test_fp8_near_fp32_max_saturates_as_the_reference_does():
@@ -234,14 +234,8 @@ def test_trits_encode_decode_match_reference(group, had, dtype, stochastic, nume
                                      out_dtype=dtype)
         d_tri = triton_quant.trits_dequantize(c_ref, s_ref, numel, group=group, hadamard=had,
                                               out_dtype=dtype)
-        assert torch.equal(d_ref.isnan(), d_tri.isnan())
-        bound = _ulp(d_ref) * 1.01
-        if had:
-            q = _trits(c_ref, group).float().view(-1, group) * s_ref.float().view(-1, 1)
-            block_max = q.reshape(-1, had).abs().amax(1).repeat_interleave(had)[:numel]
-            bound = bound + had.bit_length() * torch.finfo(torch.float32).eps * block_max
-        ok = ~d_ref.isnan()
-        assert torch.all((d_ref[ok].float() - d_tri[ok].float()).abs() <= bound[ok])
+        _assert_decodes_close(d_ref, d_tri, _trits(c_ref, group).float().view(-1, group)
+                              * s_ref.float().view(-1, 1), had)
 
 
 def test_trits_supported_groups():

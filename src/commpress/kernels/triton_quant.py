@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -186,6 +187,34 @@ def _saturate(v):
 
 
 @triton.jit
+def _scale_and_unrotate(v, scale, h_ptr, TILE: tl.constexpr, GROUP: tl.constexpr,
+                        HAD: tl.constexpr, DOT_FP32: tl.constexpr):
+    """Decoded values ``v`` ``(TILE / GROUP, GROUP)`` before scaling (integer codes or
+    fp8 values) → fp32 ``(TILE,)``: scaled per group and, with ``HAD``, rotated back."""
+    if HAD > 1 and GROUP % HAD == 0:
+        # every block inside one group: rotate the unscaled values (exact products with
+        # bf16 operands), then scale once by scale / HAD
+        r = _rotate(tl.reshape(v, (TILE,)), _load_hadamard(h_ptr, HAD), TILE, HAD, DOT_FP32)
+        r = tl.reshape(r, (TILE // GROUP, GROUP))
+        return _saturate(tl.reshape(r * (scale * (1.0 / HAD))[:, None], (TILE,)))
+    y = _saturate(tl.reshape(v * scale[:, None], (TILE,)))
+    if HAD > 1:  # blocks span groups: scale first, then an fp32 product
+        y = _rotate(y * (1.0 / HAD), _load_hadamard(h_ptr, HAD), TILE, HAD, True)
+    return y
+
+
+@triton.jit
+def _store_decoded(out_ptr, offs, y, numel, OUT_MAX: tl.constexpr):
+    """Store fp32 ``y`` in the output's dtype (rounded to nearest even), finite values
+    saturated to its range (see ``reference.saturate``)."""
+    if OUT_MAX > 0:
+        finite = tl.abs(y) < float("inf")
+        y = tl.where(finite, tl.minimum(tl.maximum(y, -OUT_MAX), OUT_MAX), y)
+    y = y.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+    tl.store(out_ptr + offs, y, mask=offs < numel)
+
+
+@triton.jit
 def _load_rotated(x_ptr, h_ptr, base, numel, HAD: tl.constexpr, TILE: tl.constexpr,
                   DOT_FP32: tl.constexpr):
     """The tile at ``base`` (zero past ``numel``) as fp32, block-rotated when ``HAD > 1``."""
@@ -228,23 +257,10 @@ def _dequantize_kernel(codes_ptr, scales_ptr, h_ptr, out_ptr, numel, total,
     packed = tl.load(codes_ptr + boffs, mask=boffs < total * BITS // 8, other=0)
     goffs = pid.to(tl.int64) * (TILE // GROUP) + tl.arange(0, TILE // GROUP)
     scale = tl.load(scales_ptr + goffs, mask=goffs < total // GROUP, other=0.0).to(tl.float32)
-    if HAD > 1 and GROUP % HAD == 0:
-        # every block inside one group: rotate the integer codes (exact), then scale
-        Hm = _load_hadamard(h_ptr, HAD)
-        r = _rotate(_unpack_tile(packed, TILE, BITS), Hm, TILE, HAD, DOT_FP32)
-        r = tl.reshape(r, (TILE // GROUP, GROUP))
-        y = _saturate(tl.reshape(r * (scale * (1.0 / HAD))[:, None], (TILE,)))
-    elif HAD > 1:  # blocks span groups: scale first, then an fp32 product
-        y = _dequantize_tile(packed, scale, TILE, BITS, GROUP)
-        y = _rotate(y * (1.0 / HAD), _load_hadamard(h_ptr, HAD), TILE, HAD, True)
-    else:
-        y = _dequantize_tile(packed, scale, TILE, BITS, GROUP)
+    q = tl.reshape(_unpack_tile(packed, TILE, BITS), (TILE // GROUP, GROUP)).to(tl.float32)
+    y = _scale_and_unrotate(q, scale, h_ptr, TILE, GROUP, HAD, DOT_FP32)
     offs = pid.to(tl.int64) * TILE + tl.arange(0, TILE)
-    if OUT_MAX > 0:  # saturate finite values to the output dtype (see reference.saturate)
-        finite = tl.abs(y) < float("inf")
-        y = tl.where(finite, tl.minimum(tl.maximum(y, -OUT_MAX), OUT_MAX), y)
-    y = y.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
-    tl.store(out_ptr + offs, y, mask=offs < numel)
+    _store_decoded(out_ptr, offs, y, numel, OUT_MAX)
 
 
 @triton.jit
@@ -345,23 +361,10 @@ def _fp8_dequantize_kernel(codes_ptr, scales_ptr, h_ptr, out_ptr, numel, total,
     c = tl.load(codes_ptr + offs, mask=offs < total, other=0).to(tl.int32)
     goffs = pid.to(tl.int64) * (TILE // GROUP) + tl.arange(0, TILE // GROUP)
     scale = tl.load(scales_ptr + goffs, mask=goffs < total // GROUP, other=0.0).to(tl.float32)
-    vals = _fp8_value(c)
-    if HAD > 1 and GROUP % HAD == 0:
-        # every block inside one group: rotate the fp8 values (exact products in bf16),
-        # then scale once
-        r = _rotate(vals, _load_hadamard(h_ptr, HAD), TILE, HAD, DOT_FP32)
-        r = tl.reshape(r, (TILE // GROUP, GROUP))
-        y = _saturate(tl.reshape(r * (scale * (1.0 / HAD))[:, None], (TILE,)))
-    else:
-        g = tl.reshape(vals, (TILE // GROUP, GROUP)) * scale[:, None]
-        y = _saturate(tl.reshape(g, (TILE,)))
-        if HAD > 1:  # blocks span groups: scale first, then an fp32 product
-            y = _rotate(y * (1.0 / HAD), _load_hadamard(h_ptr, HAD), TILE, HAD, True)
-    if OUT_MAX > 0:  # saturate finite values to the output dtype (see reference.saturate)
-        finite = tl.abs(y) < float("inf")
-        y = tl.where(finite, tl.minimum(tl.maximum(y, -OUT_MAX), OUT_MAX), y)
-    y = y.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
-    tl.store(out_ptr + offs, y, mask=offs < numel)
+    # fp8 values times ±1 are exact products in bf16, as integer codes are
+    vals = tl.reshape(_fp8_value(c), (TILE // GROUP, GROUP))
+    y = _scale_and_unrotate(vals, scale, h_ptr, TILE, GROUP, HAD, DOT_FP32)
+    _store_decoded(out_ptr, offs, y, numel, OUT_MAX)
 
 
 @triton.jit
@@ -412,20 +415,9 @@ def _trits_dequantize_kernel(codes_ptr, scales_ptr, h_ptr, s_ptr, p_ptr, out_ptr
     byte = _dot(packed.to(tl.float32), S, DOT_FP32).to(tl.int32)  # (TILE / GROUP, GROUP)
     q = ((byte // tl.load(p_ptr + j)[None, :]) % 3 - 1).to(tl.float32)
     scale = tl.load(scales_ptr + rows, mask=rows < total // GROUP, other=0.0).to(tl.float32)
-    if HAD > 1 and GROUP % HAD == 0:  # rotate the integer codes (exact), then scale
-        r = _rotate(tl.reshape(q, (TILE,)), _load_hadamard(h_ptr, HAD), TILE, HAD, DOT_FP32)
-        r = tl.reshape(r, (TILE // GROUP, GROUP))
-        y = _saturate(tl.reshape(r * (scale * (1.0 / HAD))[:, None], (TILE,)))
-    else:
-        y = _saturate(tl.reshape(q * scale[:, None], (TILE,)))
-        if HAD > 1:  # blocks span groups: scale first, then an fp32 product
-            y = _rotate(y * (1.0 / HAD), _load_hadamard(h_ptr, HAD), TILE, HAD, True)
+    y = _scale_and_unrotate(q, scale, h_ptr, TILE, GROUP, HAD, DOT_FP32)
     offs = pid.to(tl.int64) * TILE + tl.arange(0, TILE)
-    if OUT_MAX > 0:  # saturate finite values to the output dtype (see reference.saturate)
-        finite = tl.abs(y) < float("inf")
-        y = tl.where(finite, tl.minimum(tl.maximum(y, -OUT_MAX), OUT_MAX), y)
-    y = y.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
-    tl.store(out_ptr + offs, y, mask=offs < numel)
+    _store_decoded(out_ptr, offs, y, numel, OUT_MAX)
 
 
 def quantize(
@@ -472,22 +464,43 @@ def dequantize(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton twin of :func:`commpress.kernels.reference.dequantize` (writes ``out`` if given)."""
-    total = padded_numel(numel, bits, group, hadamard)
-    if out is None:
-        out = torch.empty(numel, dtype=out_dtype, device=codes.device)
-    if numel == 0:
-        return out
-    tile, warps = config("dequantize", bits, group, hadamard)
-    # integer codes rotate exactly in bf16 on tensor cores (not in the interpreter)
-    dot_fp32 = interpreting()
-    h = hadamard_matrix(hadamard, torch.float32 if dot_fp32 else torch.bfloat16, codes.device)
-    _dequantize_kernel[(triton.cdiv(total, tile),)](
-        codes, scales, h, out, numel, total,
-        BITS=bits, GROUP=group, HAD=hadamard, TILE=tile, DOT_FP32=dot_fp32,
-        OUT_MAX=0.0 if out.dtype == torch.float32 else torch.finfo(out.dtype).max,
-        num_warps=warps,
-    )
-    return out
+    d = _Decode.of("dequantize", bits, numel, group, hadamard, out_dtype, out, codes.device)
+    if d.grid:
+        _dequantize_kernel[d.grid](
+            codes, scales, d.h, d.out, numel, d.total, BITS=bits, GROUP=group, HAD=hadamard,
+            TILE=d.tile, DOT_FP32=d.dot_fp32, OUT_MAX=d.out_max, num_warps=d.warps,
+        )
+    return d.out
+
+
+@dataclass
+class _Decode:
+    """What every decoder's launch needs: padded length, output, grid, tile and warps,
+    the Hadamard matrix in the dot's dtype, and the output's saturation bound. Unscaled
+    codes and fp8 values rotate exactly in bf16 on tensor cores (fp32 in the
+    interpreter, whose bf16 dot is wrong)."""
+
+    total: int
+    out: torch.Tensor
+    grid: tuple[int, ...]
+    tile: int
+    warps: int
+    dot_fp32: bool
+    h: torch.Tensor
+    out_max: float
+
+    @classmethod
+    def of(cls, kernel: str, bits: int, numel: int, group: int, hadamard: int,
+           out_dtype: torch.dtype, out: torch.Tensor | None, device: torch.device) -> _Decode:
+        total = padded_numel(numel, bits, group, hadamard)
+        if out is None:
+            out = torch.empty(numel, dtype=out_dtype, device=device)
+        tile, warps = config(kernel, bits, group, hadamard)
+        dot_fp32 = interpreting()
+        h = hadamard_matrix(hadamard, torch.float32 if dot_fp32 else torch.bfloat16, device)
+        out_max = 0.0 if out.dtype == torch.float32 else torch.finfo(out.dtype).max
+        grid = (triton.cdiv(total, tile),) if numel else ()
+        return cls(total, out, grid, tile, warps, dot_fp32, h, out_max)
 
 
 def dequant_reduce_requant(
@@ -547,22 +560,13 @@ def fp8_dequantize(codes: torch.Tensor, scales: torch.Tensor, numel: int, *, gro
                    out: torch.Tensor | None = None) -> torch.Tensor:
     """Triton twin of :func:`commpress.kernels.reference.fp8_dequantize` (writes ``out``
     if given)."""
-    total = padded_numel(numel, 8, group, hadamard)
-    if out is None:
-        out = torch.empty(numel, dtype=out_dtype, device=codes.device)
-    if numel == 0:
-        return out
-    tile, warps = config("fp8_dequantize", 8, group, hadamard)
-    # fp8 values times ±1 are exact in bf16 (not in the interpreter: see the module doc)
-    dot_fp32 = interpreting()
-    h = hadamard_matrix(hadamard, torch.float32 if dot_fp32 else torch.bfloat16, codes.device)
-    _fp8_dequantize_kernel[(triton.cdiv(total, tile),)](
-        codes, scales, h, out, numel, total, GROUP=group, HAD=hadamard, TILE=tile,
-        DOT_FP32=dot_fp32,
-        OUT_MAX=0.0 if out.dtype == torch.float32 else torch.finfo(out.dtype).max,
-        num_warps=warps,
-    )
-    return out
+    d = _Decode.of("fp8_dequantize", 8, numel, group, hadamard, out_dtype, out, codes.device)
+    if d.grid:
+        _fp8_dequantize_kernel[d.grid](
+            codes, scales, d.h, d.out, numel, d.total, GROUP=group, HAD=hadamard, TILE=d.tile,
+            DOT_FP32=d.dot_fp32, OUT_MAX=d.out_max, num_warps=d.warps,
+        )
+    return d.out
 
 
 @functools.cache
@@ -616,23 +620,16 @@ def trits_dequantize(codes: torch.Tensor, scales: torch.Tensor, numel: int, *, g
                      hadamard: int = 0, out_dtype: torch.dtype = torch.float32,
                      out: torch.Tensor | None = None) -> torch.Tensor:
     """Triton twin of :func:`commpress.kernels.reference.trits_dequantize`."""
-    total = padded_numel(numel, 2, group, hadamard)
-    if out is None:
-        out = torch.empty(numel, dtype=out_dtype, device=codes.device)
-    if numel == 0:
-        return out
-    tile, warps = config("trits_dequantize", 2, group, hadamard)
-    dot_fp32 = interpreting()
-    dot_dtype = torch.float32 if dot_fp32 else torch.bfloat16  # bytes ≤ 242: exact in bf16
-    h = hadamard_matrix(hadamard, dot_dtype, codes.device)
-    _, sel, powers, nb, nbp = _trit_matrices(group, dot_dtype, str(codes.device))
-    _trits_dequantize_kernel[(triton.cdiv(total, tile),)](
-        codes, scales, h, sel, powers, out, numel, total, GROUP=group, HAD=hadamard, TILE=tile,
-        NB=nb, NBP=nbp, DOT_FP32=dot_fp32,
-        OUT_MAX=0.0 if out.dtype == torch.float32 else torch.finfo(out.dtype).max,
-        num_warps=warps,
-    )
-    return out
+    d = _Decode.of("trits_dequantize", 2, numel, group, hadamard, out_dtype, out, codes.device)
+    # selection matrix and bytes (≤ 242) are exact in the dot's dtype too
+    _, sel, powers, nb, nbp = _trit_matrices(group, d.h.dtype, str(codes.device))
+    if d.grid:
+        _trits_dequantize_kernel[d.grid](
+            codes, scales, d.h, sel, powers, d.out, numel, d.total, GROUP=group, HAD=hadamard,
+            TILE=d.tile, NB=nb, NBP=nbp, DOT_FP32=d.dot_fp32, OUT_MAX=d.out_max,
+            num_warps=d.warps,
+        )
+    return d.out
 
 
 __all__ = ["CONFIGS", "config", "dequant_reduce_requant", "dequantize", "fp8_dequantize",
