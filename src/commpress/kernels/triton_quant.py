@@ -381,7 +381,7 @@ def _trits_quantize_kernel(x_ptr, codes_ptr, scales_ptr, h_ptr, w_ptr, numel, to
                            GROUP: tl.constexpr, HAD: tl.constexpr, TILE: tl.constexpr,
                            NB: tl.constexpr, NBP: tl.constexpr, STOCHASTIC: tl.constexpr,
                            SCALE_FP16: tl.constexpr, FLOOR: tl.constexpr,
-                           DOT_FP32: tl.constexpr):
+                           DOT_FP32: tl.constexpr, PACK_FP32: tl.constexpr):
     pid = tl.program_id(0)
     base = pid.to(tl.int64) * TILE
     y = _load_rotated(x_ptr, h_ptr, base, numel, HAD, TILE, DOT_FP32)
@@ -390,7 +390,7 @@ def _trits_quantize_kernel(x_ptr, codes_ptr, scales_ptr, h_ptr, w_ptr, numel, to
     # with the (GROUP, NBP) matrix W[j, b] = 3^(j − 5b) for 0 ≤ j − 5b < 5
     j = tl.arange(0, GROUP)
     W = tl.load(w_ptr + j[:, None] * NBP + tl.arange(0, NBP)[None, :])
-    packed = _dot(q + 1.0, W, DOT_FP32).to(tl.int32).to(tl.uint8)  # (TILE / GROUP, NBP)
+    packed = _dot(q + 1.0, W, PACK_FP32).to(tl.int32).to(tl.uint8)  # (TILE / GROUP, NBP)
     rows = pid.to(tl.int64) * (TILE // GROUP) + tl.arange(0, TILE // GROUP)
     cols = tl.arange(0, NBP)
     mask = (cols[None, :] < NB) & (rows[:, None] < total // GROUP)
@@ -611,7 +611,8 @@ def trits_quantize(x: torch.Tensor, *, group: int, hadamard: int = 0,
     _trits_quantize_kernel[(triton.cdiv(total, tile),)](
         flat, codes, scales, h, w, numel, total, k1, k2, GROUP=group, HAD=hadamard, TILE=tile,
         NB=nb, NBP=nbp, STOCHASTIC=keys is not None, SCALE_FP16=scale_dtype == torch.float16,
-        FLOOR=scale_floor(scale_dtype), DOT_FP32=dot_fp32, num_warps=warps,
+        FLOOR=scale_floor(scale_dtype), DOT_FP32=dot_fp32, PACK_FP32=interpreting(),
+        num_warps=warps,
     )
     return codes, scales
 
