@@ -23,6 +23,7 @@ def _run(script: str, args: list[str], out: str, **env: str) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
+@pytest.mark.slow
 def test_gpu_kernels_script_dry_runs_and_its_checks_pass(tmp_path):
     rows = _run("gpu_kernels.py", ["--tune"], str(tmp_path), COMMPRESS_KERNELS="triton")
     checks = [r for r in rows if "ok" in r]
