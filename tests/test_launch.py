@@ -59,6 +59,7 @@ def test_killing_the_launcher_stops_every_rank_within_10_s(tmp_path, sig):
     assert not any(_alive(r) for r in ranks)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_a_live_runs_directory_is_refused(tmp_path, capsys):
     out = str(tmp_path / "run")

@@ -10,6 +10,7 @@ def _close(a, b, rel):
     return all(abs(x - y) <= rel * abs(y) for x, y in zip(a, b))
 
 
+@pytest.mark.slow
 def test_ddp_hook_with_the_exact_codec_is_ddps_own_averaging():
     steps = 8
     plain = spawn(workers.ddp_hook_training, 2, (None, steps))

@@ -74,6 +74,7 @@ def test_two_level_weight_gather_gives_the_flat_gather_bits(dtype):
             assert len({r[policy]["hashes"][step] for r in two}) == 1
 
 
+@pytest.mark.slow
 def test_none_policy_matches_single_process_training():
     steps = 20
     reference = workers.single_process_losses(steps)
@@ -83,6 +84,7 @@ def test_none_policy_matches_single_process_training():
         assert a == pytest.approx(b, rel=1e-4, abs=1e-5)
 
 
+@pytest.mark.slow
 def test_resume_continues_bit_for_bit(tmp_path):
     total, split = 8, 4
     full = spawn(workers.resume_run, 2, (total, None, None))[0]

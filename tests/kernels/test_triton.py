@@ -72,7 +72,7 @@ def _assert_codes_match(x, bits, group, had, sd, keys, c_ref, c_tri):
 @pytest.mark.parametrize(("bits", "group", "had"), CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("stochastic", [False, True])
-@pytest.mark.parametrize("numel", [1, 1000, 9000])
+@pytest.mark.parametrize("numel", [1, 1000, pytest.param(9000, marks=pytest.mark.slow)])
 def test_encode_decode_match_reference(bits, group, had, dtype, stochastic, numel):
     x = (torch.randn(numel) * 2).to(dtype)
     x[numel // 2] = float("nan") if numel > 1 else x[0]
@@ -162,7 +162,7 @@ def test_fp8_bits_equal_torchs_cast_on_every_code_and_tie():
 @pytest.mark.parametrize(("group", "had"), [(128, 0), (32, 0), (128, 128), (256, 32),
                                             (32, 128)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("numel", [1, 1000, 9000])
+@pytest.mark.parametrize("numel", [1, 1000, pytest.param(9000, marks=pytest.mark.slow)])
 def test_fp8_encode_decode_match_reference(group, had, dtype, numel):
     x = (torch.randn(numel) * 3).to(dtype)
     x[numel // 2] = float("nan") if numel > 1 else x[0]
@@ -211,7 +211,7 @@ def _trits(packed: torch.Tensor, group: int) -> torch.Tensor:
                                             (32, 128)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("stochastic", [False, True])
-@pytest.mark.parametrize("numel", [1, 5000])
+@pytest.mark.parametrize("numel", [1, pytest.param(5000, marks=pytest.mark.slow)])
 def test_trits_encode_decode_match_reference(group, had, dtype, stochastic, numel):
     x = (torch.randn(numel) * 2).to(dtype)
     x[numel // 2] = float("nan") if numel > 1 else x[0]
