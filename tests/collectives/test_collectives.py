@@ -7,7 +7,7 @@ from commpress.launch import spawn
 from tests.collectives import workers
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow), 4])
 def test_none_codec_equals_torch_collectives_bitwise(world):
     for rank_result in spawn(workers.none_matches_torch, world):
         bad = [k for k, ok in rank_result.items() if not ok]
@@ -80,7 +80,8 @@ def test_two_level_reduce_scatter_error_and_wire_bytes():
         assert 8 * inter["wire_bytes"] / inter["elements"] == pytest.approx(4.25)
 
 
-@pytest.mark.parametrize("rpn", [pytest.param(1, marks=pytest.mark.slow), 4])
+@pytest.mark.slow
+@pytest.mark.parametrize("rpn", [1, 4])
 def test_two_level_falls_back_to_one_level(rpn):
     # 4 ranks: one node of 4, or 4 nodes of 1 — one level, still correct
     for r in spawn(workers.hierarchical, 4, (rpn, 1024), ranks_per_node=rpn):
@@ -147,7 +148,8 @@ def test_mismatched_shapes_raise_on_every_rank_not_hang():
         assert "hierarchical_all_reduce" in m and "rank 3: 103" in m, m
 
 
-@pytest.mark.parametrize("spec", ["topk:ratio=0.2", "zfp:rate=12"])
+@pytest.mark.parametrize("spec", [pytest.param("topk:ratio=0.2", marks=pytest.mark.slow),
+                                  "zfp:rate=12"])
 def test_variable_rate_codecs_in_every_collective(spec):
     ranks = spawn(workers.variable_rate, 3, (spec,))
     # top-20 % keeps most of the energy of Gaussian data; zfp at 12 bits is near-exact

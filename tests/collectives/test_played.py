@@ -16,7 +16,8 @@ EF_INT2 = {"codec": "int2:packing=trits,scale_dtype=fp16", "error_feedback": Tru
     (3, 3, "int8:rounding=stochastic", torch.bfloat16),    # reduce-scatter + all-gather
     pytest.param(4, 4, "topk:ratio=0.1", torch.float32,
                  marks=pytest.mark.slow),                   # variable-size rows
-    (4, 2, {"intra": "none", "inter": EF_INT2}, torch.float32),    # int2ef's path
+    pytest.param(4, 2, {"intra": "none", "inter": EF_INT2}, torch.float32,
+                 marks=pytest.mark.slow),                   # int2ef's path
     pytest.param(4, 2, {"intra": "int8:hadamard=128", "inter": "int4:hadamard=128"},
                  torch.bfloat16, marks=pytest.mark.slow),
     pytest.param(6, 2, {"intra": "none", "inter": "int4"}, torch.float32,

@@ -57,6 +57,7 @@ def test_fsdp2_compressed_collectives_track_uncompressed_training():
     assert stats["dp.param"]["calls"] > 0 and stats["dp.grad.intra"]["calls"] > 0
 
 
+@pytest.mark.slow
 def test_ddp_hook_buckets_do_not_follow_ddp_rebuckets():
     # DDP hands the whole model as one bucket in its first iteration and re-buckets
     # after it; the hook compresses its own fixed buckets of named parameters throughout

@@ -30,6 +30,7 @@ def test_dp2_tp2_every_preset():
     _check(ranks, policies)
 
 
+@pytest.mark.slow
 def test_mixed_buckets_would_drift():
     # the same run with TP-sliced and TP-replicated parameters in one bucket: a shared
     # quantization group gives the replicas different decoded values
