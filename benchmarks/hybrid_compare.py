@@ -2,9 +2,13 @@
 
     python benchmarks/hybrid_compare.py [--steps 300] [--seeds 0,1,2] [--dtype fp32]
         [--policies none,naive,hybrid,ccgrid,sdp4bit,zeropp] [--layouts tp,pp]
+    python benchmarks/hybrid_compare.py --simulate --layouts pp --dp 8 --ranks-per-node 8 \
+        --model gpt-125m --dtype bf16 --data <folder> --seq-len 1024 --batch-size 64
 
 Layouts dp2 × tp2 and dp2 × pp2 on 2 nodes × 2 ranks (TP or PP inside a node, DP across
-nodes). Writes benchmarks/results/hybrid_compare_<model>_<steps>[_bf16].md.
+nodes). ``--simulate`` plays the ranks in one process (``commpress simulate``: the pp
+layout only — tensor parallelism is not played), at any ``--dp``. Writes
+benchmarks/results/hybrid_compare_<model>_<steps>[_bf16][_sim<dp>].md.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from _common import (
     loss_cells,
     paired_deltas,
     run_grid,
+    train,
     write_markdown,
 )
 
@@ -32,23 +37,45 @@ def main() -> None:
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     ap.add_argument("--policies", default=POLICIES)
     ap.add_argument("--layouts", default="tp,pp")
+    ap.add_argument("--simulate", action="store_true", help="play the ranks in one process")
+    ap.add_argument("--dp", type=int, default=2)
+    ap.add_argument("--ranks-per-node", type=int, default=2)
+    ap.add_argument("--data", default=None)
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--eval-batches", type=int, default=16)
     args = ap.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
     policies = args.policies.split(",")
-    base = TrainConfig(model=args.model, steps=args.steps, nproc=4, ranks_per_node=2,
-                       eval_every=0, eval_batches=16, dtype=args.dtype)
+    layouts = args.layouts.split(",")
+    if args.simulate and "tp" in layouts:
+        ap.error("--simulate plays the pp layout only (tensor parallelism is not played); "
+                 "use --layouts pp")
+    # both layouts are dp × 2 ranks
+    base = TrainConfig(model=args.model, steps=args.steps, nproc=2 * args.dp,
+                       ranks_per_node=args.ranks_per_node, eval_every=0,
+                       eval_batches=args.eval_batches, dtype=args.dtype, data=args.data,
+                       batch_size=args.batch_size, seq_len=args.seq_len,
+                       max_data_bytes=1 << 30 if args.data else 8 << 20)
     name = f"hybrid_compare_{args.model}_{args.steps}" + (
         "" if args.dtype == "fp32" else f"_{args.dtype}")
+    runner = train
+    if args.simulate:
+        from commpress.train.simulate import simulate as runner
+
+        name += f"_sim{args.dp}"
     rows = run_grid(name, base, policies, seeds,
-                    [LAYOUTS[k] for k in args.layouts.split(",")])
+                    [dict(LAYOUTS[k], dp=args.dp) for k in layouts], runner=runner)
     agg = aggregate(rows)
     lines = []
     for layout in sorted({r["layout"] for r in rows}):
         none = agg[(layout, "none")]
+        how = "played in one process" if args.simulate else "real ranks"
         lines += ["", f"**{layout}** ({args.model}, {args.dtype}, {args.steps} steps, seeds "
-                  f"{args.seeds}, 2 nodes × 2 ranks):", "",
+                  f"{args.seeds}, {2 * args.dp} ranks in nodes of {args.ranks_per_node}, "
+                  f"{how}):", "",
                   "| policy | val loss (mean ± std) | vs none | paired Δ vs none "
-                  "| step ms (loopback) | wire MB dp / tp / pp (all ranks) | bits/elem |",
+                  "| step ms | wire MB dp / tp / pp (all ranks) | bits/elem |",
                   "|---|---|---|---|---|---|---|"]
         for p in policies:
             a = agg[(layout, p)]
