@@ -96,6 +96,17 @@ def test_simulate_equals_a_real_pipeline_run(tmp_path, policy, layout):
     _check(policy, *_compare(tmp_path, policy, 6, **layout))
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("policy,extra", [
+    ("sdp4bit", {}),
+    ("int2ef", dict(engine="ddp", micro_batches=2)),
+    ("hybrid", dict(pp=2)),
+])
+def test_simulate_equals_a_real_run_in_bf16(tmp_path, policy, extra):
+    # bf16 weights, gradients and activations: every sum and cast where the real run has it
+    _check(policy, *_compare(tmp_path, policy, 6, dtype="bf16", **extra))
+
+
 def test_simulate_refuses_what_it_does_not_play():
     from commpress.train.simulate import simulate
 
