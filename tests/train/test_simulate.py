@@ -58,7 +58,7 @@ def test_simulate_equals_a_real_4_rank_run_every_preset(tmp_path, policy):
 # the DDP hook's gradient paths: two levels with exact intra (int2ef), compressed intra
 # with the fused TLq-HS codecs (sdp4bit), one level (naive: int4 on 4 ranks)
 DDP_FAST = ["int2ef"]
-DDP_SLOW = ["sdp4bit", "naive", "hybrid"]
+DDP_SLOW = ["sdp4bit", "naive", "hybrid", "none"]
 
 
 @pytest.mark.parametrize("policy", [*DDP_FAST, *(pytest.param(p, marks=pytest.mark.slow)

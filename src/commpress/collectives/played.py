@@ -26,6 +26,26 @@ from commpress.collectives.call import AnyCodec, is_exact
 from commpress.collectives.stats import Stats
 
 
+class _RankOrderSum:
+    """A running sum of the ranks' tensors in rank order — how an exact (uncompressed)
+    reduction is played; the backend sums in its own order, so the two agree to
+    rounding, not bit for bit. A tensor that arrives before its turn waits; only one
+    sum and the early arrivals are held, not every rank's tensor."""
+
+    def __init__(self) -> None:
+        self.total: torch.Tensor | None = None
+        self._waiting: dict[int, torch.Tensor] = {}
+        self._next = 0
+
+    def add(self, rank: int, x: torch.Tensor) -> None:
+        """Add rank ``rank``'s tensor (owned by the sum from now on)."""
+        self._waiting[rank] = x
+        while self._next in self._waiting:
+            y = self._waiting.pop(self._next)
+            self.total = y if self.total is None else self.total.add_(y)
+            self._next += 1
+
+
 def _received(rows_by_source: list, index: int):
     """What a destination gets: row ``index`` of every source, in source order."""
     picked = [rows[index] for rows in rows_by_source]
@@ -47,9 +67,8 @@ class PlayedReduceScatter:
         self.exact = is_exact(codecs[0])
         self.m_pad = chunks.padded_chunk(codecs[0], m)
         self.rows: list = [None] * self.world
-        self.total: torch.Tensor | None = None  # exact: the running sum in rank order
+        self.exact_sum = _RankOrderSum()
         self.dtype: torch.dtype | None = None
-        self._added = 0
 
     def add(self, rank: int, input: torch.Tensor) -> None:
         self.dtype = input.dtype
@@ -57,13 +76,8 @@ class PlayedReduceScatter:
             sent = (self.world - 1) * self.m * input.element_size()
             self.stats.record(self.label, calls=1, elements=(self.world - 1) * self.m,
                               wire_bytes=sent, raw_bytes=sent)
-            # the running sum must be taken in rank order: keep inputs until their turn
-            self.rows[rank] = input.reshape(-1).clone()
-            while self._added < self.world and self.rows[self._added] is not None:
-                x = self.rows[self._added].float()
-                self.total = x.clone() if self.total is None else self.total.add_(x)
-                self.rows[self._added] = True
-                self._added += 1
+            self.rows[rank] = True
+            self.exact_sum.add(rank, input.reshape(-1).to(torch.float32, copy=True))
             return
         x = chunks.pad_chunks(input.reshape(-1), self.world, self.m, self.m_pad)
         self.rows[rank] = chunks.encode_rows(self.codecs[rank], x, rng_stream=rank,
@@ -73,8 +87,8 @@ class PlayedReduceScatter:
     def finish(self) -> list[torch.Tensor]:
         n = self.world
         if self.exact:
-            total = self.total / n if self.op == "avg" else self.total
-            return list(total.view(n, self.m))
+            total = self.exact_sum.total
+            return list((total / n if self.op == "avg" else total).view(n, self.m))
         outs = []
         for d in range(n):
             total = chunks.decode_sum_rows(self.codecs[d], _received(self.rows, d), self.m_pad,
@@ -173,6 +187,7 @@ class PlayedAllReduce:
         self.chunk = numel if n == 2 else -(-numel // n)
         self.m_pad = chunks.padded_chunk(codecs[0], self.chunk)
         self.rows: list = [None] * n
+        self.exact_sum = _RankOrderSum()
         self.dtype: torch.dtype | None = None
 
     def add(self, rank: int, tensor: torch.Tensor) -> None:
@@ -183,7 +198,8 @@ class PlayedAllReduce:
                 size = 2 * (n - 1) * self.chunk * flat.element_size()
                 self.stats.record(self.label, calls=1, elements=2 * (n - 1) * self.chunk,
                                   wire_bytes=size, raw_bytes=size)
-            self.rows[rank] = flat.clone()
+            self.rows[rank] = True
+            self.exact_sum.add(rank, flat.clone())  # in the tensor's dtype, as the backend
             return
         parts = 1 if n == 2 else n
         x = chunks.pad_chunks(flat, parts, self.chunk, self.m_pad)
@@ -198,12 +214,10 @@ class PlayedAllReduce:
 
     def finish(self) -> torch.Tensor:
         n, dtype = self.world, self.dtype
+        total = self.exact_sum.total
         if n == 1 or self.numel == 0:
-            return self.rows[0]
-        if self.exact:  # the backend's sum; here in rank order
-            total = self.rows[0].clone()
-            for x in self.rows[1:]:
-                total += x
+            return total
+        if self.exact:
             return total / n if self.op == "avg" else total
         if n == 2:
             c = self.codecs[0]
