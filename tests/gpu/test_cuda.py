@@ -25,12 +25,17 @@ def test_async_inputs_reusable_over_nccl_with_one_rank():
 def test_codecs_never_sync_with_the_host():
     import commpress
 
+    # the Triton kernels run here (fp8 and trits included), encode and decode into out=
+
     x = torch.randn(1 << 20, device="cuda", dtype=torch.bfloat16)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        for spec in ("int8", "int4:hadamard=128", "int2", "fp8", "bf16"):
+        for spec in ("int8", "int4:hadamard=128", "int2", "int2:packing=trits", "fp8",
+                     "fp8:hadamard=128", "int8:rounding=stochastic", "bf16"):
             c = commpress.codec(spec)
+            out = torch.empty_like(x)
+            c.decode(c.encode(x), out=out)
             c.decode(c.encode(x))
     finally:
         torch.cuda.set_sync_debug_mode("default")
