@@ -11,7 +11,8 @@
    host µs per call (calls queued without synchronizing) and whether any call
    synchronizes with the host (``torch.cuda.set_sync_debug_mode("error")``).
 3. Speed: ``bench_codecs`` on CUDA (copy roofline, torch.compile reference, every
-   codec), and ``dequant_reduce_requant`` (k = 4 chunks, 8 → 4 bits) in GB/s.
+   codec), ``dequant_reduce_requant`` (k = 4 chunks, 8 → 4 bits) and the fused
+   ``dequantize_sum`` (k = 4 int4 chunks, Hadamard 128) in GB/s.
 4. ``--tune``: every (tile, warps) candidate of the quantize, dequantize, fp8, trits
    and dequantize-reduce-requantize kernels, with registers and spills per compiled
    kernel where Triton reports them; prints the best as the ``CONFIGS`` table of
@@ -163,7 +164,15 @@ def drr_speed(numel: int, device: str = "cuda") -> dict:
                                            bits_out=4, group_out=128)
     t = median_seconds(fn, torch.device(device), iters=20)
     moved = codes.numel() + scales.numel() * 4 + chunk * (0.5 + 4 / 128)
-    return {"k": k, "chunk": chunk, "GBps": moved / t / 1e9}
+    # TLq-HS step 5: k int4 chunks (Hadamard-128 domain) decoded, summed, rotated back
+    enc4 = [ref.quantize_rotated(torch.randn(chunk, device=device), bits=4, group=128,
+                                 scale_dtype=torch.float32, keys=None) for _ in range(k)]
+    c4, s4 = torch.stack([e[0] for e in enc4]), torch.stack([e[1] for e in enc4])
+    fn4 = partial(tq.dequantize_sum, c4, s4, bits=4, group=128, hadamard=128)
+    t4 = median_seconds(fn4, torch.device(device), iters=20)
+    moved4 = c4.numel() + s4.numel() * 4 + chunk * 4
+    return {"k": k, "chunk": chunk, "GBps": moved / t / 1e9,
+            "dequantize_sum_int4_h128_GBps": moved4 / t4 / 1e9}
 
 
 TUNE_CONFIGS = [(4, 128, 128), (8, 128, 128), (4, 128, 0), (8, 128, 0), (2, 128, 0),

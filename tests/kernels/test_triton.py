@@ -243,3 +243,26 @@ def test_trits_supported_groups():
     assert not triton_quant.supports(2, 8, 0, trits=True)   # tl.dot needs 16 columns
     assert not triton_quant.supports(2, 512, 0, trits=True)
     assert not triton_quant.supports(4, 128, 0, trits=True)
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+@pytest.mark.parametrize(("bits", "group", "had"), [(8, 128, 128), (4, 128, 128), (4, 32, 128),
+                                                    (8, 64, 0), (2, 128, 16)])
+def test_dequantize_sum_matches_reference(k, bits, group, had):
+    # TLq-HS step 5 fused: decode k chunks, sum in row order, rotate back once
+    chunk = 4096 + 2 * max(group, had)
+    enc = [ref.quantize_rotated(torch.randn(chunk) * (i + 1), bits=bits, group=group,
+                                scale_dtype=torch.float32, keys=None) for i in range(k)]
+    codes = torch.stack([e[0] for e in enc])
+    scales = torch.stack([e[1] for e in enc])
+    scales[0, 3] = float("nan")  # a non-finite group stays non-finite in the sum
+    d_ref = ref.dequantize_sum(codes, scales, bits=bits, group=group, hadamard=had)
+    d_tri = triton_quant.dequantize_sum(codes, scales, bits=bits, group=group, hadamard=had)
+    assert d_tri.dtype == torch.float32 and d_tri.shape == d_ref.shape
+    if not had:  # the same additions in the same order
+        assert torch.equal(d_ref.isnan(), d_tri.isnan())
+        assert torch.equal(d_ref.nan_to_num(), d_tri.nan_to_num())
+        return
+    summed = ref.sum_rows(torch.stack([ref.dequantize_rotated(c, s, bits=bits, group=group)
+                                       for c, s in zip(codes, scales)]))
+    _assert_decodes_close(d_ref, d_tri, summed, had)

@@ -113,15 +113,8 @@ def trits_dequantize(packed: torch.Tensor, scales: torch.Tensor, numel: int, *, 
 def dequantize_sum(codes: torch.Tensor, scales: torch.Tensor, *, bits: int, group: int,
                    hadamard: int = 0) -> torch.Tensor:
     """Decode ``k`` chunks (rows) and sum them in fp32; see :func:`reference.dequantize_sum`."""
-    impl = backend_for(codes.device, bits, group, 0)
-    if impl is reference:
-        return reference.dequantize_sum(codes, scales, bits=bits, group=group, hadamard=hadamard)
-    k = codes.shape[0]
-    m = codes.shape[1] * 8 // bits
-    y = impl.dequantize(codes.reshape(-1), scales.reshape(-1), k * m, bits=bits, group=group,
-                        hadamard=0, out_dtype=torch.float32)
-    return reference.unrotate(reference.sum_rows(y.view(k, m)), m, hadamard=hadamard,
-                              out_dtype=torch.float32)
+    impl = backend_for(codes.device, bits, group, hadamard)
+    return impl.dequantize_sum(codes, scales, bits=bits, group=group, hadamard=hadamard)
 
 
 def dequant_reduce_requant(codes: torch.Tensor, scales: torch.Tensor, *, bits_in: int,

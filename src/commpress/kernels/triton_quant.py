@@ -264,6 +264,38 @@ def _dequantize_kernel(codes_ptr, scales_ptr, h_ptr, out_ptr, numel, total,
 
 
 @triton.jit
+def _sum_chunks(codes_ptr, scales_ptr, pid, k, chunk, BITS: tl.constexpr, GROUP: tl.constexpr,
+                TILE: tl.constexpr):
+    """Tile ``pid`` of ``k`` encoded chunks (rows of ``chunk`` elements), decoded and
+    summed in fp32 in row order: fp32 ``(TILE,)`` in the rotated domain."""
+    NB: tl.constexpr = TILE * BITS // 8
+    boffs = pid.to(tl.int64) * NB + tl.arange(0, NB)
+    goffs = pid.to(tl.int64) * (TILE // GROUP) + tl.arange(0, TILE // GROUP)
+    bmask = boffs < chunk * BITS // 8
+    gmask = goffs < chunk // GROUP
+    acc = tl.zeros((TILE,), dtype=tl.float32)
+    for i in range(k):
+        packed = tl.load(codes_ptr + i * (chunk * BITS // 8) + boffs, mask=bmask, other=0)
+        scale = tl.load(scales_ptr + i * (chunk // GROUP) + goffs, mask=gmask, other=0.0)
+        acc += _dequantize_tile(packed, scale.to(tl.float32), TILE, BITS, GROUP)
+    return acc
+
+
+@triton.jit
+def _dequantize_sum_kernel(codes_ptr, scales_ptr, h_ptr, out_ptr, k, chunk,
+                           BITS: tl.constexpr, GROUP: tl.constexpr, HAD: tl.constexpr,
+                           TILE: tl.constexpr):
+    """TLq-HS step 5 in one pass: decode ``k`` chunks, sum in the rotated domain, rotate
+    the sum back once (an fp32 product: the sum is no longer integer)."""
+    pid = tl.program_id(0)
+    acc = _sum_chunks(codes_ptr, scales_ptr, pid, k, chunk, BITS, GROUP, TILE)
+    if HAD > 1:
+        acc = _rotate(acc * (1.0 / HAD), _load_hadamard(h_ptr, HAD), TILE, HAD, True)
+    offs = pid.to(tl.int64) * TILE + tl.arange(0, TILE)
+    tl.store(out_ptr + offs, acc, mask=offs < chunk)
+
+
+@triton.jit
 def _dequant_reduce_requant_kernel(codes_ptr, scales_ptr, out_codes_ptr, out_scales_ptr,
                                    k, chunk, k1, k2,
                                    BITS_IN: tl.constexpr, GROUP_IN: tl.constexpr,
@@ -272,16 +304,7 @@ def _dequant_reduce_requant_kernel(codes_ptr, scales_ptr, out_codes_ptr, out_sca
                                    SCALE_FP16: tl.constexpr, FLOOR: tl.constexpr):
     pid = tl.program_id(0)
     base = pid.to(tl.int64) * TILE
-    NB_IN: tl.constexpr = TILE * BITS_IN // 8
-    boffs = pid.to(tl.int64) * NB_IN + tl.arange(0, NB_IN)
-    goffs = pid.to(tl.int64) * (TILE // GROUP_IN) + tl.arange(0, TILE // GROUP_IN)
-    bmask = boffs < chunk * BITS_IN // 8
-    gmask = goffs < chunk // GROUP_IN
-    acc = tl.zeros((TILE,), dtype=tl.float32)
-    for i in range(k):
-        packed = tl.load(codes_ptr + i * (chunk * BITS_IN // 8) + boffs, mask=bmask, other=0)
-        scale = tl.load(scales_ptr + i * (chunk // GROUP_IN) + goffs, mask=gmask, other=0.0)
-        acc += _dequantize_tile(packed, scale.to(tl.float32), TILE, BITS_IN, GROUP_IN)
+    acc = _sum_chunks(codes_ptr, scales_ptr, pid, k, chunk, BITS_IN, GROUP_IN, TILE)
     acc = _saturate(acc)  # an overflowed sum must not re-encode as a non-finite group
     packed, scale = _quantize_tile(acc, base, k1, k2, TILE, BITS_OUT, GROUP_OUT, STOCHASTIC,
                                    SCALE_FP16, FLOOR)
@@ -503,6 +526,24 @@ class _Decode:
         return cls(total, out, grid, tile, warps, dot_fp32, h, out_max)
 
 
+def dequantize_sum(codes: torch.Tensor, scales: torch.Tensor, *, bits: int, group: int,
+                   hadamard: int = 0) -> torch.Tensor:
+    """Triton twin of :func:`commpress.kernels.reference.dequantize_sum`: ``k`` chunks
+    (rows) decoded and summed in row order, rotated back once → ``(chunk,)`` fp32."""
+    k, nbytes = codes.shape
+    chunk = nbytes * 8 // bits
+    out = torch.empty(chunk, dtype=torch.float32, device=codes.device)
+    if chunk == 0 or k == 0:
+        return out.zero_()
+    tile, warps = config("dequantize_sum", bits, group, hadamard)
+    h = hadamard_matrix(hadamard, torch.float32, codes.device)
+    _dequantize_sum_kernel[(triton.cdiv(chunk, tile),)](
+        codes.contiguous(), scales.contiguous(), h, out, k, chunk, BITS=bits, GROUP=group,
+        HAD=hadamard, TILE=tile, num_warps=warps,
+    )
+    return out
+
+
 def dequant_reduce_requant(
     codes: torch.Tensor,
     scales: torch.Tensor,
@@ -633,6 +674,6 @@ def trits_dequantize(codes: torch.Tensor, scales: torch.Tensor, numel: int, *, g
     return d.out
 
 
-__all__ = ["CONFIGS", "config", "dequant_reduce_requant", "dequantize", "fp8_dequantize",
-           "fp8_quantize", "quantize", "qmax_for_bits", "supports", "trits_dequantize",
-           "trits_quantize"]
+__all__ = ["CONFIGS", "config", "dequant_reduce_requant", "dequantize", "dequantize_sum",
+           "fp8_dequantize", "fp8_quantize", "quantize", "qmax_for_bits", "supports",
+           "trits_dequantize", "trits_quantize"]
