@@ -41,70 +41,76 @@ from commpress.kernels import reference as ref  # noqa: E402
 from commpress.kernels import triton_quant as tq  # noqa: E402
 
 CONFIGS = [(4, 128, 0), (8, 128, 0), (4, 128, 128), (8, 128, 128), (2, 128, 0), (4, 2048, 0)]
-
-
 FP8_CONFIGS = [(128, 0), (128, 128), (32, 128)]
 TRIT_CONFIGS = [(128, 0), (128, 128)]
 
 
 def check(n: int, device: str = "cuda") -> list[dict]:
+    """One row per (input dtype, codec configuration): Triton against the reference and
+    a float64 oracle."""
     rows = []
     for dtype in (torch.bfloat16, torch.float32):
         x = torch.randn(n, device=device).to(dtype)
-        for bits, group, had in CONFIGS:
-            c_ref, s_ref = ref.quantize(x, bits=bits, group=group, hadamard=had)
-            c_tri, s_tri = tq.quantize(x, bits=bits, group=group, hadamard=had)
-            q_ref, q_tri = ref.unpack_codes(c_ref, bits), ref.unpack_codes(c_tri, bits)
-            d = tq.dequantize(c_tri, s_tri, n, bits=bits, group=group, hadamard=had,
-                              out_dtype=torch.float32)
-            # float64 oracle: the rotated values, their scales, half a step each
-            y = _rotated64(x, had)
-            step = s_tri.double().repeat_interleave(group)
-            y_hat = ref.dequantize_rotated(c_tri, s_tri, bits=bits, group=group).double()
-            rows.append({"dtype": str(dtype), "bits": bits, "group": group, "hadamard": had,
-                         "codes_equal_frac": float((q_ref == q_tri).double().mean()),
-                         "max_code_diff": int((q_ref - q_tri).abs().max()),
-                         "max_err_over_half_step": float(((y - y_hat).abs() / (step / 2))
-                                                         .nan_to_num(0).max()),
-                         "rel_err": float((d.double() - x.double()).norm() / x.double().norm())})
-            rows[-1]["ok"] = (rows[-1]["codes_equal_frac"] > 0.99 and rows[-1]["max_code_diff"] <= 1
-                              and rows[-1]["max_err_over_half_step"] <= 1.001)
-        for group, had in FP8_CONFIGS:
-            c_ref, s_ref = ref.fp8_quantize(x, group=group, hadamard=had)
-            c_tri, s_tri = tq.fp8_quantize(x, group=group, hadamard=had)
-            d = tq.fp8_dequantize(c_tri, s_tri, n, group=group, hadamard=had)
-            # float64 oracle: e4m3 keeps 4 significant bits, so |y − ŷ| ≤ 2⁻⁴·|y| for
-            # normals, and at most half the least subnormal step (2⁻¹⁰·scale) near zero
-            y = _rotated64(x, had)
-            scale = s_tri.double().repeat_interleave(group)
-            y_hat = c_tri.view(torch.float8_e4m3fn).double() * scale
-            bound = y.abs() / 16 + scale * 2.0**-10
-            rows.append({"dtype": str(dtype), "codec": "fp8", "group": group, "hadamard": had,
-                         "codes_equal_frac": float((c_ref == c_tri).double().mean()),
-                         "max_err_over_bound": float(((y - y_hat).abs() / bound).max()),
-                         "rel_err": float((d.double() - x.double()).norm() / x.double().norm())})
-            rows[-1]["ok"] = (rows[-1]["codes_equal_frac"] > 0.99
-                              and rows[-1]["max_err_over_bound"] <= 1.0)
-        for group, had in TRIT_CONFIGS:
-            c_ref, s_ref = ref.trits_quantize(x, group=group, hadamard=had)
-            c_tri, s_tri = tq.trits_quantize(x, group=group, hadamard=had)
-            d = tq.trits_dequantize(c_tri, s_tri, n, group=group, hadamard=had)
-            y = _rotated64(x, had)
-            step = s_tri.double().repeat_interleave(group)  # int2: one step = the scale
-            y_hat = (ref.trits_dequantize(c_tri, s_tri, n, group=group, hadamard=0)
-                     if not had else None)
-            q_hat = (_trit_values(c_tri, group).double() * step)[:y.numel()]
-            rows.append({"dtype": str(dtype), "codec": "trits", "group": group, "hadamard": had,
-                         "codes_equal_frac": float((c_ref == c_tri).double().mean()),
-                         "max_err_over_half_step": float(((y - q_hat).abs() / (step / 2))
-                                                         .nan_to_num(0).max()),
-                         "rel_err": float((d.double() - x.double()).norm() / x.double().norm())})
-            if y_hat is not None:  # without rotation the reference decodes the same values
-                rows[-1]["decode_equal"] = bool(torch.equal(y_hat, d))
-            rows[-1]["ok"] = (rows[-1]["codes_equal_frac"] > 0.99
-                              and rows[-1]["max_err_over_half_step"] <= 1.001
-                              and rows[-1].get("decode_equal", True))
+        rows += [_check_int(x, *cfg) for cfg in CONFIGS]
+        rows += [_check_fp8(x, *cfg) for cfg in FP8_CONFIGS]
+        rows += [_check_trits(x, *cfg) for cfg in TRIT_CONFIGS]
     return rows
+
+
+def _row(codec: str, x: torch.Tensor, group: int, had: int, codes_equal: torch.Tensor,
+         err_over_bound: torch.Tensor, decoded: torch.Tensor, **extra: bool) -> dict:
+    """A check row: the share of codes equal to the reference's (the rest at rounding
+    ties), the largest error against the float64 oracle in units of its bound (≤ 1
+    passes), the decoded values' relative error, and ``ok``."""
+    equal = float(codes_equal.double().mean())
+    worst = float(err_over_bound.nan_to_num(0).max())
+    return {"dtype": str(x.dtype), "codec": codec, "group": group, "hadamard": had,
+            "codes_equal_frac": equal, "max_err_over_bound": worst,
+            "rel_err": float((decoded.double() - x.double()).norm() / x.double().norm()),
+            **extra, "ok": equal > 0.99 and worst <= 1.001 and all(extra.values())}
+
+
+def _check_int(x: torch.Tensor, bits: int, group: int, had: int) -> dict:
+    n = x.numel()
+    c_ref, s_ref = ref.quantize(x, bits=bits, group=group, hadamard=had)
+    c_tri, s_tri = tq.quantize(x, bits=bits, group=group, hadamard=had)
+    q_ref, q_tri = ref.unpack_codes(c_ref, bits), ref.unpack_codes(c_tri, bits)
+    d = tq.dequantize(c_tri, s_tri, n, bits=bits, group=group, hadamard=had)
+    # float64 oracle: the rotated values within half a step (the group's scale) each
+    step = s_tri.double().repeat_interleave(group)
+    y_hat = ref.dequantize_rotated(c_tri, s_tri, bits=bits, group=group).double()
+    return _row(f"int{bits}", x, group, had, q_ref == q_tri,
+                (_rotated64(x, had) - y_hat).abs() / (step / 2), d,
+                codes_within_one_step=bool((q_ref - q_tri).abs().max() <= 1))
+
+
+def _check_fp8(x: torch.Tensor, group: int, had: int) -> dict:
+    c_ref, _ = ref.fp8_quantize(x, group=group, hadamard=had)
+    c_tri, s_tri = tq.fp8_quantize(x, group=group, hadamard=had)
+    d = tq.fp8_dequantize(c_tri, s_tri, x.numel(), group=group, hadamard=had)
+    # float64 oracle: e4m3 keeps 4 significant bits, so |y − ŷ| ≤ 2⁻⁴·|y| for normals,
+    # and at most half the least subnormal step (2⁻¹⁰·scale) near zero
+    y = _rotated64(x, had)
+    scale = s_tri.double().repeat_interleave(group)
+    y_hat = c_tri.view(torch.float8_e4m3fn).double() * scale
+    return _row("fp8", x, group, had, c_ref == c_tri,
+                (y - y_hat).abs() / (y.abs() / 16 + scale * 2.0**-10), d)
+
+
+def _check_trits(x: torch.Tensor, group: int, had: int) -> dict:
+    n = x.numel()
+    c_ref, _ = ref.trits_quantize(x, group=group, hadamard=had)
+    c_tri, s_tri = tq.trits_quantize(x, group=group, hadamard=had)
+    d = tq.trits_dequantize(c_tri, s_tri, n, group=group, hadamard=had)
+    y = _rotated64(x, had)
+    step = s_tri.double().repeat_interleave(group)  # int2: one step = the scale
+    q_hat = (_trit_values(c_tri, group).double() * step)[:y.numel()]
+    extra = {}
+    if not had:  # without a rotation the reference decodes the very same values
+        extra["decode_equal"] = bool(torch.equal(
+            ref.trits_dequantize(c_tri, s_tri, n, group=group, hadamard=0), d))
+    return _row("trits", x, group, had, c_ref == c_tri, (y - q_hat).abs() / (step / 2), d,
+                **extra)
 
 
 def _trit_values(packed: torch.Tensor, group: int) -> torch.Tensor:
