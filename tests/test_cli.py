@@ -5,13 +5,15 @@ import argparse
 from commpress.cli import build_parser
 
 
-def _options():
-    parser = build_parser()
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    for name, p in sub.choices.items():
-        for action in p._actions:
-            if action.option_strings and action.dest != "help":
-                yield name, action
+def _options(parser=None, prefix=""):
+    """Every option of every (nested) subcommand, with the command's name."""
+    parser = parser or build_parser()
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _options(sub, f"{prefix} {name}".strip())
+        elif action.option_strings and action.dest != "help":
+            yield prefix, action
 
 
 def test_every_option_has_help_with_at_most_one_default():

@@ -305,11 +305,15 @@ def build_parser() -> argparse.ArgumentParser:
     bsub = bench.add_subparsers(dest="what", required=True)
     bc = bsub.add_parser("codecs", help="codec throughput (GB/s) and error")
     bc.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                    choices=["cpu", "cuda"])
-    bc.add_argument("--numel", type=int, default=1 << 22, help="elements per tensor")
-    bc.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+                    choices=["cpu", "cuda"],
+                    help="where the codecs run; default: cuda when a GPU is visible")
+    bc.add_argument("--numel", type=int, default=1 << 22,
+                    help="elements per tensor (default: 4194304)")
+    bc.add_argument("--dtype", default="bf16", choices=sorted(DTYPES),
+                    help="dtype of the tensor encoded (default: bf16)")
     bc.add_argument("--codecs", default=None, help="';'-separated codec specs (default: all)")
-    bc.add_argument("--iters", type=int, default=10)
+    bc.add_argument("--iters", type=int, default=10,
+                    help="timed calls per codec and direction (default: 10)")
     bc.add_argument("--no-reference", action="store_true",
                     help="skip the torch.compile reference quantizer")
     bc.add_argument("--json", default=None, help="write the rows as JSON to this path")

@@ -108,7 +108,7 @@ def bench_codecs(specs: list[str] | None = None, *, device: str = "cpu", numel: 
         enc_s = median_seconds(lambda c=c: c.encode(x), dev, iters=iters)
         dec_s = median_seconds(lambda c=c, p=packet: c.decode(p), dev, iters=iters)
         ref_enc = ref_dec = None
-        if with_reference and hasattr(c, "bits"):
+        if with_reference and getattr(c, "bit_packed", False):  # the group quantizers
             try:
                 fe, fd = _reference_fns(c, x)
                 ref_enc = (in_bytes + wire) / median_seconds(fe, dev, iters=iters) / 1e9
