@@ -7,7 +7,8 @@ from commpress.launch import spawn
 from tests.collectives import workers
 
 
-@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow), 4])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow),
+                                   pytest.param(4, marks=pytest.mark.slow)])
 def test_none_codec_equals_torch_collectives_bitwise(world):
     for rank_result in spawn(workers.none_matches_torch, world):
         bad = [k for k, ok in rank_result.items() if not ok]
@@ -181,6 +182,7 @@ def test_async_inputs_may_be_reused_right_after_the_call():
         assert all(r.values()), [k for k, ok in r.items() if not ok]
 
 
+@pytest.mark.slow
 def test_groups_destroyed_and_created_again_get_fresh_sub_groups():
     for r in spawn(workers.recreated_groups, 4, ranks_per_node=2):
         assert all(r.values()), r
