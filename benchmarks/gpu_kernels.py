@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
-from commpress.bench.codecs import bench_codecs  # noqa: E402
+from commpress.bench.codecs import DEFAULT_CPU, DEFAULT_CUDA, bench_codecs  # noqa: E402
 from commpress.bench.timing import median_seconds  # noqa: E402
 from commpress.codecs import codec as build_codec  # noqa: E402
 from commpress.kernels import reference as ref  # noqa: E402
@@ -45,16 +45,28 @@ FP8_CONFIGS = [(128, 0), (128, 128), (32, 128)]
 TRIT_CONFIGS = [(128, 0), (128, 128)]
 
 
-def check(n: int, device: str = "cuda") -> list[dict]:
+def check(n: int, device: str, emit) -> None:
     """One row per (input dtype, codec configuration): Triton against the reference and
     a float64 oracle."""
-    rows = []
     for dtype in (torch.bfloat16, torch.float32):
         x = torch.randn(n, device=device).to(dtype)
-        rows += [_check_int(x, *cfg) for cfg in CONFIGS]
-        rows += [_check_fp8(x, *cfg) for cfg in FP8_CONFIGS]
-        rows += [_check_trits(x, *cfg) for cfg in TRIT_CONFIGS]
-    return rows
+        for fn, configs in ((_check_int, CONFIGS), (_check_fp8, FP8_CONFIGS),
+                            (_check_trits, TRIT_CONFIGS)):
+            for cfg in configs:
+                guarded(emit, f"{fn.__name__}{cfg} {dtype}", partial(_emit_of, emit, fn, x, *cfg))
+
+
+def _emit_of(emit, fn, *args) -> None:
+    emit(fn(*args))
+
+
+def guarded(emit, what: str, fn) -> None:
+    """Run one piece; a failure (say, a kernel that does not compile on this GPU) is a
+    row with the error, and the script goes on to the next piece."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - reported as a row, the rest still runs
+        emit({"failed": what, "error": f"{type(e).__name__}: {e}"[:400], "ok": False})
 
 
 def _row(codec: str, x: torch.Tensor, group: int, had: int, codes_equal: torch.Tensor,
@@ -137,27 +149,31 @@ def host_path(numel: int, device: str, emit, calls: int = 200) -> None:
     x = torch.randn(numel, device=dev).to(torch.bfloat16)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     for spec in HOST_SPECS:
-        c = build_codec(spec)
-        packet = c.encode(x)
-        row = {"host_path": spec, "numel": numel}
-        for what, fn in (("encode", partial(c.encode, x)), ("decode", partial(c.decode, packet))):
+        guarded(emit, f"host_path {spec}", partial(_host_row, spec, x, dev, sync, emit, calls))
+
+
+def _host_row(spec: str, x: torch.Tensor, dev: torch.device, sync, emit, calls: int) -> None:
+    c = build_codec(spec)
+    packet = c.encode(x)
+    row = {"host_path": spec, "numel": x.numel()}
+    for what, fn in (("encode", partial(c.encode, x)), ("decode", partial(c.decode, packet))):
+        fn()
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(calls):
             fn()
-            sync()
-            t0 = time.perf_counter()
-            for _ in range(calls):
+        row[f"{what}_host_us"] = (time.perf_counter() - t0) / calls * 1e6
+        sync()
+        if dev.type == "cuda":
+            torch.cuda.set_sync_debug_mode("error")
+            try:
                 fn()
-            row[f"{what}_host_us"] = (time.perf_counter() - t0) / calls * 1e6
-            sync()
-            if dev.type == "cuda":
-                torch.cuda.set_sync_debug_mode("error")
-                try:
-                    fn()
-                    row[f"{what}_syncs"] = False
-                except RuntimeError as e:
-                    row[f"{what}_syncs"] = str(e)[:160]
-                finally:
-                    torch.cuda.set_sync_debug_mode("default")
-        emit(row)
+                row[f"{what}_syncs"] = False
+            except RuntimeError as e:
+                row[f"{what}_syncs"] = str(e)[:160]
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    emit(row)
 
 
 def drr_speed(numel: int, device: str = "cuda") -> dict:
@@ -253,6 +269,14 @@ def tune(numel: int, emit, device: str = "cuda") -> None:
     print("}", flush=True)
 
 
+def _bench_row(spec: str, device: str, numel: int, iters: int, with_reference: bool,
+               emit) -> None:
+    for r in bench_codecs([spec], device=device, numel=numel, dtype=torch.bfloat16,
+                          iters=iters, with_reference=with_reference,
+                          progress=lambda msg: print(f"... {msg}", flush=True)):
+        emit(r.__dict__)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
@@ -273,14 +297,13 @@ def main() -> None:
 
     emit({"device": torch.cuda.get_device_name() if not small else "cpu (dry run)",
           "torch": torch.__version__})
-    for row in check(1 << 12 if small else 1 << 20, args.device):
-        emit(row)
+    check(1 << 12 if small else 1 << 20, args.device, emit)
     host_path(1 << 12 if small else 4 << 20, args.device, emit, calls=5 if small else 200)
-    for r in bench_codecs(device=args.device, numel=numel, dtype=torch.bfloat16,
-                          iters=2 if small else 20, with_reference=not small,
-                          progress=lambda msg: print(f"... {msg}", flush=True)):
-        emit(r.__dict__)
-    emit({"dequant_reduce_requant": drr_speed(numel, args.device)})
+    for spec in DEFAULT_CPU if small else DEFAULT_CUDA:  # one at a time: a failure is a row
+        guarded(emit, f"bench {spec}", partial(_bench_row, spec, args.device, numel,
+                                               2 if small else 20, not small, emit))
+    guarded(emit, "dequant_reduce_requant",
+            lambda: emit({"dequant_reduce_requant": drr_speed(numel, args.device)}))
     if args.tune:
         tune(min(numel, 64 * 2**20), emit, args.device)
 
