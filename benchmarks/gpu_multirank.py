@@ -51,10 +51,10 @@ def _rel(a, b) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
-def collectives(rank: int, world: int) -> list[dict]:
+def collectives(rank: int, world: int, specs: list[str]) -> list[dict]:
     dev, rows = _device(), []
     topo = commpress.Topology(2)
-    for spec in CODECS:
+    for spec in specs:
         g = torch.Generator().manual_seed(rank)
         x = torch.randn(1 << 16, generator=g).to(dev, torch.bfloat16)
         everyone = [torch.empty_like(x) for _ in range(world)]
@@ -163,33 +163,56 @@ def main() -> None:
             f.write(json.dumps(row) + "\n")
 
     t0 = time.perf_counter()
-    for row in spawn(collectives, 4, ranks_per_node=2, env=env, timeout=300)[0]:
-        emit({"check": "collectives", **row})
-    ranks = spawn(replicas, 4, (args.check_model,), ranks_per_node=2, env=env, timeout=300)
-    for name in ranks[0]:
-        emit({"check": "replicas", "run": name,
-              "identical_every_step": all(len({r[name][s] for r in ranks}) == 1
-                                          for s in range(len(ranks[0][name])))})
+
+    def guarded(what: str, fn) -> None:
+        """One piece; a failure is a row with its error and the next piece still runs."""
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - reported as a row
+            emit({"check": "failed", "what": what, "error": f"{type(e).__name__}: {e}"[:400],
+                  "ok": False})
+
+    def check_collectives(spec: str) -> None:
+        for row in spawn(collectives, 4, ([spec],), ranks_per_node=2, env=env, timeout=300)[0]:
+            emit({"check": "collectives", **row})
+
+    def check_replicas() -> None:
+        ranks = spawn(replicas, 4, (args.check_model,), ranks_per_node=2, env=env,
+                      timeout=300)
+        for name in ranks[0]:
+            emit({"check": "replicas", "run": name,
+                  "identical_every_step": all(len({r[name][s] for r in ranks}) == 1
+                                              for s in range(len(ranks[0][name])))})
+
     small = dict(model=args.check_model, steps=4, batch_size=8, seq_len=32, eval_every=0,
                  eval_batches=1, progress=False, device=args.device, backend="gloo", nproc=4,
                  ranks_per_node=2, dtype="bf16", max_data_bytes=1 << 20)
-    for layout in ({"dp": 2, "tp": 2}, {"dp": 2, "pp": 2}):
+
+    def check_train(layout: dict) -> None:
         s = train(TrainConfig(policy="hybrid", out=f"{args.out}/train-{layout}", **layout,
                               **small))
         emit({"check": "train", "layout": layout, "val_loss": s["final_val_loss"]})
-    emit({"check": "elapsed_s", "value": time.perf_counter() - t0})
+
     big = dict(small, model=args.model, steps=args.steps, batch_size=16,
                seq_len=min(256, MODEL_PRESETS[args.model].block_size), bucket_numel=1 << 24)
-    runs = [("sharded", "none", "commpress"), ("sharded", "sdp4bit", "commpress"),
-            ("sharded", "zeropp", "commpress"), ("ddp", "none", "allreduce"),
-            ("ddp", "int2ef", "commpress"), ("ddp", "none", "powersgd:4")]
-    for engine, policy, hook in runs:
+
+    def end_to_end(engine: str, policy: str, hook: str) -> None:
         s = train(TrainConfig(engine=engine, policy=policy, ddp_hook=hook,
                               out=f"{args.out}/e2e-{engine}-{policy}-{hook}", **big))
         emit({"check": "end_to_end", "model": args.model, "engine": engine, "policy": policy,
               "hook": hook, "step_time_s": s["step_time_s_median"],
               "val_loss": s["final_val_loss"], "elapsed_s": time.perf_counter() - t0})
 
+    for spec in CODECS:
+        guarded(f"collectives {spec}", lambda spec=spec: check_collectives(spec))
+    guarded("replicas", check_replicas)
+    for layout in ({"dp": 2, "tp": 2}, {"dp": 2, "pp": 2}):
+        guarded(f"train {layout}", lambda layout=layout: check_train(layout))
+    emit({"check": "elapsed_s", "value": time.perf_counter() - t0})
+    for run in [("sharded", "none", "commpress"), ("sharded", "sdp4bit", "commpress"),
+                ("sharded", "zeropp", "commpress"), ("ddp", "none", "allreduce"),
+                ("ddp", "int2ef", "commpress"), ("ddp", "none", "powersgd:4")]:
+        guarded(f"end_to_end {run}", lambda run=run: end_to_end(*run))
 
 if __name__ == "__main__":
     main()

@@ -43,7 +43,8 @@ def test_gpu_multirank_script_dry_runs_and_its_checks_pass(tmp_path):
     by = {}
     for r in rows:
         by.setdefault(r.get("check"), []).append(r)
-    assert all(r["ok"] for r in by["collectives"]), by["collectives"]
+    assert "failed" not in by, by.get("failed")
+    assert len(by["collectives"]) == 6 and all(r["ok"] for r in by["collectives"])
     assert all(r["identical_every_step"] for r in by["replicas"]), by["replicas"]
     assert len(by["train"]) == 2 and all(r["val_loss"] > 0 for r in by["train"])
     assert len(by["end_to_end"]) == 6
