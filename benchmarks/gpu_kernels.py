@@ -192,9 +192,17 @@ def drr_speed(numel: int, device: str = "cuda") -> dict:
     c4, s4 = torch.stack([e[0] for e in enc4]), torch.stack([e[1] for e in enc4])
     fn4 = partial(tq.dequantize_sum, c4, s4, bits=4, group=128, hadamard=128)
     t4 = median_seconds(fn4, torch.device(device), iters=20)
+
+    def unfused() -> torch.Tensor:  # what ran before the fused kernel: decode, sum, rotate
+        y = tq.dequantize(c4.reshape(-1), s4.reshape(-1), k * chunk, bits=4, group=128)
+        return ref.unrotate(ref.sum_rows(y.view(k, chunk)), chunk, hadamard=128,
+                            out_dtype=torch.float32)
+
+    t4u = median_seconds(unfused, torch.device(device), iters=20)
     moved4 = c4.numel() + s4.numel() * 4 + chunk * 4
     return {"k": k, "chunk": chunk, "GBps": moved / t / 1e9,
-            "dequantize_sum_int4_h128_GBps": moved4 / t4 / 1e9}
+            "dequantize_sum_int4_h128_GBps": moved4 / t4 / 1e9,
+            "dequantize_sum_unfused_GBps": moved4 / t4u / 1e9}
 
 
 TUNE_CONFIGS = [(4, 128, 128), (8, 128, 128), (4, 128, 0), (8, 128, 0), (2, 128, 0),
