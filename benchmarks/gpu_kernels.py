@@ -116,19 +116,13 @@ def _check_trits(x: torch.Tensor, group: int, had: int) -> dict:
     d = tq.trits_dequantize(c_tri, s_tri, n, group=group, hadamard=had)
     y = _rotated64(x, had)
     step = s_tri.double().repeat_interleave(group)  # int2: one step = the scale
-    q_hat = (_trit_values(c_tri, group).double() * step)[:y.numel()]
+    q_hat = (ref.trit_values(c_tri, group).double() * step)[:y.numel()]
     extra = {}
     if not had:  # without a rotation the reference decodes the very same values
         extra["decode_equal"] = bool(torch.equal(
             ref.trits_dequantize(c_tri, s_tri, n, group=group, hadamard=0), d))
     return _row("trits", x, group, had, c_ref == c_tri, (y - q_hat).abs() / (step / 2), d,
                 **extra)
-
-
-def _trit_values(packed: torch.Tensor, group: int) -> torch.Tensor:
-    powers = torch.tensor(ref.TRIT_POWERS, dtype=torch.int32, device=packed.device)
-    q = (packed.to(torch.int32).view(-1, 1) // powers) % 3 - 1
-    return q.view(-1, 5 * ref.trit_bytes(group))[:, :group].reshape(-1)
 
 
 def _rotated64(x: torch.Tensor, had: int) -> torch.Tensor:

@@ -201,12 +201,6 @@ def test_fp8_near_fp32_max_saturates_as_the_reference_does():
         assert d[:128].isnan().all() and torch.isfinite(d[128:]).all()
 
 
-def _trits(packed: torch.Tensor, group: int) -> torch.Tensor:
-    powers = torch.tensor(ref.TRIT_POWERS, dtype=torch.int32)
-    q = (packed.to(torch.int32).view(-1, 1) // powers) % 3 - 1
-    return q.view(-1, 5 * ref.trit_bytes(group))[:, :group].reshape(-1)
-
-
 @pytest.mark.parametrize(("group", "had"), [(128, 0), (16, 0), (256, 0), (128, 128), (64, 16),
                                             (32, 128)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -224,7 +218,7 @@ def test_trits_encode_decode_match_reference(group, had, dtype, stochastic, nume
         assert c_tri.shape == c_ref.shape and s_tri.dtype == s_ref.dtype
         if had:  # rotation sums in another order: a trit may differ at a rounding tie
             torch.testing.assert_close(s_tri, s_ref, rtol=1e-5, atol=0, equal_nan=True)
-            q_ref, q_tri = _trits(c_ref, group), _trits(c_tri, group)
+            q_ref, q_tri = ref.trit_values(c_ref, group), ref.trit_values(c_tri, group)
             assert (q_ref - q_tri).abs().max() <= 1
             assert (q_ref != q_tri).float().mean() < 0.01
         else:
@@ -234,7 +228,7 @@ def test_trits_encode_decode_match_reference(group, had, dtype, stochastic, nume
                                      out_dtype=dtype)
         d_tri = triton_quant.trits_dequantize(c_ref, s_ref, numel, group=group, hadamard=had,
                                               out_dtype=dtype)
-        _assert_decodes_close(d_ref, d_tri, _trits(c_ref, group).float().view(-1, group)
+        _assert_decodes_close(d_ref, d_tri, ref.trit_values(c_ref, group).float().view(-1, group)
                               * s_ref.float().view(-1, 1), had)
 
 

@@ -403,12 +403,17 @@ def trits_quantize(x: torch.Tensor, *, group: int, hadamard: int = 0,
     return (g.view(-1, 5) * powers).sum(dim=1, dtype=torch.uint8), scales
 
 
+def trit_values(packed: torch.Tensor, group: int) -> torch.Tensor:
+    """The codes -1, 0, 1 of whole groups (flat int32) held in trit bytes."""
+    powers = torch.tensor(TRIT_POWERS, dtype=torch.int32, device=packed.device)
+    q = (packed.to(torch.int32).view(-1, 1) // powers) % 3 - 1  # (bytes, 5)
+    return q.view(-1, 5 * trit_bytes(group))[:, :group].reshape(-1)
+
+
 def trits_dequantize(packed: torch.Tensor, scales: torch.Tensor, numel: int, *, group: int,
                      hadamard: int = 0, out_dtype: torch.dtype = torch.float32,
                      out: torch.Tensor | None = None) -> torch.Tensor:
     """Decode :func:`trits_quantize`'s bytes to ``numel`` values of ``out_dtype``."""
-    powers = torch.tensor(TRIT_POWERS, dtype=torch.int32, device=packed.device)
-    q = (packed.to(torch.int32).view(-1, 1) // powers) % 3 - 1  # (bytes, 5): -1, 0, 1
-    q = q.view(-1, 5 * trit_bytes(group))[:, :group].float()
+    q = trit_values(packed, group).view(-1, group).float()
     y = (q * scales.float().view(-1, 1)).view(-1)
     return written(unrotate(y, numel, hadamard=hadamard, out_dtype=out_dtype), out)

@@ -117,6 +117,29 @@ def _rotate(x, Hm, TILE: tl.constexpr, HAD: tl.constexpr, DOT_FP32: tl.constexpr
 
 
 @triton.jit
+def _group_scales(g, MAXCODE: tl.constexpr, SCALE_FP16: tl.constexpr, ROUND_UP: tl.constexpr,
+                  FLOOR: tl.constexpr):
+    """Per row of ``g`` (groups): whether it holds NaN/±Inf, its scale ``absmax /
+    MAXCODE`` (fp16 scales saturate at 65504 and round up or to nearest even; a nonzero
+    group's scale is at least ``FLOOR``) and the scale's inverse (0 for a zero scale)."""
+    ok = tl.abs(g) < float("inf")  # False for NaN and ±Inf
+    bad = tl.max(tl.where(ok, 0, 1), axis=1) > 0
+    absmax = tl.max(tl.where(ok, tl.abs(g), 0.0), axis=1)
+    scale = tl.div_rn(absmax, MAXCODE)
+    if SCALE_FP16:
+        scale = tl.minimum(scale, 65504.0)  # saturate, as the reference does
+        s16 = scale.to(tl.float16)
+        if ROUND_UP:
+            up = (s16.to(tl.int16, bitcast=True) + 1).to(tl.float16, bitcast=True)
+            s16 = tl.where(s16.to(tl.float32) < scale, up, s16)
+        scale = s16.to(tl.float32)
+    scale = tl.where(absmax > 0, tl.maximum(scale, FLOOR), scale)
+    safe = tl.where(scale > 0, scale, 1.0)  # no 1/0 computed for all-zero groups
+    inv = tl.where(scale > 0, tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), safe), 0.0)
+    return bad, scale, inv
+
+
+@triton.jit
 def _levels_tile(y, base, k1, k2, TILE: tl.constexpr, BITS: tl.constexpr,
                  GROUP: tl.constexpr, STOCHASTIC: tl.constexpr, SCALE_FP16: tl.constexpr,
                  FLOOR: tl.constexpr):
@@ -125,18 +148,8 @@ def _levels_tile(y, base, k1, k2, TILE: tl.constexpr, BITS: tl.constexpr,
     scales (NaN for a non-finite group)."""
     QMAX: tl.constexpr = (1 << (BITS - 1)) - 1
     g = tl.reshape(y, (TILE // GROUP, GROUP))
-    ok = tl.abs(g) < float("inf")  # False for NaN and ±Inf
-    bad = tl.max(tl.where(ok, 0, 1), axis=1) > 0
-    absmax = tl.max(tl.where(ok, tl.abs(g), 0.0), axis=1)
-    scale = tl.div_rn(absmax, QMAX * 1.0)
-    if SCALE_FP16:
-        scale = tl.minimum(scale, 65504.0)  # saturate, as the reference does
-        s16 = scale.to(tl.float16)
-        up = (s16.to(tl.int16, bitcast=True) + 1).to(tl.float16, bitcast=True)
-        scale = tl.where(s16.to(tl.float32) < scale, up, s16).to(tl.float32)
-    scale = tl.where(absmax > 0, tl.maximum(scale, FLOOR), scale)
-    safe = tl.where(scale > 0, scale, 1.0)  # no 1/0 computed for all-zero groups
-    inv = tl.where(scale > 0, tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), safe), 0.0)
+    # fp16 scales round up: no element lands beyond QMAX steps
+    bad, scale, inv = _group_scales(g, QMAX * 1.0, SCALE_FP16, True, FLOOR)
     v = g * inv[:, None]
     if STOCHASTIC:
         idx = (base + tl.arange(0, TILE)).to(tl.uint32)
@@ -357,15 +370,8 @@ def _fp8_quantize_kernel(x_ptr, codes_ptr, scales_ptr, h_ptr, numel, total,
     base = pid.to(tl.int64) * TILE
     y = _load_rotated(x_ptr, h_ptr, base, numel, HAD, TILE, DOT_FP32)
     g = tl.reshape(y, (TILE // GROUP, GROUP))
-    ok = tl.abs(g) < float("inf")  # False for NaN and ±Inf
-    bad = tl.max(tl.where(ok, 0, 1), axis=1) > 0
-    absmax = tl.max(tl.where(ok, tl.abs(g), 0.0), axis=1)
-    scale = tl.div_rn(absmax, 448.0)
-    if SCALE_FP16:  # saturate, then round to fp16 (nearest even) as the reference does
-        scale = tl.minimum(scale, 65504.0).to(tl.float16).to(tl.float32)
-    scale = tl.where(absmax > 0, tl.maximum(scale, FLOOR), scale)
-    safe = tl.where(scale > 0, scale, 1.0)  # no 1/0 computed for all-zero groups
-    inv = tl.where(scale > 0, tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), safe), 0.0)
+    # fp16 scales round to nearest even, as the reference's cast does
+    bad, scale, inv = _group_scales(g, 448.0, SCALE_FP16, False, FLOOR)
     v = tl.minimum(tl.maximum(g * inv[:, None], -448.0), 448.0)
     codes = tl.where(bad[:, None], 0, _fp8_bits(tl.where(bad[:, None], 0.0, v)))
     offs = base + tl.arange(0, TILE)
@@ -453,26 +459,46 @@ def quantize(
     keys: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton twin of :func:`commpress.kernels.reference.quantize`."""
-    flat = x.reshape(-1)
-    if not flat.is_contiguous():
-        flat = flat.contiguous()
-    numel = flat.numel()
-    total = padded_numel(numel, bits, group, hadamard)
-    codes = torch.empty(total * bits // 8, dtype=torch.uint8, device=x.device)
-    scales = torch.empty(total // group, dtype=scale_dtype, device=x.device)
-    if total == 0:
-        return codes, scales
-    tile, warps = config("quantize", bits, group, hadamard)
-    k1, k2 = keys if keys is not None else (0, 0)
-    dot_fp32 = interpreting() or flat.dtype == torch.float32
-    h = hadamard_matrix(hadamard, torch.float32 if dot_fp32 else flat.dtype, x.device)
-    _quantize_kernel[(triton.cdiv(total, tile),)](
-        flat, codes, scales, h, numel, total, k1, k2,
-        BITS=bits, GROUP=group, HAD=hadamard, TILE=tile, STOCHASTIC=keys is not None,
-        SCALE_FP16=scale_dtype == torch.float16, FLOOR=scale_floor(scale_dtype),
-        DOT_FP32=dot_fp32, num_warps=warps,
-    )
+    e = _Encode.of("quantize", x, bits, group, hadamard)
+    codes = torch.empty(e.total * bits // 8, dtype=torch.uint8, device=x.device)
+    scales = torch.empty(e.total // group, dtype=scale_dtype, device=x.device)
+    if e.grid:
+        k1, k2 = keys if keys is not None else (0, 0)
+        _quantize_kernel[e.grid](
+            e.flat, codes, scales, e.h, e.flat.numel(), e.total, k1, k2,
+            BITS=bits, GROUP=group, HAD=hadamard, TILE=e.tile, STOCHASTIC=keys is not None,
+            SCALE_FP16=scale_dtype == torch.float16, FLOOR=scale_floor(scale_dtype),
+            DOT_FP32=e.dot_fp32, num_warps=e.warps,
+        )
     return codes, scales
+
+
+@dataclass
+class _Encode:
+    """What every encoder's launch needs: the flat contiguous input, the padded length,
+    grid, tile and warps, and the Hadamard matrix in the dot's dtype (the input's: ±1
+    times bf16/fp16 values is exact; an ieee fp32 product for fp32 inputs and in the
+    interpreter)."""
+
+    flat: torch.Tensor
+    total: int
+    grid: tuple[int, ...]
+    tile: int
+    warps: int
+    dot_fp32: bool
+    h: torch.Tensor
+
+    @classmethod
+    def of(cls, kernel: str, x: torch.Tensor, bits: int, group: int, hadamard: int) -> _Encode:
+        flat = x.reshape(-1)
+        if not flat.is_contiguous():
+            flat = flat.contiguous()
+        total = padded_numel(flat.numel(), bits, group, hadamard)
+        tile, warps = config(kernel, bits, group, hadamard)
+        dot_fp32 = interpreting() or flat.dtype == torch.float32
+        h = hadamard_matrix(hadamard, torch.float32 if dot_fp32 else flat.dtype, x.device)
+        grid = (triton.cdiv(total, tile),) if total else ()
+        return cls(flat, total, grid, tile, warps, dot_fp32, h)
 
 
 def dequantize(
@@ -576,23 +602,15 @@ def dequant_reduce_requant(
 def fp8_quantize(x: torch.Tensor, *, group: int, hadamard: int = 0,
                  scale_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton twin of :func:`commpress.kernels.reference.fp8_quantize`."""
-    flat = x.reshape(-1)
-    if not flat.is_contiguous():
-        flat = flat.contiguous()
-    numel = flat.numel()
-    total = padded_numel(numel, 8, group, hadamard)
-    codes = torch.empty(total, dtype=torch.uint8, device=x.device)
-    scales = torch.empty(total // group, dtype=scale_dtype, device=x.device)
-    if total == 0:
-        return codes, scales
-    tile, warps = config("fp8_quantize", 8, group, hadamard)
-    dot_fp32 = interpreting() or flat.dtype == torch.float32
-    h = hadamard_matrix(hadamard, torch.float32 if dot_fp32 else flat.dtype, x.device)
-    _fp8_quantize_kernel[(triton.cdiv(total, tile),)](
-        flat, codes, scales, h, numel, total, GROUP=group, HAD=hadamard, TILE=tile,
-        SCALE_FP16=scale_dtype == torch.float16, FLOOR=scale_floor(scale_dtype),
-        DOT_FP32=dot_fp32, num_warps=warps,
-    )
+    e = _Encode.of("fp8_quantize", x, 8, group, hadamard)
+    codes = torch.empty(e.total, dtype=torch.uint8, device=x.device)
+    scales = torch.empty(e.total // group, dtype=scale_dtype, device=x.device)
+    if e.grid:
+        _fp8_quantize_kernel[e.grid](
+            e.flat, codes, scales, e.h, e.flat.numel(), e.total, GROUP=group, HAD=hadamard,
+            TILE=e.tile, SCALE_FP16=scale_dtype == torch.float16,
+            FLOOR=scale_floor(scale_dtype), DOT_FP32=e.dot_fp32, num_warps=e.warps,
+        )
     return codes, scales
 
 
@@ -632,29 +650,21 @@ def trits_quantize(x: torch.Tensor, *, group: int, hadamard: int = 0,
                    scale_dtype: torch.dtype = torch.float32,
                    keys: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton twin of :func:`commpress.kernels.reference.trits_quantize`."""
-    flat = x.reshape(-1)
-    if not flat.is_contiguous():
-        flat = flat.contiguous()
-    numel = flat.numel()
-    total = padded_numel(numel, 2, group, hadamard)
-    groups = total // group
+    e = _Encode.of("trits_quantize", x, 2, group, hadamard)
+    groups = e.total // group
     codes = torch.empty(groups * trit_bytes(group), dtype=torch.uint8, device=x.device)
     scales = torch.empty(groups, dtype=scale_dtype, device=x.device)
-    if total == 0:
-        return codes, scales
-    tile, warps = config("trits_quantize", 2, group, hadamard)
-    k1, k2 = keys if keys is not None else (0, 0)
-    dot_fp32 = interpreting() or flat.dtype == torch.float32
-    h = hadamard_matrix(hadamard, torch.float32 if dot_fp32 else flat.dtype, x.device)
-    # trits and powers of 3 are exact in bf16
-    w, _, _, nb, nbp = _trit_matrices(group, torch.float32 if interpreting() else torch.bfloat16,
-                                      str(x.device))
-    _trits_quantize_kernel[(triton.cdiv(total, tile),)](
-        flat, codes, scales, h, w, numel, total, k1, k2, GROUP=group, HAD=hadamard, TILE=tile,
-        NB=nb, NBP=nbp, STOCHASTIC=keys is not None, SCALE_FP16=scale_dtype == torch.float16,
-        FLOOR=scale_floor(scale_dtype), DOT_FP32=dot_fp32, PACK_FP32=interpreting(),
-        num_warps=warps,
-    )
+    if e.grid:
+        k1, k2 = keys if keys is not None else (0, 0)
+        # trits and powers of 3 are exact in bf16, whatever the input's dtype
+        w, _, _, nb, nbp = _trit_matrices(
+            group, torch.float32 if interpreting() else torch.bfloat16, str(x.device))
+        _trits_quantize_kernel[e.grid](
+            e.flat, codes, scales, e.h, w, e.flat.numel(), e.total, k1, k2, GROUP=group,
+            HAD=hadamard, TILE=e.tile, NB=nb, NBP=nbp, STOCHASTIC=keys is not None,
+            SCALE_FP16=scale_dtype == torch.float16, FLOOR=scale_floor(scale_dtype),
+            DOT_FP32=e.dot_fp32, PACK_FP32=interpreting(), num_warps=e.warps,
+        )
     return codes, scales
 
 
