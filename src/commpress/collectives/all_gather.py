@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from commpress.collectives import chunks
-from commpress.collectives.call import AnyCodec, begin, end, is_exact
+from commpress.collectives.call import AnyCodec, begin, end, is_exact, owned_input
 from commpress.collectives.comm import (
     Gather,
     all_gather_single,
@@ -99,7 +99,6 @@ def all_gather(
     call = begin("all_gather", group, label, {"codec": codec},
                  tensors={"input": input, "output": output},
                  check=lambda n: check_sizes("all_gather", output, input, n, "output", "input"))
-    if async_op and is_exact(call.codec):
-        input = input.clone()  # torch reads it until the transfer ends: the caller may not
+    input = owned_input(input, call.codec, async_op)
     return end(run_all_gather(output, input, call.codec, call.group, call.stats, call.label),
                async_op)

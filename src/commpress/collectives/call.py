@@ -100,6 +100,13 @@ def begin(collective: str, group: dist.ProcessGroup | None, label: str | None,
     return Call(group, ctx, resolved, label)
 
 
+def owned_input(input: torch.Tensor, codec: AnyCodec, async_op: bool) -> torch.Tensor:
+    """The input an exact asynchronous collective hands torch: a copy, since torch reads
+    it until the transfer ends and the caller may reuse it once the call returns
+    (compressed paths have encoded it by then)."""
+    return input.clone() if async_op and is_exact(codec) else input
+
+
 def end(handle: Handle, async_op: bool) -> torch.Tensor | Handle:
     """The epilogue: ``handle`` itself for ``async_op``, else its finished result."""
     return handle if async_op else handle.wait()

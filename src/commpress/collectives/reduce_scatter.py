@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from commpress.collectives import chunks
-from commpress.collectives.call import AnyCodec, begin, end, is_exact
+from commpress.collectives.call import AnyCodec, begin, end, is_exact, owned_input
 from commpress.collectives.comm import (
     Exchange,
     check_sizes,
@@ -114,8 +114,7 @@ def reduce_scatter(
                  tensors={"input": input, "output": output},
                  check=lambda n: check_sizes("reduce_scatter", input, output, n, "input",
                                              "output"))
-    if async_op and is_exact(call.codec):
-        input = input.clone()  # torch reads it until the transfer ends: the caller may not
+    input = owned_input(input, call.codec, async_op)
     return end(run_reduce_scatter(output, input, call.codec, call.group, call.stats,
                                   call.label, op), async_op)
 
