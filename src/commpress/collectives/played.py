@@ -26,6 +26,26 @@ from commpress.collectives.call import AnyCodec, is_exact
 from commpress.collectives.stats import Stats
 
 
+def played_levels(two_level: bool, world: int, ranks_per_node: int) -> tuple[str, ...]:
+    """The codec levels a gradient path runs on ``world`` ranks in nodes of
+    ``ranks_per_node`` — ``("single",)``, ``("intra", "inter")``, or the one level left
+    when there is one node (``intra``) or one rank per node (``inter``) — as
+    :func:`commpress.hierarchical_reduce_scatter` and its kin choose them."""
+    if world < 1 or ranks_per_node < 1 or world % ranks_per_node:
+        raise ValueError(f"ranks={world}, ranks_per_node={ranks_per_node} is not allowed; "
+                         "allowed: positive, ranks a multiple of ranks_per_node")
+    if not two_level:
+        return ("single",)
+    if world == ranks_per_node:
+        return ("intra",)
+    return ("inter",) if ranks_per_node == 1 else ("intra", "inter")
+
+
+def level_label(label: str, level: str) -> str:
+    """The stats label of one level (``dp.grad.inter``; a single level keeps ``label``)."""
+    return label if level == "single" else f"{label}.{level}"
+
+
 class _RankOrderSum:
     """A running sum of the ranks' tensors in rank order — how an exact (uncompressed)
     reduction is played; the backend sums in its own order, so the two agree to

@@ -17,7 +17,12 @@ import torch
 import torch.nn as nn
 
 from commpress.collectives import Topology
-from commpress.collectives.played import PlayedAllReduce, PlayedHierarchicalAllReduce
+from commpress.collectives.played import (
+    PlayedAllReduce,
+    PlayedHierarchicalAllReduce,
+    level_label,
+    played_levels,
+)
 from commpress.collectives.stats import Stats
 from commpress.integrations.ddp import BUCKET_NUMEL, hook_layout
 from commpress.integrations.grad_path import GradPath
@@ -34,11 +39,9 @@ class PlayedDDPHook:
     def __init__(self, model: nn.Module, policy: str | dict | Policy, *, ranks: int,
                  ranks_per_node: int, bucket_numel: int = BUCKET_NUMEL,
                  label: str = "dp.grad", stats: Stats | None = None) -> None:
-        if ranks < 1 or ranks_per_node < 1 or ranks % ranks_per_node:
-            raise ValueError(f"ranks={ranks}, ranks_per_node={ranks_per_node} is not allowed; "
-                             "allowed: positive, ranks a multiple of ranks_per_node")
         self.policy = Policy.resolve(policy)
         self.world, self.L, self.label = ranks, ranks_per_node, label
+        self.levels = played_levels(self.policy.two_level(), ranks, ranks_per_node)
         # gradient bytes every rank sends, summed over the ranks
         self.stats = stats if stats is not None else Stats()
         topology = Topology(ranks_per_node)
@@ -52,18 +55,14 @@ class PlayedDDPHook:
         self.played: list = [None] * len(self.buckets)
 
     def _play(self, j: int, numel: int):
-        paths, n, L = self.paths[j], self.world, self.L
-        if not paths[0].two_level:
-            return PlayedAllReduce([p.codecs["single"] for p in paths], numel, self.label,
-                                   "avg", self.stats)
-        nodes = n // L
-        if nodes > 1 and L > 1:
+        paths = self.paths[j]
+        if len(self.levels) == 2:
             return PlayedHierarchicalAllReduce([p.codecs["intra"] for p in paths],
-                                               [p.codecs["inter"] for p in paths], L, numel,
-                                               self.label, "avg", self.stats)
-        level = "intra" if nodes == 1 else "inter"  # one level only
+                                               [p.codecs["inter"] for p in paths], self.L,
+                                               numel, self.label, "avg", self.stats)
+        (level,) = self.levels
         return PlayedAllReduce([p.codecs[level] for p in paths], numel,
-                               f"{self.label}.{level}", "avg", self.stats)
+                               level_label(self.label, level), "avg", self.stats)
 
     @torch.no_grad()
     def take(self, rank: int) -> None:

@@ -27,8 +27,10 @@ from commpress.collectives.call import is_exact, resolve_codec
 from commpress.collectives.played import (
     PlayedReduceScatter,
     PlayedTwoLevelReduceScatter,
+    level_label,
     played_delta_gather,
     played_gather,
+    played_levels,
 )
 from commpress.collectives.stats import Stats
 from commpress.integrations.buckets import (
@@ -67,12 +69,9 @@ class PlayedShardedOptimizer:
                  bucket_numel: int = 1 << 22, max_grad_norm: float | None = None,
                  nonfinite: str = "skip", decay_1d: bool = False, stats: Stats | None = None,
                  **optimizer_kwargs: Any) -> None:
-        if ranks < 1 or ranks_per_node < 1 or ranks % ranks_per_node:
-            raise ValueError(f"ranks={ranks}, ranks_per_node={ranks_per_node} is not allowed; "
-                             "allowed: positive, ranks a multiple of ranks_per_node")
         self.policy = Policy.resolve(policy)
-        self.world, self.L = ranks, ranks_per_node
-        self.nodes = ranks // ranks_per_node
+        self.levels = played_levels(self.policy.two_level(), ranks, ranks_per_node)
+        self.world, self.L, self.nodes = ranks, ranks_per_node, ranks // ranks_per_node
         self.max_grad_norm = max_grad_norm
         self.nonfinite = nonfinite
         self.steps = self.skipped_steps = 0
@@ -111,16 +110,13 @@ class PlayedShardedOptimizer:
         if self.world == 1:  # nothing crosses a wire: nothing is compressed
             return PlayedReduceScatter([resolve_codec("none")], shard, "dp.grad", "avg",
                                        self.stats)
-        if not self.policy.two_level():
-            return PlayedReduceScatter([p.codecs["single"] for p in paths], shard, "dp.grad",
-                                       "avg", self.stats)
-        if self.nodes > 1 and self.L > 1:
+        if len(self.levels) == 2:
             return PlayedTwoLevelReduceScatter([p.codecs["intra"] for p in paths],
                                                [p.codecs["inter"] for p in paths], self.L,
                                                shard, "dp.grad", "avg", self.stats)
-        level = "intra" if self.nodes == 1 else "inter"  # one level only
-        return PlayedReduceScatter([p.codecs[level] for p in paths], shard, f"dp.grad.{level}",
-                                   "avg", self.stats)
+        (level,) = self.levels
+        return PlayedReduceScatter([p.codecs[level] for p in paths], shard,
+                                   level_label("dp.grad", level), "avg", self.stats)
 
     @torch.no_grad()
     def take(self, rank: int) -> None:
