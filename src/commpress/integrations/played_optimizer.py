@@ -43,18 +43,11 @@ from commpress.integrations.grad_path import GradPath
 from commpress.integrations.sharded_optimizer import (
     NonFiniteGradientError,
     clip_and_step,
-    norm_from_sumsq,
+    norm_of_parts,
 )
-from commpress.kernels.reference import sum_rows
 from commpress.policy import Policy
 
 log = logging.getLogger(__name__)
-
-
-def global_norm(parts: list[torch.Tensor]) -> float:
-    """The gradient norm from every rank's squared part, added in rank order as the real
-    optimizer's all-gather and :func:`sum_rows` do."""
-    return norm_from_sumsq(sum_rows(torch.stack(parts).view(-1, 1)).item())
 
 
 class PlayedShardedOptimizer:
@@ -143,7 +136,7 @@ class PlayedShardedOptimizer:
     @torch.no_grad()
     def step(self) -> bool:
         """Reduce, take the norm over these ranks, update; False if the step was skipped."""
-        return self.update(global_norm(self.reduce()))
+        return self.update(norm_of_parts(torch.stack(self.reduce())))
 
     @torch.no_grad()
     def reduce(self) -> list[torch.Tensor]:

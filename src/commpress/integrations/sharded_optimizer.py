@@ -253,13 +253,13 @@ class ShardedOptimizer:
         gradient (so all ranks skip or stop together). Each rank's squared sum is
         gathered and the parts are added in rank order: the same bits on every backend
         (an all-reduce's order is the backend's), which ``commpress simulate`` repeats."""
-        sumsq = self.local_grad_sumsq().reshape(1)
+        parts = self.local_grad_sumsq().reshape(1)
         if self.norm_group is not None and dist.get_world_size(self.norm_group) > 1:
-            parts = torch.empty(dist.get_world_size(self.norm_group), dtype=sumsq.dtype,
-                                device=sumsq.device)
-            all_gather_single(parts, sumsq, self.norm_group)
-            sumsq = sum_rows(parts.view(-1, 1))  # left to right, rank order
-        return norm_from_sumsq(sumsq.item())
+            mine = parts
+            parts = torch.empty(dist.get_world_size(self.norm_group), dtype=mine.dtype,
+                                device=mine.device)
+            all_gather_single(parts, mine, self.norm_group)
+        return norm_of_parts(parts)
 
     def local_grad_sumsq(self) -> torch.Tensor:
         """This rank's weighted squared gradient sum over its shards (fp64)."""
@@ -371,7 +371,10 @@ def clip_and_step(optimizer: torch.optim.Optimizer,
         master.grad = None
 
 
-def norm_from_sumsq(value: float) -> float:
+def norm_of_parts(parts: torch.Tensor) -> float:
+    """The gradient norm from the ranks' squared sums (1-D, rank order), added left to
+    right — the same bits on every backend; NaN if any part is."""
+    value = sum_rows(parts.view(-1, 1)).item()
     return math.sqrt(value) if value >= 0 else float("nan")
 
 

@@ -35,7 +35,8 @@ import torch.nn.functional as F
 from commpress.collectives.played import played_transfer
 from commpress.collectives.stats import Stats
 from commpress.integrations.played_ddp import PlayedDDPHook
-from commpress.integrations.played_optimizer import PlayedShardedOptimizer, global_norm
+from commpress.integrations.played_optimizer import PlayedShardedOptimizer
+from commpress.integrations.sharded_optimizer import norm_of_parts
 from commpress.model.gpt import GPT, config_from_preset
 from commpress.parallel.mesh import MeshShape
 from commpress.parallel.pipeline import Stage
@@ -195,7 +196,8 @@ class PlayedRun:
         else:
             # one norm over every rank of every stage, parts added in global rank order
             parts = [opt.reduce() for opt in self.opts]
-            norm = global_norm([parts[s][d] for d in range(self.ranks) for s in range(self.pp)])
+            norm = norm_of_parts(torch.stack([parts[s][d] for d in range(self.ranks)
+                                              for s in range(self.pp)]))
             for opt in self.opts:
                 opt.update(norm)
         return sum(losses) / self.ranks
