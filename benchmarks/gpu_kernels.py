@@ -6,7 +6,8 @@
 1. Correctness (1 Mi elements, bf16 and fp32 inputs): the Triton encode gives the same
    codes as the torch reference (differences only at rounding ties under Hadamard), and
    the decoded values' error against a float64 quantize-dequantize stays within
-   half a quantization step (int codecs, trits) or the fp8 rounding bound (2⁻⁴ relative).
+   half a quantization step (int codecs, trits) or the fp8 rounding bound (2⁻⁴ relative);
+   the top-k radix select gives the reference's bytes (values, indices, flag).
 2. Host path: the public ``codec.encode``/``decode`` on a 4 Mi-element bf16 bucket —
    host µs per call (calls queued without synchronizing) and whether any call
    synchronizes with the host (``torch.cuda.set_sync_debug_mode("error")``).
@@ -16,7 +17,7 @@
 4. ``--tune``: every (tile, warps) candidate of the quantize, dequantize, fp8, trits
    and dequantize-reduce-requantize kernels, with registers and spills per compiled
    kernel where Triton reports them; prints the best as the ``CONFIGS`` table of
-   ``commpress/kernels/triton_quant.py``.
+   ``commpress/kernels/triton_quant.py``; then the top-k select's tile sizes.
 Every row is printed and appended to ``gpu_kernels.jsonl`` under --out as it finishes
 (a timeout keeps the finished rows); its numbers go into BENCHMARKS.md.
 """
@@ -39,6 +40,7 @@ from commpress.bench.timing import median_seconds  # noqa: E402
 from commpress.codecs import codec as build_codec  # noqa: E402
 from commpress.kernels import reference as ref  # noqa: E402
 from commpress.kernels import triton_quant as tq  # noqa: E402
+from commpress.kernels import triton_topk  # noqa: E402
 
 CONFIGS = [(4, 128, 0), (8, 128, 0), (4, 128, 128), (8, 128, 128), (2, 128, 0), (4, 2048, 0)]
 FP8_CONFIGS = [(128, 0), (128, 128), (32, 128)]
@@ -54,6 +56,18 @@ def check(n: int, device: str, emit) -> None:
                             (_check_trits, TRIT_CONFIGS)):
             for cfg in configs:
                 guarded(emit, f"{fn.__name__}{cfg} {dtype}", partial(_emit_of, emit, fn, x, *cfg))
+        x[[5, n // 2]] = float("nan")  # non-finite values are selected first and flagged
+        x[n - 1] = float("-inf")
+        for k in (1, n // 100, n // 2):
+            guarded(emit, f"topk k={k} {dtype}", partial(_emit_of, emit, _check_topk, x, k))
+
+
+def _check_topk(x: torch.Tensor, k: int) -> dict:
+    expected, got = ref.topk_select(x, k), triton_topk.topk_select(x, k)
+    same = [torch.equal(e.view(torch.uint8), g.view(torch.uint8))
+            for e, g in zip(expected, got)]
+    return {"dtype": str(x.dtype), "codec": "topk", "k": k, "values_equal": same[0],
+            "indices_equal": same[1], "flag_equal": same[2], "ok": all(same)}
 
 
 def _emit_of(emit, fn, *args) -> None:
@@ -133,7 +147,7 @@ def _rotated64(x: torch.Tensor, had: int) -> torch.Tensor:
 
 
 HOST_SPECS = ["int4", "int8", "int4:hadamard=128", "int8:hadamard=128", "fp8",
-              "int2:packing=trits"]
+              "int2:packing=trits", "topk:ratio=0.01"]
 
 
 def host_path(numel: int, device: str, emit, calls: int = 200) -> None:
@@ -269,6 +283,28 @@ def tune(numel: int, emit, device: str = "cuda") -> None:
     for key, (gbps, tile, warps) in sorted(best.items()):
         print(f"    {key!r}: ({tile}, {warps}),  # {gbps:.0f} GB/s")
     print("}", flush=True)
+    guarded(emit, "tune topk", partial(tune_topk, x, emit))
+
+
+def tune_topk(x: torch.Tensor, emit) -> None:
+    """The radix select's tile (compaction) and tiles per histogram program, 1 % of x;
+    GB/s counts the input read once and the selection written."""
+    k = x.numel() // 100
+    moved = x.numel() * x.element_size() + k * (x.element_size() + 4)
+    defaults = (triton_topk.TILE_ELEMENTS, triton_topk.HISTOGRAM_TILES, triton_topk.DEFAULT_WARPS)
+    try:
+        for tile in (2048, 4096, 8192):
+            for tiles in (1, 4, 16):
+                for warps in (4, 8):
+                    (triton_topk.TILE_ELEMENTS, triton_topk.HISTOGRAM_TILES,
+                     triton_topk.DEFAULT_WARPS) = tile, tiles, warps
+                    t = median_seconds(partial(triton_topk.topk_select, x, k), x.device,
+                                       iters=10)
+                    emit({"tune": "topk", "tile": tile, "histogram_tiles": tiles,
+                          "warps": warps, "GBps": moved / t / 1e9})
+    finally:
+        (triton_topk.TILE_ELEMENTS, triton_topk.HISTOGRAM_TILES,
+         triton_topk.DEFAULT_WARPS) = defaults
 
 
 def _bench_row(spec: str, device: str, numel: int, iters: int, with_reference: bool,

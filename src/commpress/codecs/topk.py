@@ -1,5 +1,7 @@
 """Top-k sparsification: send the ``k = ceil(ratio · numel)`` largest-magnitude
-elements as (values, int32 indices), the rest decode to zero.
+elements as (values, int32 indices), the rest decode to zero. The selection is
+deterministic (ties at the k-th magnitude go to the lowest indices, indices increase):
+:func:`commpress.kernels.topk_select`, a radix select on CUDA.
 
 Biased: pair it with :class:`~commpress.codecs.error_feedback.ErrorFeedback`
 (Deep Gradient Compression). Wire size ``k · (element_size + 4) + 4`` bytes; the
@@ -15,7 +17,15 @@ from typing import ClassVar
 
 import torch
 
-from commpress.codecs.base import Codec, Packet, finish_decode, option_error, register_codec
+from commpress import kernels
+from commpress.codecs.base import (
+    Codec,
+    Packet,
+    direct_out,
+    finish_decode,
+    option_error,
+    register_codec,
+)
 
 
 def _index_dtype(numel: int) -> torch.dtype:
@@ -44,21 +54,18 @@ class TopK(Codec):
     def encode(self, x: torch.Tensor, *, rng_stream: int = 0) -> Packet:
         self.check_input(x)
         flat = x.reshape(-1)
-        k = self.k(flat.numel())
-        magnitude = flat.abs().float().nan_to_num(nan=float("inf"))
-        idx = magnitude.topk(k, sorted=False).indices
-        # fp32 sum of x·0 is 0, or NaN if any element is NaN or ±Inf
-        flag = (flat.float() * 0).sum().view(1)
-        return Packet(
-            (flat[idx].contiguous(), idx.to(_index_dtype(flat.numel())), flag),
-            flat.numel(), tuple(x.shape), x.dtype,
-        )
+        values, idx, flag = kernels.topk_select(flat, self.k(flat.numel()))
+        return Packet((values, idx, flag), flat.numel(), tuple(x.shape), x.dtype)
 
     def decode(self, packet: Packet, out: torch.Tensor | None = None) -> torch.Tensor:
         values, idx, flag = packet.tensors
-        dense = torch.zeros(packet.numel, dtype=packet.dtype, device=values.device)
-        dense[idx.long()] = values.to(packet.dtype)
-        dense += flag.to(packet.dtype)
+        dense = direct_out(packet, out)
+        if dense is None:
+            dense = torch.empty(packet.numel, dtype=packet.dtype, device=values.device)
+        # every element gets the flag (0, or NaN), the selected ones their value plus it
+        flag = flag.to(packet.dtype)
+        dense.copy_(flag.expand(packet.numel))
+        dense[idx] = values.to(packet.dtype) + flag
         return finish_decode(dense, packet, out)
 
     def packet_layout(self, numel: int, dtype: torch.dtype) -> list[tuple[torch.dtype, int]]:

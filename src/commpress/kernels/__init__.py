@@ -1,5 +1,5 @@
 """Kernels: group quantization (int8/int4/int2 codes, or float8 e4m3 values) with
-optional Hadamard smoothing, on any device.
+optional Hadamard smoothing, and top-k selection, on any device.
 
 Each entry point picks its implementation once per call site from the tensor's
 device: the Triton kernels on CUDA (when Triton is installed and the configuration
@@ -12,6 +12,7 @@ supports (on CPU that needs ``TRITON_INTERPRET=1``).
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 from types import ModuleType
 
@@ -29,18 +30,16 @@ KERNEL_CHOICES = ("auto", "reference", "triton")
 
 
 @functools.cache
-def _triton_module() -> ModuleType | None:
+def _triton_module(name: str) -> ModuleType | None:
     try:
-        from commpress.kernels import triton_quant
+        return importlib.import_module(f"commpress.kernels.{name}")
     except ImportError:
         return None
-    return triton_quant
 
 
-def backend_for(device: torch.device, bits: int, group: int, hadamard: int,
-                trits: bool = False) -> ModuleType:
-    """The module (reference or Triton) that runs this configuration on ``device``
-    (``trits``: int2 codes packed five per byte)."""
+def _pick(device: torch.device, module: str, supported) -> ModuleType:
+    """The reference, or the Triton ``module`` when the environment and device ask for it
+    and ``supported(module)`` says it handles the call."""
     choice = os.environ.get("COMMPRESS_KERNELS", "auto")
     if choice not in KERNEL_CHOICES:
         raise ValueError(
@@ -48,13 +47,19 @@ def backend_for(device: torch.device, bits: int, group: int, hadamard: int,
         )
     if choice == "reference":
         return reference
-    tq = _triton_module()
+    tq = _triton_module(module)
     if choice == "triton" and tq is None:
         raise ImportError("COMMPRESS_KERNELS=triton needs Triton: pip install triton")
-    supported = tq is not None and tq.supports(bits, group, hadamard, trits)
-    if supported and (choice == "triton" or device.type == "cuda"):
+    if tq is not None and supported(tq) and (choice == "triton" or device.type == "cuda"):
         return tq
     return reference
+
+
+def backend_for(device: torch.device, bits: int, group: int, hadamard: int,
+                trits: bool = False) -> ModuleType:
+    """The module (reference or Triton) that runs this configuration on ``device``
+    (``trits``: int2 codes packed five per byte)."""
+    return _pick(device, "triton_quant", lambda tq: tq.supports(bits, group, hadamard, trits))
 
 
 def quantize(x: torch.Tensor, *, bits: int, group: int, hadamard: int = 0,
@@ -131,6 +136,13 @@ def dequant_reduce_requant(codes: torch.Tensor, scales: torch.Tensor, *, bits_in
                                        scale_dtype=scale_dtype, keys=keys)
 
 
+def topk_select(flat: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The ``k`` largest-magnitude elements as ``(values, indices, flag)``; see
+    :func:`reference.topk_select`."""
+    impl = _pick(flat.device, "triton_topk", lambda tt: tt.supports(flat.dtype, flat.numel()))
+    return impl.topk_select(flat, k)
+
+
 __all__ = [
     "backend_for",
     "dequant_reduce_requant",
@@ -144,6 +156,7 @@ __all__ = [
     "quantize",
     "reference",
     "stream_keys",
+    "topk_select",
     "trits_dequantize",
     "trits_quantize",
 ]

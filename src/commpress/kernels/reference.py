@@ -417,3 +417,43 @@ def trits_dequantize(packed: torch.Tensor, scales: torch.Tensor, numel: int, *, 
     q = trit_values(packed, group).view(-1, group).float()
     y = (q * scales.float().view(-1, 1)).view(-1)
     return written(unrotate(y, numel, hadamard=hadamard, out_dtype=out_dtype), out)
+
+
+def magnitude_key(flat: torch.Tensor) -> torch.Tensor:
+    """``|x|`` as an integer that orders as ``|x|`` does: the value's bits without its sign
+    (NaN above ±Inf above every finite value; ``-0`` and ``+0`` equal). int32 for 16- and
+    32-bit floats, int64 for float64."""
+    if flat.element_size() == 8:
+        return flat.view(torch.int64) & 0x7FFFFFFFFFFFFFFF
+    if flat.element_size() == 4:
+        return flat.view(torch.int32) & 0x7FFFFFFF
+    return flat.view(torch.int16).to(torch.int32) & 0x7FFF
+
+
+def nonfinite_flag(sum_of_zeros: torch.Tensor) -> torch.Tensor:
+    """0, or one NaN (its bytes the same everywhere) where a sum of ``x·0`` (0 unless some
+    ``x`` is NaN or ±Inf) is not 0."""
+    return torch.where(sum_of_zeros == 0, 0.0, float("nan"))
+
+
+def topk_select(flat: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The ``k`` largest-magnitude elements of flat ``x`` as ``(values, indices, flag)``.
+
+    Deterministic: ties at the k-th magnitude go to the lowest indices, and indices come
+    in increasing order (int32 below 2**31 elements, else int64). ``flag`` is one fp32
+    value, 0 if every element is finite, else NaN (the decoder adds it everywhere, so a
+    NaN or ±Inf that was not selected still poisons the result, never vanishes).
+    """
+    n = flat.numel()
+    index_dtype = torch.int32 if n < 2**31 else torch.int64
+    flag = nonfinite_flag((flat.float() * 0).sum().view(1))
+    if k == 0:
+        return flat[:0].clone(), torch.empty(0, dtype=index_dtype, device=flat.device), flag
+    key = magnitude_key(flat)
+    threshold = key.kthvalue(n - k + 1).values  # the k-th largest key
+    above = key > threshold
+    tie = key == threshold
+    need = k - above.sum()  # ties to take, lowest index first
+    take = above | (tie & (tie.cumsum(0) <= need))
+    idx = torch.nonzero_static(take, size=k).view(-1)
+    return flat[idx], idx.to(index_dtype), flag
