@@ -1,6 +1,7 @@
 """One script for a lent GPU: kernel correctness against float64, then every variant timed.
 
     PYTHONPATH=src python benchmarks/gpu_kernels.py --out $OUT [--numel 268435456] [--tune]
+    PYTHONPATH=src python benchmarks/gpu_kernels.py --out $OUT --tune-only  # tuning alone
     TRITON_INTERPRET=1 PYTHONPATH=src python benchmarks/gpu_kernels.py --device cpu  # dry run
 
 1. Correctness (1 Mi elements, bf16 and fp32 inputs): the Triton encode gives the same
@@ -56,10 +57,31 @@ def check(n: int, device: str, emit) -> None:
                             (_check_trits, TRIT_CONFIGS)):
             for cfg in configs:
                 guarded(emit, f"{fn.__name__}{cfg} {dtype}", partial(_emit_of, emit, fn, x, *cfg))
+        for bits in (8, 4, 2):
+            guarded(emit, f"rows int{bits} {dtype}",
+                    partial(_emit_of, emit, _check_rows_equal_flat, x, bits))
         x[[5, n // 2]] = float("nan")  # non-finite values are selected first and flagged
         x[n - 1] = float("-inf")
         for k in (1, n // 100, n // 2):
             guarded(emit, f"topk k={k} {dtype}", partial(_emit_of, emit, _check_topk, x, k))
+
+
+def _check_rows_equal_flat(x: torch.Tensor, bits: int, group: int = 128, had: int = 128
+                           ) -> dict:
+    """The row kernels give the flat-tile kernels' bytes (codes, scales, decoded values)."""
+    runs = []
+    for rows in (True, False):
+        tq.ROW_KERNELS = rows
+        try:
+            c, s = tq.quantize(x, bits=bits, group=group, hadamard=had)
+            runs.append((c, s, tq.dequantize(c, s, x.numel(), bits=bits, group=group,
+                                              hadamard=had, out_dtype=x.dtype)))
+        finally:
+            tq.ROW_KERNELS = True
+    same = [torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(*runs)]
+    return {"dtype": str(x.dtype), "codec": f"int{bits} rows = flat", "group": group,
+            "hadamard": had, "codes_equal": same[0], "scales_equal": same[1],
+            "decoded_equal": same[2], "ok": all(same)}
 
 
 def _check_topk(x: torch.Tensor, k: int) -> dict:
@@ -263,25 +285,31 @@ def tune(numel: int, emit, device: str = "cuda") -> None:
                                                            group=group, hadamard=had,
                                                            out=out))]
                 for kernel, fn in kernels:
-                    tq.CONFIGS[(kernel, bits, group, had)] = (tile, warps)
-                    try:
-                        gbps = moved / median_seconds(fn, dev, iters=10) / 1e9
-                    except Exception as e:  # noqa: BLE001 - a candidate that fails to compile
-                        emit({"tune": kernel, "bits": bits, "group": group, "hadamard": had,
-                              "tile": tile, "warps": warps, "error": repr(e)[:200]})
-                        continue
-                    emit({"tune": kernel, "bits": bits, "group": group, "hadamard": had,
-                          "tile": tile, "warps": warps, "GBps": gbps})
-                    key = (kernel, bits, group, had)
-                    if gbps > best.get(key, (0.0, 0, 0))[0]:
-                        best[key] = (gbps, tile, warps)
+                    # Hadamard int codes: the row kernels and the flat-tile ones
+                    for rows in ((True, False) if had and kernel in ("quantize", "dequantize")
+                                 else (tq.ROW_KERNELS,)):
+                        tq.CONFIGS[(kernel, bits, group, had)] = (tile, warps)
+                        tq.ROW_KERNELS = rows
+                        row = {"tune": kernel, "bits": bits, "group": group, "hadamard": had,
+                               "tile": tile, "warps": warps, "row_kernels": rows}
+                        try:
+                            gbps = moved / median_seconds(fn, dev, iters=10) / 1e9
+                        except Exception as e:  # noqa: BLE001 - a candidate that fails
+                            emit({**row, "error": repr(e)[:200]})
+                            continue
+                        finally:
+                            tq.ROW_KERNELS = True
+                        emit({**row, "GBps": gbps})
+                        key = (kernel, bits, group, had, rows)
+                        if gbps > best.get(key, (0.0, 0, 0))[0]:
+                            best[key] = (gbps, tile, warps)
                 for kernel, _ in kernels:
                     tq.CONFIGS.pop((kernel, bits, group, had), None)
     emit({"resources_quantize": _resources(tq._quantize_kernel),
           "resources_dequantize": _resources(tq._dequantize_kernel)})
-    print("CONFIGS = {")
-    for key, (gbps, tile, warps) in sorted(best.items()):
-        print(f"    {key!r}: ({tile}, {warps}),  # {gbps:.0f} GB/s")
+    print("CONFIGS = {  # keep the faster of row_kernels True/False (ROW_KERNELS)")
+    for (*key, rows), (gbps, tile, warps) in sorted(best.items()):
+        print(f"    {tuple(key)!r}: ({tile}, {warps}),  # {gbps:.0f} GB/s, row_kernels={rows}")
     print("}", flush=True)
     guarded(emit, "tune topk", partial(tune_topk, x, emit))
 
@@ -323,6 +351,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda",
                     help="cuda; or cpu with TRITON_INTERPRET=1: a dry run on small sizes")
     ap.add_argument("--tune", action="store_true")
+    ap.add_argument("--tune-only", action="store_true",
+                    help="skip the checks and speeds (a second run, after one without --tune)")
     args = ap.parse_args()
     small = args.device != "cuda"
     numel = args.numel or (1 << 14 if small else 256 * 2**20)
@@ -335,14 +365,15 @@ def main() -> None:
 
     emit({"device": torch.cuda.get_device_name() if not small else "cpu (dry run)",
           "torch": torch.__version__})
-    check(1 << 12 if small else 1 << 20, args.device, emit)
-    host_path(1 << 12 if small else 4 << 20, args.device, emit, calls=5 if small else 200)
-    for spec in DEFAULT_CPU if small else DEFAULT_CUDA:  # one at a time: a failure is a row
-        guarded(emit, f"bench {spec}", partial(_bench_row, spec, args.device, numel,
-                                               2 if small else 20, not small, emit))
-    guarded(emit, "dequant_reduce_requant",
-            lambda: emit({"dequant_reduce_requant": drr_speed(numel, args.device)}))
-    if args.tune:
+    if not args.tune_only:
+        check(1 << 12 if small else 1 << 20, args.device, emit)
+        host_path(1 << 12 if small else 4 << 20, args.device, emit, calls=5 if small else 200)
+        for spec in DEFAULT_CPU if small else DEFAULT_CUDA:  # one at a time: a failure is a row
+            guarded(emit, f"bench {spec}", partial(_bench_row, spec, args.device, numel,
+                                                   2 if small else 20, not small, emit))
+        guarded(emit, "dequant_reduce_requant",
+                lambda: emit({"dequant_reduce_requant": drr_speed(numel, args.device)}))
+    if args.tune or args.tune_only:
         tune(min(numel, 64 * 2**20), emit, args.device)
 
 

@@ -93,6 +93,30 @@ def test_encode_decode_match_reference(bits, group, had, dtype, stochastic, nume
                                                                    group=group), had)
 
 
+@pytest.mark.parametrize(("bits", "group", "had"), [(8, 128, 128), (4, 128, 128), (2, 128, 128),
+                                                    (4, 16, 16), (2, 64, 64), (4, 256, 256),
+                                                    (8, 512, 128), (4, 2048, 128), (2, 64, 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_kernels_equal_the_flat_tile_kernels(bits, group, had, dtype, monkeypatch):
+    """The row kernels (groups of whole Hadamard blocks) give the flat-tile kernels'
+    bytes and values exactly, stochastic and fp16 scales included, a partial last tile too."""
+    n = 3 * 4096 + 5 * group + 7
+    x = (torch.randn(n) * torch.rand(n).pow(4) * 50).to(dtype)
+    x[[3, n - 2]] = torch.tensor([float("inf"), float("nan")]).to(dtype)
+    for keys in (None, ref.stream_keys(3, 1, 4)):
+        for sd in (torch.float32, torch.float16):
+            runs = []
+            for rows in (True, False):
+                monkeypatch.setattr(triton_quant, "ROW_KERNELS", rows)
+                c, s = triton_quant.quantize(x, bits=bits, group=group, hadamard=had,
+                                             scale_dtype=sd, keys=keys)
+                d = triton_quant.dequantize(c, s, n, bits=bits, group=group, hadamard=had,
+                                            out_dtype=dtype)
+                runs.append((c, s, d))
+            for a, b in zip(*runs):
+                assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
 @pytest.mark.parametrize("k", [1, 2, 4])
 @pytest.mark.parametrize(("bits_in", "bits_out", "group"), [(8, 4, 128), (8, 8, 64), (4, 2, 32)])
 def test_dequant_reduce_requant_matches_reference(k, bits_in, bits_out, group):

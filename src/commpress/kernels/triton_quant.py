@@ -46,6 +46,10 @@ DEFAULT_WARPS = 4
 # (kernel, bits, group, hadamard) → (tile elements, warps), measured on the H200 with
 # ``benchmarks/gpu_kernels.py --tune``; not yet measured, so empty (defaults apply).
 CONFIGS: dict[tuple[str, int, int, int], tuple[int, int]] = {}
+# Hadamard codes with groups of whole blocks run the row kernels (a group or block per
+# row of the tile, no reshapes; the form of the 2500 GB/s prototype); False runs the
+# flat-tile kernels instead, for ``benchmarks/gpu_kernels.py`` to time both.
+ROW_KERNELS = True
 
 
 def interpreting() -> bool:
@@ -108,12 +112,15 @@ def _rotate(x, Hm, TILE: tl.constexpr, HAD: tl.constexpr, DOT_FP32: tl.constexpr
     """``x`` (TILE,) → blocks of HAD times the ±1 matrix ``Hm``, fp32 out. With
     ``DOT_FP32`` an ieee fp32 product, else one in ``Hm``'s dtype (exact for values
     that dtype holds exactly: ±1 times bf16 inputs, or integer codes)."""
-    xb = tl.reshape(x, (TILE // HAD, HAD))
+    return tl.reshape(_rotate_rows(tl.reshape(x, (TILE // HAD, HAD)), Hm, DOT_FP32), (TILE,))
+
+
+@triton.jit
+def _rotate_rows(xb, Hm, DOT_FP32: tl.constexpr):
+    """Rows of ``xb`` (rows, HAD) times ``Hm``, fp32 out (see :func:`_rotate`)."""
     if DOT_FP32:
-        y = tl.dot(xb.to(tl.float32), Hm.to(tl.float32), input_precision="ieee")
-    else:
-        y = tl.dot(xb.to(Hm.dtype), Hm)
-    return tl.reshape(y, (TILE,))
+        return tl.dot(xb.to(tl.float32), Hm.to(tl.float32), input_precision="ieee")
+    return tl.dot(xb.to(Hm.dtype), Hm)
 
 
 @triton.jit
@@ -146,16 +153,26 @@ def _levels_tile(y, base, k1, k2, TILE: tl.constexpr, BITS: tl.constexpr,
     """Quantize fp32 ``y`` (TILE,) in groups; return the codes ``q`` as fp32
     ``(TILE / GROUP, GROUP)`` in ``-QMAX … QMAX`` (0 in a non-finite group) and the
     scales (NaN for a non-finite group)."""
+    return _group_levels(tl.reshape(y, (TILE // GROUP, GROUP)), base, k1, k2, BITS,
+                         STOCHASTIC, SCALE_FP16, FLOOR)
+
+
+@triton.jit
+def _group_levels(g, base, k1, k2, BITS: tl.constexpr, STOCHASTIC: tl.constexpr,
+                  SCALE_FP16: tl.constexpr, FLOOR: tl.constexpr):
+    """:func:`_levels_tile` of groups already laid out as rows ``g`` (rows, GROUP), the
+    first element at ``base`` (the stochastic rounding's counter)."""
     QMAX: tl.constexpr = (1 << (BITS - 1)) - 1
-    g = tl.reshape(y, (TILE // GROUP, GROUP))
+    ROWS: tl.constexpr = g.shape[0]
+    GROUP: tl.constexpr = g.shape[1]
     # fp16 scales round up: no element lands beyond QMAX steps
     bad, scale, inv = _group_scales(g, QMAX * 1.0, SCALE_FP16, True, FLOOR)
     v = g * inv[:, None]
     if STOCHASTIC:
-        idx = (base + tl.arange(0, TILE)).to(tl.uint32)
+        idx = (base + tl.arange(0, ROWS)[:, None] * GROUP
+               + tl.arange(0, GROUP)[None, :]).to(tl.uint32)
         h = _hash32(_hash32(idx ^ k1.to(tl.uint32)) ^ k2.to(tl.uint32))
-        u = (h >> 8).to(tl.float32) * (1.0 / 16777216.0)
-        v = v + tl.reshape(u, (TILE // GROUP, GROUP))
+        v = v + (h >> 8).to(tl.float32) * (1.0 / 16777216.0)
     else:
         v = v + 0.5
     q = tl.minimum(tl.maximum(tl.floor(v), -QMAX * 1.0), QMAX * 1.0)
@@ -234,13 +251,18 @@ def _load_rotated(x_ptr, h_ptr, base, numel, HAD: tl.constexpr, TILE: tl.constex
     offs = base + tl.arange(0, TILE)
     x = tl.load(x_ptr + offs, mask=offs < numel, other=0.0)
     if HAD > 1:
-        # finite inputs saturate at ±FP32_MAX / (2·HAD): x·H cannot overflow
-        xf = x.to(tl.float32)
-        BOUND: tl.constexpr = 3.4028234663852886e38 / (2 * HAD)
-        xf = tl.where(tl.abs(xf) < float("inf"), tl.minimum(tl.maximum(xf, -BOUND), BOUND),
-                      xf)
-        return _rotate(xf.to(x.dtype), _load_hadamard(h_ptr, HAD), TILE, HAD, DOT_FP32)
+        return _rotate(_saturate_for_rotation(x, HAD), _load_hadamard(h_ptr, HAD), TILE, HAD,
+                       DOT_FP32)
     return x.to(tl.float32)
+
+
+@triton.jit
+def _saturate_for_rotation(x, HAD: tl.constexpr):
+    """Finite inputs saturated at ±FP32_MAX / (2·HAD), so x·H cannot overflow (in x's dtype)."""
+    xf = x.to(tl.float32)
+    BOUND: tl.constexpr = 3.4028234663852886e38 / (2 * HAD)
+    xf = tl.where(tl.abs(xf) < float("inf"), tl.minimum(tl.maximum(xf, -BOUND), BOUND), xf)
+    return xf.to(x.dtype)
 
 
 @triton.jit
@@ -273,6 +295,77 @@ def _dequantize_kernel(codes_ptr, scales_ptr, h_ptr, out_ptr, numel, total,
     q = tl.reshape(_unpack_tile(packed, TILE, BITS), (TILE // GROUP, GROUP)).to(tl.float32)
     y = _scale_and_unrotate(q, scale, h_ptr, TILE, GROUP, HAD, DOT_FP32)
     offs = pid.to(tl.int64) * TILE + tl.arange(0, TILE)
+    _store_decoded(out_ptr, offs, y, numel, OUT_MAX)
+
+
+@triton.jit
+def _pack_rows(u, BITS: tl.constexpr):
+    """Offset codes ``u`` (rows, W) in ``0 … 2**BITS − 1`` → bytes (rows, W·BITS/8), element
+    ``j`` of a byte at bits ``j·BITS``: splits of the row, no reshape across rows."""
+    ROWS: tl.constexpr = u.shape[0]
+    W: tl.constexpr = u.shape[1]
+    if BITS == 8:
+        return u.to(tl.uint8)
+    a, b = tl.split(tl.reshape(u, (ROWS, W // 2, 2)))  # even, odd elements
+    if BITS == 4:
+        return (a | (b << 4)).to(tl.uint8)
+    a0, a2 = tl.split(tl.reshape(a, (ROWS, W // 4, 2)))
+    a1, a3 = tl.split(tl.reshape(b, (ROWS, W // 4, 2)))
+    return (a0 | (a1 << 2) | (a2 << 4) | (a3 << 6)).to(tl.uint8)
+
+
+@triton.jit
+def _unpack_rows(packed, BITS: tl.constexpr):
+    """Bytes (rows, NB) → signed integer codes (rows, NB·8/BITS), int32: the inverse of
+    :func:`_pack_rows`, by interleaving the bit fields."""
+    v = packed.to(tl.int32)
+    if BITS == 4:
+        v = tl.interleave(v & 15, v >> 4)
+    elif BITS == 2:
+        v = tl.interleave(tl.interleave(v & 3, (v >> 4) & 3),
+                          tl.interleave((v >> 2) & 3, v >> 6))
+    return v - (1 << (BITS - 1))
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, codes_ptr, scales_ptr, h_ptr, numel, total, k1, k2,
+                          BITS: tl.constexpr, HAD: tl.constexpr, ROWS: tl.constexpr,
+                          STOCHASTIC: tl.constexpr, SCALE_FP16: tl.constexpr,
+                          FLOOR: tl.constexpr, DOT_FP32: tl.constexpr):
+    """:func:`_quantize_kernel` for group == Hadamard block: each group is one row of the
+    tile from load to store (no reshapes between the load, the product and the packing)."""
+    pid = tl.program_id(0)
+    r = tl.arange(0, ROWS)
+    base = pid.to(tl.int64) * (ROWS * HAD)
+    offs = base + r[:, None] * HAD + tl.arange(0, HAD)[None, :]
+    x = tl.load(x_ptr + offs, mask=offs < numel, other=0.0)
+    y = _rotate_rows(_saturate_for_rotation(x, HAD), _load_hadamard(h_ptr, HAD), DOT_FP32)
+    q, scale = _group_levels(y, base, k1, k2, BITS, STOCHASTIC, SCALE_FP16, FLOOR)
+    packed = _pack_rows(q.to(tl.int32) + (1 << (BITS - 1)), BITS)
+    NB: tl.constexpr = HAD * BITS // 8
+    boffs = (pid.to(tl.int64) * ROWS + r[:, None]) * NB + tl.arange(0, NB)[None, :]
+    tl.store(codes_ptr + boffs, packed, mask=boffs < total * BITS // 8)
+    goffs = pid.to(tl.int64) * ROWS + r
+    tl.store(scales_ptr + goffs, scale.to(scales_ptr.dtype.element_ty), mask=goffs < total // HAD)
+
+
+@triton.jit
+def _dequantize_rows_kernel(codes_ptr, scales_ptr, h_ptr, out_ptr, numel, total,
+                            BITS: tl.constexpr, GROUP: tl.constexpr, HAD: tl.constexpr,
+                            ROWS: tl.constexpr, DOT_FP32: tl.constexpr, OUT_MAX: tl.constexpr):
+    """:func:`_dequantize_kernel` for groups of whole Hadamard blocks: each block one row
+    of the tile; the unscaled codes rotate exactly, then one scale per row."""
+    pid = tl.program_id(0)
+    r = tl.arange(0, ROWS)
+    NB: tl.constexpr = HAD * BITS // 8
+    boffs = (pid.to(tl.int64) * ROWS + r[:, None]) * NB + tl.arange(0, NB)[None, :]
+    packed = tl.load(codes_ptr + boffs, mask=boffs < total * BITS // 8, other=0)
+    groups = (pid.to(tl.int64) * ROWS + r) // (GROUP // HAD)
+    scale = tl.load(scales_ptr + groups, mask=groups < total // GROUP, other=0.0)
+    y = _rotate_rows(_unpack_rows(packed, BITS).to(tl.float32), _load_hadamard(h_ptr, HAD),
+                     DOT_FP32)
+    y = _saturate(y * (scale.to(tl.float32) * (1.0 / HAD))[:, None])
+    offs = pid.to(tl.int64) * (ROWS * HAD) + r[:, None] * HAD + tl.arange(0, HAD)[None, :]
     _store_decoded(out_ptr, offs, y, numel, OUT_MAX)
 
 
@@ -462,15 +555,25 @@ def quantize(
     e = _Encode.of("quantize", x, bits, group, hadamard)
     codes = torch.empty(e.total * bits // 8, dtype=torch.uint8, device=x.device)
     scales = torch.empty(e.total // group, dtype=scale_dtype, device=x.device)
-    if e.grid:
-        k1, k2 = keys if keys is not None else (0, 0)
-        _quantize_kernel[e.grid](
-            e.flat, codes, scales, e.h, e.flat.numel(), e.total, k1, k2,
-            BITS=bits, GROUP=group, HAD=hadamard, TILE=e.tile, STOCHASTIC=keys is not None,
-            SCALE_FP16=scale_dtype == torch.float16, FLOOR=scale_floor(scale_dtype),
-            DOT_FP32=e.dot_fp32, num_warps=e.warps,
-        )
+    if not e.grid:
+        return codes, scales
+    k1, k2 = keys if keys is not None else (0, 0)
+    common = dict(STOCHASTIC=keys is not None, SCALE_FP16=scale_dtype == torch.float16,
+                  FLOOR=scale_floor(scale_dtype), DOT_FP32=e.dot_fp32, num_warps=e.warps)
+    if ROW_KERNELS and hadamard and group == hadamard:
+        rows = _rows(e.tile, hadamard)
+        _quantize_rows_kernel[(triton.cdiv(e.total, rows * hadamard),)](
+            e.flat, codes, scales, e.h, e.flat.numel(), e.total, k1, k2, BITS=bits,
+            HAD=hadamard, ROWS=rows, **common)
+    else:
+        _quantize_kernel[e.grid](e.flat, codes, scales, e.h, e.flat.numel(), e.total, k1, k2,
+                                 BITS=bits, GROUP=group, HAD=hadamard, TILE=e.tile, **common)
     return codes, scales
+
+
+def _rows(tile: int, hadamard: int) -> int:
+    """Rows of a row kernel's tile: the tile's blocks, at least the 16 ``tl.dot`` needs."""
+    return max(tile // hadamard, 16)
 
 
 @dataclass
@@ -514,7 +617,13 @@ def dequantize(
 ) -> torch.Tensor:
     """Triton twin of :func:`commpress.kernels.reference.dequantize` (writes ``out`` if given)."""
     d = _Decode.of("dequantize", bits, numel, group, hadamard, out_dtype, out, codes.device)
-    if d.grid:
+    if d.grid and ROW_KERNELS and hadamard and group % hadamard == 0:
+        rows = _rows(d.tile, hadamard)
+        _dequantize_rows_kernel[(triton.cdiv(d.total, rows * hadamard),)](
+            codes, scales, d.h, d.out, numel, d.total, BITS=bits, GROUP=group, HAD=hadamard,
+            ROWS=rows, DOT_FP32=d.dot_fp32, OUT_MAX=d.out_max, num_warps=d.warps,
+        )
+    elif d.grid:
         _dequantize_kernel[d.grid](
             codes, scales, d.h, d.out, numel, d.total, BITS=bits, GROUP=group, HAD=hadamard,
             TILE=d.tile, DOT_FP32=d.dot_fp32, OUT_MAX=d.out_max, num_warps=d.warps,
