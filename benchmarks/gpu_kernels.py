@@ -26,6 +26,7 @@ Every row is printed and appended to ``gpu_kernels.jsonl`` under --out as it fin
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -71,13 +72,10 @@ def _check_rows_equal_flat(x: torch.Tensor, bits: int, group: int = 128, had: in
     """The row kernels give the flat-tile kernels' bytes (codes, scales, decoded values)."""
     runs = []
     for rows in (True, False):
-        tq.ROW_KERNELS = rows
-        try:
+        with row_kernels(rows):
             c, s = tq.quantize(x, bits=bits, group=group, hadamard=had)
             runs.append((c, s, tq.dequantize(c, s, x.numel(), bits=bits, group=group,
                                               hadamard=had, out_dtype=x.dtype)))
-        finally:
-            tq.ROW_KERNELS = True
     same = [torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(*runs)]
     return {"dtype": str(x.dtype), "codec": f"int{bits} rows = flat", "group": group,
             "hadamard": had, "codes_equal": same[0], "scales_equal": same[1],
@@ -215,6 +213,8 @@ def drr_speed(numel: int, device: str = "cuda") -> dict:
     fn = lambda: tq.dequant_reduce_requant(codes, scales, bits_in=8, group_in=128,  # noqa: E731
                                            bits_out=4, group_out=128)
     t = median_seconds(fn, torch.device(device), iters=20)
+    with row_kernels(False):
+        t_flat = median_seconds(fn, torch.device(device), iters=20)
     moved = codes.numel() + scales.numel() * 4 + chunk * (0.5 + 4 / 128)
     # TLq-HS step 5: k int4 chunks (Hadamard-128 domain) decoded, summed, rotated back
     enc4 = [ref.quantize_rotated(torch.randn(chunk, device=device), bits=4, group=128,
@@ -222,6 +222,8 @@ def drr_speed(numel: int, device: str = "cuda") -> dict:
     c4, s4 = torch.stack([e[0] for e in enc4]), torch.stack([e[1] for e in enc4])
     fn4 = partial(tq.dequantize_sum, c4, s4, bits=4, group=128, hadamard=128)
     t4 = median_seconds(fn4, torch.device(device), iters=20)
+    with row_kernels(False):
+        t4_flat = median_seconds(fn4, torch.device(device), iters=20)
 
     def unfused() -> torch.Tensor:  # what ran before the fused kernel: decode, sum, rotate
         y = tq.dequantize(c4.reshape(-1), s4.reshape(-1), k * chunk, bits=4, group=128)
@@ -231,8 +233,20 @@ def drr_speed(numel: int, device: str = "cuda") -> dict:
     t4u = median_seconds(unfused, torch.device(device), iters=20)
     moved4 = c4.numel() + s4.numel() * 4 + chunk * 4
     return {"k": k, "chunk": chunk, "GBps": moved / t / 1e9,
+            "GBps_flat_tile": moved / t_flat / 1e9,
             "dequantize_sum_int4_h128_GBps": moved4 / t4 / 1e9,
+            "dequantize_sum_int4_h128_flat_tile_GBps": moved4 / t4_flat / 1e9,
             "dequantize_sum_unfused_GBps": moved4 / t4u / 1e9}
+
+
+@contextlib.contextmanager
+def row_kernels(on: bool):
+    """The row kernels (``on``) or the flat-tile ones, for the block; then the default."""
+    tq.ROW_KERNELS = on
+    try:
+        yield
+    finally:
+        tq.ROW_KERNELS = True
 
 
 TUNE_CONFIGS = [(4, 128, 128), (8, 128, 128), (4, 128, 0), (8, 128, 0), (2, 128, 0),
@@ -289,16 +303,14 @@ def tune(numel: int, emit, device: str = "cuda") -> None:
                     for rows in ((True, False) if had and kernel in ("quantize", "dequantize")
                                  else (tq.ROW_KERNELS,)):
                         tq.CONFIGS[(kernel, bits, group, had)] = (tile, warps)
-                        tq.ROW_KERNELS = rows
                         row = {"tune": kernel, "bits": bits, "group": group, "hadamard": had,
                                "tile": tile, "warps": warps, "row_kernels": rows}
                         try:
-                            gbps = moved / median_seconds(fn, dev, iters=10) / 1e9
+                            with row_kernels(rows):
+                                gbps = moved / median_seconds(fn, dev, iters=10) / 1e9
                         except Exception as e:  # noqa: BLE001 - a candidate that fails
                             emit({**row, "error": repr(e)[:200]})
                             continue
-                        finally:
-                            tq.ROW_KERNELS = True
                         emit({**row, "GBps": gbps})
                         key = (kernel, bits, group, had, rows)
                         if gbps > best.get(key, (0.0, 0, 0))[0]:

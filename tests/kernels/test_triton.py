@@ -117,6 +117,29 @@ def test_row_kernels_equal_the_flat_tile_kernels(bits, group, had, dtype, monkey
                 assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
+@pytest.mark.parametrize(("bits_in", "bits_out", "group", "had"),
+                         [(8, 4, 128, 128), (8, 2, 64, 0), (4, 4, 32, 32), (2, 8, 256, 0)])
+def test_two_level_row_kernels_equal_the_flat_tile_kernels(bits_in, bits_out, group, had,
+                                                          monkeypatch):
+    """dequantize-reduce-requantize and dequantize-sum: the same bytes either way."""
+    k, chunk = 3, 2 * 4096 + 3 * group
+    enc = [ref.quantize_rotated(torch.randn(chunk) * (i + 1), bits=bits_in, group=group,
+                                scale_dtype=torch.float32, keys=None) for i in range(k)]
+    codes, scales = torch.stack([e[0] for e in enc]), torch.stack([e[1] for e in enc])
+    scales[1, 2] = float("nan")  # a non-finite group stays one
+    for keys in (None, ref.stream_keys(2, 7, 1)):
+        runs = []
+        for rows in (True, False):
+            monkeypatch.setattr(triton_quant, "ROW_KERNELS", rows)
+            runs.append((*triton_quant.dequant_reduce_requant(
+                codes, scales, bits_in=bits_in, group_in=group, bits_out=bits_out,
+                group_out=group, scale_dtype=torch.float16, keys=keys),
+                triton_quant.dequantize_sum(codes, scales, bits=bits_in, group=group,
+                                            hadamard=had)))
+        for a, b in zip(*runs):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
 @pytest.mark.parametrize("k", [1, 2, 4])
 @pytest.mark.parametrize(("bits_in", "bits_out", "group"), [(8, 4, 128), (8, 8, 64), (4, 2, 32)])
 def test_dequant_reduce_requant_matches_reference(k, bits_in, bits_out, group):

@@ -46,9 +46,10 @@ DEFAULT_WARPS = 4
 # (kernel, bits, group, hadamard) → (tile elements, warps), measured on the H200 with
 # ``benchmarks/gpu_kernels.py --tune``; not yet measured, so empty (defaults apply).
 CONFIGS: dict[tuple[str, int, int, int], tuple[int, int]] = {}
-# Hadamard codes with groups of whole blocks run the row kernels (a group or block per
-# row of the tile, no reshapes; the form of the 2500 GB/s prototype); False runs the
-# flat-tile kernels instead, for ``benchmarks/gpu_kernels.py`` to time both.
+# Hadamard codes with groups of whole blocks, and the two-level pieces with equal groups,
+# run the row kernels (a group or block per row of the tile, no reshapes; the form of
+# the 2500 GB/s prototype); False runs the flat-tile kernels instead, for
+# ``benchmarks/gpu_kernels.py`` to time both.
 ROW_KERNELS = True
 
 
@@ -340,13 +341,70 @@ def _quantize_rows_kernel(x_ptr, codes_ptr, scales_ptr, h_ptr, numel, total, k1,
     offs = base + r[:, None] * HAD + tl.arange(0, HAD)[None, :]
     x = tl.load(x_ptr + offs, mask=offs < numel, other=0.0)
     y = _rotate_rows(_saturate_for_rotation(x, HAD), _load_hadamard(h_ptr, HAD), DOT_FP32)
+    _quantize_rows(y, base, pid.to(tl.int64) * ROWS + r, codes_ptr, scales_ptr, total, k1, k2,
+                   BITS, STOCHASTIC, SCALE_FP16, FLOOR)
+
+
+@triton.jit
+def _quantize_rows(y, base, groups, codes_ptr, scales_ptr, total, k1, k2, BITS: tl.constexpr,
+                   STOCHASTIC: tl.constexpr, SCALE_FP16: tl.constexpr, FLOOR: tl.constexpr):
+    """Quantize fp32 groups ``y`` (rows, GROUP) — group indices ``groups``, first element
+    at ``base`` — and store their packed codes and scales (``total`` elements in all)."""
+    GROUP: tl.constexpr = y.shape[1]
     q, scale = _group_levels(y, base, k1, k2, BITS, STOCHASTIC, SCALE_FP16, FLOOR)
     packed = _pack_rows(q.to(tl.int32) + (1 << (BITS - 1)), BITS)
-    NB: tl.constexpr = HAD * BITS // 8
-    boffs = (pid.to(tl.int64) * ROWS + r[:, None]) * NB + tl.arange(0, NB)[None, :]
+    NB: tl.constexpr = GROUP * BITS // 8
+    boffs = groups[:, None] * NB + tl.arange(0, NB)[None, :]
     tl.store(codes_ptr + boffs, packed, mask=boffs < total * BITS // 8)
-    goffs = pid.to(tl.int64) * ROWS + r
-    tl.store(scales_ptr + goffs, scale.to(scales_ptr.dtype.element_ty), mask=goffs < total // HAD)
+    tl.store(scales_ptr + groups, scale.to(scales_ptr.dtype.element_ty),
+             mask=groups < total // GROUP)
+
+
+@triton.jit
+def _sum_chunk_rows(codes_ptr, scales_ptr, groups, k, chunk, BITS: tl.constexpr,
+                    GROUP: tl.constexpr):
+    """Groups ``groups`` of ``k`` encoded chunks (rows of ``chunk`` elements), decoded and
+    summed in fp32 in chunk order: (len(groups), GROUP), as :func:`_sum_chunks`."""
+    NB: tl.constexpr = GROUP * BITS // 8
+    boffs = groups[:, None] * NB + tl.arange(0, NB)[None, :]
+    bmask = boffs < chunk * BITS // 8
+    gmask = groups < chunk // GROUP
+    acc = tl.zeros((groups.shape[0], GROUP), dtype=tl.float32)
+    for i in range(k):
+        packed = tl.load(codes_ptr + i * (chunk * BITS // 8) + boffs, mask=bmask, other=0)
+        scale = tl.load(scales_ptr + i * (chunk // GROUP) + groups, mask=gmask, other=0.0)
+        acc += _saturate(_unpack_rows(packed, BITS).to(tl.float32)
+                         * scale.to(tl.float32)[:, None])
+    return acc
+
+
+@triton.jit
+def _dequant_reduce_requant_rows_kernel(codes_ptr, scales_ptr, out_codes_ptr, out_scales_ptr,
+                                        k, chunk, k1, k2, BITS_IN: tl.constexpr,
+                                        BITS_OUT: tl.constexpr, GROUP: tl.constexpr,
+                                        ROWS: tl.constexpr, STOCHASTIC: tl.constexpr,
+                                        SCALE_FP16: tl.constexpr, FLOOR: tl.constexpr):
+    """:func:`_dequant_reduce_requant_kernel` for equal groups in and out: a group per row."""
+    pid = tl.program_id(0)
+    groups = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    acc = _saturate(_sum_chunk_rows(codes_ptr, scales_ptr, groups, k, chunk, BITS_IN, GROUP))
+    _quantize_rows(acc, pid.to(tl.int64) * (ROWS * GROUP), groups, out_codes_ptr,
+                   out_scales_ptr, chunk, k1, k2, BITS_OUT, STOCHASTIC, SCALE_FP16, FLOOR)
+
+
+@triton.jit
+def _dequantize_sum_rows_kernel(codes_ptr, scales_ptr, h_ptr, out_ptr, k, chunk,
+                                BITS: tl.constexpr, GROUP: tl.constexpr, HAD: tl.constexpr,
+                                ROWS: tl.constexpr):
+    """:func:`_dequantize_sum_kernel` for groups equal to the Hadamard block (or no
+    rotation): a group per row."""
+    pid = tl.program_id(0)
+    groups = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    acc = _sum_chunk_rows(codes_ptr, scales_ptr, groups, k, chunk, BITS, GROUP)
+    if HAD > 1:
+        acc = _rotate_rows(acc * (1.0 / HAD), _load_hadamard(h_ptr, HAD), True)
+    offs = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    tl.store(out_ptr + offs, acc, mask=offs < chunk)
 
 
 @triton.jit
@@ -672,10 +730,16 @@ def dequantize_sum(codes: torch.Tensor, scales: torch.Tensor, *, bits: int, grou
         return out.zero_()
     tile, warps = config("dequantize_sum", bits, group, hadamard)
     h = hadamard_matrix(hadamard, torch.float32, codes.device)
-    _dequantize_sum_kernel[(triton.cdiv(chunk, tile),)](
-        codes.contiguous(), scales.contiguous(), h, out, k, chunk, BITS=bits, GROUP=group,
-        HAD=hadamard, TILE=tile, num_warps=warps,
-    )
+    codes, scales = codes.contiguous(), scales.contiguous()
+    if ROW_KERNELS and hadamard in (0, group):
+        rows = _rows(tile, group)
+        _dequantize_sum_rows_kernel[(triton.cdiv(chunk, rows * group),)](
+            codes, scales, h, out, k, chunk, BITS=bits, GROUP=group, HAD=hadamard, ROWS=rows,
+            num_warps=warps)
+    else:
+        _dequantize_sum_kernel[(triton.cdiv(chunk, tile),)](
+            codes, scales, h, out, k, chunk, BITS=bits, GROUP=group, HAD=hadamard, TILE=tile,
+            num_warps=warps)
     return out
 
 
@@ -699,12 +763,18 @@ def dequant_reduce_requant(
         return out_codes, out_scales
     tile, warps = config("dequant_reduce_requant", bits_in, max(group_in, group_out), 0)
     k1, k2 = keys if keys is not None else (0, 0)
-    _dequant_reduce_requant_kernel[(triton.cdiv(chunk, tile),)](
-        codes.contiguous(), scales.contiguous(), out_codes, out_scales, k, chunk, k1, k2,
-        BITS_IN=bits_in, GROUP_IN=group_in, BITS_OUT=bits_out, GROUP_OUT=group_out,
-        TILE=tile, STOCHASTIC=keys is not None, SCALE_FP16=scale_dtype == torch.float16,
-        FLOOR=scale_floor(scale_dtype), num_warps=warps,
-    )
+    codes, scales = codes.contiguous(), scales.contiguous()
+    common = dict(STOCHASTIC=keys is not None, SCALE_FP16=scale_dtype == torch.float16,
+                  FLOOR=scale_floor(scale_dtype), num_warps=warps)
+    if ROW_KERNELS and group_in == group_out:
+        rows = _rows(tile, group_in)
+        _dequant_reduce_requant_rows_kernel[(triton.cdiv(chunk, rows * group_in),)](
+            codes, scales, out_codes, out_scales, k, chunk, k1, k2, BITS_IN=bits_in,
+            BITS_OUT=bits_out, GROUP=group_in, ROWS=rows, **common)
+    else:
+        _dequant_reduce_requant_kernel[(triton.cdiv(chunk, tile),)](
+            codes, scales, out_codes, out_scales, k, chunk, k1, k2, BITS_IN=bits_in,
+            GROUP_IN=group_in, BITS_OUT=bits_out, GROUP_OUT=group_out, TILE=tile, **common)
     return out_codes, out_scales
 
 
