@@ -117,7 +117,8 @@ def _count_kernel(x_ptr, hist_ptr, counts_ptr, numel, k, tiles, PASSES: tl.const
 def _exclusive_scan_kernel(counts_ptr, n, BLOCK: tl.constexpr):
     """Both count rows (above, tie) → their exclusive prefix sums, in place (one program)."""
     for row in tl.static_range(2):
-        carry = 0
+        # an int32 tensor from the start: a loop-carried value must keep its type
+        carry = tl.sum(tl.zeros([BLOCK], dtype=tl.int32), 0)
         for start in range(0, n, BLOCK):
             offs = start + tl.arange(0, BLOCK)
             c = tl.load(counts_ptr + row * n + offs, mask=offs < n, other=0)
