@@ -118,7 +118,8 @@ def test_row_kernels_equal_the_flat_tile_kernels(bits, group, had, dtype, monkey
 
 
 @pytest.mark.parametrize(("bits_in", "bits_out", "group", "had"),
-                         [(8, 4, 128, 128), (8, 2, 64, 0), (4, 4, 32, 32), (2, 8, 256, 0)])
+                         [(8, 4, 128, 128), (8, 2, 64, 0), (4, 4, 32, 32), (2, 8, 256, 0),
+                          (8, 4, 4096, 0)])
 def test_two_level_row_kernels_equal_the_flat_tile_kernels(bits_in, bits_out, group, had,
                                                           monkeypatch):
     """dequantize-reduce-requantize and dequantize-sum: the same bytes either way."""

@@ -629,9 +629,10 @@ def quantize(
     return codes, scales
 
 
-def _rows(tile: int, hadamard: int) -> int:
-    """Rows of a row kernel's tile: the tile's blocks, at least the 16 ``tl.dot`` needs."""
-    return max(tile // hadamard, 16)
+def _rows(tile: int, width: int, dot: bool = True) -> int:
+    """Rows of ``width`` elements in a row kernel's tile: the tile's, at least the 16 a
+    ``tl.dot`` needs (one row when there is no product: wide groups stay one row)."""
+    return max(tile // width, 16 if dot else 1)
 
 
 @dataclass
@@ -732,7 +733,7 @@ def dequantize_sum(codes: torch.Tensor, scales: torch.Tensor, *, bits: int, grou
     h = hadamard_matrix(hadamard, torch.float32, codes.device)
     codes, scales = codes.contiguous(), scales.contiguous()
     if ROW_KERNELS and hadamard in (0, group):
-        rows = _rows(tile, group)
+        rows = _rows(tile, group, dot=hadamard > 0)
         _dequantize_sum_rows_kernel[(triton.cdiv(chunk, rows * group),)](
             codes, scales, h, out, k, chunk, BITS=bits, GROUP=group, HAD=hadamard, ROWS=rows,
             num_warps=warps)
@@ -767,7 +768,7 @@ def dequant_reduce_requant(
     common = dict(STOCHASTIC=keys is not None, SCALE_FP16=scale_dtype == torch.float16,
                   FLOOR=scale_floor(scale_dtype), num_warps=warps)
     if ROW_KERNELS and group_in == group_out:
-        rows = _rows(tile, group_in)
+        rows = _rows(tile, group_in, dot=False)
         _dequant_reduce_requant_rows_kernel[(triton.cdiv(chunk, rows * group_in),)](
             codes, scales, out_codes, out_scales, k, chunk, k1, k2, BITS_IN=bits_in,
             BITS_OUT=bits_out, GROUP=group_in, ROWS=rows, **common)
