@@ -24,6 +24,7 @@ import hashlib
 import json
 import os
 import sys
+import tempfile
 import time
 
 import torch
@@ -155,6 +156,8 @@ def main() -> None:
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "gpu_multirank.jsonl")
+    # run directories (metrics, plots) outside --out: a device call returns few files
+    runs = tempfile.mkdtemp(prefix="gpu_multirank_runs_")
     env = {"COMMPRESS_DEVICE": args.device}
 
     def emit(row: dict) -> None:
@@ -189,8 +192,9 @@ def main() -> None:
                  ranks_per_node=2, dtype="bf16", max_data_bytes=1 << 20)
 
     def check_train(layout: dict) -> None:
-        s = train(TrainConfig(policy="hybrid", out=f"{args.out}/train-{layout}", **layout,
-                              **small))
+        name = "-".join(f"{k}{v}" for k, v in layout.items())
+        s = train(TrainConfig(policy="hybrid", out=os.path.join(runs, f"train-{name}"),
+                              **layout, **small))
         emit({"check": "train", "layout": layout, "val_loss": s["final_val_loss"]})
 
     big = dict(small, model=args.model, steps=args.steps, batch_size=16,
@@ -198,7 +202,7 @@ def main() -> None:
 
     def end_to_end(engine: str, policy: str, hook: str) -> None:
         s = train(TrainConfig(engine=engine, policy=policy, ddp_hook=hook,
-                              out=f"{args.out}/e2e-{engine}-{policy}-{hook}", **big))
+                              out=os.path.join(runs, f"e2e-{engine}-{policy}-{hook}"), **big))
         emit({"check": "end_to_end", "model": args.model, "engine": engine, "policy": policy,
               "hook": hook, "step_time_s": s["step_time_s_median"],
               "val_loss": s["final_val_loss"], "elapsed_s": time.perf_counter() - t0})

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# A lent GPU's 15 minutes (machine start included), in the order the GPU issues need.
+# Run from the repository root on the device machine, one part per call:
+#
+#   bash benchmarks/gpu_session.sh first    # ≈ 8 min: kernels (#12), then multi-rank (#13)
+#   bash benchmarks/gpu_session.sh second   # ≈ 4 min: tuning (#12), simulate vs train (#16)
+#   bash benchmarks/gpu_session.sh ablation STEPS   # #16's gpt-125m ablation, a later session
+#
+# Every script prints and saves each row as it finishes, and each part runs under its own
+# timeout, so a slow part costs its rows, not the session. Rows land in $OUT (*.jsonl,
+# *.log and run summaries: at most 8 files come back from a device call); their numbers
+# go into BENCHMARKS.md with these commands.
+set -u
+export PYTHONPATH=src PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/commpress-gpu}
+RUNS=/tmp/commpress-runs  # run directories (plots, metrics) stay on the machine
+mkdir -p "$OUT" "$RUNS"
+# a corpus larger than gpt-125m can memorize: this machine's Python package sources
+SITE=$(python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+part=${1:-first}
+
+case $part in
+  first)
+    timeout 210 python benchmarks/gpu_kernels.py --out "$OUT" > "$OUT/gpu_kernels.log" 2>&1
+    echo "gpu_kernels exit $?"; grep -c '"ok": true' "$OUT/gpu_kernels.log"
+    grep '"ok": false' "$OUT/gpu_kernels.log" | head -20
+    timeout 270 python benchmarks/gpu_multirank.py --out "$OUT" > "$OUT/gpu_multirank.log" 2>&1
+    echo "gpu_multirank exit $?"; tail -c 4000 "$OUT/gpu_multirank.log"
+    ;;
+  second)
+    timeout 130 python benchmarks/gpu_kernels.py --out "$OUT" --tune-only \
+      > "$OUT/gpu_tune.log" 2>&1
+    echo "tune exit $?"; sed -n '/^CONFIGS = {/,/^}/p' "$OUT/gpu_tune.log"
+    # simulate's tokens/s against single-GPU train at the same global batch (#16: ≥ 70 %)
+    for policy in none sdp4bit; do
+      timeout 45 python -m commpress simulate --model gpt-125m --ranks 16 --ranks-per-node 8 \
+        --policy $policy --dtype bf16 --data "$SITE" --seq-len 1024 --batch-size 64 \
+        --steps 12 --eval-every 0 --device cuda --out "$RUNS/sim_$policy" > "$RUNS/sim_$policy.log" 2>&1
+      echo "simulate $policy exit $?"; cp "$RUNS/sim_$policy/summary.json" "$OUT/sim_$policy.json"
+    done
+    timeout 45 python -m commpress train --nproc 1 --model gpt-125m --policy none \
+      --dtype bf16 --data "$SITE" --seq-len 1024 --batch-size 64 --steps 12 --eval-every 0 \
+      --device cuda --out "$RUNS/train_none" > "$RUNS/train_none.log" 2>&1
+    echo "train exit $?"; cp "$RUNS/train_none/summary.json" "$OUT/train_none.json"
+    grep -H tokens_per_s "$OUT"/*.json
+    ;;
+  ablation)
+    steps=${2:-150}
+    timeout 560 python benchmarks/sdp4bit_ablation.py --simulate --model gpt-125m \
+      --ranks 16 --ranks-per-node 8 --dtype bf16 --data "$SITE" --seq-len 1024 \
+      --batch-size 64 --steps "$steps" --seeds 0 > "$OUT/ablation.log" 2>&1
+    echo "ablation exit $?"; cp benchmarks/results/sdp4bit_ablation_gpt-125m_*.md "$OUT"/
+    tail -c 4000 "$OUT/ablation.log"
+    ;;
+  *)
+    echo "unknown part $part; allowed: first, second, ablation [STEPS]" >&2; exit 2
+    ;;
+esac
