@@ -26,3 +26,17 @@ def test_every_option_has_help_with_at_most_one_default():
         assert "(default: None)" not in text, f"{where}: {text!r}"
         seen += 1
     assert seen > 60  # train, compare, simulate, bench, plan, testbed, demo …
+
+
+def test_python_dash_m_runs_the_cli():
+    """``python -m commpress`` is the CLI where no entry point is installed."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "commpress", "plan", "--help"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "--model" in proc.stdout
+    bad = subprocess.run([sys.executable, "-m", "commpress", "no-such-command"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "no-such-command" in bad.stderr
