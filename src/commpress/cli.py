@@ -144,10 +144,12 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
-SIMULATE_SKIPS = ("nproc", "tp", "dp", "ddp_hook", "backend", "resume", "checkpoint_every",
+SIMULATE_SKIPS = ("nproc", "dp", "ddp_hook", "backend", "resume", "checkpoint_every",
                   "timeout_s")
-SIMULATE_HELPS = {"ranks_per_node": "played ranks (data-parallel ranks × stages) per node; "
-                                    "default: all in one node"}
+SIMULATE_HELPS = {"ranks_per_node": "ranks (data-parallel ranks × stages × tensor-parallel "
+                                    "slices) per node; default: all in one node",
+                  "tp": "tensor-parallel slices, each run by a process of its own that plays "
+                        "its data-parallel ranks and stages"}
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
@@ -156,12 +158,13 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
     if args.ranks < 1:
         raise ValueError(f"--ranks {args.ranks} is not allowed; allowed: an integer >= 1")
+    world = args.ranks * args.pp * args.tp
     if args.policies:
         policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-        compare(policies, _train_config(args, policy=policies[0], nproc=args.ranks * args.pp),
+        compare(policies, _train_config(args, policy=policies[0], nproc=world),
                 out_dir=args.out, json_path=args.json, runner=simulate)
         return 0
-    _report(simulate(_train_config(args, nproc=args.ranks * args.pp)), args.json)
+    _report(simulate(_train_config(args, nproc=world)), args.json)
     return 0
 
 

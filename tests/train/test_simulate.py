@@ -96,6 +96,52 @@ def test_simulate_equals_a_real_pipeline_run(tmp_path, policy, layout):
     _check(policy, *_compare(tmp_path, policy, 6, **layout))
 
 
+def _compare_tp(tmp_path, policy, steps, **layout):
+    """A real dp × tp × pp run against `simulate`'s tp processes, each playing its
+    slice's data-parallel ranks: every slice's final weights, data-parallel rank 0's."""
+    cfg = dict(BASE, policy=policy, steps=steps, **layout)
+    tp, pp = cfg["tp"], cfg.get("pp", 1)
+    out = str(tmp_path / "real")
+    train(TrainConfig(out=out, checkpoint_every=steps, **cfg))
+    real = {(s, t, n): w for s in range(pp) for t in range(tp) for n, w in
+            workers.weights_of_checkpoint(checkpoint.rank_file(out, steps, s * tp + t)).items()}
+    slices = spawn(workers.played_weights, tp, (dict(cfg, out=str(tmp_path / "sim")),))
+    played = {k: w for weights, _ in slices for k, w in weights.items()}
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        real_losses = [json.loads(line)["loss"] for line in f]
+    return real, played, real_losses, slices[0][1]
+
+
+# tensor parallelism: tp processes, each a slice playing its data-parallel ranks; the
+# layers' all-reduces real (hybrid: int8 activations; below: stochastic rounding and
+# error feedback, whose state each played rank keeps apart)
+STATEFUL_TP = """
+dp:
+  grad: "int4:rounding=stochastic"
+tp:
+  act: "int8:rounding=stochastic"
+  act_grad: {codec: "int4:rounding=stochastic", error_feedback: true}
+pp:
+  act: "int4:rounding=stochastic"
+"""
+
+
+@pytest.mark.parametrize("policy,layout", [
+    ("stateful-tp", dict(nproc=4, tp=2, ranks_per_node=2)),
+    pytest.param("hybrid", dict(nproc=4, tp=2, ranks_per_node=2), marks=pytest.mark.slow),
+    pytest.param("sdp4bit", dict(nproc=8, tp=2, ranks_per_node=4, batch_size=16),
+                 marks=pytest.mark.slow),  # dp 4 in 2 nodes: two-level with slices
+    pytest.param("stateful-tp", dict(nproc=8, tp=2, pp=2, ranks_per_node=4),
+                 marks=pytest.mark.slow),  # each stage's random stream: its global rank
+])
+def test_simulate_equals_a_real_tensor_parallel_run(tmp_path, policy, layout):
+    if policy == "stateful-tp":
+        policy = str(tmp_path / "stateful-tp.yaml")
+        with open(policy, "w") as f:
+            f.write(STATEFUL_TP)
+    _check(policy, *_compare_tp(tmp_path, policy, 6, **layout))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("policy,extra", [
     ("sdp4bit", {}),
@@ -113,8 +159,8 @@ def test_simulate_refuses_what_it_does_not_play():
     base = dict(BASE, policy="int2ef", steps=1)
     with pytest.raises(ValueError, match="ddp_hook='powersgd:4'.*allowed: commpress"):
         simulate(TrainConfig(engine="ddp", ddp_hook="powersgd:4", **base))
-    with pytest.raises(ValueError, match="tp=2.*allowed: tp=1"):
-        simulate(TrainConfig(tp=2, **base))
+    with pytest.raises(ValueError, match="engine=ddp runs data parallelism only; got tp=2"):
+        simulate(TrainConfig(tp=2, engine="ddp", **base))
 
 
 def test_simulate_cli_one_policy_and_a_comparison(tmp_path, capsys):
@@ -132,6 +178,13 @@ def test_simulate_cli_one_policy_and_a_comparison(tmp_path, capsys):
                  "--out", str(tmp_path / "pp")]) == 0
     summary = json.load(open(tmp_path / "pp" / "summary.json"))
     assert (summary["dp"], summary["pp"]) == (2, 2) and "pp.act" in summary["wire_bytes"]
+    # --tp slices, each a process of its own: its layers' all-reduces are counted too
+    assert main(["simulate", *common, "--ranks", "2", "--tp", "2", "--policy", "hybrid",
+                 "--out", str(tmp_path / "tp")]) == 0
+    summary = json.load(open(tmp_path / "tp" / "summary.json"))
+    assert (summary["dp"], summary["tp"]) == (2, 2)
+    assert {"tp.act", "tp.act_grad"} <= set(summary["wire_bytes"])
+    assert any(label.startswith("dp.grad") for label in summary["wire_bytes"])
     assert main(["simulate", *common, "--policies", "none,sdp4bit", "--out",
                  str(tmp_path / "cmp")]) == 0
     assert (tmp_path / "cmp" / "compare.png").exists()
@@ -140,3 +193,19 @@ def test_simulate_cli_one_policy_and_a_comparison(tmp_path, capsys):
     assert main(["simulate", *common, "--ranks", "0", "--out", str(tmp_path / "zero")]) == 2
     assert main(["simulate", *common, "--policy", "sdp4bit", "--ranks", "3",
                  "--ranks-per-node", "2", "--out", str(tmp_path / "bad")]) == 2
+
+
+@pytest.mark.parametrize("policy,layout", [
+    ("sdp4bit", {}),  # qWD and TLq-HS on 2 nodes × 2: both levels of each
+    pytest.param("zeropp", {}, marks=pytest.mark.slow),  # int8 weights, two levels
+    pytest.param("none", {}, marks=pytest.mark.slow),  # torch's own all-gather
+    pytest.param("hybrid", dict(tp=2), marks=pytest.mark.slow),  # the slices' all-reduces
+])
+def test_simulate_counts_the_bytes_a_real_run_sends(tmp_path, policy, layout):
+    from commpress.train.simulate import simulate
+
+    cfg = dict(BASE, policy=policy, steps=2, **layout)
+    real = train(TrainConfig(out=str(tmp_path / "real"), **cfg))
+    played = simulate(TrainConfig(out=str(tmp_path / "sim"), **cfg))
+    assert any(label.startswith("dp.param") for label in real["wire_bytes"])
+    assert real["wire_bytes"] == pytest.approx(played["wire_bytes"], rel=0)

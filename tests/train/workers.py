@@ -47,12 +47,16 @@ def replicated_digests(rank, world, base, policies, replication_key=None):
 def played_weights(rank, world, cfg_dict):
     """Train with `simulate`'s played optimizer (in a process of its own, one thread, as
     every rank of `train` runs); digests of the final weights by name."""
+    import torch.distributed as dist
+
     from commpress.train.simulate import PlayedRun
 
     cfg = TrainConfig(**cfg_dict).resolved()
-    run = PlayedRun(cfg)
+    # tensor parallelism: one process per slice (this one: slice `rank`)
+    run = PlayedRun(cfg, dist.group.WORLD if cfg.tp > 1 else None)
     losses = [run.train_step(step) for step in range(cfg.steps)]
-    return {(s, n): _digest([t]) for s, stage in enumerate(run.stages)
+    key = (lambda s, n: (s, rank, n)) if cfg.tp > 1 else (lambda s, n: (s, n))
+    return {key(s, n): _digest([t]) for s, stage in enumerate(run.stages)
             for n, t in stage.state_dict().items()}, losses
 
 

@@ -348,33 +348,51 @@ def _count_gather(stats: Stats, label: str, row: torch.Tensor, n: int, m_pad: in
 
 
 def played_gather(codecs: list[AnyCodec], shards: list[torch.Tensor], label: str,
-                  rng_streams: list[int]) -> list[torch.Tensor]:
+                  rng_streams: list[int], stats: Stats | None = None,
+                  group_size: int | None = None) -> list[torch.Tensor]:
     """What :func:`commpress.all_gather` decodes for each rank's shard (every rank decodes
-    the same bytes), in the shard's dtype — fp32 values before the caller's cast."""
+    the same bytes), in the shard's dtype — fp32 values before the caller's cast.
+
+    ``stats`` gets each rank's bytes as the real all-gather records them, in a group of
+    ``group_size`` ranks (default: one rank per shard)."""
+    n = group_size or len(shards)
     out = []
     for r, shard in enumerate(shards):
         codec = codecs[r]
+        m = shard.numel()
         if is_exact(codec):
+            if stats is not None:
+                count_exact_gather(stats, label, m, shard.element_size(), n)
             out.append(shard.reshape(-1).clone())
             continue
-        m = shard.numel()
         m_pad = chunks.padded_chunk(codec, m)
         x = chunks.pad_chunks(shard.reshape(-1), 1, m, m_pad)
         rows = chunks.encode_rows(codec, x, rng_stream=rng_streams[r], key=label)
+        if stats is not None:
+            row = rows.view(-1) if isinstance(rows, torch.Tensor) else rows[0]
+            _count_gather(stats, label, row, n, m_pad, shard.element_size(), calls=1)
         out.append(chunks.decode_rows(codec, rows, m_pad, shard.dtype)[0, :m])
     return out
 
 
+def count_exact_gather(stats: Stats, label: str, m: int, itemsize: int, n: int) -> None:
+    """One rank's bytes in an uncompressed all-gather of ``m`` elements over ``n`` ranks,
+    as the real one records them."""
+    size = (n - 1) * m * itemsize
+    stats.record(label, calls=1, elements=(n - 1) * m, wire_bytes=size, raw_bytes=size)
+
+
 def played_delta_gather(weights: torch.Tensor, shards: list[torch.Tensor],
-                        codecs: list[AnyCodec], label: str, rng_streams: list[int]) -> None:
+                        codecs: list[AnyCodec], label: str, rng_streams: list[int],
+                        stats: Stats | None = None, group_size: int | None = None) -> None:
     """:func:`commpress.delta_all_gather` for every rank: ``weights`` (the one replica all
     ranks hold) moves, slice by slice, to the ranks' new shards — through the encoded
-    differences (qWD)."""
+    differences (qWD). ``stats`` and ``group_size`` as for :func:`played_gather`."""
     m = shards[0].numel()
     flat = weights.view(-1)
     diffs = [Delta.difference(s.reshape(-1).to(weights.dtype), flat[r * m:(r + 1) * m])
              for r, s in enumerate(shards)]
-    decoded = played_gather(codecs, diffs, label, rng_streams)
+    decoded = played_gather(codecs, diffs, label, rng_streams, stats, group_size)
     for r, d in enumerate(decoded):
         view = weights.view(-1)[r * m:(r + 1) * m]
         Delta.apply(view, d.float(), out=view)

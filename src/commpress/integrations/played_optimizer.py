@@ -27,6 +27,7 @@ from commpress.collectives.call import is_exact, resolve_codec
 from commpress.collectives.played import (
     PlayedReduceScatter,
     PlayedTwoLevelReduceScatter,
+    count_exact_gather,
     level_label,
     played_delta_gather,
     played_gather,
@@ -61,12 +62,14 @@ class PlayedShardedOptimizer:
                  policy: str | dict | Policy, *, ranks: int, ranks_per_node: int,
                  bucket_numel: int = 1 << 22, max_grad_norm: float | None = None,
                  nonfinite: str = "skip", decay_1d: bool = False, stats: Stats | None = None,
+                 norm_weights: dict[str, float] | None = None,
                  **optimizer_kwargs: Any) -> None:
         self.policy = Policy.resolve(policy)
         self.levels = played_levels(self.policy.two_level(), ranks, ranks_per_node)
         self.world, self.L, self.nodes = ranks, ranks_per_node, ranks // ranks_per_node
         self.max_grad_norm = max_grad_norm
         self.nonfinite = nonfinite
+        self.norm_weights = dict(norm_weights or {})
         self.steps = self.skipped_steps = 0
         self._shards: list | None = None  # between reduce() and update()
         self.last_grad_norm = float("nan")
@@ -145,7 +148,7 @@ class PlayedShardedOptimizer:
         self._shards = [b.played.finish() for b in self.buckets]
         for b in self.buckets:
             b.played = None
-        return [sum(b.grad_sumsq(r, self.world, {}, s[r])
+        return [sum(b.grad_sumsq(r, self.world, self.norm_weights, s[r])
                     for b, s in zip(self.buckets, self._shards)) for r in range(self.world)]
 
     @torch.no_grad()
@@ -177,10 +180,22 @@ class PlayedShardedOptimizer:
             streams = ([r // self.L for r in range(self.world)] if two_level
                        else list(range(self.world)))
             label = "dp.param.inter" if two_level else "dp.param"
-            if self.world == 1 or (is_exact(b.param_codecs[0]) and not self.param_rule.delta):
+            across = self.nodes if two_level else self.world  # the gather's group size
+            if self.world == 1:
+                b.param_buffer.copy_(torch.cat(news))
+            elif is_exact(b.param_codecs[0]) and not self.param_rule.delta:
+                for _ in range(self.world):
+                    count_exact_gather(self.stats, label, shard, b.param_buffer.element_size(),
+                                       self.world)
                 b.param_buffer.copy_(torch.cat(news))
             elif self.param_rule.delta:
-                played_delta_gather(b.param_buffer, news, b.param_codecs, label, streams)
+                played_delta_gather(b.param_buffer, news, b.param_codecs, label, streams,
+                                    self.stats, across)
             else:
-                decoded = played_gather(b.param_codecs, news, label, streams)
+                decoded = played_gather(b.param_codecs, news, label, streams, self.stats,
+                                        across)
                 b.param_buffer.copy_(torch.cat(decoded))
+            if two_level:  # then each node shares what crossed, exactly
+                for _ in range(self.world):
+                    count_exact_gather(self.stats, "dp.param.intra", self.nodes * shard,
+                                       b.param_buffer.element_size(), self.L)

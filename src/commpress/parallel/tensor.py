@@ -90,6 +90,14 @@ def is_tp_sharded(p: nn.Parameter) -> bool:
     return getattr(p, "tp_sharded", False)
 
 
+def tp_norm_weights(module: nn.Module, tp: int) -> dict[str, float]:
+    """Weights of the squared gradient norm's parts: ``1/tp`` for the parameters every
+    tensor-parallel rank holds a replica of (summed over the ranks they count once)."""
+    if tp == 1:
+        return {}
+    return {n: 1.0 / tp for n, p in module.named_parameters() if not is_tp_sharded(p)}
+
+
 def codec_states(module: nn.Module) -> dict[str, dict]:
     """Codec states (stochastic counters, error-feedback memory) of the TP layers."""
     return {name: m.codec.state_dict() for name, m in module.named_modules()

@@ -38,8 +38,8 @@ from commpress.parallel.pipeline import GPipe, Stage
 from commpress.parallel.tensor import (
     apply_tp,
     codec_states,
-    is_tp_sharded,
     load_codec_states,
+    tp_norm_weights,
 )
 from commpress.policy import Policy
 from commpress.train import checkpoint, run_lock
@@ -65,9 +65,11 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
                                                                                      * frac)))
 
 
-def _summed_counters(device: torch.device) -> dict[str, dict[str, float]]:
-    """Per-label wire/raw bytes and elements, summed over all ranks."""
-    s = stats()
+def summed_counters(counters: dict[str, dict[str, float]],
+                    device: torch.device) -> dict[str, dict[str, float]]:
+    """Per-label wire/raw bytes and elements of ``counters`` (this rank's), summed over
+    all ranks."""
+    s = counters
     vec = torch.tensor([float(s.get(label, {}).get(c, 0)) for label in AXIS_LABELS
                         for c in COUNTERS], dtype=torch.float64, device=device)
     dist.all_reduce(vec)
@@ -101,8 +103,7 @@ class _Run:
         rpn = cfg.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
         self.ranks_per_node = rpn
         dp_per_node = max(1, rpn // (cfg.tp * cfg.pp))
-        weights = {n: 1.0 / cfg.tp for n, p in self.stage.named_parameters()
-                   if cfg.tp > 1 and not is_tp_sharded(p)}
+        weights = tp_norm_weights(self.stage, cfg.tp)
         if cfg.engine == "ddp":
             self.ddp = DDPEngine(self.stage, self.mesh.dp_group, self.policy, cfg.ddp_hook,
                                  Topology(dp_per_node), cfg.lr, cfg.weight_decay,
@@ -254,7 +255,7 @@ def run_rank(rank: int, world: int, cfg_dict: dict[str, Any]) -> dict[str, Any] 
     finally:
         if progress is not None:
             progress.close()
-    totals = _summed_counters(run.device)
+    totals = summed_counters(stats(), run.device)
     if rank != 0:
         return None
     return write_outputs(cfg, run, totals)

@@ -16,22 +16,35 @@ GPipe step runs through every stage, activations and their gradients through the
 policy's ``pp`` codecs with each rank's own codec objects, one optimizer per stage and
 one gradient norm over all ranks); and torch DDP with :func:`commpress.ddp_hook`
 (``--engine ddp``: the hook's buckets and all-reduces, one or two levels, played by
-:class:`PlayedDDPHook`). Not covered yet: DDP with torch's own hooks, tensor
-parallelism (its collectives are inside the layers), FSDP.
+:class:`PlayedDDPHook`).
+
+Tensor parallelism (``tp > 1``, sharded optimizer) is not played but run: its
+collectives sit inside every layer, so ``tp`` real processes each hold one
+tensor-parallel slice and play the data-parallel ranks and stages of that slice, in
+the same order, their layers' all-reduces real. Each played data-parallel rank gets
+its own state of the tensor-parallel codecs (swapped in around its pass), and the
+gradient norm gathers every process's parts into global rank order. Not covered: DDP
+with torch's own hooks, DDP with tensor parallelism, FSDP.
 
 Outputs as ``commpress train``: ``metrics.jsonl``, ``summary.json``, ``loss.png``.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
+from commpress.collectives import stats
+from commpress.collectives.comm import all_gather_single
 from commpress.collectives.played import played_transfer
 from commpress.collectives.stats import Stats
 from commpress.integrations.played_ddp import PlayedDDPHook
@@ -40,12 +53,20 @@ from commpress.integrations.sharded_optimizer import norm_of_parts
 from commpress.model.gpt import GPT, config_from_preset
 from commpress.parallel.mesh import MeshShape
 from commpress.parallel.pipeline import Stage
+from commpress.parallel.tensor import apply_tp, codec_states, load_codec_states, tp_norm_weights
 from commpress.policy import Policy
 from commpress.train import run_lock
 from commpress.train.config import TrainConfig
 from commpress.train.data import TextData, load_tokens
 from commpress.train.ddp_engine import replica_optimizer, step_replica
-from commpress.train.loop import evaluates_at, lr_at, progress_bar, step_record, write_outputs
+from commpress.train.loop import (
+    evaluates_at,
+    lr_at,
+    progress_bar,
+    step_record,
+    summed_counters,
+    write_outputs,
+)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -79,15 +100,22 @@ class PlayedDDP:
 
 
 class PlayedRun:
-    """One replica of a ``dp × pp`` run: its stages, one played optimizer per stage, and
-    the pipeline's activation codecs of every rank."""
+    """One replica of a ``dp × pp`` run (with ``tp_group``: this process's tensor-parallel
+    slice of a ``dp × tp × pp`` run): its stages, one played optimizer per stage, and the
+    pipeline's activation codecs of every rank."""
 
-    def __init__(self, cfg: TrainConfig) -> None:
+    def __init__(self, cfg: TrainConfig, tp_group: dist.ProcessGroup | None = None) -> None:
         self.cfg = cfg
         self.ranks, self.pp = cfg.dp, cfg.pp  # data-parallel ranks, pipeline stages
-        self.shape = MeshShape(cfg.dp, 1, cfg.pp)
+        self.tp, self.tp_group = cfg.tp, tp_group
+        if cfg.tp > 1 and (tp_group is None or dist.get_world_size(tp_group) != cfg.tp):
+            raise ValueError(f"tp={cfg.tp} needs a process group of {cfg.tp} ranks, one per "
+                             "tensor-parallel slice; allowed: as simulate() starts them")
+        self.tp_rank = dist.get_rank(tp_group) if cfg.tp > 1 else 0
+        self.shape = MeshShape(cfg.dp, cfg.tp, cfg.pp)
         rpn = cfg.ranks_per_node or cfg.nproc
-        dp_per_node = max(1, rpn // cfg.pp)  # as `train` lays ranks out: stages innermost
+        # as `train` lays ranks out: tensor-parallel slices, then stages, innermost
+        dp_per_node = max(1, rpn // (cfg.pp * cfg.tp))
         self.policy = Policy.resolve(cfg.policy)
         self.device = torch.device(cfg.device)
         self.data = TextData(load_tokens(cfg.data, cfg.max_data_bytes))
@@ -97,6 +125,8 @@ class PlayedRun:
         model = GPT(mcfg)
         self.stages = [Stage(model, s, cfg.pp).to(self.device, DTYPES[cfg.dtype])
                        for s in range(cfg.pp)]
+        for stage in self.stages:
+            apply_tp(stage.blocks, tp_group, self.policy)
         self.stage = self.stages[0]
         self.stats = Stats()  # bytes every rank sends, summed over the ranks
         if cfg.engine == "ddp":
@@ -107,8 +137,12 @@ class PlayedRun:
                 stage, torch.optim.AdamW, self.policy, ranks=self.ranks,
                 ranks_per_node=dp_per_node, bucket_numel=cfg.bucket_numel,
                 max_grad_norm=cfg.max_grad_norm, nonfinite=cfg.nonfinite, stats=self.stats,
-                lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+                norm_weights=tp_norm_weights(stage, cfg.tp), lr=cfg.lr, betas=(0.9, 0.95),
+                weight_decay=cfg.weight_decay)
                 for stage in self.stages]
+        # every data-parallel rank's own state of the tensor-parallel layers' codecs
+        self.tp_states = ([[copy.deepcopy(codec_states(st)) for st in self.stages]
+                           for _ in range(cfg.dp)] if cfg.tp > 1 else None)
         # every rank's pipeline codecs (their state: random streams, error feedback)
         self.act = [[self.policy.codec_for("pp", "act") for _ in range(cfg.pp)]
                     for _ in range(cfg.dp)]
@@ -133,13 +167,29 @@ class PlayedRun:
         codecs = self.act if kind == "act" else self.act_grad
         label = f"pp.{kind}"
         return played_transfer(codecs[rank][src], codecs[rank][dst], tensor,
-                               rng_stream=self.shape.rank_of(rank, src, 0),
+                               rng_stream=self.shape.rank_of(rank, src, self.tp_rank),
                                key=f"{label}->{dst}", stats=self.stats, label=label)
+
+    @contextmanager
+    def _tp_codecs_of(self, rank: int) -> Iterator[None]:
+        """Data-parallel rank ``rank``'s tensor-parallel codec states in the layers for the
+        block (stochastic counters and error-feedback memory are each rank's own)."""
+        if self.tp_states is None:
+            yield
+            return
+        for stage, states in zip(self.stages, self.tp_states[rank]):
+            load_codec_states(stage, states)
+        yield
+        self.tp_states[rank] = [copy.deepcopy(codec_states(st)) for st in self.stages]
 
     def pipeline(self, rank: int, x: torch.Tensor, y: torch.Tensor, train: bool) -> float:
         """Rank ``rank``'s GPipe step over every stage: all micro-batches forward
         (activations through the ``pp.act`` codec), then backward in reverse order
         (activation gradients through ``pp.act_grad``); the batch's mean loss."""
+        with self._tp_codecs_of(rank):
+            return self._pipeline(rank, x, y, train)
+
+    def _pipeline(self, rank: int, x: torch.Tensor, y: torch.Tensor, train: bool) -> float:
         micro, P = self.cfg.micro_batches, self.pp
         inputs = [[None] * micro for _ in range(P)]
         outputs = [[None] * micro for _ in range(P)]
@@ -194,10 +244,17 @@ class PlayedRun:
         if self.cfg.engine == "ddp":
             self.opts[0].step()
         else:
-            # one norm over every rank of every stage, parts added in global rank order
-            parts = [opt.reduce() for opt in self.opts]
-            norm = norm_of_parts(torch.stack([parts[s][d] for d in range(self.ranks)
-                                              for s in range(self.pp)]))
+            # one norm over every rank of every stage and tensor-parallel slice, parts
+            # added in global rank order
+            parts = torch.stack([torch.stack(opt.reduce()) for opt in self.opts])  # (pp, dp)
+            every = parts[None]
+            if self.tp > 1:
+                every = parts.new_empty(self.tp * parts.numel())
+                all_gather_single(every, parts.reshape(-1), self.tp_group)
+                every = every.view(self.tp, *parts.shape)
+            norm = norm_of_parts(torch.stack([every[t, s, d] for d in range(self.ranks)
+                                              for s in range(self.pp)
+                                              for t in range(self.tp)]))
             for opt in self.opts:
                 opt.update(norm)
         return sum(losses) / self.ranks
@@ -217,10 +274,8 @@ class PlayedRun:
 
 
 def simulate(cfg: TrainConfig) -> dict[str, Any]:
-    """Play a data-parallel run of ``cfg.nproc`` ranks in one process; returns the summary."""
-    if cfg.tp != 1:
-        raise ValueError(f"simulate plays data and pipeline parallelism; got tp={cfg.tp}; "
-                         "allowed: tp=1")
+    """Play a ``dp × pp`` run of ``dp · pp`` ranks in one process — with ``tp > 1``, in
+    ``tp`` processes, one per tensor-parallel slice; returns the summary."""
     if cfg.engine == "ddp" and cfg.ddp_hook != "commpress":
         raise ValueError(f"simulate plays DDP with the commpress hook only; got "
                          f"ddp_hook={cfg.ddp_hook!r}; allowed: commpress")
@@ -228,23 +283,52 @@ def simulate(cfg: TrainConfig) -> dict[str, Any]:
         raise ValueError("simulate does not resume; allowed: resume=None")
     cfg = cfg.resolved()
     with run_lock.hold(cfg.out):
-        run = PlayedRun(cfg)
+        if cfg.tp == 1:
+            return _play(cfg, PlayedRun(cfg), writer=True)
+        from commpress.launch import spawn
+
+        # NCCL needs a GPU per slice; fewer GPUs are shared over Gloo
+        backend = ("nccl" if cfg.backend == "nccl" and cfg.tp <= torch.cuda.device_count()
+                   else "gloo")
+        return spawn(play_slice, cfg.tp, (cfg.to_dict(),), backend=backend,
+                     env={"COMMPRESS_DEVICE": cfg.device}, timeout=max(600.0, 30.0 * cfg.steps),
+                     pg_timeout_s=cfg.timeout_s)[0]
+
+
+def play_slice(rank: int, world: int, cfg_dict: dict[str, Any]) -> dict[str, Any] | None:
+    """One tensor-parallel slice of :func:`simulate` (process group of the ``tp`` slices
+    already initialized); slice 0 writes the outputs and returns the summary."""
+    cfg = TrainConfig(**cfg_dict)
+    return _play(cfg, PlayedRun(cfg, dist.group.WORLD), writer=rank == 0)
+
+
+def _play(cfg: TrainConfig, run: PlayedRun, writer: bool) -> dict[str, Any] | None:
+    """The steps and evaluations of ``run``; the ``writer`` writes the run directory."""
+    if writer:
+        os.makedirs(cfg.out, exist_ok=True)
         with open(os.path.join(cfg.out, "config.json"), "w") as f:
             json.dump({"simulate": cfg.to_dict(), "policy": run.policy.to_dict()}, f, indent=1)
-        progress = progress_bar(cfg) if cfg.progress else None
-        wall0 = time.perf_counter()
-        try:
-            for step in range(cfg.steps):
-                t0 = time.perf_counter()
-                loss = run.train_step(step)
-                record = step_record(cfg, step, loss, time.perf_counter() - t0,
-                                     time.perf_counter() - wall0, run.skipped_steps, {})
-                if evaluates_at(cfg, step):
-                    record["val_loss"] = run.evaluate()
-                run.history.append(record)
-                if progress is not None:
-                    progress.update(record)
-        finally:
+    progress = progress_bar(cfg) if cfg.progress and writer else None
+    wall0 = time.perf_counter()
+    try:
+        for step in range(cfg.steps):
+            t0 = time.perf_counter()
+            loss = run.train_step(step)
+            record = step_record(cfg, step, loss, time.perf_counter() - t0,
+                                 time.perf_counter() - wall0, run.skipped_steps, {})
+            if evaluates_at(cfg, step):
+                record["val_loss"] = run.evaluate()
+            run.history.append(record)
             if progress is not None:
-                progress.close()
-        return write_outputs(cfg, run, run.stats.snapshot())
+                progress.update(record)
+    finally:
+        if progress is not None:
+            progress.close()
+    totals = run.stats.snapshot()
+    if cfg.tp > 1:
+        # the slices' played bytes and their layers' real tensor-parallel all-reduces
+        mine = Stats()
+        mine.add(totals)
+        mine.add(stats())
+        totals = summed_counters(mine.snapshot(), run.device)
+    return write_outputs(cfg, run, totals) if writer else None
