@@ -2,12 +2,13 @@
 
     python benchmarks/hybrid_compare.py [--steps 300] [--seeds 0,1,2] [--dtype fp32]
         [--policies none,naive,hybrid,ccgrid,sdp4bit,zeropp] [--layouts tp,pp]
-    python benchmarks/hybrid_compare.py --simulate --layouts pp --dp 8 --ranks-per-node 8 \
+    python benchmarks/hybrid_compare.py --simulate --dp 8 --ranks-per-node 8 \
         --model gpt-125m --dtype bf16 --data <folder> --seq-len 1024 --batch-size 64
 
 Layouts dp2 × tp2 and dp2 × pp2 on 2 nodes × 2 ranks (TP or PP inside a node, DP across
-nodes). ``--simulate`` plays the ranks in one process (``commpress simulate``: the pp
-layout only — tensor parallelism is not played), at any ``--dp``. Writes
+nodes). ``--simulate`` plays the data-parallel ranks (``commpress simulate``: the pp
+layout in one process, the tp layout in one process per tensor-parallel slice), at any
+``--dp``. Writes
 benchmarks/results/hybrid_compare_<model>_<steps>[_bf16][_sim<dp>].md.
 """
 
@@ -48,9 +49,6 @@ def main() -> None:
     seeds = [int(s) for s in args.seeds.split(",")]
     policies = args.policies.split(",")
     layouts = args.layouts.split(",")
-    if args.simulate and "tp" in layouts:
-        ap.error("--simulate plays the pp layout only (tensor parallelism is not played); "
-                 "use --layouts pp")
     # both layouts are dp × 2 ranks
     base = TrainConfig(model=args.model, steps=args.steps, nproc=2 * args.dp,
                        ranks_per_node=args.ranks_per_node, eval_every=0,
