@@ -47,6 +47,8 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--eval-batches", type=int, default=16)
+    ap.add_argument("--bucket-numel", type=int, default=1 << 20,
+                    help="elements per gradient bucket (16 Mi on a GPU: fewer, larger calls)")
     args = ap.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
     policies = args.policies.split(",")
@@ -54,7 +56,8 @@ def main() -> None:
                        ranks_per_node=args.ranks_per_node, dp=args.ranks, eval_every=0,
                        eval_batches=args.eval_batches, dtype=args.dtype, data=args.data,
                        batch_size=args.batch_size, seq_len=args.seq_len,
-                       max_data_bytes=1 << 30 if args.data else 8 << 20)
+                       max_data_bytes=1 << 30 if args.data else 8 << 20,
+                       bucket_numel=args.bucket_numel)
     name = f"sdp4bit_ablation_{args.model}_{args.steps}"
     if args.simulate:
         from commpress.train.simulate import simulate

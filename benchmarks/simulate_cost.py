@@ -47,9 +47,11 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--dtype", default="fp32")
+    ap.add_argument("--bucket-numel", type=int, default=1 << 20)
     args = ap.parse_args()
     lines = [f"{args.model}, {args.dtype}, global batch {args.batch_size} × 128 tokens, "
-             f"{args.steps} steps (median of the last {args.steps - 2}), {args.device}:", "",
+             f"{args.steps} steps (median of the last {args.steps - 2}), buckets of "
+             f"{args.bucket_numel:,} elements, {args.device}:", "",
              "| ranks played | policy | tokens/s | vs single-process training | peak MB |",
              "|---|---|---|---|---|"]
     base = None
@@ -58,6 +60,7 @@ def main() -> None:
             cfg = TrainConfig(model=args.model, steps=args.steps, nproc=ranks,
                               ranks_per_node=min(4, ranks), policy=policy, progress=False,
                               batch_size=args.batch_size, device=args.device, dtype=args.dtype,
+                              bucket_numel=args.bucket_numel,
                               out=f"runs/simulate_cost/{ranks}-{policy}")
             r = spawn(measure, 1, (cfg.to_dict(),), timeout=3600,
                       env={"COMMPRESS_DEVICE": args.device})[0]
@@ -65,7 +68,7 @@ def main() -> None:
             lines.append(f"| {ranks} | {policy} | {r['tokens_per_s']:,.0f} | "
                          f"{r['tokens_per_s'] / base:.0%} | {r['peak_MB']:,.0f} |")
             print(lines[-1], flush=True)
-    write_markdown(f"simulate_cost_{args.device}.md", lines)
+    write_markdown(f"simulate_cost_{args.device}_{args.model}_b{args.bucket_numel}.md", lines)
 
 
 if __name__ == "__main__":
