@@ -151,13 +151,16 @@ def quantize_rotated(
     group: int,
     scale_dtype: torch.dtype,
     keys: tuple[int, int] | None,
+    start: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize flat fp32 ``y`` (numel a multiple of ``group`` and of the packing).
 
     Returns ``(codes, scales)``: packed uint8 codes and one scale per group.
-    ``keys`` selects stochastic rounding (None: nearest).
+    ``keys`` selects stochastic rounding (None: nearest); ``start`` is the element
+    index of ``y[0]`` in the stream (a piece of a longer tensor).
     """
-    u, scales = quantize_levels(y, bits=bits, group=group, scale_dtype=scale_dtype, keys=keys)
+    u, scales = quantize_levels(y, bits=bits, group=group, scale_dtype=scale_dtype, keys=keys,
+                                start=start)
     return pack_codes(u, bits), scales
 
 
@@ -168,6 +171,7 @@ def quantize_levels(
     group: int,
     scale_dtype: torch.dtype,
     keys: tuple[int, int] | None,
+    start: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`quantize_rotated` before packing: offset-binary codes ``q + 2**(bits-1)``
     as a flat float tensor, and the scales."""
@@ -195,7 +199,7 @@ def quantize_levels(
     if keys is None:
         v += 0.5
     else:
-        v += uniform_from_counter(0, y.numel(), keys, y.device).view_as(g)
+        v += uniform_from_counter(start, y.numel(), keys, y.device).view_as(g)
     q = v.floor_().clamp_(-qmax, qmax).nan_to_num_(0.0)
     q += 1 << (bits - 1)
     scale = torch.where(finite, scale, float("nan"))
@@ -220,14 +224,16 @@ def quantize(
     hadamard: int = 0,
     scale_dtype: torch.dtype = torch.float32,
     keys: tuple[int, int] | None = None,
+    start: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Encode any float tensor: pad, rotate (``hadamard > 0``), quantize, pack.
 
     Returns ``(codes, scales)`` with ``padded_numel(...) * bits / 8`` bytes of codes
-    and ``padded_numel(...) / group`` scales.
+    and ``padded_numel(...) / group`` scales. ``start``: as for :func:`quantize_rotated`.
     """
     y = pad_and_rotate(x, bits=bits, group=group, hadamard=hadamard)
-    return quantize_rotated(y, bits=bits, group=group, scale_dtype=scale_dtype, keys=keys)
+    return quantize_rotated(y, bits=bits, group=group, scale_dtype=scale_dtype, keys=keys,
+                            start=start)
 
 
 def pad_and_rotate(x: torch.Tensor, *, bits: int, group: int, hadamard: int) -> torch.Tensor:
@@ -331,19 +337,21 @@ def dequant_reduce_requant(
     group_out: int,
     scale_dtype: torch.dtype = torch.float32,
     keys: tuple[int, int] | None = None,
+    start: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode ``k`` chunks, sum them in fp32, re-encode the sum — all in the rotated domain.
 
     ``codes`` is ``(k, bytes_per_chunk)`` uint8 and ``scales`` ``(k, groups_per_chunk)``;
     chunks are summed in row order (deterministic). This is the middle step of the
     two-level reduce-scatter (TLq-HS): no Hadamard is applied here because both
-    levels work on the same rotated values.
+    levels work on the same rotated values. ``start``: the element index of the chunks'
+    first column in the stream (for stochastic rounding of a piece of longer chunks).
     """
     total = dequantize_sum(codes, scales, bits=bits_in, group=group_in)
     # a sum that overflowed would re-encode as a non-finite group (NaN): saturate it
     total.clamp_(-FP32_MAX, FP32_MAX)
     return quantize_rotated(total, bits=bits_out, group=group_out, scale_dtype=scale_dtype,
-                            keys=keys)
+                            keys=keys, start=start)
 
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
