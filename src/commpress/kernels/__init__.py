@@ -102,8 +102,11 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, numel: int, *, bits: i
 
 # The reference runs long tensors in pieces of about this many elements: its several
 # passes then stay in the CPU's caches (16 Mi elements at once ran 2-4x slower). The
-# pieces are whole groups and blocks, and keep their element indices for stochastic
-# rounding, so the codes are the same bytes.
+# pieces are whole groups and blocks and keep their element indices for stochastic
+# rounding: without Hadamard the codes are the same bytes; with it, the rotation's
+# matrix product may round differently for another number of rows (as it may on another
+# BLAS), so a code at a rounding tie may differ. Real and played runs call with the
+# same sizes, so they still agree bit for bit.
 REFERENCE_PIECE = 1 << 20
 
 
