@@ -8,6 +8,7 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from commpress.bench.codecs import student_t
 from commpress.codecs import Delta, ErrorFeedback, codec
 from commpress.kernels import reference as ref
 
@@ -110,10 +111,12 @@ def test_stochastic_rounding_is_reproducible_and_seeded():
 
 
 def _student_t(n, df=2.0, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    z = torch.randn(n, generator=g)
-    chi2 = torch.distributions.Chi2(df).sample((n,))
-    return z / torch.sqrt(chi2 / df)
+    return student_t(n, df, "cpu", torch.Generator().manual_seed(seed))
+
+
+def test_student_t_is_reproducible_from_its_seed():
+    assert torch.equal(_student_t(1000, seed=3), _student_t(1000, seed=3))
+    assert not torch.equal(_student_t(1000, seed=3), _student_t(1000, seed=4))
 
 
 def test_hadamard_halves_int4_error_on_heavy_tails():

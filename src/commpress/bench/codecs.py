@@ -43,8 +43,9 @@ class CodecRow:
 
 
 def student_t(numel: int, df: float, device, generator: torch.Generator) -> torch.Tensor:
+    """Student-t samples (heavy tails, like gradients), all drawn from ``generator``."""
     z = torch.randn(numel, generator=generator)
-    chi2 = 2.0 * torch._standard_gamma(torch.full((numel,), df / 2.0))
+    chi2 = 2.0 * torch._standard_gamma(torch.full((numel,), df / 2.0), generator=generator)
     return (z / torch.sqrt(chi2 / df)).to(device)
 
 
