@@ -144,8 +144,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
-SIMULATE_SKIPS = ("nproc", "dp", "ddp_hook", "backend", "resume", "checkpoint_every",
-                  "timeout_s")
+SIMULATE_SKIPS = ("nproc", "dp", "ddp_hook", "backend", "timeout_s")
 SIMULATE_HELPS = {"ranks_per_node": "ranks (data-parallel ranks × stages × tensor-parallel "
                                     "slices) per node; default: all in one node",
                   "tp": "tensor-parallel slices, each run by a process of its own that plays "

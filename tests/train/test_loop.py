@@ -64,3 +64,32 @@ def test_resume_is_bitwise_identical(tmp_path):
     train(TrainConfig(policy=policy, dp=2, tp=2, pp=1, out=part_dir, resume=part_dir, **base))
     full, resumed = _losses(full_dir), _losses(part_dir)
     assert [r["loss"] for r in resumed] == [r["loss"] for r in full]
+
+
+# activations with stochastic rounding and error feedback: state a careless evaluation
+# would move (its forward sends activations through the same codecs)
+STATEFUL_ACTIVATIONS = """
+tp:
+  act: "int8:rounding=stochastic"
+  act_grad: {codec: "int4:rounding=stochastic", error_feedback: true}
+pp:
+  act: {codec: "int4:rounding=stochastic", error_feedback: true}
+  act_grad: "int8:rounding=stochastic"
+"""
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(1, 2), pytest.param(2, 1, marks=pytest.mark.slow)])
+def test_evaluation_does_not_change_training(tmp_path, tp, pp):
+    """The training losses are the same bits whether or not the run evaluates between
+    steps: evaluation leaves the activation codecs' state as it found it."""
+    policy = str(tmp_path / "stateful.yaml")
+    with open(policy, "w") as f:
+        f.write(STATEFUL_ACTIVATIONS)
+    runs = {}
+    for every in (0, 1):
+        out = str(tmp_path / f"eval{every}")
+        train(TrainConfig(policy=policy, dp=2, tp=tp, pp=pp, out=out,
+                          **dict(TINY, steps=4, eval_every=every)))
+        runs[every] = _losses(out)
+    assert [r["loss"] for r in runs[0]] == [r["loss"] for r in runs[1]]
+    assert sum("val_loss" in r for r in runs[1]) == 4

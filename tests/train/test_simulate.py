@@ -209,3 +209,73 @@ def test_simulate_counts_the_bytes_a_real_run_sends(tmp_path, policy, layout):
     played = simulate(TrainConfig(out=str(tmp_path / "sim"), **cfg))
     assert any(label.startswith("dp.param") for label in real["wire_bytes"])
     assert real["wire_bytes"] == pytest.approx(played["wire_bytes"], rel=0)
+
+
+def _final_state(run_dir: str, steps: int, slices: int) -> list[dict]:
+    return [checkpoint.load(checkpoint.rank_file(run_dir, steps, t)) for t in range(slices)]
+
+
+def _assert_same_state(a, b, path="state"):
+    """Bitwise equal nested states (tensors by their bytes)."""
+    import torch
+
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, path
+        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), path
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), path
+        for k in a:
+            _assert_same_state(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_same_state(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, path
+
+
+@pytest.mark.parametrize("policy,layout", [
+    ("sdp4bit", {}),  # qWD weights, two-level gradients: every rank's codec state
+    pytest.param("int2ef", dict(engine="ddp", micro_batches=2), marks=pytest.mark.slow),
+    pytest.param("stateful-pp", dict(pp=2), marks=pytest.mark.slow),
+    pytest.param("stateful-tp", dict(tp=2), marks=pytest.mark.slow),
+])
+def test_simulate_resumes_bitwise(tmp_path, policy, layout):
+    """Stopped after 3 steps and resumed from its checkpoint, a simulated run ends with the
+    uninterrupted run's state, bit for bit: weights, optimizers, every played rank's
+    codec state (stochastic counters, error feedback, qWD), losses."""
+    from commpress.train.simulate import simulate
+
+    if policy.startswith("stateful"):
+        text = STATEFUL_PP if policy == "stateful-pp" else STATEFUL_TP
+        policy = str(tmp_path / f"{policy}.yaml")
+        with open(policy, "w") as f:
+            f.write(text)
+    # warm-up past the last step: the learning rate does not depend on `steps`
+    cfg = dict(BASE, policy=policy, steps=6, checkpoint_every=3, warmup=10, **layout)
+    full, part = str(tmp_path / "full"), str(tmp_path / "part")
+    simulate(TrainConfig(out=full, **cfg))
+    simulate(TrainConfig(out=part, **dict(cfg, steps=3)))
+    summary = simulate(TrainConfig(out=part, resume=part, **cfg))
+    slices = layout.get("tp", 1)
+    a, b = _final_state(full, 6, slices), _final_state(part, 6, slices)
+    for x, y in zip(a, b, strict=True):
+        _assert_same_state({k: v for k, v in x.items() if k not in ("config", "history")},
+                           {k: v for k, v in y.items() if k not in ("config", "history")})
+        assert [r["loss"] for r in x["history"]] == [r["loss"] for r in y["history"]]
+    assert summary["steps"] == 6 and summary["final_val_loss"] is not None
+
+
+def test_simulate_refuses_a_checkpoint_of_another_run(tmp_path):
+    from commpress.train.simulate import simulate
+
+    cfg = dict(BASE, policy="sdp4bit", steps=2, checkpoint_every=2)
+    simulate(TrainConfig(out=str(tmp_path / "a"), **cfg))
+    with pytest.raises(checkpoint.CheckpointError, match="policy"):
+        simulate(TrainConfig(out=str(tmp_path / "b"), resume=str(tmp_path / "a"),
+                             **dict(cfg, policy="zeropp", steps=4)))
+    # a `train` checkpoint holds one rank's state, not every played rank's
+    train(TrainConfig(out=str(tmp_path / "real"), **cfg))
+    with pytest.raises(checkpoint.CheckpointError, match="ranks|simulate"):
+        simulate(TrainConfig(out=str(tmp_path / "c"), resume=str(tmp_path / "real"),
+                             **dict(cfg, steps=4)))

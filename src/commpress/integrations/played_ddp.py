@@ -13,6 +13,8 @@ cleared), then :meth:`finish` writes the averaged gradients into ``p.grad``.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn as nn
 
@@ -53,6 +55,20 @@ class PlayedDDPHook:
         self.paths = [[GradPath(self.policy, topology, label) for _ in range(ranks)]
                       for _ in self.buckets]
         self.played: list = [None] * len(self.buckets)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every rank's codec states, bucket by bucket."""
+        return {"ranks": self.world, "paths": [[p.state_dict() for p in row]
+                                               for row in self.paths]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["ranks"] != self.world or len(state["paths"]) != len(self.paths):
+            raise ValueError(f"DDP hook state of {state['ranks']} ranks and "
+                             f"{len(state['paths'])} buckets does not match this run's "
+                             f"{self.world} ranks and {len(self.paths)} buckets")
+        for row, states in zip(self.paths, state["paths"]):
+            for path, s in zip(row, states, strict=True):
+                path.load_state_dict(s)
 
     def _play(self, j: int, numel: int):
         paths = self.paths[j]

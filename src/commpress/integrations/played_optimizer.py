@@ -50,6 +50,8 @@ from commpress.policy import Policy
 
 log = logging.getLogger(__name__)
 
+STATE_FORMAT = "commpress.played_sharded_optimizer/1"
+
 
 class PlayedShardedOptimizer:
     """``N`` data-parallel ranks of :class:`ShardedOptimizer` in one process.
@@ -169,6 +171,45 @@ class PlayedShardedOptimizer:
         clip_and_step(self.optimizer, grads, norm, self.max_grad_norm)
         self._gather()
         return True
+
+    # -- checkpoints ----------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything the ``N`` ranks keep: masters, weights, inner optimizer, every
+        rank's codec states, step counters."""
+        return {
+            "format": STATE_FORMAT, "ranks": self.world, "policy": self.policy.to_dict(),
+            "bucket_numels": [b.numel for b in self.buckets],
+            "bucket_names": [b.names for b in self.buckets],
+            "steps": self.steps, "skipped_steps": self.skipped_steps,
+            "master": [b.master.detach().clone() for b in self.buckets],
+            "params": [b.param_buffer.clone() for b in self.buckets],
+            "optimizer": self.optimizer.state_dict(),
+            "grad_codecs": [[p.state_dict() for p in b.grad_paths] for b in self.buckets],
+            "param_codecs": [[c.state_dict() for c in b.param_codecs] for b in self.buckets],
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` of a run with the same ranks, policy and model."""
+        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+            raise ValueError(f"not a PlayedShardedOptimizer state (expected format "
+                             f"{STATE_FORMAT!r})")
+        for key, mine in (("ranks", self.world), ("policy", self.policy.to_dict()),
+                          ("bucket_numels", [b.numel for b in self.buckets]),
+                          ("bucket_names", [b.names for b in self.buckets])):
+            if state[key] != mine:
+                raise ValueError(f"checkpoint {key} {state[key]!r} does not match this run's "
+                                 f"{mine!r}; resume with the same ranks, policy and model")
+        for b, master, params in zip(self.buckets, state["master"], state["params"]):
+            b.master.copy_(master)
+            b.param_buffer.copy_(params)
+        self.optimizer.load_state_dict(state["optimizer"])
+        for b, grads, params in zip(self.buckets, state["grad_codecs"], state["param_codecs"]):
+            for path, s in zip(b.grad_paths, grads, strict=True):
+                path.load_state_dict(s)
+            for codec, s in zip(b.param_codecs, params, strict=True):
+                codec.load_state_dict(s)
+        self.steps, self.skipped_steps = state["steps"], state["skipped_steps"]
 
     def _gather(self) -> None:
         two_level = self.nodes > 1 and self.L > 1 and not self.param_rule.exact

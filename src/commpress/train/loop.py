@@ -15,6 +15,7 @@ it is one of the launcher's ranks (NCCL on GPUs). Each rank, top to bottom:
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
@@ -155,11 +156,30 @@ class _Run:
 
     @torch.no_grad()
     def evaluate(self) -> float:
+        # evaluation sends activations through the same codecs: it must not move their
+        # state (stochastic counters, error-feedback memory), or the training run would
+        # depend on when it was evaluated
+        kept = copy.deepcopy(self.codec_state())
         self.stage.eval()
-        losses = [self.schedule.step(*self.local_batch("val", i), train=False)
-                  for i in range(self.cfg.eval_batches)]
-        self.stage.train()
+        try:
+            losses = [self.schedule.step(*self.local_batch("val", i), train=False)
+                      for i in range(self.cfg.eval_batches)]
+        finally:
+            self.stage.train()
+            self.load_codec_state(kept)
         return self._dp_mean(sum(losses) / len(losses))
+
+    def codec_state(self) -> dict[str, Any]:
+        """The tensor- and pipeline-parallel codecs' state (the sharded optimizer keeps
+        the data-parallel ones)."""
+        return {"tp_codecs": codec_states(self.stage),
+                "pp_codecs": {"act": self.schedule.act_codec.state_dict(),
+                              "act_grad": self.schedule.grad_codec.state_dict()}}
+
+    def load_codec_state(self, state: dict[str, Any]) -> None:
+        load_codec_states(self.stage, state["tp_codecs"])
+        self.schedule.act_codec.load_state_dict(state["pp_codecs"]["act"])
+        self.schedule.grad_codec.load_state_dict(state["pp_codecs"]["act_grad"])
 
     # -- checkpoints -------------------------------------------------------------------
     def identity(self) -> dict[str, Any]:
@@ -175,9 +195,7 @@ class _Run:
     def save(self, step: int) -> None:
         state = {"format": checkpoint.FORMAT, "step": step, "rank": self.rank,
                  "config": self.cfg.to_dict(), "model": self.stage.state_dict(),
-                 "optimizer": self.opt.state_dict(), "tp_codecs": codec_states(self.stage),
-                 "pp_codecs": {"act": self.schedule.act_codec.state_dict(),
-                               "act_grad": self.schedule.grad_codec.state_dict()},
+                 "optimizer": self.opt.state_dict(), **self.codec_state(),
                  "history": self.history}
         written = checkpoint.atomic_save(state, checkpoint.rank_file(self.cfg.out, step,
                                                                      self.rank))
@@ -213,9 +231,7 @@ class _Run:
                 + others)
         self.stage.load_state_dict(state["model"])
         self.opt.load_state_dict(state["optimizer"])
-        load_codec_states(self.stage, state["tp_codecs"])
-        self.schedule.act_codec.load_state_dict(state["pp_codecs"]["act"])
-        self.schedule.grad_codec.load_state_dict(state["pp_codecs"]["act_grad"])
+        self.load_codec_state(state)
         self.start_step = state["step"]
         self.history = list(state["history"])
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 import time
 from collections.abc import Iterator
@@ -55,7 +56,7 @@ from commpress.parallel.mesh import MeshShape
 from commpress.parallel.pipeline import Stage
 from commpress.parallel.tensor import apply_tp, codec_states, load_codec_states, tp_norm_weights
 from commpress.policy import Policy
-from commpress.train import run_lock
+from commpress.train import checkpoint, run_lock
 from commpress.train.config import TrainConfig
 from commpress.train.data import TextData, load_tokens
 from commpress.train.ddp_engine import replica_optimizer, step_replica
@@ -67,6 +68,8 @@ from commpress.train.loop import (
     summed_counters,
     write_outputs,
 )
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -89,6 +92,15 @@ class PlayedDDP:
 
     def take(self, rank: int) -> None:
         self.hook.take(rank)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"hook": self.hook.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "steps": self.steps, "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.hook.load_state_dict(state["hook"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.steps, self.skipped_steps = state["steps"], state["skipped_steps"]
 
     def step(self) -> bool:
         self.hook.finish()
@@ -149,10 +161,90 @@ class PlayedRun:
         self.act_grad = [[self.policy.codec_for("pp", "act_grad") for _ in range(cfg.pp)]
                          for _ in range(cfg.dp)]
         self.history: list[dict[str, Any]] = []
+        self.start_step = 0
 
     @property
     def skipped_steps(self) -> int:
         return self.opts[0].skipped_steps
+
+    # -- checkpoints (one file per tensor-parallel slice, as `train` writes per rank) ------
+    def identity(self) -> dict[str, Any]:
+        """What a checkpoint must share with this run to be resumed by it (a `train`
+        checkpoint is another run: its ranks hold other state)."""
+        cfg = self.cfg
+        return {"world": cfg.tp, "simulate": True, "model": cfg.model, "dp": cfg.dp,
+                "tp": cfg.tp, "pp": cfg.pp, "policy": self.policy.to_dict(),
+                "dtype": cfg.dtype, "ranks_per_node": cfg.ranks_per_node or cfg.nproc,
+                "seed": cfg.seed, "batch_size": cfg.batch_size, "seq_len": cfg.seq_len,
+                "micro_batches": cfg.micro_batches, "bucket_numel": cfg.bucket_numel,
+                "engine": cfg.engine, "ddp_hook": cfg.ddp_hook, "data": self.data.fingerprint()}
+
+    def state_dict(self, step: int) -> dict[str, Any]:
+        """Every played rank's state after ``step`` steps: weights, optimizers, codecs."""
+        return {"format": checkpoint.FORMAT, "step": step, "rank": self.tp_rank,
+                "config": self.cfg.to_dict(),
+                "stages": [st.state_dict() for st in self.stages],
+                "optimizers": [opt.state_dict() for opt in self.opts],
+                **self.codec_state(), "history": self.history}
+
+    def codec_state(self) -> dict[str, Any]:
+        """Every played rank's pipeline- and tensor-parallel codec state."""
+        return {"pp_codecs": {"act": [[c.state_dict() for c in row] for row in self.act],
+                              "act_grad": [[c.state_dict() for c in row]
+                                           for row in self.act_grad]},
+                "tp_codecs": self.tp_states}
+
+    def load_codec_state(self, state: dict[str, Any]) -> None:
+        for rows, saved in ((self.act, state["pp_codecs"]["act"]),
+                            (self.act_grad, state["pp_codecs"]["act_grad"])):
+            for row, states in zip(rows, saved, strict=True):
+                for codec, s in zip(row, states, strict=True):
+                    codec.load_state_dict(s)
+        self.tp_states = state["tp_codecs"]
+
+    def save(self, step: int) -> None:
+        cfg = self.cfg
+        written = checkpoint.atomic_save(self.state_dict(step),
+                                         checkpoint.rank_file(cfg.out, step, self.tp_rank))
+        files = self._gathered(written)
+        if self.tp_rank == 0:
+            checkpoint.write_manifest(cfg.out, step, self.identity(),
+                                      {checkpoint.rank_name(r): f for r, f in enumerate(files)})
+        if self.tp > 1:
+            dist.barrier(self.tp_group)
+
+    def _gathered(self, obj: Any) -> list[Any]:
+        """``obj`` of every tensor-parallel slice, in slice order."""
+        if self.tp == 1:
+            return [obj]
+        out: list[Any] = [None] * self.tp
+        dist.all_gather_object(out, obj, group=self.tp_group)
+        return out
+
+    def load(self, path: str) -> None:
+        """Resume from ``path``: every slice verifies its file; all refuse together."""
+        problem, state = None, None
+        try:
+            directory, passed_over = checkpoint.find(path)
+            if passed_over and self.tp_rank == 0:
+                log.warning("resuming from %s; newer checkpoints were passed over: %s",
+                            directory, "; ".join(passed_over))
+            manifest = checkpoint.read_manifest(directory)
+            checkpoint.check_identity(directory, manifest["identity"], self.identity())
+            state = checkpoint.load(checkpoint.verify_file(directory, manifest, self.tp_rank))
+        except checkpoint.CheckpointError as e:
+            problem = str(e)
+        problems = self._gathered(problem)
+        bad = [p for p in problems if p is not None]
+        if bad:
+            raise checkpoint.CheckpointError(bad[0])
+        for stage, s in zip(self.stages, state["stages"], strict=True):
+            stage.load_state_dict(s)
+        for opt, s in zip(self.opts, state["optimizers"], strict=True):
+            opt.load_state_dict(s)
+        self.load_codec_state(state)
+        self.start_step = state["step"]
+        self.history = list(state["history"])
 
     def rank_batch(self, split: str, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
@@ -261,15 +353,20 @@ class PlayedRun:
 
     @torch.no_grad()
     def evaluate(self) -> float:
+        # as `train` does: evaluation leaves every rank's codec state as it found it
+        kept = copy.deepcopy(self.codec_state())
         for stage in self.stages:
             stage.eval()
         per_rank = []
-        for rank in range(self.ranks):
-            batches = [self.pipeline(rank, *self.rank_batch("val", i, rank), train=False)
-                       for i in range(self.cfg.eval_batches)]
-            per_rank.append(sum(batches) / len(batches))
-        for stage in self.stages:
-            stage.train()
+        try:
+            for rank in range(self.ranks):
+                batches = [self.pipeline(rank, *self.rank_batch("val", i, rank), train=False)
+                           for i in range(self.cfg.eval_batches)]
+                per_rank.append(sum(batches) / len(batches))
+        finally:
+            for stage in self.stages:
+                stage.train()
+            self.load_codec_state(kept)
         return sum(per_rank) / self.ranks
 
 
@@ -279,8 +376,6 @@ def simulate(cfg: TrainConfig) -> dict[str, Any]:
     if cfg.engine == "ddp" and cfg.ddp_hook != "commpress":
         raise ValueError(f"simulate plays DDP with the commpress hook only; got "
                          f"ddp_hook={cfg.ddp_hook!r}; allowed: commpress")
-    if cfg.resume:
-        raise ValueError("simulate does not resume; allowed: resume=None")
     cfg = cfg.resolved()
     with run_lock.hold(cfg.out):
         if cfg.tp == 1:
@@ -303,15 +398,20 @@ def play_slice(rank: int, world: int, cfg_dict: dict[str, Any]) -> dict[str, Any
 
 
 def _play(cfg: TrainConfig, run: PlayedRun, writer: bool) -> dict[str, Any] | None:
-    """The steps and evaluations of ``run``; the ``writer`` writes the run directory."""
+    """The steps, evaluations and checkpoints of ``run``; the ``writer`` writes the run
+    directory."""
+    if writer:  # before anyone saves: a killed run's half-written files go
+        checkpoint.remove_stale_temporaries(cfg.out)
+    if cfg.resume:
+        run.load(cfg.resume)
     if writer:
         os.makedirs(cfg.out, exist_ok=True)
         with open(os.path.join(cfg.out, "config.json"), "w") as f:
             json.dump({"simulate": cfg.to_dict(), "policy": run.policy.to_dict()}, f, indent=1)
     progress = progress_bar(cfg) if cfg.progress and writer else None
-    wall0 = time.perf_counter()
+    wall0 = time.perf_counter() - (run.history[-1]["wall_s"] if run.history else 0.0)
     try:
-        for step in range(cfg.steps):
+        for step in range(run.start_step, cfg.steps):
             t0 = time.perf_counter()
             loss = run.train_step(step)
             record = step_record(cfg, step, loss, time.perf_counter() - t0,
@@ -319,6 +419,9 @@ def _play(cfg: TrainConfig, run: PlayedRun, writer: bool) -> dict[str, Any] | No
             if evaluates_at(cfg, step):
                 record["val_loss"] = run.evaluate()
             run.history.append(record)
+            if cfg.checkpoint_every and ((step + 1) % cfg.checkpoint_every == 0
+                                         or step + 1 == cfg.steps):
+                run.save(step + 1)
             if progress is not None:
                 progress.update(record)
     finally:
