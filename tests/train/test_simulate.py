@@ -23,16 +23,21 @@ FAST = ["sdp4bit", "int2ef", "qwd"]  # sdp4bit in the default run, the rest slow
 
 
 def _compare(tmp_path, policy, steps, **extra):
+    """A real run against `simulate` (one process, or one per tensor-parallel slice):
+    data-parallel rank 0's final weights of every stage (and slice), and the losses."""
     cfg = dict(BASE, policy=policy, steps=steps, **extra)
+    tp, pp = cfg.get("tp", 1), cfg.get("pp", 1)
     out = str(tmp_path / "real")
     train(TrainConfig(out=out, checkpoint_every=steps, **cfg))
-    # data-parallel rank 0's stages are global ranks 0 … pp - 1
-    real = {(s, n): w for s in range(cfg.get("pp", 1)) for n, w in
-            workers.weights_of_checkpoint(checkpoint.rank_file(out, steps, s)).items()}
-    played, losses = spawn(workers.played_weights, 1, (dict(cfg, out=str(tmp_path / "sim")),))[0]
+    # data-parallel rank 0's stages and slices are global ranks 0 … pp·tp - 1
+    key = (lambda s, t, n: (s, t, n)) if tp > 1 else (lambda s, t, n: (s, n))
+    real = {key(s, t, n): w for s in range(pp) for t in range(tp) for n, w in
+            workers.weights_of_checkpoint(checkpoint.rank_file(out, steps, s * tp + t)).items()}
+    slices = spawn(workers.played_weights, tp, (dict(cfg, out=str(tmp_path / "sim")),))
+    played = {k: w for weights, _ in slices for k, w in weights.items()}
     with open(os.path.join(out, "metrics.jsonl")) as f:
         real_losses = [json.loads(line)["loss"] for line in f]
-    return real, played, real_losses, losses
+    return real, played, real_losses, slices[0][1]
 
 
 def _check(policy, real, played, real_losses, played_losses):
@@ -96,22 +101,6 @@ def test_simulate_equals_a_real_pipeline_run(tmp_path, policy, layout):
     _check(policy, *_compare(tmp_path, policy, 6, **layout))
 
 
-def _compare_tp(tmp_path, policy, steps, **layout):
-    """A real dp × tp × pp run against `simulate`'s tp processes, each playing its
-    slice's data-parallel ranks: every slice's final weights, data-parallel rank 0's."""
-    cfg = dict(BASE, policy=policy, steps=steps, **layout)
-    tp, pp = cfg["tp"], cfg.get("pp", 1)
-    out = str(tmp_path / "real")
-    train(TrainConfig(out=out, checkpoint_every=steps, **cfg))
-    real = {(s, t, n): w for s in range(pp) for t in range(tp) for n, w in
-            workers.weights_of_checkpoint(checkpoint.rank_file(out, steps, s * tp + t)).items()}
-    slices = spawn(workers.played_weights, tp, (dict(cfg, out=str(tmp_path / "sim")),))
-    played = {k: w for weights, _ in slices for k, w in weights.items()}
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        real_losses = [json.loads(line)["loss"] for line in f]
-    return real, played, real_losses, slices[0][1]
-
-
 # tensor parallelism: tp processes, each a slice playing its data-parallel ranks; the
 # layers' all-reduces real (hybrid: int8 activations; below: stochastic rounding and
 # error feedback, whose state each played rank keeps apart)
@@ -139,7 +128,7 @@ def test_simulate_equals_a_real_tensor_parallel_run(tmp_path, policy, layout):
         policy = str(tmp_path / "stateful-tp.yaml")
         with open(policy, "w") as f:
             f.write(STATEFUL_TP)
-    _check(policy, *_compare_tp(tmp_path, policy, 6, **layout))
+    _check(policy, *_compare(tmp_path, policy, 6, **layout))
 
 
 @pytest.mark.slow

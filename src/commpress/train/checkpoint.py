@@ -22,11 +22,14 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
+import logging
 import os
 import re
 from typing import Any
 
 import torch
+
+log = logging.getLogger(__name__)
 
 FORMAT = "commpress.train/2"
 MANIFEST = "manifest.json"
@@ -194,6 +197,24 @@ def verify_file(directory: str, manifest: dict[str, Any], rank: int) -> str:
         raise CheckpointError(f"checkpoint file {path!r} is corrupted: its SHA-256 does not "
                               "match the manifest")
     return path
+
+
+def read_verified(path: str, identity: dict[str, Any], rank: int,
+                  warn: bool) -> tuple[dict[str, Any] | None, str | None]:
+    """Rank ``rank``'s state from ``path`` (a run or step directory), its file checked
+    against the manifest and the manifest's identity against ``identity``; or None and
+    why it cannot be used (for the caller to share with every rank before refusing).
+    ``warn``: log newer checkpoints that were passed over."""
+    try:
+        directory, passed_over = find(path)
+        if passed_over and warn:
+            log.warning("resuming from %s; newer checkpoints were passed over: %s",
+                        directory, "; ".join(passed_over))
+        manifest = read_manifest(directory)
+        check_identity(directory, manifest["identity"], identity)
+        return load(verify_file(directory, manifest, rank)), None
+    except CheckpointError as e:
+        return None, str(e)
 
 
 def load(path: str) -> dict[str, Any]:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import copy
 import json
-import logging
 import math
 import os
 import statistics
@@ -47,8 +46,6 @@ from commpress.train import checkpoint, run_lock
 from commpress.train.config import TrainConfig
 from commpress.train.data import TextData, load_tokens
 from commpress.train.ddp_engine import DDPEngine
-
-log = logging.getLogger(__name__)
 
 # one-level collectives report under the axis label, two-level ones under label.intra/.inter
 AXIS_LABELS = ("dp.grad", "dp.grad.intra", "dp.grad.inter", "dp.grad.gather",
@@ -209,17 +206,8 @@ class _Run:
 
     def load(self, path: str) -> None:
         """Resume from ``path``; every rank verifies its file, and all refuse together."""
-        problem, state = None, None
-        try:
-            directory, passed_over = checkpoint.find(path)
-            if passed_over and self.rank == 0:
-                log.warning("resuming from %s; newer checkpoints were passed over: %s",
-                            directory, "; ".join(passed_over))
-            manifest = checkpoint.read_manifest(directory)
-            checkpoint.check_identity(directory, manifest["identity"], self.identity())
-            state = checkpoint.load(checkpoint.verify_file(directory, manifest, self.rank))
-        except checkpoint.CheckpointError as e:
-            problem = str(e)
+        state, problem = checkpoint.read_verified(path, self.identity(), self.rank,
+                                                  warn=self.rank == 0)
         problems: list[str | None] = [None] * self.world
         dist.all_gather_object(problems, problem)
         bad = {r: p for r, p in enumerate(problems) if p is not None}

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import copy
 import json
-import logging
 import os
 import time
 from collections.abc import Iterator
@@ -68,8 +67,6 @@ from commpress.train.loop import (
     summed_counters,
     write_outputs,
 )
-
-log = logging.getLogger(__name__)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -223,17 +220,8 @@ class PlayedRun:
 
     def load(self, path: str) -> None:
         """Resume from ``path``: every slice verifies its file; all refuse together."""
-        problem, state = None, None
-        try:
-            directory, passed_over = checkpoint.find(path)
-            if passed_over and self.tp_rank == 0:
-                log.warning("resuming from %s; newer checkpoints were passed over: %s",
-                            directory, "; ".join(passed_over))
-            manifest = checkpoint.read_manifest(directory)
-            checkpoint.check_identity(directory, manifest["identity"], self.identity())
-            state = checkpoint.load(checkpoint.verify_file(directory, manifest, self.tp_rank))
-        except checkpoint.CheckpointError as e:
-            problem = str(e)
+        state, problem = checkpoint.read_verified(path, self.identity(), self.tp_rank,
+                                                  warn=self.tp_rank == 0)
         problems = self._gathered(problem)
         bad = [p for p in problems if p is not None]
         if bad:
