@@ -14,7 +14,8 @@
    synchronizes with the host (``torch.cuda.set_sync_debug_mode("error")``).
 3. Speed: ``bench_codecs`` on CUDA (copy roofline, torch.compile reference, every
    codec), ``dequant_reduce_requant`` (k = 4 chunks, 8 → 4 bits) and the fused
-   ``dequantize_sum`` (k = 4 int4 chunks, Hadamard 128) in GB/s.
+   ``dequantize_sum`` (k = 4 int4 chunks, Hadamard 128) in GB/s; fp32 products as
+   "ieee" and "tf32x3" (``triton_quant.FP32_DOT``), with their agreement.
 4. ``--tune``: every (tile, warps) candidate of the quantize, dequantize, fp8, trits
    and dequantize-reduce-requantize kernels, with registers and spills per compiled
    kernel where Triton reports them; prints the best as the ``CONFIGS`` table of
@@ -239,6 +240,42 @@ def drr_speed(numel: int, device: str = "cuda") -> dict:
             "dequantize_sum_unfused_GBps": moved4 / t4u / 1e9}
 
 
+def fp32_dot_speed(numel: int, device: str, emit) -> None:
+    """fp32 operands' products ("ieee" on CUDA cores or "tf32x3" on tensor cores; see
+    ``triton_quant.FP32_DOT``): the int8 Hadamard-128 encode of fp32 gradients (what the
+    sharded optimizer's TLq-HS encodes) and the fused decode-sum, GB/s and agreement."""
+    dev = torch.device(device)
+    x = torch.randn(numel, device=dev)
+    c_ref, _ = ref.quantize(x[: 1 << 20], bits=8, group=128, hadamard=128)
+    k, chunk = 4, numel // 4
+    enc = [ref.quantize_rotated(torch.randn(chunk, device=dev), bits=4, group=128,
+                                scale_dtype=torch.float32, keys=None) for _ in range(k)]
+    c4, s4 = torch.stack([e[0] for e in enc]), torch.stack([e[1] for e in enc])
+    want = ref.dequantize_sum(c4[:, : 1 << 19], s4[:, : (1 << 20) // 128], bits=4, group=128,
+                              hadamard=128)
+    for precision in ("ieee", "tf32x3"):
+        tq.FP32_DOT = precision
+        try:
+            t_enc = median_seconds(partial(tq.quantize, x, bits=8, group=128, hadamard=128),
+                                   dev, iters=20)
+            t_sum = median_seconds(partial(tq.dequantize_sum, c4, s4, bits=4, group=128,
+                                           hadamard=128), dev, iters=20)
+            c, _ = tq.quantize(x[: 1 << 20], bits=8, group=128, hadamard=128)
+            got = tq.dequantize_sum(c4[:, : 1 << 19], s4[:, : (1 << 20) // 128], bits=4,
+                                    group=128, hadamard=128)
+        finally:
+            tq.FP32_DOT = "ieee"
+        codes_equal = float((ref.unpack_codes(c, 8) == ref.unpack_codes(c_ref, 8)).double()
+                            .mean())
+        rel = float((got - want).abs().max() / want.abs().max())
+        emit({"fp32_dot": precision,
+              "encode_int8_h128_fp32_GBps": numel * 4.0 * (1 + 1 / 4 + 1 / 128) / t_enc / 1e9,
+              "dequantize_sum_int4_h128_GBps": (c4.numel() + s4.numel() * 4 + chunk * 4)
+              / t_sum / 1e9,
+              "codes_equal_frac": codes_equal, "sum_max_rel_err": rel,
+              "ok": codes_equal > 0.99 and rel < 1e-5})
+
+
 @contextlib.contextmanager
 def row_kernels(on: bool):
     """The row kernels (``on``) or the flat-tile ones, for the block; then the default."""
@@ -385,6 +422,7 @@ def main() -> None:
                                                    2 if small else 20, not small, emit))
         guarded(emit, "dequant_reduce_requant",
                 lambda: emit({"dequant_reduce_requant": drr_speed(numel, args.device)}))
+        guarded(emit, "fp32_dot", partial(fp32_dot_speed, numel, args.device, emit))
     if args.tune or args.tune_only:
         tune(min(numel, 64 * 2**20), emit, args.device)
 

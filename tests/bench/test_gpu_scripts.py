@@ -27,8 +27,10 @@ def _run(script: str, args: list[str], out: str, **env: str) -> list[dict]:
 def test_gpu_kernels_script_dry_runs_and_its_checks_pass(tmp_path):
     rows = _run("gpu_kernels.py", ["--tune"], str(tmp_path), COMMPRESS_KERNELS="triton")
     checks = [r for r in rows if "ok" in r]
-    # two dtypes × (int, fp8, trit configs, rows = flat for 3 widths, top-k)
-    assert len(checks) == 2 * (6 + 3 + 2 + 3 + 3)
+    # two dtypes × (int, fp8, trit configs, rows = flat for 3 widths, top-k), and the
+    # two fp32 product precisions
+    assert len(checks) == 2 * (6 + 3 + 2 + 3 + 3) + 2
+    assert {r["fp32_dot"] for r in checks if "fp32_dot" in r} == {"ieee", "tf32x3"}
     assert all(r["ok"] for r in checks), [r for r in checks if not r["ok"]]
     hosts = {r["host_path"] for r in rows if "host_path" in r}
     assert {"int4", "int4:hadamard=128", "fp8", "int2:packing=trits", "topk:ratio=0.01"} <= hosts

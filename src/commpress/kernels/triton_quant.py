@@ -24,7 +24,11 @@ and prints the table); entries not measured use the defaults.
 
 Written for Triton 3.6 (the GPU machine) and 3.9 (pinned for CI, interpreter mode).
 Under ``TRITON_INTERPRET=1`` ``tl.dot`` on bf16 operands is wrong, so the interpreter
-path casts dot operands to fp32 (the ``DOT_FP32`` constexpr).
+path casts dot operands to fp32. The ``DOT_FP32`` constexpr says how a product runs: ``""``
+in the matrix's dtype (exact for bf16 inputs and integer codes: tensor cores), else an
+fp32 product of that ``input_precision`` — ``"ieee"`` (the CUDA cores), or
+``"tf32x3"`` (three tf32 tensor-core products, about fp32's accuracy), chosen for fp32
+operands by :data:`FP32_DOT`.
 """
 
 from __future__ import annotations
@@ -46,6 +50,16 @@ DEFAULT_WARPS = 4
 # (kernel, bits, group, hadamard) → (tile elements, warps), measured on the H200 with
 # ``benchmarks/gpu_kernels.py --tune``; not yet measured, so empty (defaults apply).
 CONFIGS: dict[tuple[str, int, int, int], tuple[int, int]] = {}
+# How fp32 operands multiply in tl.dot on the GPU: "ieee" (CUDA cores) or "tf32x3" (three
+# tf32 tensor-core products, about fp32's accuracy); not yet measured on the H200, which
+# ``benchmarks/gpu_kernels.py`` times both ways. The interpreter always runs "ieee".
+FP32_DOT = "ieee"
+
+
+def fp32_dot() -> str:
+    return "ieee" if interpreting() else FP32_DOT
+
+
 # Hadamard codes with groups of whole blocks, and the two-level pieces with equal groups,
 # run the row kernels (a group or block per row of the tile, no reshapes; the form of
 # the 2500 GB/s prototype); False runs the flat-tile kernels instead, for
@@ -111,8 +125,8 @@ def _load_hadamard(h_ptr, HAD: tl.constexpr):
 @triton.jit
 def _rotate(x, Hm, TILE: tl.constexpr, HAD: tl.constexpr, DOT_FP32: tl.constexpr):
     """``x`` (TILE,) → blocks of HAD times the ±1 matrix ``Hm``, fp32 out. With
-    ``DOT_FP32`` an ieee fp32 product, else one in ``Hm``'s dtype (exact for values
-    that dtype holds exactly: ±1 times bf16 inputs, or integer codes)."""
+    ``DOT_FP32`` (a precision) an fp32 product, else one in ``Hm``'s dtype (exact for
+    values that dtype holds exactly: ±1 times bf16 inputs, or integer codes)."""
     return tl.reshape(_rotate_rows(tl.reshape(x, (TILE // HAD, HAD)), Hm, DOT_FP32), (TILE,))
 
 
@@ -120,7 +134,7 @@ def _rotate(x, Hm, TILE: tl.constexpr, HAD: tl.constexpr, DOT_FP32: tl.constexpr
 def _rotate_rows(xb, Hm, DOT_FP32: tl.constexpr):
     """Rows of ``xb`` (rows, HAD) times ``Hm``, fp32 out (see :func:`_rotate`)."""
     if DOT_FP32:
-        return tl.dot(xb.to(tl.float32), Hm.to(tl.float32), input_precision="ieee")
+        return tl.dot(xb.to(tl.float32), Hm.to(tl.float32), input_precision=DOT_FP32)
     return tl.dot(xb.to(Hm.dtype), Hm)
 
 
@@ -230,7 +244,7 @@ def _scale_and_unrotate(v, scale, h_ptr, TILE: tl.constexpr, GROUP: tl.constexpr
         return _saturate(tl.reshape(r * (scale * (1.0 / HAD))[:, None], (TILE,)))
     y = _saturate(tl.reshape(v * scale[:, None], (TILE,)))
     if HAD > 1:  # blocks span groups: scale first, then an fp32 product
-        y = _rotate(y * (1.0 / HAD), _load_hadamard(h_ptr, HAD), TILE, HAD, True)
+        y = _rotate(y * (1.0 / HAD), _load_hadamard(h_ptr, HAD), TILE, HAD, "ieee")
     return y
 
 
@@ -395,14 +409,14 @@ def _dequant_reduce_requant_rows_kernel(codes_ptr, scales_ptr, out_codes_ptr, ou
 @triton.jit
 def _dequantize_sum_rows_kernel(codes_ptr, scales_ptr, h_ptr, out_ptr, k, chunk,
                                 BITS: tl.constexpr, GROUP: tl.constexpr, HAD: tl.constexpr,
-                                ROWS: tl.constexpr):
+                                ROWS: tl.constexpr, SUM_DOT: tl.constexpr):
     """:func:`_dequantize_sum_kernel` for groups equal to the Hadamard block (or no
     rotation): a group per row."""
     pid = tl.program_id(0)
     groups = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS)
     acc = _sum_chunk_rows(codes_ptr, scales_ptr, groups, k, chunk, BITS, GROUP)
     if HAD > 1:
-        acc = _rotate_rows(acc * (1.0 / HAD), _load_hadamard(h_ptr, HAD), True)
+        acc = _rotate_rows(acc * (1.0 / HAD), _load_hadamard(h_ptr, HAD), SUM_DOT)
     offs = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     tl.store(out_ptr + offs, acc, mask=offs < chunk)
 
@@ -448,13 +462,14 @@ def _sum_chunks(codes_ptr, scales_ptr, pid, k, chunk, BITS: tl.constexpr, GROUP:
 @triton.jit
 def _dequantize_sum_kernel(codes_ptr, scales_ptr, h_ptr, out_ptr, k, chunk,
                            BITS: tl.constexpr, GROUP: tl.constexpr, HAD: tl.constexpr,
-                           TILE: tl.constexpr):
+                           TILE: tl.constexpr, SUM_DOT: tl.constexpr):
     """TLq-HS step 5 in one pass: decode ``k`` chunks, sum in the rotated domain, rotate
-    the sum back once (an fp32 product: the sum is no longer integer)."""
+    the sum back once (an fp32 product of precision ``SUM_DOT``: the sum is no longer
+    integer)."""
     pid = tl.program_id(0)
     acc = _sum_chunks(codes_ptr, scales_ptr, pid, k, chunk, BITS, GROUP, TILE)
     if HAD > 1:
-        acc = _rotate(acc * (1.0 / HAD), _load_hadamard(h_ptr, HAD), TILE, HAD, True)
+        acc = _rotate(acc * (1.0 / HAD), _load_hadamard(h_ptr, HAD), TILE, HAD, SUM_DOT)
     offs = pid.to(tl.int64) * TILE + tl.arange(0, TILE)
     tl.store(out_ptr + offs, acc, mask=offs < chunk)
 
@@ -647,7 +662,7 @@ class _Encode:
     grid: tuple[int, ...]
     tile: int
     warps: int
-    dot_fp32: bool
+    dot_fp32: str
     h: torch.Tensor
 
     @classmethod
@@ -657,7 +672,7 @@ class _Encode:
             flat = flat.contiguous()
         total = padded_numel(flat.numel(), bits, group, hadamard)
         tile, warps = config(kernel, bits, group, hadamard)
-        dot_fp32 = interpreting() or flat.dtype == torch.float32
+        dot_fp32 = fp32_dot() if interpreting() or flat.dtype == torch.float32 else ""
         h = hadamard_matrix(hadamard, torch.float32 if dot_fp32 else flat.dtype, x.device)
         grid = (triton.cdiv(total, tile),) if total else ()
         return cls(flat, total, grid, tile, warps, dot_fp32, h)
@@ -702,7 +717,7 @@ class _Decode:
     grid: tuple[int, ...]
     tile: int
     warps: int
-    dot_fp32: bool
+    dot_fp32: str
     h: torch.Tensor
     out_max: float
 
@@ -713,7 +728,7 @@ class _Decode:
         if out is None:
             out = torch.empty(numel, dtype=out_dtype, device=device)
         tile, warps = config(kernel, bits, group, hadamard)
-        dot_fp32 = interpreting()
+        dot_fp32 = fp32_dot() if interpreting() else ""
         h = hadamard_matrix(hadamard, torch.float32 if dot_fp32 else torch.bfloat16, device)
         out_max = 0.0 if out.dtype == torch.float32 else torch.finfo(out.dtype).max
         grid = (triton.cdiv(total, tile),) if numel else ()
@@ -736,11 +751,11 @@ def dequantize_sum(codes: torch.Tensor, scales: torch.Tensor, *, bits: int, grou
         rows = _rows(tile, group, dot=hadamard > 0)
         _dequantize_sum_rows_kernel[(triton.cdiv(chunk, rows * group),)](
             codes, scales, h, out, k, chunk, BITS=bits, GROUP=group, HAD=hadamard, ROWS=rows,
-            num_warps=warps)
+            SUM_DOT=fp32_dot(), num_warps=warps)
     else:
         _dequantize_sum_kernel[(triton.cdiv(chunk, tile),)](
             codes, scales, h, out, k, chunk, BITS=bits, GROUP=group, HAD=hadamard, TILE=tile,
-            num_warps=warps)
+            SUM_DOT=fp32_dot(), num_warps=warps)
     return out
 
 
