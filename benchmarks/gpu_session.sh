@@ -2,11 +2,12 @@
 # A lent GPU's 15 minutes (machine start included), in the order the GPU issues need.
 # Run from the repository root on the device machine, one part per call:
 #
-#   bash benchmarks/gpu_session.sh first    # ≈ 8 min: kernels (#12), then multi-rank (#13)
+#   bash benchmarks/gpu_session.sh first    # ≤ 8.5 min: kernels (#12), then multi-rank (#13)
 #   bash benchmarks/gpu_session.sh second   # ≈ 4 min: tuning (#12), simulate vs train (#16)
 #   bash benchmarks/gpu_session.sh ablation STEPS   # #16's gpt-125m ablation, a later session
 #
-# Every script prints and saves each row as it finishes, and each part runs under its own
+# Call `second` at once after `first` returns: the machine stays warm only ~30 s, and a
+# fresh start costs minutes of the 15. Every script prints and saves each row as it finishes, and each part runs under its own
 # timeout, so a slow part costs its rows, not the session. Rows land in $OUT (*.jsonl,
 # *.log and run summaries: at most 8 files come back from a device call); their numbers
 # go into BENCHMARKS.md with these commands.
@@ -21,7 +22,7 @@ part=${1:-first}
 
 case $part in
   first)
-    timeout 210 python benchmarks/gpu_kernels.py --out "$OUT" > "$OUT/gpu_kernels.log" 2>&1
+    timeout 240 python benchmarks/gpu_kernels.py --out "$OUT" > "$OUT/gpu_kernels.log" 2>&1
     echo "gpu_kernels exit $?"; grep -c '"ok": true' "$OUT/gpu_kernels.log"
     grep '"ok": false' "$OUT/gpu_kernels.log" | head -20
     timeout 270 python benchmarks/gpu_multirank.py --out "$OUT" > "$OUT/gpu_multirank.log" 2>&1
