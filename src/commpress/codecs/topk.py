@@ -28,10 +28,6 @@ from commpress.codecs.base import (
 )
 
 
-def _index_dtype(numel: int) -> torch.dtype:
-    return torch.int32 if numel < 2**31 else torch.int64
-
-
 @register_codec
 @dataclass
 class TopK(Codec):
@@ -70,4 +66,4 @@ class TopK(Codec):
 
     def packet_layout(self, numel: int, dtype: torch.dtype) -> list[tuple[torch.dtype, int]]:
         k = self.k(numel)
-        return [(dtype, k), (_index_dtype(numel), k), (torch.float32, 1)]
+        return [(dtype, k), (kernels.reference.topk_index_dtype(numel), k), (torch.float32, 1)]

@@ -68,7 +68,7 @@ def quantize(x: torch.Tensor, *, bits: int, group: int, hadamard: int = 0,
              keys: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Encode ``x`` to ``(codes, scales)``; see :func:`reference.quantize`."""
     impl = backend_for(x.device, bits, group, hadamard)
-    piece = _piece(x.numel(), padded_unit(bits, group, hadamard), impl)
+    piece = _piece(x.numel(), impl, (bits, group, hadamard))
     if piece:
         flat = x.reshape(-1)
         parts = [reference.quantize(flat[i:i + piece], bits=bits, group=group,
@@ -85,16 +85,15 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, numel: int, *, bits: i
     """Decode ``(codes, scales)`` to a flat tensor of ``numel`` elements (written into
     ``out``, flat and contiguous in ``out_dtype``, if given: no allocation)."""
     impl = backend_for(codes.device, bits, group, hadamard)
-    piece = _piece(numel, padded_unit(bits, group, hadamard), impl)
+    piece = _piece(numel, impl, (bits, group, hadamard))
     if piece:
         if out is None:
             out = torch.empty(numel, dtype=out_dtype, device=codes.device)
         for i in range(0, numel, piece):
             n = min(piece, numel - i)
-            reference.dequantize(codes[i * bits // 8:(i + piece) * bits // 8],
-                                 scales[i // group:(i + piece) // group], n, bits=bits,
-                                 group=group, hadamard=hadamard, out_dtype=out_dtype,
-                                 out=out[i:i + n])
+            reference.dequantize(*_columns(codes, scales, i, piece, bits, group), n,
+                                 bits=bits, group=group, hadamard=hadamard,
+                                 out_dtype=out_dtype, out=out[i:i + n])
         return out
     return impl.dequantize(codes, scales, numel, bits=bits, group=group, hadamard=hadamard,
                            out_dtype=out_dtype, out=out)
@@ -110,12 +109,21 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, numel: int, *, bits: i
 REFERENCE_PIECE = 1 << 20
 
 
-def _piece(numel: int, unit: int, impl: ModuleType, rows: int = 1) -> int:
-    """The piece length, a multiple of ``unit`` (per row of ``rows``), the reference runs
-    ``numel`` elements in (0: all at once)."""
+def _piece(numel: int, impl: ModuleType, *configs: tuple[int, int, int], rows: int = 1) -> int:
+    """The piece length per row of ``rows`` (whole groups and blocks of every
+    ``(bits, group, hadamard)`` in ``configs``) the reference runs ``numel`` elements in;
+    0: all at once (and for any other implementation)."""
     if impl is not reference or numel <= 2 * REFERENCE_PIECE:
         return 0
+    unit = math.lcm(*(padded_unit(*c) for c in configs))
     return max(unit, REFERENCE_PIECE // rows // unit * unit)
+
+
+def _columns(codes: torch.Tensor, scales: torch.Tensor, start: int, piece: int, bits: int,
+             group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The codes and scales (last dimension) of elements ``start … start + piece``."""
+    return (codes[..., start * bits // 8:(start + piece) * bits // 8],
+            scales[..., start // group:(start + piece) // group])
 
 
 def fp8_quantize(x: torch.Tensor, *, group: int, hadamard: int = 0,
@@ -157,13 +165,12 @@ def dequantize_sum(codes: torch.Tensor, scales: torch.Tensor, *, bits: int, grou
     """Decode ``k`` chunks (rows) and sum them in fp32; see :func:`reference.dequantize_sum`."""
     impl = backend_for(codes.device, bits, group, hadamard)
     k, chunk = codes.shape[0], codes.shape[1] * 8 // bits
-    piece = _piece(k * chunk, padded_unit(bits, group, hadamard), impl, rows=k)
+    piece = _piece(k * chunk, impl, (bits, group, hadamard), rows=k)
     if piece:
         out = torch.empty(chunk, dtype=torch.float32, device=codes.device)
         for i in range(0, chunk, piece):
             out[i:i + piece] = reference.dequantize_sum(
-                codes[:, i * bits // 8:(i + piece) * bits // 8],
-                scales[:, i // group:(i + piece) // group], bits=bits, group=group,
+                *_columns(codes, scales, i, piece, bits, group), bits=bits, group=group,
                 hadamard=hadamard)
         return out
     return impl.dequantize_sum(codes, scales, bits=bits, group=group, hadamard=hadamard)
@@ -179,12 +186,10 @@ def dequant_reduce_requant(codes: torch.Tensor, scales: torch.Tensor, *, bits_in
     if impl is not reference and not impl.supports(bits_out, group_out, 0):
         impl = reference
     k, chunk = codes.shape[0], codes.shape[1] * 8 // bits_in
-    unit = math.lcm(padded_unit(bits_in, group_in, 0), padded_unit(bits_out, group_out, 0))
-    piece = _piece(k * chunk, unit, impl, rows=k)
+    piece = _piece(k * chunk, impl, (bits_in, group_in, 0), (bits_out, group_out, 0), rows=k)
     if piece:
         parts = [reference.dequant_reduce_requant(
-            codes[:, i * bits_in // 8:(i + piece) * bits_in // 8],
-            scales[:, i // group_in:(i + piece) // group_in], bits_in=bits_in,
+            *_columns(codes, scales, i, piece, bits_in, group_in), bits_in=bits_in,
             group_in=group_in, bits_out=bits_out, group_out=group_out,
             scale_dtype=scale_dtype, keys=keys, start=i) for i in range(0, chunk, piece)]
         return torch.cat([c for c, _ in parts]), torch.cat([s for _, s in parts])

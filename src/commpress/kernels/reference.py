@@ -438,10 +438,9 @@ def magnitude_key(flat: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.int16).to(torch.int32) & 0x7FFF
 
 
-def nonfinite_flag(sum_of_zeros: torch.Tensor) -> torch.Tensor:
-    """0, or one NaN (its bytes the same everywhere) where a sum of ``x·0`` (0 unless some
-    ``x`` is NaN or ±Inf) is not 0."""
-    return torch.where(sum_of_zeros == 0, 0.0, float("nan"))
+def topk_index_dtype(numel: int) -> torch.dtype:
+    """The dtype of top-k indices into ``numel`` elements: int32 below 2**31, else int64."""
+    return torch.int32 if numel < 2**31 else torch.int64
 
 
 def topk_select(flat: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -453,8 +452,10 @@ def topk_select(flat: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor,
     NaN or ±Inf that was not selected still poisons the result, never vanishes).
     """
     n = flat.numel()
-    index_dtype = torch.int32 if n < 2**31 else torch.int64
-    flag = nonfinite_flag((flat.float() * 0).sum().view(1))
+    index_dtype = topk_index_dtype(n)
+    # x·0 sums to 0, or NaN if any x is NaN or ±Inf; then one NaN whose bytes are the same
+    # everywhere
+    flag = torch.where((flat.float() * 0).sum().view(1) == 0, 0.0, float("nan"))
     if k == 0:
         return flat[:0].clone(), torch.empty(0, dtype=index_dtype, device=flat.device), flag
     key = magnitude_key(flat)

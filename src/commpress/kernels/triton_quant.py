@@ -343,6 +343,12 @@ def _unpack_rows(packed, BITS: tl.constexpr):
 
 
 @triton.jit
+def _row_offsets(rows, W: tl.constexpr):
+    """Element offsets (len(rows), W) of rows ``rows`` (global indices) of width ``W``."""
+    return rows[:, None] * W + tl.arange(0, W)[None, :]
+
+
+@triton.jit
 def _quantize_rows_kernel(x_ptr, codes_ptr, scales_ptr, h_ptr, numel, total, k1, k2,
                           BITS: tl.constexpr, HAD: tl.constexpr, ROWS: tl.constexpr,
                           STOCHASTIC: tl.constexpr, SCALE_FP16: tl.constexpr,
@@ -350,13 +356,12 @@ def _quantize_rows_kernel(x_ptr, codes_ptr, scales_ptr, h_ptr, numel, total, k1,
     """:func:`_quantize_kernel` for group == Hadamard block: each group is one row of the
     tile from load to store (no reshapes between the load, the product and the packing)."""
     pid = tl.program_id(0)
-    r = tl.arange(0, ROWS)
-    base = pid.to(tl.int64) * (ROWS * HAD)
-    offs = base + r[:, None] * HAD + tl.arange(0, HAD)[None, :]
+    groups = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    offs = _row_offsets(groups, HAD)
     x = tl.load(x_ptr + offs, mask=offs < numel, other=0.0)
     y = _rotate_rows(_saturate_for_rotation(x, HAD), _load_hadamard(h_ptr, HAD), DOT_FP32)
-    _quantize_rows(y, base, pid.to(tl.int64) * ROWS + r, codes_ptr, scales_ptr, total, k1, k2,
-                   BITS, STOCHASTIC, SCALE_FP16, FLOOR)
+    _quantize_rows(y, pid.to(tl.int64) * (ROWS * HAD), groups, codes_ptr, scales_ptr, total,
+                   k1, k2, BITS, STOCHASTIC, SCALE_FP16, FLOOR)
 
 
 @triton.jit
@@ -367,8 +372,7 @@ def _quantize_rows(y, base, groups, codes_ptr, scales_ptr, total, k1, k2, BITS: 
     GROUP: tl.constexpr = y.shape[1]
     q, scale = _group_levels(y, base, k1, k2, BITS, STOCHASTIC, SCALE_FP16, FLOOR)
     packed = _pack_rows(q.to(tl.int32) + (1 << (BITS - 1)), BITS)
-    NB: tl.constexpr = GROUP * BITS // 8
-    boffs = groups[:, None] * NB + tl.arange(0, NB)[None, :]
+    boffs = _row_offsets(groups, GROUP * BITS // 8)
     tl.store(codes_ptr + boffs, packed, mask=boffs < total * BITS // 8)
     tl.store(scales_ptr + groups, scale.to(scales_ptr.dtype.element_ty),
              mask=groups < total // GROUP)
@@ -379,8 +383,7 @@ def _sum_chunk_rows(codes_ptr, scales_ptr, groups, k, chunk, BITS: tl.constexpr,
                     GROUP: tl.constexpr):
     """Groups ``groups`` of ``k`` encoded chunks (rows of ``chunk`` elements), decoded and
     summed in fp32 in chunk order: (len(groups), GROUP), as :func:`_sum_chunks`."""
-    NB: tl.constexpr = GROUP * BITS // 8
-    boffs = groups[:, None] * NB + tl.arange(0, NB)[None, :]
+    boffs = _row_offsets(groups, GROUP * BITS // 8)
     bmask = boffs < chunk * BITS // 8
     gmask = groups < chunk // GROUP
     acc = tl.zeros((groups.shape[0], GROUP), dtype=tl.float32)
@@ -417,7 +420,7 @@ def _dequantize_sum_rows_kernel(codes_ptr, scales_ptr, h_ptr, out_ptr, k, chunk,
     acc = _sum_chunk_rows(codes_ptr, scales_ptr, groups, k, chunk, BITS, GROUP)
     if HAD > 1:
         acc = _rotate_rows(acc * (1.0 / HAD), _load_hadamard(h_ptr, HAD), SUM_DOT)
-    offs = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    offs = _row_offsets(groups, GROUP)
     tl.store(out_ptr + offs, acc, mask=offs < chunk)
 
 
@@ -428,17 +431,15 @@ def _dequantize_rows_kernel(codes_ptr, scales_ptr, h_ptr, out_ptr, numel, total,
     """:func:`_dequantize_kernel` for groups of whole Hadamard blocks: each block one row
     of the tile; the unscaled codes rotate exactly, then one scale per row."""
     pid = tl.program_id(0)
-    r = tl.arange(0, ROWS)
-    NB: tl.constexpr = HAD * BITS // 8
-    boffs = (pid.to(tl.int64) * ROWS + r[:, None]) * NB + tl.arange(0, NB)[None, :]
+    blocks = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    boffs = _row_offsets(blocks, HAD * BITS // 8)
     packed = tl.load(codes_ptr + boffs, mask=boffs < total * BITS // 8, other=0)
-    groups = (pid.to(tl.int64) * ROWS + r) // (GROUP // HAD)
+    groups = blocks // (GROUP // HAD)
     scale = tl.load(scales_ptr + groups, mask=groups < total // GROUP, other=0.0)
     y = _rotate_rows(_unpack_rows(packed, BITS).to(tl.float32), _load_hadamard(h_ptr, HAD),
                      DOT_FP32)
     y = _saturate(y * (scale.to(tl.float32) * (1.0 / HAD))[:, None])
-    offs = pid.to(tl.int64) * (ROWS * HAD) + r[:, None] * HAD + tl.arange(0, HAD)[None, :]
-    _store_decoded(out_ptr, offs, y, numel, OUT_MAX)
+    _store_decoded(out_ptr, _row_offsets(blocks, HAD), y, numel, OUT_MAX)
 
 
 @triton.jit

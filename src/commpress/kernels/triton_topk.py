@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from commpress.kernels.reference import nonfinite_flag
+from commpress.kernels import reference
 
 DIGIT_BITS = 8
 BINS = 1 << DIGIT_BITS
@@ -149,6 +149,8 @@ def _write_kernel(x_ptr, hist_ptr, counts_ptr, flag_ptr, values_ptr, idx_ptr, nu
 
 def topk_select(flat: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton twin of :func:`commpress.kernels.reference.topk_select` (same bytes)."""
+    if k == 0:  # nothing to select: only the flag
+        return reference.topk_select(flat, 0)
     n = flat.numel()
     flat = flat if flat.is_contiguous() else flat.contiguous()
     key_bits = 31 if flat.dtype == torch.float32 else 15
@@ -158,8 +160,6 @@ def topk_select(flat: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor,
     hist, flag = work[:-1], work[-1:].view(torch.float32)
     values = torch.empty(k, dtype=flat.dtype, device=flat.device)
     idx = torch.empty(k, dtype=torch.int32, device=flat.device)
-    if k == 0:
-        return values, idx, nonfinite_flag((flat.float() * 0).sum().view(1))
     per_program = TILE_ELEMENTS * HISTOGRAM_TILES
     for p in range(passes):
         _histogram_kernel[(triton.cdiv(n, per_program),)](
