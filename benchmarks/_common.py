@@ -17,6 +17,32 @@ from commpress.train.loop import train  # noqa: E402
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 
 
+def add_grid_args(ap, policies: str) -> None:
+    """The options every policy grid takes (each script adds its layout and ``--dtype``)."""
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--model", default="gpt-1m")
+    ap.add_argument("--policies", default=policies)
+    ap.add_argument("--simulate", action="store_true", help="play the ranks in one process")
+    ap.add_argument("--ranks-per-node", type=int, default=2)
+    ap.add_argument("--data", default=None)
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--eval-batches", type=int, default=16)
+    ap.add_argument("--bucket-numel", type=int, default=1 << 20,
+                    help="elements per gradient bucket (16 Mi on a GPU: fewer, larger calls)")
+
+
+def grid_config(args, nproc: int, **extra) -> TrainConfig:
+    """The grid's base run from :func:`add_grid_args`' options (evaluated at the end only)."""
+    return TrainConfig(model=args.model, steps=args.steps, nproc=nproc,
+                       ranks_per_node=args.ranks_per_node, eval_every=0,
+                       eval_batches=args.eval_batches, dtype=args.dtype, data=args.data,
+                       batch_size=args.batch_size, seq_len=args.seq_len,
+                       max_data_bytes=1 << 30 if args.data else 8 << 20,
+                       bucket_numel=args.bucket_numel, **extra)
+
+
 def run_grid(name: str, base: TrainConfig, policies: list[str], seeds: list[int],
              layouts: list[dict] | None = None, runner=train) -> list[dict]:
     """Train every (layout, policy, seed) with ``runner`` (``train`` or ``simulate``);

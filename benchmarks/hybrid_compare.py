@@ -17,8 +17,9 @@ from __future__ import annotations
 import argparse
 
 from _common import (
-    TrainConfig,
+    add_grid_args,
     aggregate,
+    grid_config,
     loss_cells,
     paired_deltas,
     run_grid,
@@ -32,32 +33,16 @@ LAYOUTS = {"tp": {"dp": 2, "tp": 2, "pp": 1}, "pp": {"dp": 2, "tp": 1, "pp": 2}}
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--seeds", default="0,1,2")
-    ap.add_argument("--model", default="gpt-1m")
+    add_grid_args(ap, POLICIES)
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
-    ap.add_argument("--policies", default=POLICIES)
     ap.add_argument("--layouts", default="tp,pp")
-    ap.add_argument("--simulate", action="store_true", help="play the ranks in one process")
     ap.add_argument("--dp", type=int, default=2)
-    ap.add_argument("--ranks-per-node", type=int, default=2)
-    ap.add_argument("--data", default=None)
-    ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--seq-len", type=int, default=128)
-    ap.add_argument("--eval-batches", type=int, default=16)
-    ap.add_argument("--bucket-numel", type=int, default=1 << 20,
-                    help="elements per gradient bucket (16 Mi on a GPU: fewer, larger calls)")
     args = ap.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
     policies = args.policies.split(",")
     layouts = args.layouts.split(",")
     # both layouts are dp × 2 ranks
-    base = TrainConfig(model=args.model, steps=args.steps, nproc=2 * args.dp,
-                       ranks_per_node=args.ranks_per_node, eval_every=0,
-                       eval_batches=args.eval_batches, dtype=args.dtype, data=args.data,
-                       batch_size=args.batch_size, seq_len=args.seq_len,
-                       max_data_bytes=1 << 30 if args.data else 8 << 20,
-                       bucket_numel=args.bucket_numel)
+    base = grid_config(args, 2 * args.dp)
     name = f"hybrid_compare_{args.model}_{args.steps}" + (
         "" if args.dtype == "fp32" else f"_{args.dtype}")
     runner = train

@@ -15,8 +15,9 @@ from __future__ import annotations
 import argparse
 
 from _common import (
-    TrainConfig,
+    add_grid_args,
     aggregate,
+    grid_config,
     loss_cells,
     paired_deltas,
     run_grid,
@@ -35,29 +36,13 @@ POLICIES = ["none", "qw", "qwd", "tlq", "tlqhs", "sdp4bit"]
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--seeds", default="0,1,2")
-    ap.add_argument("--model", default="gpt-1m")
-    ap.add_argument("--policies", default=",".join(POLICIES))
-    ap.add_argument("--simulate", action="store_true", help="play the ranks in one process")
+    add_grid_args(ap, ",".join(POLICIES))
     ap.add_argument("--ranks", type=int, default=4)
-    ap.add_argument("--ranks-per-node", type=int, default=2)
     ap.add_argument("--dtype", default="fp32")
-    ap.add_argument("--data", default=None)
-    ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--seq-len", type=int, default=128)
-    ap.add_argument("--eval-batches", type=int, default=16)
-    ap.add_argument("--bucket-numel", type=int, default=1 << 20,
-                    help="elements per gradient bucket (16 Mi on a GPU: fewer, larger calls)")
     args = ap.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
     policies = args.policies.split(",")
-    base = TrainConfig(model=args.model, steps=args.steps, nproc=args.ranks,
-                       ranks_per_node=args.ranks_per_node, dp=args.ranks, eval_every=0,
-                       eval_batches=args.eval_batches, dtype=args.dtype, data=args.data,
-                       batch_size=args.batch_size, seq_len=args.seq_len,
-                       max_data_bytes=1 << 30 if args.data else 8 << 20,
-                       bucket_numel=args.bucket_numel)
+    base = grid_config(args, args.ranks, dp=args.ranks)
     name = f"sdp4bit_ablation_{args.model}_{args.steps}"
     if args.simulate:
         from commpress.train.simulate import simulate

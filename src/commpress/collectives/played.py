@@ -375,11 +375,13 @@ def played_gather(codecs: list[AnyCodec], shards: list[torch.Tensor], label: str
     return out
 
 
-def count_exact_gather(stats: Stats, label: str, m: int, itemsize: int, n: int) -> None:
-    """One rank's bytes in an uncompressed all-gather of ``m`` elements over ``n`` ranks,
-    as the real one records them."""
-    size = (n - 1) * m * itemsize
-    stats.record(label, calls=1, elements=(n - 1) * m, wire_bytes=size, raw_bytes=size)
+def count_exact_gather(stats: Stats, label: str, m: int, itemsize: int, n: int,
+                       ranks: int = 1) -> None:
+    """The bytes ``ranks`` ranks record, each in an uncompressed all-gather of ``m``
+    elements over ``n`` ranks, as the real one records them."""
+    size = ranks * (n - 1) * m * itemsize
+    stats.record(label, calls=ranks, elements=ranks * (n - 1) * m, wire_bytes=size,
+                 raw_bytes=size)
 
 
 def played_delta_gather(weights: torch.Tensor, shards: list[torch.Tensor],

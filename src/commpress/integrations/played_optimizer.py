@@ -225,9 +225,8 @@ class PlayedShardedOptimizer:
             if self.world == 1:
                 b.param_buffer.copy_(torch.cat(news))
             elif is_exact(b.param_codecs[0]) and not self.param_rule.delta:
-                for _ in range(self.world):
-                    count_exact_gather(self.stats, label, shard, b.param_buffer.element_size(),
-                                       self.world)
+                count_exact_gather(self.stats, label, shard, b.param_buffer.element_size(),
+                                   self.world, ranks=self.world)
                 b.param_buffer.copy_(torch.cat(news))
             elif self.param_rule.delta:
                 played_delta_gather(b.param_buffer, news, b.param_codecs, label, streams,
@@ -237,6 +236,5 @@ class PlayedShardedOptimizer:
                                         across)
                 b.param_buffer.copy_(torch.cat(decoded))
             if two_level:  # then each node shares what crossed, exactly
-                for _ in range(self.world):
-                    count_exact_gather(self.stats, "dp.param.intra", self.nodes * shard,
-                                       b.param_buffer.element_size(), self.L)
+                count_exact_gather(self.stats, "dp.param.intra", self.nodes * shard,
+                                   b.param_buffer.element_size(), self.L, ranks=self.world)

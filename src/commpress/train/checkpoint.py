@@ -28,6 +28,7 @@ import re
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 
@@ -199,11 +200,48 @@ def verify_file(directory: str, manifest: dict[str, Any], rank: int) -> str:
     return path
 
 
-def read_verified(path: str, identity: dict[str, Any], rank: int,
-                  warn: bool) -> tuple[dict[str, Any] | None, str | None]:
-    """Rank ``rank``'s state from ``path`` (a run or step directory), its file checked
-    against the manifest and the manifest's identity against ``identity``; or None and
-    why it cannot be used (for the caller to share with every rank before refusing).
+def _gathered(obj: Any, group: dist.ProcessGroup | None) -> list[Any]:
+    """``obj`` of every rank of ``group``, in rank order (``[obj]`` without a group)."""
+    if group is None:
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def save_step(run_dir: str, step: int, rank: int, state: dict[str, Any],
+              identity: dict[str, Any], group: dist.ProcessGroup | None) -> None:
+    """Every rank of ``group`` writes its file; rank 0 then writes the manifest and
+    ``latest`` (``group`` None: one process, rank 0)."""
+    written = atomic_save(state, rank_file(run_dir, step, rank))
+    files = _gathered(written, group)
+    if rank == 0:
+        write_manifest(run_dir, step, identity,
+                       {rank_name(r): info for r, info in enumerate(files)})
+    if group is not None:
+        dist.barrier(group)
+
+
+def load_agreed(path: str, identity: dict[str, Any], rank: int,
+                group: dist.ProcessGroup | None) -> dict[str, Any]:
+    """Rank ``rank``'s verified state from ``path`` (a run or step directory); if any rank
+    of ``group`` cannot resume, every rank raises :class:`CheckpointError` together (the
+    first rank's reason, naming the others)."""
+    state, problem = _read_verified(path, identity, rank, warn=rank == 0)
+    bad = {r: p for r, p in enumerate(_gathered(problem, group)) if p is not None}
+    if bad:
+        first = min(bad)
+        others = f" (ranks {sorted(bad)} cannot resume)" if len(bad) > 1 else ""
+        raise CheckpointError(f"{bad[first]}"
+                              + ("" if first == rank else f" [reported by rank {first}]")
+                              + others)
+    return state
+
+
+def _read_verified(path: str, identity: dict[str, Any], rank: int,
+                   warn: bool) -> tuple[dict[str, Any] | None, str | None]:
+    """Rank ``rank``'s state from ``path``, its file checked against the manifest and the
+    manifest's identity against ``identity``; or None and why it cannot be used.
     ``warn``: log newer checkpoints that were passed over."""
     try:
         directory, passed_over = find(path)

@@ -181,47 +181,34 @@ class _Run:
     # -- checkpoints -------------------------------------------------------------------
     def identity(self) -> dict[str, Any]:
         """What a checkpoint must share with this run to be resumed by it."""
-        cfg = self.cfg
-        return {"world": self.world, "model": cfg.model, "dp": cfg.dp, "tp": cfg.tp,
-                "pp": cfg.pp, "policy": self.policy.to_dict(), "dtype": cfg.dtype,
-                "ranks_per_node": self.ranks_per_node, "seed": cfg.seed,
-                "batch_size": cfg.batch_size, "seq_len": cfg.seq_len,
-                "micro_batches": cfg.micro_batches, "bucket_numel": cfg.bucket_numel,
-                "engine": cfg.engine, "ddp_hook": cfg.ddp_hook, "data": self.data.fingerprint()}
+        return run_identity(self.cfg, self.policy, self.data, self.world, self.ranks_per_node)
 
     def save(self, step: int) -> None:
         state = {"format": checkpoint.FORMAT, "step": step, "rank": self.rank,
                  "config": self.cfg.to_dict(), "model": self.stage.state_dict(),
                  "optimizer": self.opt.state_dict(), **self.codec_state(),
                  "history": self.history}
-        written = checkpoint.atomic_save(state, checkpoint.rank_file(self.cfg.out, step,
-                                                                     self.rank))
-        files: list[dict[str, Any]] = [{} for _ in range(self.world)]
-        dist.all_gather_object(files, written)
-        if self.rank == 0:
-            checkpoint.write_manifest(
-                self.cfg.out, step, self.identity(),
-                {checkpoint.rank_name(r): info for r, info in enumerate(files)})
-        dist.barrier()
+        checkpoint.save_step(self.cfg.out, step, self.rank, state, self.identity(),
+                             dist.group.WORLD)
 
     def load(self, path: str) -> None:
         """Resume from ``path``; every rank verifies its file, and all refuse together."""
-        state, problem = checkpoint.read_verified(path, self.identity(), self.rank,
-                                                  warn=self.rank == 0)
-        problems: list[str | None] = [None] * self.world
-        dist.all_gather_object(problems, problem)
-        bad = {r: p for r, p in enumerate(problems) if p is not None}
-        if bad:
-            first = min(bad)
-            others = f" (ranks {sorted(bad)} cannot resume)" if len(bad) > 1 else ""
-            raise checkpoint.CheckpointError(
-                f"{bad[first]}" + ("" if first == self.rank else f" [reported by rank {first}]")
-                + others)
+        state = checkpoint.load_agreed(path, self.identity(), self.rank, dist.group.WORLD)
         self.stage.load_state_dict(state["model"])
         self.opt.load_state_dict(state["optimizer"])
         self.load_codec_state(state)
         self.start_step = state["step"]
         self.history = list(state["history"])
+
+
+def run_identity(cfg: TrainConfig, policy: Policy, data: TextData, world: int,
+                 ranks_per_node: int) -> dict[str, Any]:
+    """What a checkpoint of ``world`` processes must share with a run to be resumed by it."""
+    return {"world": world, "model": cfg.model, "dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp,
+            "policy": policy.to_dict(), "dtype": cfg.dtype, "ranks_per_node": ranks_per_node,
+            "seed": cfg.seed, "batch_size": cfg.batch_size, "seq_len": cfg.seq_len,
+            "micro_batches": cfg.micro_batches, "bucket_numel": cfg.bucket_numel,
+            "engine": cfg.engine, "ddp_hook": cfg.ddp_hook, "data": data.fingerprint()}
 
 
 def run_rank(rank: int, world: int, cfg_dict: dict[str, Any]) -> dict[str, Any] | None:

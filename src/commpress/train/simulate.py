@@ -63,6 +63,7 @@ from commpress.train.loop import (
     evaluates_at,
     lr_at,
     progress_bar,
+    run_identity,
     step_record,
     summed_counters,
     write_outputs,
@@ -169,12 +170,8 @@ class PlayedRun:
         """What a checkpoint must share with this run to be resumed by it (a `train`
         checkpoint is another run: its ranks hold other state)."""
         cfg = self.cfg
-        return {"world": cfg.tp, "simulate": True, "model": cfg.model, "dp": cfg.dp,
-                "tp": cfg.tp, "pp": cfg.pp, "policy": self.policy.to_dict(),
-                "dtype": cfg.dtype, "ranks_per_node": cfg.ranks_per_node or cfg.nproc,
-                "seed": cfg.seed, "batch_size": cfg.batch_size, "seq_len": cfg.seq_len,
-                "micro_batches": cfg.micro_batches, "bucket_numel": cfg.bucket_numel,
-                "engine": cfg.engine, "ddp_hook": cfg.ddp_hook, "data": self.data.fingerprint()}
+        return {**run_identity(cfg, self.policy, self.data, cfg.tp,
+                               cfg.ranks_per_node or cfg.nproc), "simulate": True}
 
     def state_dict(self, step: int) -> dict[str, Any]:
         """Every played rank's state after ``step`` steps: weights, optimizers, codecs."""
@@ -200,32 +197,13 @@ class PlayedRun:
         self.tp_states = state["tp_codecs"]
 
     def save(self, step: int) -> None:
-        cfg = self.cfg
-        written = checkpoint.atomic_save(self.state_dict(step),
-                                         checkpoint.rank_file(cfg.out, step, self.tp_rank))
-        files = self._gathered(written)
-        if self.tp_rank == 0:
-            checkpoint.write_manifest(cfg.out, step, self.identity(),
-                                      {checkpoint.rank_name(r): f for r, f in enumerate(files)})
-        if self.tp > 1:
-            dist.barrier(self.tp_group)
-
-    def _gathered(self, obj: Any) -> list[Any]:
-        """``obj`` of every tensor-parallel slice, in slice order."""
-        if self.tp == 1:
-            return [obj]
-        out: list[Any] = [None] * self.tp
-        dist.all_gather_object(out, obj, group=self.tp_group)
-        return out
+        checkpoint.save_step(self.cfg.out, step, self.tp_rank, self.state_dict(step),
+                             self.identity(), self.tp_group if self.tp > 1 else None)
 
     def load(self, path: str) -> None:
         """Resume from ``path``: every slice verifies its file; all refuse together."""
-        state, problem = checkpoint.read_verified(path, self.identity(), self.tp_rank,
-                                                  warn=self.tp_rank == 0)
-        problems = self._gathered(problem)
-        bad = [p for p in problems if p is not None]
-        if bad:
-            raise checkpoint.CheckpointError(bad[0])
+        state = checkpoint.load_agreed(path, self.identity(), self.tp_rank,
+                                       self.tp_group if self.tp > 1 else None)
         for stage, s in zip(self.stages, state["stages"], strict=True):
             stage.load_state_dict(s)
         for opt, s in zip(self.opts, state["optimizers"], strict=True):
