@@ -7,10 +7,10 @@ non-finite rule), so the reference is its oracle. One program handles a tile of
 ``TILE`` elements (a multiple of the group and of the Hadamard block); the rotation is
 one ``tl.dot`` of the tile, viewed as ``(TILE / h, h)``, with the ±1 matrix.
 
-Why the decode is an *integer* product: the shipped kernel built the ``h × h`` matrix
-in registers and multiplied fp32 values (``q · scale``) with an ieee fp32 dot; on an
-H200 that spilled (32 registers per thread, 7.8 GB of local-memory traffic for 42 MB
-of data: 10 GB/s, issue #12). Now the matrix is loaded from global memory (a
+Why the decode is an *integer* product: a kernel that builds the ``h × h`` matrix in
+registers and multiplies fp32 values (``q · scale``) with an ieee fp32 dot spills on an
+H200 (32 registers per thread, 7.8 GB of local-memory traffic for 42 MB of data: 10 GB/s
+in ``benchmarks/gpu_kernels.py``). So the matrix is loaded from global memory (a
 ``h × h`` tensor, cached per device and dtype: it stays in L2), and when every
 Hadamard block lies inside one group (``group % h == 0``, the case of every preset)
 the codes are rotated *before* scaling: ``x̂ = scale · (q · H) / h``, where ``q · H`` is

@@ -36,15 +36,15 @@ INTRA_LATENCY_US = 2.0
 INTER_LATENCY_US = 5.0
 
 # Codec throughput defaults, (encode, decode) GB/s of bytes read + written, used when no
-# ``commpress bench codecs --json`` file is given. GPU: the shipped kernels measured on
-# an H200 with benchmarks/gpu_kernels.py, 256 Mi bf16 elements (BENCHMARKS.md, "Codecs
-# on the GPU"): int8/int4/int2 group 128; int with Hadamard-128: encode 672, and for
-# decode the measured dequantize-reduce-requantize kernel (685), because the gradient
-# paths decode Hadamard codes as a plain dequantize, a sum and one rotation — not with
-# the 10 GB/s fused decode kernel of issue #12; fp8, top-1 %, trits; casts at the
-# measured device-to-device copy rate. "other" (zfp, sign, nf2: eager torch or host
-# libraries) was not measured: a guess, labelled so. CPU: measured on the 2-core
-# development machine (BENCHMARKS.md, "Codecs on the CPU").
+# ``commpress bench codecs --json`` file is given. GPU: kernels measured on an H200 with
+# benchmarks/gpu_kernels.py before the row-kernel rewrite, 256 Mi bf16 elements
+# (BENCHMARKS.md, "Codecs on the GPU"): int8/int4/int2 group 128; int with Hadamard-128:
+# encode 672, and for decode the measured dequantize-reduce-requantize kernel (685),
+# because the gradient paths decode Hadamard codes as a plain dequantize, a sum and one
+# rotation — not with the fused Hadamard decode kernel (10 GB/s: register spills); fp8,
+# top-1 %, trits; casts at the measured device-to-device copy rate. "other" (zfp, sign,
+# nf2: eager torch or host libraries) was not measured: a guess, labelled so. CPU:
+# measured on the 2-core development machine (BENCHMARKS.md, "Codecs on the CPU").
 CODEC_GBps: dict[str, dict[str, tuple[float, float]]] = {
     "gpu": {"int8": (2174.0, 4145.0), "int4": (2156.0, 3272.0), "int2": (1948.0, 3100.0),
             "int_hadamard": (672.0, 685.0), "trits": (59.0, 97.0), "cast": (3840.0, 3840.0),
