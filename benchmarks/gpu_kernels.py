@@ -1,4 +1,4 @@
-"""One script for a lent GPU: kernel correctness against float64, then every variant timed.
+"""On a CUDA GPU: kernel correctness against float64, then every variant timed.
 
     PYTHONPATH=src python benchmarks/gpu_kernels.py --out $OUT [--numel 268435456] [--tune]
     PYTHONPATH=src python benchmarks/gpu_kernels.py --out $OUT --tune-only  # tuning alone

@@ -1,4 +1,4 @@
-"""One script for a lent GPU: the multi-rank path on CUDA, checked and timed end to end.
+"""On a CUDA GPU: the multi-rank path, checked and timed end to end.
 
     PYTHONPATH=src python benchmarks/gpu_multirank.py --out $OUT [--model gpt-125m]
 

@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
-# A lent GPU's 15 minutes (machine start included), in the order the GPU issues need.
-# Run from the repository root on the device machine, one part per call:
+# Every GPU measurement of BENCHMARKS.md, in three timed parts; run from the repository
+# root on a CUDA machine, one part per invocation:
 #
-#   bash benchmarks/gpu_session.sh first    # ≤ 8.5 min: kernels (#12), then multi-rank (#13)
-#   bash benchmarks/gpu_session.sh second   # ≈ 4 min: tuning (#12), simulate vs train (#16)
-#   bash benchmarks/gpu_session.sh ablation STEPS   # #16's gpt-125m ablation, a later session
+#   bash benchmarks/gpu_session.sh first    # ≤ 8.5 min: kernel checks and speeds (≤ 240 s),
+#                                           # then the multi-rank path on CUDA (≤ 270 s)
+#   bash benchmarks/gpu_session.sh second   # ≤ 5.2 min: tile/warps tuning (≤ 130 s), then
+#                                           # simulate vs train on gpt-125m (4 runs, ≤ 45 s each)
+#   bash benchmarks/gpu_session.sh ablation STEPS   # ≤ 9.3 min: the simulated gpt-125m ablation
 #
-# Call `second` at once after `first` returns: the machine stays warm only ~30 s, and a
-# fresh start costs minutes of the 15. Every script prints and saves each row as it finishes, and each part runs under its own
-# timeout, so a slow part costs its rows, not the session. Rows land in $OUT (*.jsonl,
-# *.log and run summaries: at most 8 files come back from a device call); their numbers
-# go into BENCHMARKS.md with these commands.
+# Every script prints and saves each row as it finishes, and each step runs under its
+# own timeout, so a slow step costs its own rows, not the others'. Rows land in $OUT
+# (*.jsonl, *.log and run summaries); their numbers go into BENCHMARKS.md with these
+# commands.
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/commpress-gpu}
@@ -32,7 +33,7 @@ case $part in
     timeout 130 python benchmarks/gpu_kernels.py --out "$OUT" --tune-only \
       > "$OUT/gpu_tune.log" 2>&1
     echo "tune exit $?"; sed -n '/^CONFIGS = {/,/^}/p' "$OUT/gpu_tune.log"
-    # simulate's tokens/s against single-GPU train at the same global batch (#16: ≥ 70 %)
+    # simulate's tokens/s against single-GPU train at the same global batch (target ≥ 70 %)
     # (buckets of 1 Mi elements ran faster than 16 Mi on the CPU, 47 % vs 24 % of plain
     # training for 16 ranks of sdp4bit on gpt-10m; the GPU's launch costs may reverse it)
     for run in none:16777216 sdp4bit:16777216 sdp4bit:1048576; do

@@ -1,6 +1,6 @@
 """The one-shot GPU scripts dry-run on CPU (Triton in interpreter mode, Gloo): a GPU
-session is rare and short, so a script that broke since it last ran must be caught
-here, not there. Each check row must also pass."""
+run is rare and short, so a script that broke since it last ran must be caught here,
+not there. Each check row must also pass."""
 
 import json
 import os

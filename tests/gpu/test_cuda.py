@@ -1,6 +1,6 @@
 """On a CUDA machine: the stream rules with CUDA tensors — over Gloo with ranks sharing a
-GPU, and NCCL with one rank. Skipped where no GPU is visible (CI has none; the lent
-H200 runs them: ``PYTHONPATH=src python -m pytest tests/gpu``)."""
+GPU, and NCCL with one rank. Skipped where no GPU is visible (CI has none; on a CUDA
+machine: ``PYTHONPATH=src python -m pytest tests/gpu``)."""
 
 import pytest
 import torch
