@@ -3,6 +3,7 @@ and the byte exchanges (all-to-all, all-gather) that the compressed collectives 
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -17,6 +18,18 @@ def resolve_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
         raise RuntimeError("commpress collectives need torch.distributed to be initialized "
                            "(torch.distributed.init_process_group)")
     return group if group is not None else dist.group.WORLD
+
+
+def group_timeout(group: dist.ProcessGroup | None = None) -> timedelta | None:
+    """``group``'s timeout (default: the default group's), for the sub-groups made from it:
+    torch gives a new group its backend's default (30 min on Gloo, 10 on NCCL), not the
+    timeout the group it is carved from was created with. None if the backend hides it."""
+    pg = resolve_group(group)
+    for device in pg._device_types:
+        timeout = getattr(getattr(pg._get_backend(device), "options", None), "_timeout", None)
+        if timeout is not None:
+            return timeout
+    return None
 
 
 def check_op(op: str) -> None:

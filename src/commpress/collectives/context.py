@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from commpress.collectives.comm import all_gather_single
+from commpress.collectives.comm import all_gather_single, group_timeout
 from commpress.collectives.stats import Stats, retire
 
 HEADER_WORDS = 3  # sequence number, 128-bit digest as two int64
@@ -141,6 +141,7 @@ class GroupContext:
                 # every member reaches its first collective on the group: creating the
                 # side group here cannot wait for a rank that never comes
                 self._control = dist.new_group(list(self.ranks), backend="gloo",
+                                               timeout=group_timeout(self._group_ref()),
                                                use_local_synchronization=True)
             return self._control
 
@@ -267,9 +268,10 @@ def _make_levels(group: dist.ProcessGroup, ranks: tuple[int, ...], me: int,
         # may be one of several data-parallel groups, whose ranks reach this point at
         # different times and must not wait for each other.
         node, local = me // rpn, me % rpn
-        intra = dist.new_group([ranks[node * rpn + i] for i in range(rpn)],
+        timeout = group_timeout(group)  # torch's default for a new group is 30 min
+        intra = dist.new_group([ranks[node * rpn + i] for i in range(rpn)], timeout=timeout,
                                use_local_synchronization=True)
-        inter = dist.new_group([ranks[n * rpn + local] for n in range(nodes)],
+        inter = dist.new_group([ranks[n * rpn + local] for n in range(nodes)], timeout=timeout,
                                use_local_synchronization=True)
     elif rpn > 1:
         intra = group

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from commpress.collectives.comm import group_timeout
+
 
 @dataclass(frozen=True)
 class MeshShape:
@@ -67,10 +69,11 @@ def build_mesh(shape: MeshShape) -> Mesh:
     dp_i, pp_i, tp_i = shape.coords(rank)
     mine: dict[str, dist.ProcessGroup] = {}
     pp_ranks: list[int] = []
+    timeout = group_timeout()  # the default group's, not torch's 30 min for a new group
     for axis in ("tp", "pp", "dp"):
         for ranks in _groups(shape, axis):
             # single-rank groups too: "no peers" must not read as "the default group"
-            g = dist.new_group(ranks)
+            g = dist.new_group(ranks, timeout=timeout)
             if rank in ranks:
                 mine[axis] = g
                 if axis == "pp":

@@ -1,0 +1,35 @@
+"""Rank functions for the run-orchestration tests (importable by spawned ranks)."""
+
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+SILENT_S = 8.0  # how long the silent ranks stay away: far longer than the timeout
+TIMEOUT_S = 1.0  # the default group's timeout once every rank has arrived
+
+
+def wait_in_sub_groups(rank, world):
+    """Only rank 0 calls; it waits in a mesh sub-group and in both node-level groups
+    (2 ranks per node). Returns, per group, how long it waited before the wait failed."""
+    from commpress.collectives.context import context
+    from commpress.parallel.mesh import MeshShape, build_mesh
+
+    # a short timeout only now: the ranks' rendezvous needs the spawn's usual one
+    dist.distributed_c10d._set_pg_timeout(timedelta(seconds=TIMEOUT_S))
+    mesh = build_mesh(MeshShape(world, 1, 1))
+    levels = context(dist.group.WORLD).levels(dist.group.WORLD, 2)
+    if rank != 0:
+        time.sleep(SILENT_S)
+        return None
+    waited = {}
+    for name, group in (("mesh.dp", mesh.dp_group), ("levels.intra", levels.intra),
+                        ("levels.inter", levels.inter)):
+        t0 = time.monotonic()
+        try:
+            dist.all_reduce(torch.ones(1), group=group)
+        except RuntimeError:
+            pass
+        waited[name] = time.monotonic() - t0
+    return waited
