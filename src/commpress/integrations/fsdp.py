@@ -9,12 +9,19 @@ here and the weights are gathered exactly instead (logged) — use
 :class:`~commpress.ShardedOptimizer` for qWD.
 
 Both run synchronously inside FSDP's communication streams and return ``None``.
+
+``compress`` returns an :class:`FSDPCompression`: the installed collectives by FSDP
+module name, and their codec state (error-feedback residuals, stochastic-rounding
+counters) as a ``torch.distributed.checkpoint`` ``Stateful``. Without it a resumed
+run restarts the codecs from zero and drifts from the uninterrupted one.
 """
 
 from __future__ import annotations
 
+import io
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,9 +32,11 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatt
 from commpress.collectives import Topology, all_gather
 from commpress.collectives.comm import all_gather_single
 from commpress.integrations.grad_path import GradPath
-from commpress.policy import Policy
+from commpress.policy import Policy, Rule
 
 log = logging.getLogger(__name__)
+
+STATE_FORMAT = "commpress.fsdp/1"
 
 
 class _Allocate:
@@ -85,15 +94,99 @@ def _op_name(op, input_tensor: torch.Tensor) -> str:
                      "allowed: AVG, SUM, PREMUL_SUM")
 
 
-def compress(model: nn.Module, policy: str | dict | Policy = "sdp4bit",
-             topology: Topology | None = None) -> int:
-    """Install compressed collectives on every FSDPModule in ``model``; returns the count.
+class FSDPCompression:
+    """The compressed collectives :func:`compress` installed, by FSDP module name, and
+    their codec state.
 
-    Call after ``fully_shard``. Example::
+    A ``torch.distributed.checkpoint`` ``Stateful``: put it next to the model and the
+    optimizer in the dict given to ``dcp.save`` / ``dcp.load`` (or ``torch.save`` its
+    ``state_dict()`` per rank). Codec state differs between ranks (each rank's residual
+    is what its own codes dropped), so each rank's state is one opaque entry under its
+    own key ``rank<r>``, as torchtitan keys its data loaders' state: a checkpoint
+    holds every rank's, and a tensor entry shared by name would be written by one rank
+    only. Inside, the state is keyed by the FSDP module's fully-qualified name (``""``
+    for the root). Loading needs the same policy, world size and FSDP modules.
+
+    Example::
+
+        comm = commpress.fsdp.compress(model, "int2ef")
+        dcp.save({"app": app_state, "comm": comm}, checkpoint_id=path)
+        dcp.load({"app": app_state, "comm": comm}, checkpoint_id=path)
+    """
+
+    def __init__(self, policy: Policy, modules: dict[str, tuple[CompressedAllGather,
+                                                                 CompressedReduceScatter]],
+                 device: torch.device) -> None:
+        # hyperparameters
+        self.policy = policy
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.device = device
+        # internal state: the collectives hold their codecs (and so the codec state)
+        self.modules = modules
+
+    def __len__(self) -> int:
+        return len(self.modules)
+
+    def codec_states(self) -> dict[str, dict[str, Any]]:
+        """This rank's codec state by FSDP module name: ``{"param": ..., "grad": ...}``."""
+        return {name: {"param": gather.codec.state_dict(),
+                       "grad": scatter.grad_path.state_dict()}
+                for name, (gather, scatter) in self.modules.items()}
+
+    def state_dict(self) -> dict[str, Any]:
+        buffer = io.BytesIO()
+        torch.save(self.codec_states(), buffer)
+        return {"format": STATE_FORMAT, "policy": self.policy.to_dict(),
+                "world_size": self.world, "modules": list(self.modules),
+                f"rank{self.rank}": buffer.getvalue()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the codec state; another policy, world size or set of FSDP modules is
+        refused with the difference named."""
+        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+            raise ValueError(f"not a commpress FSDP codec state (expected format "
+                             f"{STATE_FORMAT!r})")
+        for key, mine in (("policy", self.policy.to_dict()), ("world_size", self.world)):
+            if state[key] != mine:
+                raise ValueError(f"FSDP codec checkpoint {key} {state[key]!r} does not match "
+                                 f"this run's {mine!r}; resume with the same {key}")
+        _check_module_names(state["modules"], list(self.modules))
+        key = f"rank{self.rank}"
+        if key not in state:
+            saved = sorted(k for k in state if k.startswith("rank"))
+            raise ValueError(f"FSDP codec checkpoint holds the state of {saved}, not this "
+                             f"rank's ({key!r}); load each rank's own state")
+        codec_states = torch.load(io.BytesIO(state[key]), map_location=self.device,
+                                  weights_only=True)
+        _check_module_names(list(codec_states), list(self.modules))
+        for name, (gather, scatter) in self.modules.items():
+            gather.codec.load_state_dict(codec_states[name]["param"])
+            scatter.grad_path.load_state_dict(codec_states[name]["grad"])
+
+
+def _check_module_names(saved: list[str], mine: list[str]) -> None:
+    if saved == mine:
+        return
+    missing = [n for n in mine if n not in saved]
+    extra = [n for n in saved if n not in mine]
+    raise ValueError(f"FSDP codec checkpoint was saved for other FSDP modules: this model's "
+                     f"{missing} are not in it, its {extra} are not in this model (names "
+                     "as model.named_modules() gives them); shard the model the same way "
+                     "(the same fully_shard calls) before loading")
+
+
+def compress(model: nn.Module, policy: str | dict | Policy = "sdp4bit",
+             topology: Topology | None = None) -> FSDPCompression:
+    """Install compressed collectives on every FSDPModule in ``model``.
+
+    Call after ``fully_shard``. Returns the :class:`FSDPCompression` holding them (its
+    ``len`` is the number of FSDP modules): checkpoint it with the model and optimizer.
+    Example::
 
         for block in model.blocks: fully_shard(block)
         fully_shard(model)
-        commpress.fsdp.compress(model, "zeropp")
+        comm = commpress.fsdp.compress(model, "zeropp")
     """
     policy = Policy.resolve(policy)
     topology = topology or Topology()
@@ -101,15 +194,18 @@ def compress(model: nn.Module, policy: str | dict | Policy = "sdp4bit",
     if param_rule.delta:
         log.warning("commpress.fsdp: policy %s asks for weight differences (qWD) on dp.param, "
                     "which FSDP2 cannot keep; weights are all-gathered exactly", policy.name)
-    count = 0
-    for module in model.modules():
+    modules: dict[str, tuple[CompressedAllGather, CompressedReduceScatter]] = {}
+    for name, module in model.named_modules():
         if not isinstance(module, FSDPModule):
             continue
-        param_codec = "none" if param_rule.delta else param_rule.build()
-        module.set_custom_all_gather(CompressedAllGather(param_codec))
-        module.set_custom_reduce_scatter(CompressedReduceScatter(GradPath(policy, topology)))
-        count += 1
-    if count == 0:
+        param_codec = Rule().build() if param_rule.delta else param_rule.build()
+        gather = CompressedAllGather(param_codec)
+        scatter = CompressedReduceScatter(GradPath(policy, topology))
+        module.set_custom_all_gather(gather)
+        module.set_custom_reduce_scatter(scatter)
+        modules[name] = (gather, scatter)
+    if not modules:
         raise ValueError("commpress.fsdp.compress: no FSDPModule found; call fully_shard first")
-    log.info("Applied commpress %s to %d FSDP modules", policy.name, count)
-    return count
+    device = next(model.parameters()).device
+    log.info("Applied commpress %s to %d FSDP modules", policy.name, len(modules))
+    return FSDPCompression(policy, modules, device)

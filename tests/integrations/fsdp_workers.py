@@ -1,0 +1,89 @@
+"""Per-rank functions for the FSDP2 checkpoint and ShardedOptimizer setup tests
+(module level: picklable)."""
+
+import hashlib
+import os
+
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.fsdp import fully_shard
+
+import commpress
+from tests.integrations.workers import _data, _model, train_steps
+
+
+def _full_params_hash(model: nn.Module) -> str:
+    """The hash of the unsharded weights (every rank computes the same one)."""
+    h = hashlib.sha256()
+    for p in model.parameters():
+        full = p.full_tensor() if hasattr(p, "full_tensor") else p
+        h.update(full.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _fsdp_model(policy):
+    model = _model()
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    compression = commpress.fsdp.compress(model, policy)
+    return model, compression
+
+
+class _TrainState:
+    """Model and optimizer as one DCP ``Stateful`` (torch's recommended wrapper)."""
+
+    def __init__(self, model, opt):
+        self.model, self.opt = model, opt
+
+    def state_dict(self):
+        model_state, optim_state = get_state_dict(self.model, self.opt)
+        return {"model": model_state, "optim": optim_state}
+
+    def load_state_dict(self, state):
+        set_state_dict(self.model, self.opt, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+
+
+def fsdp_resume_run(rank, world, policy, total, split, ckpt_dir, save_codecs=True):
+    """Without a checkpoint in ``ckpt_dir``: run ``total`` steps uninterrupted, then, on
+    a fresh model, ``split`` steps and save with torch.distributed.checkpoint. With one:
+    load it and run the rest. Returns the losses and the final weights' hash of each."""
+    data = _data()
+    marker = os.path.join(ckpt_dir, ".metadata")
+    out = {}
+    if not os.path.exists(marker):
+        model, _ = _fsdp_model(policy)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        losses = train_steps(model, opt, data, rank, world, 0, total)
+        out["full"] = {"losses": losses, "hash": _full_params_hash(model)}
+    model, compression = _fsdp_model(policy)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    app = {"train": _TrainState(model, opt)}
+    if save_codecs:
+        app["comm"] = compression
+    if "full" in out:
+        losses = train_steps(model, opt, data, rank, world, 0, split)
+        dcp.save(app, checkpoint_id=ckpt_dir)
+        out["first"] = {"losses": losses}
+        return out
+    dcp.load(app, checkpoint_id=ckpt_dir)
+    losses = train_steps(model, opt, data, rank, world, split, total - split)
+    out["second"] = {"losses": losses, "hash": _full_params_hash(model)}
+    return out
+
+
+def fsdp_codec_state_mismatch(rank, world, policy):
+    """A codec state saved for one model layout refused by another."""
+    model, compression = _fsdp_model(policy)
+    state = compression.state_dict()
+    other = _model()
+    fully_shard(other)  # the root only: the block modules are missing
+    other_compression = commpress.fsdp.compress(other, policy)
+    try:
+        other_compression.load_state_dict(state)
+    except ValueError as e:
+        return str(e)
+    return None

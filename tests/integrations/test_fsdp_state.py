@@ -1,0 +1,42 @@
+"""FSDP2 with compressed collectives: the codec state (error-feedback residuals,
+stochastic-rounding counters) checkpoints with torch.distributed.checkpoint and a
+resumed run continues bit for bit."""
+
+import pytest
+
+from commpress.launch import spawn
+from tests.integrations import fsdp_workers
+
+TOTAL, SPLIT = 6, 3
+# Two nodes of one rank each, so the cross-node codec runs. int2ef: exact inside a node, ternary
+# codes with error feedback across (state: the residuals). The stochastic policy's
+# state is its codecs' call counters, which select the rounding noise.
+STOCHASTIC = {"name": "stochastic",
+              "dp": {"grad": "int4:rounding=stochastic,seed=1",
+                     "param": "int8:group=256,rounding=stochastic,seed=2"}}
+POLICIES = ["int2ef", STOCHASTIC]
+
+
+def _resume(tmp_path, policy, save_codecs=True):
+    args = (policy, TOTAL, SPLIT, str(tmp_path / "ckpt"), save_codecs)
+    first = spawn(fsdp_workers.fsdp_resume_run, 2, args, ranks_per_node=1)
+    second = spawn(fsdp_workers.fsdp_resume_run, 2, args, ranks_per_node=1)
+    full = [r["full"] for r in first]
+    resumed = [{"losses": a["first"]["losses"] + b["second"]["losses"],
+                "hash": b["second"]["hash"]} for a, b in zip(first, second)]
+    return full, resumed
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", POLICIES, ids=["int2ef", "stochastic"])
+def test_fsdp_resume_equals_the_uninterrupted_run_bit_for_bit(tmp_path, policy):
+    full, resumed = _resume(tmp_path, policy)
+    assert resumed == full
+
+
+def test_fsdp_codec_state_of_other_modules_is_refused():
+    for message in spawn(fsdp_workers.fsdp_codec_state_mismatch, 2, ("int2ef",),
+                         ranks_per_node=1):
+        assert "saved for other FSDP modules" in message
+        assert "this model's [] are not in it" in message
+        assert "'blocks.0'" in message and "'blocks.1'" in message
