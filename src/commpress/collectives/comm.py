@@ -97,11 +97,11 @@ class Gather:
             row = padded
         self.recv = torch.empty(world * row.numel(), dtype=torch.uint8, device=row.device)
         self.work = all_gather_single(self.recv, row, group, async_op=True)
-        self.width = row.numel()
+        self.world, self.width = world, row.numel()
 
     def wait(self) -> torch.Tensor | list[torch.Tensor]:
         self.work.wait()
-        rows = self.recv.view(-1, self.width) if self.width else self.recv.view(-1, 0)
+        rows = self.recv.view(self.world, self.width)  # width 0 (an empty shard) too
         if self.sizes is None:
             return rows
         return [rows[i, :s] for i, s in enumerate(self.sizes)]

@@ -1,0 +1,57 @@
+"""Empty tensors (0 elements) through every codec and every collective."""
+
+import pytest
+import torch
+
+from commpress.codecs import ErrorFeedback, codec, list_codecs, packet_to_bytes
+from commpress.collectives import chunks
+from commpress.launch import spawn
+from tests.collectives import empty_workers
+
+# every registered codec with its defaults, plus the option sets that change the packet
+# layout (a rotation, trits packing, fp16 scales); nvcomp needs CUDA (tests/gpu)
+SPECS = [n for n in list_codecs() if n != "nvcomp"] + [
+    "int4:hadamard=128", "int2:packing=trits", "int8:group=64,scale_dtype=fp16"]
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("dtype", empty_workers.DTYPES)
+def test_every_codec_encodes_and_decodes_an_empty_tensor(spec, dtype):
+    c = codec(spec)
+    packet = c.encode(torch.empty(0, dtype=dtype))
+    wire = packet_to_bytes(packet)
+    assert c.wire_bytes(0, dtype) in (None, wire.numel())
+    back = c.packet_from_bytes(wire, 0, (0,), dtype)
+    assert c.decode(back).shape == (0,) and c.decode(back).dtype == dtype
+    out = torch.empty(0, dtype=dtype)
+    assert c.decode(packet, out=out).shape == (0,)
+    # two chunks of nothing, as a two-rank reduce-scatter of 0 elements sends them
+    for wrapped in (c, ErrorFeedback(codec(spec))):
+        rows = chunks.encode_rows(wrapped, torch.empty(2, 0, dtype=dtype), rng_stream=0,
+                                  key="empty")
+        assert chunks.decode_rows(wrapped, rows, 0, dtype).shape == (2, 0)
+        assert chunks.decode_sum_rows(wrapped, rows, 0, dtype).shape == (0,)
+
+
+def _assert_all_empty(ranks: list[dict]) -> None:
+    for r in ranks:
+        failed = {call: result for call, result in r.items() if result != (0,)}
+        assert not failed, failed
+
+
+@pytest.mark.parametrize("dtype", [
+    torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.slow)])
+def test_every_codec_through_every_collective_on_empty_tensors(dtype):
+    ranks = spawn(empty_workers.empty_collectives, 2, (SPECS, (dtype,), 2), timeout=120)
+    _assert_all_empty(ranks)
+    assert len(ranks[0]) == len(SPECS) * 10  # every call ran
+
+
+@pytest.mark.slow
+def test_two_level_collectives_on_empty_tensors():
+    """4 ranks in 2 nodes: the two-level paths (sub-groups, rows across nodes)."""
+    two_level = ("hierarchical_reduce_scatter", "hierarchical_all_gather",
+                 "hierarchical_all_reduce", "delta_all_gather")
+    ranks = spawn(empty_workers.empty_collectives, 4,
+                  (SPECS, empty_workers.DTYPES, 2, two_level), ranks_per_node=2, timeout=300)
+    _assert_all_empty(ranks)
