@@ -85,5 +85,5 @@ def fsdp_codec_state_mismatch(rank, world, policy):
     try:
         other_compression.load_state_dict(state)
     except ValueError as e:
-        return str(e)
-    return None
+        return {"modules": state["modules"], "error": str(e)}
+    return {"modules": state["modules"], "error": None}

@@ -35,8 +35,10 @@ def test_fsdp_resume_equals_the_uninterrupted_run_bit_for_bit(tmp_path, policy):
 
 
 def test_fsdp_codec_state_of_other_modules_is_refused():
-    for message in spawn(fsdp_workers.fsdp_codec_state_mismatch, 2, ("int2ef",),
-                         ranks_per_node=1):
-        assert "saved for other FSDP modules" in message
-        assert "this model's [] are not in it" in message
-        assert "'blocks.0'" in message and "'blocks.1'" in message
+    (result,) = spawn(fsdp_workers.fsdp_codec_state_mismatch, 1, ("int2ef",))
+    # keyed by the FSDP modules' fully-qualified names, the root's being ""
+    assert result["modules"][:3] == ["", "blocks.0", "blocks.1"]
+    message = result["error"]
+    assert "saved for other FSDP modules" in message
+    assert "this model's [] are not in it" in message
+    assert "'blocks.0'" in message and "'blocks.1'" in message
