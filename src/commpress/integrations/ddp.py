@@ -24,6 +24,21 @@ communication thread, in the order the buckets fill (the same on every rank), so
 backward keeps computing while a bucket is encoded and sent, and the next bucket is
 encoded while the previous one is on the wire; DDP waits for the futures before the
 optimizer step. Blocking collectives release the GIL.
+
+**The hook has a process group of its own.** DDP runs collectives of its own on its
+group from the main thread — the unused-parameter map at the end of backward
+(``find_unused_parameters=True``), buffer broadcasts in forward, bucket rebuilds —
+while the hook's run on the communication thread. Two threads issuing on one group
+interleave differently on different ranks: Gloo aborts on mismatched sizes, and were
+the sizes equal one rank's gradients would be summed with another's unused-parameter
+map. So the hook creates, once, when it is created, a group of the DDP group's ranks
+(same backend and timeout) that carries its collectives alone; the order on it is the
+hook buckets' order, the same on every rank. The alternative — no thread, collectives
+in order inside DDP's callback — would give up the overlap.
+
+A failed bucket (a mismatch, a timeout) fails its DDP buckets' futures with that
+error, so DDP's backward raises it; every later bucket then fails at once rather than
+wait on a group that is out of step.
 """
 
 # No ``from __future__ import annotations``: DDP compares the hook's annotations with
@@ -32,15 +47,18 @@ import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel
 
-from commpress.collectives import Topology
+from commpress.codecs import codec as build_codec
+from commpress.collectives import Topology, context
 from commpress.integrations.grad_path import GradPath
-from commpress.policy import Policy
+from commpress.policy import Policy, list_presets
 
 STATE_FORMAT = "commpress.DDPHookState/2"
 BUCKET_NUMEL = 1 << 22  # elements per hook bucket, by default
@@ -119,8 +137,9 @@ class DDPHookState:
     """Hook state: the policy, the group, the hook's buckets and their codecs.
 
     Slots: hyperparameters (``policy``, ``topology``, ``overlap``); internal state (the
-    hook buckets with their :class:`GradPath`, keyed by position in a fixed layout);
-    stats (``calls``). The process group and the thread are dropped when pickled.
+    hook buckets with their :class:`GradPath`, keyed by position in a fixed layout; the
+    hook's own process group); stats (``calls``). The process groups and the thread are
+    dropped when pickled.
     """
 
     def __init__(self, model: nn.Module, policy: str | dict | Policy = "none",
@@ -136,10 +155,10 @@ class DDPHookState:
                              "allowed: an int >= 1")
         module = getattr(model, "module", model)
         # hyperparameters
-        self.policy = Policy.resolve(policy)
+        self.policy = grad_policy(policy)
         self.topology = topology or Topology()
         self.label = label
-        self.group = group
+        self.group = _ddp_group(model, group)
         self.overlap = overlap
         # internal state
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
@@ -150,6 +169,8 @@ class DDPHookState:
         self._done_buckets = 0
         self._lock = threading.Lock()
         self._thread: _CommThread | None = None
+        self._failure: BaseException | None = None  # the first bucket that failed
+        self.hook_group: dist.ProcessGroup | None = self._make_hook_group()
         # stats
         self.calls = 0
 
@@ -175,23 +196,40 @@ class DDPHookState:
 
     def __getstate__(self) -> dict[str, Any]:
         d = dict(self.__dict__)
-        d.update(group=None, _thread=None, _lock=None, _waiting={})
+        d.update(group=None, hook_group=None, _thread=None, _lock=None, _waiting={},
+                 _failure=None)
         return d
 
     def __setstate__(self, d: dict[str, Any]) -> None:
         self.__dict__.update(d)
         self._lock = threading.Lock()
 
+    def _make_hook_group(self) -> dist.ProcessGroup:
+        """A group of the DDP group's ranks for the hook's collectives alone; its control
+        group and node levels are made now too, not on the communication thread."""
+        hook_group = new_hook_group(self.group)
+        context(hook_group).control_group()
+        if self.policy.two_level():
+            self.topology.resolve(hook_group)
+        return hook_group
+
     # -- the hook's work ------------------------------------------------------------
     def take(self, bucket: dist.GradBucket) -> torch.futures.Future:
         """Copy a DDP bucket's gradients into the hook buckets; start every hook bucket
         that is now complete; return a future for ``bucket``'s reduced values."""
         fut: torch.futures.Future = torch.futures.Future()
-        group = self.group if self.group is not None else dist.group.WORLD
+        if self.hook_group is None:  # unpickled: every rank's DDP reaches its first bucket
+            self.hook_group = self._make_hook_group()
         complete, touched = [], set()
         for p, g in zip(bucket.parameters(), bucket.gradients()):
             hb_index, i = self._where[id(p)]
             hb = self.buckets[hb_index]
+            if i in hb.ready:
+                raise RuntimeError(
+                    f"commpress.ddp_hook: DDP handed {hb.names[i]!r} to the hook twice before "
+                    "the rest of its hook bucket: an earlier backward did not reduce every "
+                    "parameter (a parameter unused in forward needs "
+                    "DDP(find_unused_parameters=True))")
             if hb.buffer is None:
                 hb.buffer = torch.zeros(sum(hb.numels), dtype=g.dtype, device=g.device)
             hb.buffer[hb.offsets[i]: hb.offsets[i] + hb.numels[i]].copy_(g.reshape(-1))
@@ -209,14 +247,22 @@ class DDPHookState:
             last = self._done_buckets == len(self.buckets)
             if last:
                 self._done_buckets = 0
-            self._run(j, group, last)
-        return fut
+            self._run(j, last)
+        # ``set_exception`` stores the error as the future's value, which DDP would read
+        # as the gradient ("Unable to cast ... to Tensor"); raising it in ``then`` fails
+        # the chained future instead, and DDP's backward raises with its message
+        return fut.then(_value_or_raise)
 
-    def _run(self, j: int, group: dist.ProcessGroup, last: bool) -> None:
+    def _run(self, j: int, last: bool) -> None:
         hb = self.buckets[j]
 
         def start() -> Callable[[], None]:
-            handle = hb.grad_path.all_reduce(hb.buffer, group, op="avg", async_op=True)
+            if self._failure is not None:
+                raise RuntimeError(f"commpress.ddp_hook: not reducing bucket {j}: an earlier "
+                                   f"bucket failed, so the hook's group is out of step "
+                                   f"({type(self._failure).__name__}: {self._failure})")
+            handle = hb.grad_path.all_reduce(hb.buffer, self.hook_group, op="avg",
+                                             async_op=True)
             return handle.wait
 
         if self.overlap:
@@ -236,6 +282,8 @@ class DDPHookState:
         now have every value."""
         with self._lock:
             waiters = self._waiting.pop(j, [])
+        if error is not None and self._failure is None:
+            self._failure = error
         for w in waiters:
             if error is None:
                 self._copy_back(j, w.bucket)
@@ -288,6 +336,61 @@ def _locate(named: list[tuple[str, nn.Parameter]],
             for i, name in enumerate(b.names)}
 
 
+def _value_or_raise(fut: torch.futures.Future) -> torch.Tensor:
+    return fut.wait()
+
+
+def grad_policy(spec: str | dict | Policy) -> Policy:
+    """The hook's policy from a preset name, policy file, dict or policy — or from a codec
+    spec such as ``"int4:hadamard=128"``, which every bucket's ``dp.grad`` then uses."""
+    if (not isinstance(spec, str) or spec in list_presets()
+            or spec.endswith((".yaml", ".yml", ".toml"))):
+        return Policy.resolve(spec)
+    try:
+        build_codec(spec)
+    except ValueError as e:
+        raise ValueError(f"ddp_hook: policy={spec!r} is neither a policy preset (allowed: "
+                         f"{', '.join(list_presets())}, a policy file or dict) nor a codec "
+                         f"spec: {e}") from None
+    return Policy.from_dict({"name": spec, "dp": {"grad": spec}})
+
+
+def _ddp_group(model: nn.Module, group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """The DDP module's process group, checked against ``group`` when both are given."""
+    ddp_group = model.process_group if isinstance(model, DistributedDataParallel) else None
+    if group is None or ddp_group is None:
+        return group if group is not None else ddp_group
+    ours, theirs = dist.get_process_group_ranks(group), dist.get_process_group_ranks(ddp_group)
+    if ours != theirs:
+        raise ValueError(f"ddp_hook: group has ranks {ours} but the DDP module reduces over "
+                         f"ranks {theirs}; allowed: the DDP module's process_group (or None)")
+    return group
+
+
+def new_hook_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    """A new process group of ``group``'s ranks (default: the world), with its backend and
+    timeout. Every member must call this together, as DDP's constructor is called."""
+    if not dist.is_initialized():
+        raise RuntimeError("ddp_hook: torch.distributed is not initialized; call "
+                           "dist.init_process_group before wrapping the model in DDP")
+    parent = group if group is not None else dist.group.WORLD
+    ranks = dist.get_process_group_ranks(parent)
+    backend = str(dist.get_backend(parent))
+    # a sub-group (one of several data-parallel groups) is made by its members alone
+    return dist.new_group(ranks, backend=backend, timeout=_group_timeout(parent, backend),
+                          use_local_synchronization=len(ranks) < dist.get_world_size())
+
+
+def _group_timeout(group: dist.ProcessGroup, backend: str) -> timedelta | None:
+    """``group``'s collective timeout (``new_group`` would otherwise take torch's
+    30-minute default, not the one the run chose)."""
+    device = torch.device("cuda" if "nccl" in backend else "cpu")
+    try:
+        return group._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError):
+        return None
+
+
 def compressed_allreduce_hook(state: DDPHookState,
                               bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average ``bucket``'s gradients over the group with the policy's ``dp.grad`` codecs.
@@ -307,8 +410,11 @@ def ddp_hook(model: nn.Module, policy: str | dict | Policy = "none",
     Args:
         model: the DDP module (or the module it wraps): its parameters' names fix the
             hook's bucket layout and key its checkpointed state.
-        policy: preset name, policy file, dict or :class:`~commpress.Policy`.
-        group: the DDP process group (default: the world).
+        policy: preset name, policy file, dict or :class:`~commpress.Policy`; or a codec
+            spec (``"int4:hadamard=128"``) for every bucket.
+        group: the DDP process group (default: the DDP module's, else the world). The
+            hook reduces over a new group of the same ranks, made here: every rank of
+            the group calls ``ddp_hook`` together, as it calls ``DDP(...)``.
         topology: node layout for two-level policies (default from ``LOCAL_WORLD_SIZE``).
         overlap: run the collectives on a communication thread during backward.
         bucket_numel: elements per hook bucket.

@@ -1,0 +1,118 @@
+"""Per-rank DDP runs for the comm hook tests (module level: picklable).
+
+DDP runs collectives of its own on its process group — the unused-parameter map at
+the end of backward with ``find_unused_parameters=True``, buffer broadcasts in forward,
+bucket rebuilds — while the hook's run on the communication thread. These runs make
+DDP do all of them: ranks that leave out a block in forward, ``no_sync``
+accumulation, a static graph.
+"""
+
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import commpress
+from tests.integrations import workers
+
+
+class SkippingGPT(nn.Module):
+    """gpt-tiny whose forward leaves out the blocks in ``skip`` (chosen per rank)."""
+
+    def __init__(self, gpt: nn.Module) -> None:
+        super().__init__()
+        self.gpt = gpt
+        self.skip: set[int] = set()
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.gpt.embed(idx)
+        for i, block in enumerate(self.gpt.blocks):
+            if i not in self.skip:
+                x = block(x)
+        logits = self.gpt.head(x)
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def skipped_blocks(schedule: str, step: int, rank: int) -> set[int]:
+    """Which blocks rank ``rank`` leaves out at ``step``.
+
+    ``"varying"``: rank 1 skips block 0, then rank 0 skips block 1, then every rank
+    skips block 1 (a parameter nobody used), in turn. ``"fixed"``: rank 1 always skips
+    block 1 (what a static graph allows). ``"none"``: every block runs.
+    """
+    if schedule == "varying":
+        return [{0} if rank == 1 else set(), {1} if rank == 0 else set(), {1}][step % 3]
+    if schedule == "fixed":
+        return {1} if rank == 1 else set()
+    return set()
+
+
+def ddp_run(rank, world, policy, steps, options=None):
+    """Train ``steps`` steps under DDP (``policy`` None: DDP's own all-reduce); returns
+    the parameter hash after every step and the losses.
+
+    ``options``: ``overlap``, ``find_unused``, ``static_graph``, ``micro`` (micro-batches,
+    all but the last under ``no_sync``), ``schedule`` (:func:`skipped_blocks`),
+    ``dp_groups`` (DDP over the data-parallel group holding this rank).
+    """
+    o = {"overlap": True, "find_unused": False, "static_graph": False, "micro": 1,
+         "schedule": "none", "dp_groups": None, **(options or {})}
+    group, dp_rank, dp_world = None, rank, world
+    if o["dp_groups"] is not None:
+        for ranks in o["dp_groups"]:
+            made = dist.new_group(ranks)
+            if rank in ranks:
+                group, dp_rank, dp_world = made, ranks.index(rank), len(ranks)
+    data = workers._data()
+    model = SkippingGPT(workers._model())
+    ddp = DDP(model, bucket_cap_mb=0.1, process_group=group,
+              find_unused_parameters=o["find_unused"], static_graph=o["static_graph"])
+    if policy is not None:
+        ddp.register_comm_hook(*commpress.ddp_hook(ddp, policy, overlap=o["overlap"],
+                                                   bucket_numel=25_000))
+    opt = torch.optim.AdamW(ddp.parameters(), lr=3e-3)
+    micro = o["micro"]
+    hashes, losses = [], []
+    for step in range(steps):
+        x, y = workers._local_batch(data, step, dp_rank, dp_world)
+        model.skip = skipped_blocks(o["schedule"], step, dp_rank)
+        for i, (xm, ym) in enumerate(zip(x.chunk(micro), y.chunk(micro))):
+            if i < micro - 1:
+                with ddp.no_sync():
+                    (ddp(xm, ym) / micro).backward()
+            else:
+                loss = ddp(xm, ym)
+                (loss / micro).backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(workers._global_loss(loss, world))
+        hashes.append(workers._hash_params(model))
+    return {"hashes": hashes, "losses": losses}
+
+
+def hook_error(rank, world, fault):
+    """One step of the hook where the ranks go wrong; returns the error each rank saw.
+
+    ``"policies"``: rank 1 compresses with another codec (a mismatch). ``"late"``: rank 1
+    reaches backward after the group's timeout.
+    """
+    data = workers._data()
+    model = SkippingGPT(workers._model())
+    ddp = DDP(model, bucket_cap_mb=0.1)
+    policy = ({"name": "other", "dp": {"grad": "int8"}} if fault == "policies" and rank == 1
+              else "none")
+    ddp.register_comm_hook(*commpress.ddp_hook(ddp, policy, bucket_numel=25_000))
+    x, y = workers._local_batch(data, 0, rank, world)
+    loss = ddp(x, y)
+    if fault == "late" and rank == 1:
+        time.sleep(12)  # past the 4 s group timeout (and the 5 s diagnosis grace)
+        return {"error": None}
+    try:
+        loss.backward()
+    except RuntimeError as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+    return {"error": None}
+

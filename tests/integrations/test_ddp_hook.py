@@ -1,0 +1,117 @@
+"""The DDP comm hook next to DDP's own collectives, on real Gloo ranks.
+
+DDP all-reduces its unused-parameter map, broadcasts buffers and rebuilds buckets on
+its own group while the hook reduces on its communication thread; these runs make it do
+so (``find_unused_parameters=True`` with ranks that leave out a block, ``no_sync``, a
+static graph) and compare with DDP's own all-reduce: codec ``none`` bit for bit, every
+codec with replicas bitwise identical after every step.
+"""
+
+import pytest
+import torch.nn as nn
+
+import commpress
+from commpress.integrations.ddp import grad_policy
+from commpress.launch import spawn
+from tests.integrations import ddp_workers
+
+STEPS = 6
+# a hang would show as the group's timeout (with the rank named), not a stuck test
+PG_TIMEOUT_S = 30.0
+
+
+def _run(policy, world=2, ranks_per_node=None, **options):
+    return spawn(ddp_workers.ddp_run, world, (policy, STEPS, options),
+                 ranks_per_node=ranks_per_node, pg_timeout_s=PG_TIMEOUT_S, timeout=300)
+
+
+def _assert_replicas_identical(ranks, groups=None):
+    for ranks_of_group in groups or [list(range(len(ranks)))]:
+        for step in range(STEPS):
+            assert len({ranks[r]["hashes"][step] for r in ranks_of_group}) == 1, step
+
+
+UNUSED_AND_SKIPPING = {"find_unused": True, "schedule": "varying"}
+
+
+def test_exact_codec_with_a_rank_skipping_a_block_is_plain_ddp():
+    plain = _run(None, **UNUSED_AND_SKIPPING)
+    hooked = _run("none", **UNUSED_AND_SKIPPING)
+    # bit for bit: a division by a power of two commutes with the sum
+    assert [r["hashes"] for r in hooked] == [r["hashes"] for r in plain]
+    _assert_replicas_identical(hooked)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("options", [
+    pytest.param({**UNUSED_AND_SKIPPING, "micro": 2}, id="no_sync"),
+    pytest.param({"static_graph": True, "schedule": "fixed"}, id="static_graph"),
+    pytest.param({**UNUSED_AND_SKIPPING, "overlap": False}, id="in_order"),
+])
+def test_exact_codec_is_plain_ddp(options):
+    plain = _run(None, **options)
+    hooked = _run("none", **options)
+    assert [r["hashes"] for r in hooked] == [r["hashes"] for r in plain]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["int2ef", "sdp4bit"])
+def test_compressed_hook_with_a_rank_skipping_a_block_keeps_replicas_identical(policy):
+    # one rank per node: the cross-node (compressed) level of both presets runs
+    piped = _run(policy, ranks_per_node=1, **UNUSED_AND_SKIPPING)
+    in_order = _run(policy, ranks_per_node=1, overlap=False, **UNUSED_AND_SKIPPING)
+    _assert_replicas_identical(piped)
+    # the communication thread changes when buckets are reduced, never the values
+    assert [r["hashes"] for r in piped] == [r["hashes"] for r in in_order]
+
+
+@pytest.mark.slow
+def test_hook_reduces_over_the_ddp_modules_process_group():
+    groups = [[0, 2], [1, 3]]
+    ranks = _run("int2ef", world=4, ranks_per_node=1, dp_groups=groups,
+                 **UNUSED_AND_SKIPPING)
+    _assert_replicas_identical(ranks, groups)
+    # the two data-parallel groups see different batches
+    assert ranks[0]["hashes"][-1] != ranks[1]["hashes"][-1]
+
+
+def test_a_mismatch_inside_the_hook_raises_the_mismatch_on_every_rank():
+    ranks = spawn(ddp_workers.hook_error, 2, ("policies",), pg_timeout_s=PG_TIMEOUT_S)
+    for r in ranks:
+        assert "CollectiveMismatchError" in r["error"] and "ranks disagree" in r["error"]
+        assert "Unable to cast" not in r["error"]
+
+
+def test_a_rank_late_past_the_ddp_groups_timeout_is_named():
+    # the hook's group keeps the DDP group's 4 s timeout (not torch's 30 min default)
+    ranks = spawn(ddp_workers.hook_error, 2, ("late",), pg_timeout_s=4.0, timeout=120)
+    error = ranks[0]["error"]
+    assert "CollectiveTimeoutError" in error and "ranks [1] never reached it" in error, error
+    assert "Unable to cast" not in error
+
+
+def test_a_codec_spec_is_the_policy_of_every_bucket():
+    policy = grad_policy("int4:hadamard=128")
+    assert policy.rule("dp", "grad").codec == "int4:hadamard=128"
+    assert not policy.two_level()
+    assert grad_policy("int2ef").two_level()  # a preset name stays the preset
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("int4:hadamard=127", r"policy='int4:hadamard=127'.*hadamard=127 is not allowed; "
+                          r"allowed: 0 \(off\) or a power of two"),
+    ("int9", r"policy='int9' is neither a policy preset \(allowed: none, .*unknown codec "
+             r"'int9'; allowed: .*int4"),
+])
+def test_a_bad_codec_spec_is_refused_naming_the_value(spec, message):
+    with pytest.raises(ValueError, match=message):
+        commpress.ddp_hook(nn.Linear(2, 2), spec)
+
+
+@pytest.mark.slow
+def test_a_codec_spec_trains_as_its_one_codec_policy():
+    spec = "int4:hadamard=128"
+    by_spec = _run(spec, ranks_per_node=1)
+    by_dict = _run({"name": spec, "dp": {"grad": spec}}, ranks_per_node=1)
+    assert [r["hashes"] for r in by_spec] == [r["hashes"] for r in by_dict]
+    _assert_replicas_identical(by_spec)
