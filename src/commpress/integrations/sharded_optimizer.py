@@ -36,6 +36,7 @@ import torch.nn as nn
 
 from commpress.collectives import (
     CollectiveMismatchError,
+    Handle,
     Topology,
     all_gather,
     delta_all_gather,
@@ -53,7 +54,7 @@ from commpress.integrations.buckets import (
 )
 from commpress.integrations.grad_path import GradPath
 from commpress.kernels.reference import sum_rows
-from commpress.policy import Policy
+from commpress.policy import Policy, Rule
 
 log = logging.getLogger(__name__)
 
@@ -267,26 +268,13 @@ class ShardedOptimizer:
                    for b in self.buckets)
 
     def _gather_params(self) -> None:
-        levels = self.topology.resolve(self.group) if self.world > 1 else None
-        # With several nodes, compressed weights cross the slow link once per shard and
-        # are shared inside the node exactly; uncompressed stays torch's own all-gather.
-        two_level = (levels is not None and levels.nodes > 1 and levels.ranks_per_node > 1
-                     and not self.param_rule.exact)
         for b in self.buckets:
             new = b.master.detach().to(b.dtype)
             if self.world == 1:  # nothing crosses a wire: nothing is compressed
                 b.param_buffer.copy_(new)
-            elif self.param_rule.delta:  # qWD
-                delta_all_gather(b.param_buffer, new, codec=b.param_codec,
-                                 topology=self.topology if two_level else Topology(1),
-                                 group=self.group, label="dp.param")
-            elif two_level:
-                hierarchical_all_gather(b.param_buffer, new, inter=b.param_codec,
-                                        topology=self.topology, group=self.group,
-                                        label="dp.param")
             else:
-                all_gather(b.param_buffer, new, b.param_codec, group=self.group,
-                           label="dp.param")
+                gather_weights(b.param_buffer, new, b.param_codec, self.param_rule,
+                               self.topology, self.group)
 
     def _zero_grad_buffers(self) -> None:
         for b in self.buckets:
@@ -352,6 +340,26 @@ class ShardedOptimizer:
             b.param_codec.load_state_dict(pcodec)
         self.steps = state["steps"]
         self.skipped_steps = state["skipped_steps"]
+
+
+def gather_weights(weights: torch.Tensor, new: torch.Tensor, codec: Any, rule: Rule,
+                   topology: Topology, group: dist.ProcessGroup,
+                   async_op: bool = False) -> torch.Tensor | Handle:
+    """Move every rank's ``new`` shard into the replicated ``weights`` (rank order) with
+    the policy's ``dp.param`` rule: differences (qWD) when ``rule.delta``, else the
+    weights themselves. With several nodes, compressed weights cross the slow link once
+    per shard and are shared inside the node exactly; uncompressed stays torch's own
+    all-gather."""
+    levels = topology.resolve(group)
+    two_level = levels.nodes > 1 and levels.ranks_per_node > 1 and not rule.exact
+    if rule.delta:
+        return delta_all_gather(weights, new, codec=codec,
+                                topology=topology if two_level else Topology(1), group=group,
+                                label="dp.param", async_op=async_op)
+    if two_level:
+        return hierarchical_all_gather(weights, new, inter=codec, topology=topology,
+                                       group=group, label="dp.param", async_op=async_op)
+    return all_gather(weights, new, codec, group=group, label="dp.param", async_op=async_op)
 
 
 def clip_and_step(optimizer: torch.optim.Optimizer,
