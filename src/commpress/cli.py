@@ -9,6 +9,7 @@ import torch
 
 from commpress.launch import LaunchError
 from commpress.testbed.netns import TestbedError
+from commpress.train.errors import RunFailedError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -363,6 +364,9 @@ def main(argv: list[str] | None = None) -> int:
     except (TestbedError, ValueError) as e:  # bad input: a message, no traceback
         _print_error(str(e))
         return 2
+    except RunFailedError as e:  # the run ended but trained nothing: one line, no traceback
+        _print_error(str(e))
+        return 1
     except LaunchError as e:  # a rank failed: its message first, its traceback after
         head, _, tail = str(e).partition("\n")
         if e.bad_input:  # a rank refused its input (a file, a checkpoint): no traceback

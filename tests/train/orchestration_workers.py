@@ -33,3 +33,15 @@ def wait_in_sub_groups(rank, world):
             pass
         waited[name] = time.monotonic() - t0
     return waited
+
+
+def compare_as_a_launched_rank(rank, world, out, policies):
+    """`compare` in a process that a launcher started with no process group yet (as
+    torchrun starts it: RANK, WORLD_SIZE, MASTER_* set)."""
+    from commpress.train.compare import compare
+    from commpress.train.config import TrainConfig
+
+    dist.destroy_process_group()  # the spawn made one; torchrun does not
+    cfg = TrainConfig(model="gpt-tiny", steps=2, batch_size=4, seq_len=32, eval_every=0,
+                      eval_batches=1, progress=False, max_data_bytes=200_000, timeout_s=30)
+    return sorted(compare(policies, cfg, out_dir=out))

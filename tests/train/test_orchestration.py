@@ -1,8 +1,31 @@
 """How runs are started and ended: one process group per launch, bounded waits,
 refusals before work, and an exit status that says whether anything was trained."""
 
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from commpress.cli import main
 from commpress.launch import spawn
+from commpress.train import checkpoint
 from tests.train import orchestration_workers as workers
+
+TINY = ["--model", "gpt-tiny", "--seq-len", "32", "--batch-size", "4", "--eval-every", "0",
+        "--eval-batches", "1", "--max-data-bytes", "200000", "--no-progress"]
+# each command with 2 ranks: train spawns them, simulate plays them
+COMMANDS = {"train": ["train", "--nproc", "2"], "simulate": ["simulate", "--ranks", "2"]}
+
+
+def torchrun(nproc: int, args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+    """``commpress ARGS`` under ``torchrun --standalone`` (a free rendezvous port)."""
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc_per_node", str(nproc), "-m", "commpress.cli", *args],
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def test_sub_groups_wait_no_longer_than_the_launch_timeout():
@@ -10,3 +33,96 @@ def test_sub_groups_wait_no_longer_than_the_launch_timeout():
     # and the node levels' groups must fail as soon as the default group would
     waited = spawn(workers.wait_in_sub_groups, 4, (), timeout=60)[0]
     assert all(s < 3 * workers.TIMEOUT_S for s in waited.values()), waited
+
+
+def test_compare_under_a_launcher_runs_every_policy_in_one_group(tmp_path):
+    # a launched rank (RANK, WORLD_SIZE set, no group yet) used to create and destroy the
+    # default group per policy: the second policy's rendezvous timed out
+    ranks = spawn(workers.compare_as_a_launched_rank, 2,
+                  (str(tmp_path), ["none", "sdp4bit", "int2ef"]), timeout=240)
+    assert ranks == [["int2ef", "none", "sdp4bit"], []]
+    assert json.load(open(tmp_path / "compare.json"))["policies"].keys() == {
+        "none", "sdp4bit", "int2ef"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_compare_under_torchrun(tmp_path, nproc):
+    out = tmp_path / "cmp"
+    done = torchrun(nproc, ["compare", "--policies", "none,sdp4bit,int2ef", *TINY, "--steps", "2",
+                            "--timeout-s", "60", "--out", str(out)])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.load(open(out / "compare.json"))["policies"].keys() == {
+        "none", "sdp4bit", "int2ef"}
+
+
+@pytest.fixture(scope="module", params=list(COMMANDS))
+def one_step_run(request, tmp_path_factory):
+    """(command, run directory) of a 1-step run of ``train`` or ``simulate`` with its
+    checkpoint; tests take copies."""
+    out = str(tmp_path_factory.mktemp(request.param) / "run")
+    code = main([*COMMANDS[request.param], *TINY, "--policy", "none", "--steps", "1",
+                 "--checkpoint-every", "1", "--out", out])
+    assert code == 0
+    return request.param, out
+
+
+def _copy(run: str, tmp_path) -> str:
+    return shutil.copytree(run, str(tmp_path / "run"))
+
+
+def _error_lines(capsys) -> list[str]:
+    """The errors printed (each one line, which the console may wrap)."""
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    return [" ".join(e.split()) for e in err.split("error:")[1:]]
+
+
+def test_resuming_at_or_past_steps_is_refused(one_step_run, tmp_path, capsys):
+    command, run = one_step_run
+    out = _copy(run, tmp_path)
+    code = main([*COMMANDS[command], *TINY, "--policy", "none", "--steps", "1",
+                 "--resume", out, "--out", out])
+    lines = _error_lines(capsys)
+    assert code == 2 and len(lines) == 1, lines
+    assert "--steps 1 does not go past the checkpoint's step 1" in lines[0]
+
+
+def _fill_nan(obj) -> None:
+    """Every floating-point tensor in ``obj`` (nested dicts and lists) becomes NaN."""
+    if isinstance(obj, torch.Tensor) and obj.is_floating_point():
+        obj.fill_(float("nan"))
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _fill_nan(v)
+    elif isinstance(obj, list | tuple):
+        for v in obj:
+            _fill_nan(v)
+
+
+def poison_weights(run_dir: str, step: int) -> None:
+    """Make the weights of checkpoint ``step`` NaN (the model's and the optimizer's fp32
+    masters); its manifest is rewritten to match."""
+    directory = checkpoint.step_dir(run_dir, step)
+    manifest = checkpoint.read_manifest(directory)
+    files = {}
+    for name in manifest["files"]:
+        path = os.path.join(directory, name)
+        state = torch.load(path, weights_only=True)
+        _fill_nan([state[k] for k in ("model", "optimizer", "stages", "optimizers")
+                   if k in state])
+        files[name] = checkpoint.atomic_save(state, path)
+    checkpoint.write_manifest(run_dir, step, manifest["identity"], files)
+
+
+def test_a_run_whose_every_step_is_skipped_fails(one_step_run, tmp_path, capsys):
+    command, run = one_step_run
+    out = _copy(run, tmp_path)
+    poison_weights(out, 1)
+    code = main([*COMMANDS[command], *TINY, "--policy", "none", "--steps", "3",
+                 "--resume", out, "--out", out])
+    lines = _error_lines(capsys)
+    assert code == 1 and len(lines) == 1, lines
+    assert "all 2 steps this run were skipped" in lines[0]
+    # what it wrote stays for the diagnosis
+    assert json.load(open(os.path.join(out, "summary.json")))["skipped_steps"] == 2

@@ -46,6 +46,7 @@ from commpress.train import checkpoint, run_lock
 from commpress.train.config import TrainConfig
 from commpress.train.data import TextData, load_tokens
 from commpress.train.ddp_engine import DDPEngine
+from commpress.train.errors import RunFailedError
 
 # one-level collectives report under the axis label, two-level ones under label.intra/.inter
 AXIS_LABELS = ("dp.grad", "dp.grad.intra", "dp.grad.inter", "dp.grad.gather",
@@ -291,6 +292,10 @@ def write_outputs(cfg: TrainConfig, run: _Run, totals: dict) -> dict[str, Any]:
         if timed[0] else None,
         "wall_s": hist[-1]["wall_s"] if hist else 0.0,
         "skipped_steps": run.skipped_steps,
+        "resumed_at_step": run.start_step,
+        # the history's cumulative count where this run took over
+        "skipped_steps_this_run": run.skipped_steps - (hist[run.start_step - 1]["skipped"]
+                                                       if run.start_step else 0),
         "wire_bytes": {k: v["wire_bytes"] for k, v in totals.items()},
         "raw_bytes": {k: v["raw_bytes"] for k, v in totals.items()},
         "bits_per_elem": {k: 8 * v["wire_bytes"] / v["elements"] for k, v in totals.items()
@@ -312,23 +317,15 @@ def progress_bar(cfg: TrainConfig):
 
 def train(cfg: TrainConfig) -> dict[str, Any] | None:
     """Run a whole training job; returns rank 0's summary (None on other ranks under
-    torchrun)."""
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        # under torchrun / SLURM: this process is one rank
+    torchrun). Raises :class:`RunFailedError` if every step it ran was skipped."""
+    if launched():  # under torchrun / SLURM: this process is one rank
         world = int(os.environ["WORLD_SIZE"])
         cfg = cfg.resolved(world)
-        owns_group = not dist.is_initialized()
-        if owns_group:
-            if cfg.device == "cuda":
-                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0))
-                                      % torch.cuda.device_count())
-            dist.init_process_group(cfg.backend, timeout=timedelta(seconds=cfg.timeout_s))
-        try:
-            with _agreed_hold(cfg.out):
-                return run_rank(dist.get_rank(), world, cfg.to_dict())
-        finally:
-            if owns_group:  # a clean shutdown: Gloo's threads must not outlive the process
-                dist.destroy_process_group()
+        check_resume_steps(cfg)
+        with launched_group(cfg), _agreed_hold(cfg.out):
+            summary = run_rank(dist.get_rank(), world, cfg.to_dict())
+        check_progress(summary)
+        return summary
     from commpress.launch import spawn
 
     cfg = cfg.resolved()
@@ -336,12 +333,64 @@ def train(cfg: TrainConfig) -> dict[str, Any] | None:
         raise ValueError(f"backend=nccl runs one rank per GPU: nproc={cfg.nproc} > "
                          f"{torch.cuda.device_count()} visible GPUs; allowed: --backend gloo "
                          "(ranks share GPUs) or fewer ranks")
+    check_resume_steps(cfg)
     with run_lock.hold(cfg.out):
         results = spawn(run_rank, cfg.nproc, (cfg.to_dict(),),
                         ranks_per_node=cfg.ranks_per_node, backend=cfg.backend,
                         env={"COMMPRESS_DEVICE": cfg.device},
                         timeout=max(600.0, 30.0 * cfg.steps), pg_timeout_s=cfg.timeout_s)
+    check_progress(results[0])
     return results[0]
+
+
+def launched() -> bool:
+    """Whether a launcher (torchrun, or SLURM with the variables set) started this
+    process as one rank of a job."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+@contextmanager
+def launched_group(cfg: TrainConfig) -> Iterator[None]:
+    """Under a launcher, the default process group for the block: created here once
+    (rendezvous and collectives bounded by ``cfg.timeout_s``) unless the process has
+    one, destroyed after it. Runs one after another (``compare``'s policies) share it:
+    torch cannot create a default group again once sub-groups were carved from one,
+    and a second rendezvous on the launcher's store waits for keys the first consumed.
+    Without a launcher, or with a group already made, nothing happens."""
+    if not launched() or dist.is_initialized():
+        yield
+        return
+    cfg = cfg.resolved(int(os.environ["WORLD_SIZE"]))
+    if cfg.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+    dist.init_process_group(cfg.backend, timeout=timedelta(seconds=cfg.timeout_s))
+    try:
+        yield
+    finally:  # a clean shutdown: Gloo's threads must not outlive the process
+        dist.destroy_process_group()
+
+
+def check_resume_steps(cfg: TrainConfig) -> None:
+    """Refuse to resume a checkpoint at or past ``cfg.steps``: nothing would be trained."""
+    if not cfg.resume:
+        return
+    directory, _ = checkpoint.find(cfg.resume)
+    step = checkpoint.read_manifest(directory)["step"]
+    if step >= cfg.steps:
+        raise ValueError(f"--steps {cfg.steps} does not go past the checkpoint's step {step} "
+                         f"({directory}): nothing would be trained; allowed: --steps > {step}")
+
+
+def check_progress(summary: dict[str, Any] | None) -> None:
+    """Raise :class:`RunFailedError` if every step this run trained was skipped
+    (non-finite gradients: NaN weights or data, a diverged model); None passes."""
+    if summary is None:
+        return
+    ran = summary["steps"] - summary["resumed_at_step"]
+    if ran and summary["skipped_steps_this_run"] == ran:
+        raise RunFailedError(f"policy {summary['policy']}: all {ran} steps this run were "
+                             "skipped (a non-finite gradient norm each time); nothing was "
+                             f"trained; metrics in {summary['out']}", summary)
 
 
 @contextmanager

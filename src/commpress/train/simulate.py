@@ -60,6 +60,8 @@ from commpress.train.config import TrainConfig
 from commpress.train.data import TextData, load_tokens
 from commpress.train.ddp_engine import replica_optimizer, step_replica
 from commpress.train.loop import (
+    check_progress,
+    check_resume_steps,
     evaluates_at,
     lr_at,
     progress_bar,
@@ -338,22 +340,39 @@ class PlayedRun:
 
 def simulate(cfg: TrainConfig) -> dict[str, Any]:
     """Play a ``dp × pp`` run of ``dp · pp`` ranks in one process — with ``tp > 1``, in
-    ``tp`` processes, one per tensor-parallel slice; returns the summary."""
+    ``tp`` processes, one per tensor-parallel slice; returns the summary. Raises
+    :class:`RunFailedError` if every step it ran was skipped."""
+    refuse_launcher()
     if cfg.engine == "ddp" and cfg.ddp_hook != "commpress":
         raise ValueError(f"simulate plays DDP with the commpress hook only; got "
                          f"ddp_hook={cfg.ddp_hook!r}; allowed: commpress")
     cfg = cfg.resolved()
+    check_resume_steps(cfg)
     with run_lock.hold(cfg.out):
         if cfg.tp == 1:
-            return _play(cfg, PlayedRun(cfg), writer=True)
-        from commpress.launch import spawn
+            summary = _play(cfg, PlayedRun(cfg), writer=True)
+        else:
+            from commpress.launch import spawn
 
-        # NCCL needs a GPU per slice; fewer GPUs are shared over Gloo
-        backend = ("nccl" if cfg.backend == "nccl" and cfg.tp <= torch.cuda.device_count()
-                   else "gloo")
-        return spawn(play_slice, cfg.tp, (cfg.to_dict(),), backend=backend,
-                     env={"COMMPRESS_DEVICE": cfg.device}, timeout=max(600.0, 30.0 * cfg.steps),
-                     pg_timeout_s=cfg.timeout_s)[0]
+            # NCCL needs a GPU per slice; fewer GPUs are shared over Gloo
+            backend = ("nccl" if cfg.backend == "nccl" and cfg.tp <= torch.cuda.device_count()
+                       else "gloo")
+            summary = spawn(play_slice, cfg.tp, (cfg.to_dict(),), backend=backend,
+                            env={"COMMPRESS_DEVICE": cfg.device},
+                            timeout=max(600.0, 30.0 * cfg.steps), pg_timeout_s=cfg.timeout_s)[0]
+    check_progress(summary)
+    return summary
+
+
+def refuse_launcher() -> None:
+    """Refuse to run as one of a launcher's ranks: ``simulate`` plays every rank in one
+    process, so each of torchrun's copies would write the same run directory."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        raise ValueError(f"simulate plays all ranks in one process, but this is one of "
+                         f"WORLD_SIZE={world} processes a launcher (torchrun?) started, whose "
+                         "copies would collide on --out; allowed: run 'commpress simulate' "
+                         "without a launcher (--ranks sets the ranks it plays)")
 
 
 def play_slice(rank: int, world: int, cfg_dict: dict[str, Any]) -> dict[str, Any] | None:
