@@ -5,7 +5,7 @@ import pytest
 
 import commpress
 from commpress.launch import spawn
-from tests.integrations import workers
+from tests.integrations import sharded_workers, workers
 
 POLICIES = commpress.list_presets()
 
@@ -115,3 +115,22 @@ def test_replicas_from_different_initializations_are_made_identical():
 def test_different_initializations_are_refused_when_verifying():
     for r in spawn(workers.different_initial_weights, 2, ("verify",)):
         assert "data-parallel ranks [1] start from other weights than rank 0" in r["error"]
+
+
+def test_broadcast_makes_frozen_parameters_and_buffers_identical_too():
+    ranks = spawn(sharded_workers.init_sync_with_frozen_and_buffers, 2, ("broadcast", "seed"))
+    a, b = ranks[0]["hashes"], ranks[1]["hashes"]
+    # every entry of the state dict, as DDP's initial broadcast does
+    assert {"0.weight", "1.running_mean", "1.running_var", "1.num_batches_tracked"} <= set(a)
+    assert a == b, [k for k in a if a[k] != b[k]]
+
+
+@pytest.mark.parametrize(("differ", "named"), [("frozen", "parameter '0.weight'"),
+                                               ("buffer", "buffer '1.running_var'")])
+def test_verify_refuses_a_differing_frozen_parameter_or_buffer(differ, named):
+    ranks = spawn(sharded_workers.init_sync_with_frozen_and_buffers, 2, ("verify", differ))
+    for r in ranks:
+        assert f"ranks [1] start from other weights than rank 0 (first difference: {named})" \
+            in r["error"]
+    same = spawn(sharded_workers.init_sync_with_frozen_and_buffers, 2, ("verify", None))
+    assert [r["error"] for r in same] == [None, None]

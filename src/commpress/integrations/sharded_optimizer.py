@@ -100,7 +100,8 @@ class ShardedOptimizer:
             so replicated parameters stay bitwise identical across TP ranks).
         init_sync: the replicas must start identical (qWD only sends differences, so it
             would never close a gap): ``"broadcast"`` the first data-parallel rank's
-            weights, as DDP does, or ``"verify"`` that they are equal and refuse if not.
+            parameters (trainable and frozen) and buffers, as DDP does, or ``"verify"``
+            that they are equal and refuse if not.
         **optimizer_kwargs: passed to ``optimizer_cls`` (lr, betas, weight_decay, ...).
     """
 
@@ -157,27 +158,36 @@ class ShardedOptimizer:
 
     @torch.no_grad()
     def _sync_initial_weights(self, how: str) -> None:
-        """Make (or check that) every data-parallel replica start from the same weights."""
+        """Make (or check that) every data-parallel replica start from the same state:
+        the buckets, and — as DDP does — the frozen parameters and every buffer (a
+        BatchNorm's running statistics), which no step ever brings together."""
         if self.world == 1:
             return
         src = dist.get_global_rank(self.group, 0) if self.group is not dist.group.WORLD else 0
+        device = self.buckets[0].param_buffer.device
+        in_buckets = {id(p) for b in self.buckets for p in b.params}
+        others = [(f"parameter {n!r}", p) for n, p in self.model.named_parameters()
+                  if id(p) not in in_buckets]
+        others += [(f"buffer {n!r}", t) for n, t in self.model.named_buffers()]
         if how == "broadcast":
             for b in self.buckets:
                 dist.broadcast(b.param_buffer, src=src, group=self.group)
                 b.reset_master(self.rank, self.world)
+            _broadcast_coalesced([t for _, t in others], src, self.group, device)
             return
-        mine = torch.tensor([checksum(b.param_buffer) for b in self.buckets], dtype=torch.int64,
-                            device=self.buckets[0].param_buffer.device)
+        items = [(f"the bucket holding {b.names[0]!r}", b.param_buffer) for b in self.buckets]
+        items += others
+        mine = torch.tensor([checksum(t) for _, t in items], dtype=torch.int64, device=device)
         every = [torch.empty_like(mine) for _ in range(self.world)]
         dist.all_gather(every, mine, group=self.group)
         differ = [r for r in range(self.world) if not torch.equal(every[r], every[0])]
         if differ:
-            names = [b.names[0] for b, i in zip(self.buckets, range(len(self.buckets)))
-                     if any(every[r][i] != every[0][i] for r in differ)]
+            first = next(name for i, (name, _) in enumerate(items)
+                         if any(every[r][i] != every[0][i] for r in differ))
             raise CollectiveMismatchError(
                 f"ShardedOptimizer(init_sync='verify'): data-parallel ranks {differ} start "
-                f"from other weights than rank 0 (first differing bucket holds {names[0]!r}); "
-                "initialize every replica from the same seed, or use init_sync='broadcast'")
+                f"from other weights than rank 0 (first difference: {first}); initialize "
+                "every replica from the same seed, or use init_sync='broadcast'")
 
     # -- backward ---------------------------------------------------------------------
     @torch.no_grad()
@@ -360,6 +370,22 @@ def gather_weights(weights: torch.Tensor, new: torch.Tensor, codec: Any, rule: R
         return hierarchical_all_gather(weights, new, inter=codec, topology=topology,
                                        group=group, label="dp.param", async_op=async_op)
     return all_gather(weights, new, codec, group=group, label="dp.param", async_op=async_op)
+
+
+def _broadcast_coalesced(tensors: list[torch.Tensor], src: int,
+                         group: dist.ProcessGroup | None, device: torch.device) -> None:
+    """Broadcast ``tensors`` (any dtypes, shapes, bool included) in one collective: their
+    bytes packed into one buffer, copied back in place."""
+    if not tensors:
+        return
+    parts = [t.detach().reshape(-1).contiguous().view(torch.uint8).to(device) for t in tensors]
+    flat = torch.cat(parts)
+    dist.broadcast(flat, src=src, group=group)
+    offset = 0
+    for t, part in zip(tensors, parts):
+        # a fresh copy: viewing bytes as a wider dtype needs an aligned start
+        t.copy_(flat[offset : offset + part.numel()].clone().view(t.dtype).view(t.shape))
+        offset += part.numel()
 
 
 def clip_and_step(optimizer: torch.optim.Optimizer,
