@@ -23,7 +23,8 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -40,6 +41,24 @@ class LaunchError(RuntimeError):
 
 
 PR_SET_PDEATHSIG = 1
+# threads each spawned rank computes on: the ranks share the machine's cores
+RANK_THREADS = 1
+
+
+@contextmanager
+def rank_threads() -> Iterator[None]:
+    """Compute on :data:`RANK_THREADS` threads, as every spawned rank does, then restore
+    the caller's count. CPU kernels split their reductions by thread (a layer norm's
+    weight gradient sums its rows in per-thread parts), so a gradient's bits depend on
+    the thread count: ``commpress simulate`` plays its ranks with theirs."""
+    import torch
+
+    kept = torch.get_num_threads()
+    torch.set_num_threads(RANK_THREADS)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(kept)
 
 
 def set_parent_death_signal() -> None:
@@ -86,7 +105,7 @@ def _worker(fn, rank, world, ranks_per_node, port, pg_timeout_s, args, results, 
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(RANK_THREADS)
     try:
         if backend == "nccl" or (backend == "gloo" and env.get("COMMPRESS_DEVICE") == "cuda"):
             # ranks round-robin over the visible GPUs (several share one over Gloo)

@@ -50,6 +50,7 @@ from commpress.collectives.stats import Stats
 from commpress.integrations.played_ddp import PlayedDDPHook
 from commpress.integrations.played_optimizer import PlayedShardedOptimizer
 from commpress.integrations.sharded_optimizer import norm_of_parts
+from commpress.launch import rank_threads
 from commpress.model.gpt import GPT, config_from_preset
 from commpress.parallel.mesh import MeshShape
 from commpress.parallel.pipeline import Stage
@@ -350,7 +351,8 @@ def simulate(cfg: TrainConfig) -> dict[str, Any]:
     check_resume_steps(cfg)
     with run_lock.hold(cfg.out):
         if cfg.tp == 1:
-            summary = _play(cfg, PlayedRun(cfg), writer=True)
+            with rank_threads():  # a spawned rank's kernels: its thread count fixes their bits
+                summary = _play(cfg, PlayedRun(cfg), writer=True)
         else:
             from commpress.launch import spawn
 
