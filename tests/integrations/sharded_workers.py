@@ -24,17 +24,48 @@ def _state_hashes(net: nn.Module) -> dict[str, str]:
             .hexdigest() for name, t in net.state_dict().items()}
 
 
-def init_sync_with_frozen_and_buffers(rank, world, init_sync, differ):
-    """Ranks build the net from the same seed (``differ`` None) or from their own, or
-    change only ``differ`` ("frozen", "buffer") on ranks other than 0."""
-    net = _net_with_frozen_weight_and_batchnorm(rank if differ == "seed" else 0)
-    with torch.no_grad():
-        if differ == "frozen" and rank > 0:
-            net[0].weight.add_(1.0)
-        if differ == "buffer" and rank > 0:
-            net[1].running_var.add_(1.0)
-    try:
-        commpress.ShardedOptimizer(net, torch.optim.SGD, "none", lr=0.1, init_sync=init_sync)
-    except commpress.CollectiveMismatchError as e:
-        return {"error": str(e)}
-    return {"error": None, "hashes": _state_hashes(net)}
+def init_sync_cases(rank, world, cases):
+    """For each ``(init_sync, differ)``: ranks build the net from the same seed (``differ``
+    None) or from their own ("seed"), or change only the frozen weight ("frozen") or a
+    running statistic ("buffer") on ranks other than 0; then build the optimizer."""
+    results = []
+    for init_sync, differ in cases:
+        net = _net_with_frozen_weight_and_batchnorm(rank if differ == "seed" else 0)
+        with torch.no_grad():
+            if differ == "frozen" and rank > 0:
+                net[0].weight.add_(1.0)
+            if differ == "buffer" and rank > 0:
+                net[1].running_var.add_(1.0)
+        try:
+            commpress.ShardedOptimizer(net, torch.optim.SGD, "none", lr=0.1,
+                                       init_sync=init_sync)
+        except commpress.CollectiveMismatchError as e:
+            results.append({"error": str(e)})
+            continue
+        results.append({"error": None, "hashes": _state_hashes(net)})
+    return results
+
+
+def clip_method_and_max_grad_norm(rank, world, policy, steps, max_norm):
+    """The same steps clipped by ``opt.clip_grad_norm_`` and by ``max_grad_norm``:
+    weight hashes after each step, and the norms the method returned."""
+    from tests.integrations.workers import _data, _hash_params, _local_batch, _model
+
+    data = _data()
+    out = {}
+    for how in ("method", "argument"):
+        model = _model()
+        opt = commpress.ShardedOptimizer(
+            model, torch.optim.AdamW, policy, lr=3e-3, bucket_numel=30_000,
+            max_grad_norm=max_norm if how == "argument" else None)
+        hashes, norms = [], []
+        for step in range(steps):
+            x, y = _local_batch(data, step, rank, world)
+            model(x, y)[1].backward()
+            if how == "method":
+                norms.append(opt.clip_grad_norm_(max_norm).item())
+            opt.step()
+            opt.zero_grad()
+            hashes.append(_hash_params(model))
+        out[how] = {"hashes": hashes, "norms": norms}
+    return out

@@ -117,9 +117,18 @@ def test_different_initializations_are_refused_when_verifying():
         assert "data-parallel ranks [1] start from other weights than rank 0" in r["error"]
 
 
-def test_broadcast_makes_frozen_parameters_and_buffers_identical_too():
-    ranks = spawn(sharded_workers.init_sync_with_frozen_and_buffers, 2, ("broadcast", "seed"))
-    a, b = ranks[0]["hashes"], ranks[1]["hashes"]
+INIT_SYNC_CASES = [("broadcast", "seed"), ("verify", "frozen"), ("verify", "buffer"),
+                   ("verify", None)]
+
+
+@pytest.fixture(scope="module")
+def init_sync_cases():
+    ranks = spawn(sharded_workers.init_sync_cases, 2, (INIT_SYNC_CASES,))
+    return {case: [r[i] for r in ranks] for i, case in enumerate(INIT_SYNC_CASES)}
+
+
+def test_broadcast_makes_frozen_parameters_and_buffers_identical_too(init_sync_cases):
+    a, b = (r["hashes"] for r in init_sync_cases["broadcast", "seed"])
     # every entry of the state dict, as DDP's initial broadcast does
     assert {"0.weight", "1.running_mean", "1.running_var", "1.num_batches_tracked"} <= set(a)
     assert a == b, [k for k in a if a[k] != b[k]]
@@ -127,10 +136,21 @@ def test_broadcast_makes_frozen_parameters_and_buffers_identical_too():
 
 @pytest.mark.parametrize(("differ", "named"), [("frozen", "parameter '0.weight'"),
                                                ("buffer", "buffer '1.running_var'")])
-def test_verify_refuses_a_differing_frozen_parameter_or_buffer(differ, named):
-    ranks = spawn(sharded_workers.init_sync_with_frozen_and_buffers, 2, ("verify", differ))
-    for r in ranks:
+def test_verify_refuses_a_differing_frozen_parameter_or_buffer(init_sync_cases, differ, named):
+    for r in init_sync_cases["verify", differ]:
         assert f"ranks [1] start from other weights than rank 0 (first difference: {named})" \
             in r["error"]
-    same = spawn(sharded_workers.init_sync_with_frozen_and_buffers, 2, ("verify", None))
-    assert [r["error"] for r in same] == [None, None]
+    assert [r["error"] for r in init_sync_cases["verify", None]] == [None, None]
+
+
+def test_clip_grad_norm_method_clips_the_global_norm_like_max_grad_norm():
+    steps, max_norm = 2, 0.05
+    ranks = spawn(sharded_workers.clip_method_and_max_grad_norm, 2,
+                  ("sdp4bit", steps, max_norm), ranks_per_node=1)
+    # one global norm on every rank, above the limit (so the clip acts), and the same
+    # arithmetic as the constructor's max_grad_norm: the same bits
+    assert ranks[0]["method"]["norms"] == ranks[1]["method"]["norms"]
+    assert all(n > max_norm for n in ranks[0]["method"]["norms"])
+    for r in ranks:
+        assert r["method"]["hashes"] == r["argument"]["hashes"]
+    assert ranks[0]["method"]["hashes"] == ranks[1]["method"]["hashes"]

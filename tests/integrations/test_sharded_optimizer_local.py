@@ -80,3 +80,95 @@ def test_a_policy_or_an_optimizer_instance_in_the_wrong_place_is_named():
         commpress.ShardedOptimizer([torch.nn.Parameter(torch.ones(2))], torch.optim.SGD)
     with pytest.raises(ValueError, match="init_sync='copy' is not allowed"):
         commpress.ShardedOptimizer(_model(), torch.optim.SGD, "none", lr=0.1, init_sync="copy")
+
+
+def _one_backward(model, data, step=0):
+    x, y = _batches(data, step + 1)[step]
+    loss = model(x, y)[1]
+    loss.backward()
+    return loss
+
+
+def test_clip_grad_norm_method_is_the_max_grad_norm_step_and_torchs_norm():
+    data = _data()
+    a, b, plain = _model(), _model(), _model()
+    opt_a = commpress.ShardedOptimizer(a, torch.optim.SGD, "none", lr=1.0)
+    opt_b = commpress.ShardedOptimizer(b, torch.optim.SGD, "none", lr=1.0, max_grad_norm=0.01)
+    opt_plain = torch.optim.SGD(plain.parameters(), lr=1.0)
+    for step in range(3):
+        _one_backward(a, data, step)
+        norm = opt_a.clip_grad_norm_(0.01)
+        opt_a.step()
+        opt_a.zero_grad()
+        _one_backward(b, data, step)
+        opt_b.step()
+        opt_b.zero_grad()
+        _one_backward(plain, data, step)
+        torch_norm = torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.01)
+        opt_plain.step()
+        opt_plain.zero_grad()
+        # the same clip as max_grad_norm, bit for bit; the norm torch reports, up to
+        # the fp32 summation order (torch sums per tensor, we per bucket in fp64)
+        assert norm.item() == pytest.approx(torch_norm.item(), rel=1e-5)
+        assert norm.item() == pytest.approx(opt_a.last_grad_norm, rel=1e-6)
+    for pa, pb, pp in zip(a.parameters(), b.parameters(), plain.parameters()):
+        assert torch.equal(pa, pb)
+        torch.testing.assert_close(pa, pp, rtol=1e-5, atol=1e-6)
+
+
+def test_torchs_clip_grad_norm_finds_no_gradients_as_documented():
+    # the documented misuse: gradients live in the flat buckets, param.grad is None
+    data = _data()
+    model = _model()
+    opt = commpress.ShardedOptimizer(model, torch.optim.SGD, "none", lr=1.0)
+    _one_backward(model, data)
+    assert all(p.grad is None for p in model.parameters())
+    assert "torch.nn.utils.clip_grad_norm_" in type(opt).__doc__
+    assert opt.clip_grad_norm_(1e9).item() > 0
+
+
+def test_clip_grad_norm_refuses_a_later_backward_and_bad_arguments():
+    data = _data()
+    model = _model()
+    opt = commpress.ShardedOptimizer(model, torch.optim.SGD, "none", lr=0.1)
+    with pytest.raises(ValueError, match="max_norm=0 is not allowed; allowed: a number > 0"):
+        opt.clip_grad_norm_(0)
+    with pytest.raises(ValueError, match="norm_type=inf is not allowed; allowed: 2.0"):
+        opt.clip_grad_norm_(1.0, norm_type=float("inf"))
+    _one_backward(model, data)
+    opt.clip_grad_norm_(1.0)
+    with pytest.raises(RuntimeError, match="after clip_grad_norm_"):
+        _one_backward(model, data)
+    opt.zero_grad()  # discards the step's gradients: a new backward is welcome
+    _one_backward(model, data)
+    assert opt.step() is True
+
+
+def test_zero_grad_honours_set_to_none():
+    model = _model()
+    opt = commpress.ShardedOptimizer(model, torch.optim.SGD, "none", lr=0.1)
+    p = next(model.parameters())
+    p.grad = torch.ones_like(p)
+    opt.zero_grad(set_to_none=False)
+    assert p.grad is not None and not p.grad.any()
+    opt.zero_grad()
+    assert p.grad is None
+
+
+def test_step_runs_the_closure_with_gradients_and_returns_its_loss():
+    data = _data()
+    a, b = _model(), _model()
+    opt_a = commpress.ShardedOptimizer(a, torch.optim.SGD, "none", lr=0.1)
+    opt_b = commpress.ShardedOptimizer(b, torch.optim.SGD, "none", lr=0.1)
+    for step in range(2):
+        def closure(step=step):
+            opt_a.zero_grad()
+            return _one_backward(a, data, step)  # backward needs gradients enabled
+
+        loss = opt_a.step(closure)
+        expected = _one_backward(b, data, step)
+        assert opt_b.step() is True
+        opt_b.zero_grad()
+        assert torch.equal(loss, expected)
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        assert torch.equal(pa, pb)

@@ -76,6 +76,13 @@ class ShardedOptimizer:
         opt = commpress.ShardedOptimizer(model, torch.optim.AdamW, "sdp4bit", lr=3e-4)
         loss.backward(); opt.step(); opt.zero_grad()
 
+    Gradient clipping: pass ``max_grad_norm`` (every step), or call
+    ``opt.clip_grad_norm_(max_norm)`` between ``backward()`` and ``step()`` (it returns
+    the total norm, as torch's does). Not ``torch.nn.utils.clip_grad_norm_(
+    model.parameters(), ...)``: the gradients live in the flat buckets, not in
+    ``param.grad`` (None after backward), and only ``step()`` reduces them across ranks,
+    so torch's function finds no gradient, returns 0 and clips nothing.
+
     Args:
         model: the module to train (its parameters become views into flat buckets).
         optimizer_cls: inner optimizer class (default ``torch.optim.AdamW``), run on the
@@ -135,6 +142,10 @@ class ShardedOptimizer:
         self.steps = 0
         self.skipped_steps = 0
         self.last_grad_norm = float("nan")
+        # internal state: this step's reduced gradient norm, once clip_grad_norm_ or step
+        # has waited for the reduce-scatters, and clip_grad_norm_'s limit for the step
+        self._reduced_norm: float | None = None
+        self._clip_norm: float | None = None
         self._no_sync = False
         self.param_rule = self.policy.rule("dp", "param")
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -194,10 +205,11 @@ class ShardedOptimizer:
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         b, i = self._where[id(p)]
         off = b.offsets[i]
-        if b.handle is not None:
+        if b.handle is not None or self._reduced_norm is not None:
             raise RuntimeError(
                 f"ShardedOptimizer: a gradient of {b.names[i]!r} arrived after its bucket's "
-                "reduce-scatter started; call step() (or use no_sync()) between backward passes")
+                "reduce-scatter started (or after clip_grad_norm_); call step() (or use "
+                "no_sync()) between backward passes")
         b.grad_buffer[off : off + p.numel()].add_(p.grad.reshape(-1))
         p.grad = None
         b.ready.add(i)
@@ -225,22 +237,46 @@ class ShardedOptimizer:
 
     # -- step ----------------------------------------------------------------------
     @torch.no_grad()
-    def step(self, closure=None) -> bool:
-        """Reduce gradients, update the shards, gather weights. Returns False if skipped."""
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip this step's global gradient norm to ``max_norm``; return the norm before
+        clipping. Call between ``backward()`` and ``step()``, in place of
+        ``torch.nn.utils.clip_grad_norm_`` (which sees no gradients here).
+
+        It waits for the gradients' reduce-scatter and computes the norm over
+        ``norm_group`` (one float across ranks); ``step()`` then scales the gradients
+        with the same arithmetic as ``max_grad_norm`` (the smaller limit wins when both
+        are set). A non-finite norm is returned as is and ``step()`` skips or raises.
+        """
+        if not (isinstance(max_norm, int | float) and max_norm > 0):
+            raise ValueError(f"clip_grad_norm_: max_norm={max_norm!r} is not allowed; "
+                             "allowed: a number > 0")
+        if norm_type != 2.0:
+            raise ValueError(f"clip_grad_norm_: norm_type={norm_type!r} is not allowed; "
+                             "allowed: 2.0 (the global norm is the 2-norm)")
+        norm = self._reduce_gradients()
+        self._clip_norm = max_norm if self._clip_norm is None else min(self._clip_norm,
+                                                                       max_norm)
+        return torch.tensor(norm, dtype=torch.float32, device=self.buckets[0].grad_shard.device)
+
+    @torch.no_grad()
+    def step(self, closure=None) -> Any:
+        """Reduce gradients, update the shards, gather weights.
+
+        Returns the loss ``closure()`` returned when given one (it runs first, with
+        gradients enabled, as in ``torch.optim``); else whether the step was taken
+        (False: skipped for a non-finite gradient)."""
+        loss = None
         if closure is not None:
-            raise ValueError("ShardedOptimizer.step does not take a closure")
-        # Step 1: every bucket's reduce-scatter (most started during backward)
-        for b in self.buckets:
-            if b.handle is None:
-                self._launch(b)
-        for b in self.buckets:
-            b.handle.wait()
-            b.handle = None
-            b.ready.clear()
-        # Step 2: one float across ranks: the norm, non-finite if any gradient is
-        norm = self._global_grad_norm()
-        self.last_grad_norm = norm
-        self._zero_grad_buffers()
+            with torch.enable_grad():
+                loss = closure()
+        stepped = self._step()
+        return loss if closure is not None else stepped
+
+    def _step(self) -> bool:
+        # Steps 1-2: the reduced gradients and their norm (unless clip_grad_norm_ did)
+        norm = self._reduce_gradients()
+        limits = [x for x in (self.max_grad_norm, self._clip_norm) if x is not None]
+        self._reduced_norm = self._clip_norm = None
         if not math.isfinite(norm):
             self.skipped_steps += 1
             if self.nonfinite == "raise":
@@ -253,11 +289,30 @@ class ShardedOptimizer:
             return False
         # Step 3: clip; the inner optimizer on the fp32 master shards
         clip_and_step(self.optimizer, [(b.master, b.grad_shard) for b in self.buckets], norm,
-                      self.max_grad_norm)
+                      min(limits) if limits else None)
         # Step 4: the new weights to every replica
         self._gather_params()
         self.steps += 1
         return True
+
+    def _reduce_gradients(self) -> float:
+        """Finish this step's gradient reduce-scatters, once; return the global norm."""
+        if self._reduced_norm is not None:
+            return self._reduced_norm
+        # Step 1: every bucket's reduce-scatter (most started during backward)
+        for b in self.buckets:
+            if b.handle is None:
+                self._launch(b)
+        for b in self.buckets:
+            b.handle.wait()
+            b.handle = None
+            b.ready.clear()
+        # Step 2: one float across ranks: the norm, non-finite if any gradient is
+        norm = self._global_grad_norm()
+        self.last_grad_norm = norm
+        self._zero_grad_buffers()
+        self._reduced_norm = norm
+        return norm
 
     def _global_grad_norm(self) -> float:
         """The gradient norm over ``norm_group``, NaN if any rank holds a non-finite
@@ -291,14 +346,26 @@ class ShardedOptimizer:
             b.grad_buffer.zero_()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear accumulated gradients (the flat buffers; ``param.grad`` stays None)."""
+        """Clear accumulated gradients: the flat buffers, and any ``param.grad`` (None
+        after backward here; a gradient set by hand becomes None, or zeros with
+        ``set_to_none=False``, as in ``torch.optim``)."""
         for b in self.buckets:
             if b.handle is not None:
                 b.handle.wait()
                 b.handle = None
             b.ready.clear()
             for p in b.params:
-                p.grad = None
+                if p.grad is None:
+                    continue
+                if set_to_none:
+                    p.grad = None
+                else:
+                    if p.grad.grad_fn is not None:
+                        p.grad.detach_()
+                    else:
+                        p.grad.requires_grad_(False)
+                    p.grad.zero_()
+        self._reduced_norm = self._clip_norm = None
         self._zero_grad_buffers()
 
     # -- introspection -----------------------------------------------------------------
