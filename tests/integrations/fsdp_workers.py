@@ -75,15 +75,18 @@ def fsdp_resume_run(rank, world, policy, total, split, ckpt_dir, save_codecs=Tru
     return out
 
 
-def fsdp_codec_state_mismatch(rank, world, policy):
-    """A codec state saved for one model layout refused by another."""
-    model, compression = _fsdp_model(policy)
+def fsdp_codec_state_mismatch(rank, world, policy, other_policy):
+    """A codec state refused by a model sharded another way, and by another policy."""
+    _, compression = _fsdp_model(policy)
     state = compression.state_dict()
     other = _model()
     fully_shard(other)  # the root only: the block modules are missing
-    other_compression = commpress.fsdp.compress(other, policy)
-    try:
-        other_compression.load_state_dict(state)
-    except ValueError as e:
-        return {"modules": state["modules"], "error": str(e)}
-    return {"modules": state["modules"], "error": None}
+    errors = {}
+    for case, target in (("modules", commpress.fsdp.compress(other, policy)),
+                         ("policy", _fsdp_model(other_policy)[1])):
+        try:
+            target.load_state_dict(state)
+            errors[case] = None
+        except ValueError as e:
+            errors[case] = str(e)
+    return {"modules": state["modules"], "errors": errors}

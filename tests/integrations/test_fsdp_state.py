@@ -34,11 +34,13 @@ def test_fsdp_resume_equals_the_uninterrupted_run_bit_for_bit(tmp_path, policy):
     assert resumed == full
 
 
-def test_fsdp_codec_state_of_other_modules_is_refused():
-    (result,) = spawn(fsdp_workers.fsdp_codec_state_mismatch, 1, ("int2ef",))
+def test_fsdp_codec_state_of_other_modules_or_another_policy_is_refused():
+    (result,) = spawn(fsdp_workers.fsdp_codec_state_mismatch, 1, ("int2ef", "sdp4bit"))
     # keyed by the FSDP modules' fully-qualified names, the root's being ""
     assert result["modules"][:3] == ["", "blocks.0", "blocks.1"]
-    message = result["error"]
+    message = result["errors"]["modules"]
     assert "saved for other FSDP modules" in message
     assert "this model's [] are not in it" in message
     assert "'blocks.0'" in message and "'blocks.1'" in message
+    assert "FSDP codec checkpoint policy {'name': 'int2ef'" in result["errors"]["policy"]
+    assert "does not match this run's {'name': 'sdp4bit'" in result["errors"]["policy"]

@@ -135,11 +135,12 @@ class FSDPCompression:
                 for name, (gather, scatter) in self.modules.items()}
 
     def state_dict(self) -> dict[str, Any]:
+        # the policy travels inside the rank's entry: DCP loads only the keys the
+        # loading run's own state has, so a nested dict could not be compared whole
         buffer = io.BytesIO()
-        torch.save(self.codec_states(), buffer)
-        return {"format": STATE_FORMAT, "policy": self.policy.to_dict(),
-                "world_size": self.world, "modules": list(self.modules),
-                f"rank{self.rank}": buffer.getvalue()}
+        torch.save({"policy": self.policy.to_dict(), "codecs": self.codec_states()}, buffer)
+        return {"format": STATE_FORMAT, "world_size": self.world,
+                "modules": list(self.modules), f"rank{self.rank}": buffer.getvalue()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the codec state; another policy, world size or set of FSDP modules is
@@ -147,22 +148,26 @@ class FSDPCompression:
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
             raise ValueError(f"not a commpress FSDP codec state (expected format "
                              f"{STATE_FORMAT!r})")
-        for key, mine in (("policy", self.policy.to_dict()), ("world_size", self.world)):
-            if state[key] != mine:
-                raise ValueError(f"FSDP codec checkpoint {key} {state[key]!r} does not match "
-                                 f"this run's {mine!r}; resume with the same {key}")
+        _check_same("world_size", state["world_size"], self.world)
         _check_module_names(state["modules"], list(self.modules))
         key = f"rank{self.rank}"
         if key not in state:
             saved = sorted(k for k in state if k.startswith("rank"))
             raise ValueError(f"FSDP codec checkpoint holds the state of {saved}, not this "
                              f"rank's ({key!r}); load each rank's own state")
-        codec_states = torch.load(io.BytesIO(state[key]), map_location=self.device,
-                                  weights_only=True)
+        entry = torch.load(io.BytesIO(state[key]), map_location=self.device, weights_only=True)
+        _check_same("policy", entry["policy"], self.policy.to_dict())
+        codec_states = entry["codecs"]
         _check_module_names(list(codec_states), list(self.modules))
         for name, (gather, scatter) in self.modules.items():
             gather.codec.load_state_dict(codec_states[name]["param"])
             scatter.grad_path.load_state_dict(codec_states[name]["grad"])
+
+
+def _check_same(key: str, saved: Any, mine: Any) -> None:
+    if saved != mine:
+        raise ValueError(f"FSDP codec checkpoint {key} {saved!r} does not match this run's "
+                         f"{mine!r}; resume with the same {key}")
 
 
 def _check_module_names(saved: list[str], mine: list[str]) -> None:
