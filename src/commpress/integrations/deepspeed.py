@@ -1,0 +1,500 @@
+"""DeepSpeed ZeRO-1/2 with commpress on its gradient and weight paths.
+
+``commpress.deepspeed.compress(engine, "sdp4bit")`` applies a policy inside one engine:
+
+* **Gradients, a real reduce-scatter.** DeepSpeed reduces a gradient bucket in
+  ``DeepSpeedZeroOptimizer.average_tensor``: it cuts the bucket into the slices each
+  data-parallel rank owns, divides by the world size, and hands the slices to
+  ``allreduce_and_scatter`` (its default, ``use_multi_rank_bucket_allreduce``: an
+  all-reduce of the whole bucket) or ``allreduce_no_retain`` (one ``dist.reduce`` per
+  owner). The adapter lets DeepSpeed's own code cut and divide, takes the slices it
+  hands over instead of sending them, and moves them in one compressed reduce-scatter
+  with uneven parts (:func:`reduce_scatter_parts`): each slice is encoded once with
+  the ``dp.grad`` codec and sent to its owner only, who decodes and sums the ranks'
+  slices in fp32, in rank order, and writes them where DeepSpeed's reduction would
+  have. With ``intra``/``inter`` codecs and several nodes, two levels: the node's
+  parts meet on one local rank first, and only their sum crosses the slow link.
+* **Weights.** DeepSpeed's step gathers the new partitions with the module function
+  ``all_gather_dp_groups``; for this engine they go through
+  :func:`~commpress.integrations.sharded_optimizer.gather_weights` with the
+  ``dp.param`` rule instead: a codec, two levels, or qWD differences (each rank keeps
+  its own partition as last gathered, since DeepSpeed overwrites it with the new
+  weights before the gather).
+* **Checkpoints.** ``engine.save_checkpoint`` also writes each rank's codec state
+  (error-feedback residuals, stochastic-rounding counters) beside DeepSpeed's files,
+  ``<save_dir>/<tag>/commpress_rank<global rank>.pt``; ``engine.load_checkpoint``
+  reads it back, so a resumed run continues bit for bit.
+
+DeepSpeed keeps everything else: its buckets and when they are reduced
+(``overlap_comm``, ``contiguous_gradients``, gradient accumulation), the slices'
+offsets, clipping, loss scaling, the optimizer. The optimizer's methods are patched on
+the instance; ``all_gather_dp_groups`` is a module function, so it is replaced by a
+dispatcher that sends this engine's gathers to commpress and every other call to
+DeepSpeed's function. :meth:`DeepSpeedCompression.undo` removes it all.
+
+The alternative we rejected — overriding ``gradient_reduction_w_predivide`` with
+``reduce_scatter: false`` — is shorter but gives every rank the whole bucket: an
+all-reduce, twice the bytes of a reduce-scatter.
+
+Not covered, and refused by :func:`compress`: ZeRO-3 (its parameters are gathered per
+module inside ``partition_parameters``; compressed fully sharded training is
+``commpress.fsdp`` on FSDP2), ZeRO++'s own quantized paths (``zero_quantized_weights``,
+``zero_quantized_gradients``, ``zero_hpz_partition_size``: one engine compresses once),
+``reduce_scatter: false`` and ``contiguous_gradients: false`` (DeepSpeed all-reduces
+there), CPU offload, MoE and Muon (their gradients go through other reductions).
+Written against DeepSpeed 0.19.8.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import weakref
+from collections.abc import Callable
+from types import MethodType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from commpress.codecs import packet_to_bytes
+from commpress.collectives import Topology, chunks
+from commpress.collectives.call import AnyCodec, begin
+from commpress.collectives.comm import Exchange
+from commpress.collectives.stats import Stats
+from commpress.integrations.grad_path import GradPath
+from commpress.integrations.sharded_optimizer import gather_weights
+from commpress.policy import Policy
+
+try:
+    import deepspeed
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.zero import stage_1_and_2
+except ImportError as e:  # pragma: no cover - the engine tests require it
+    raise ImportError("commpress.deepspeed needs DeepSpeed: pip install -r "
+                      "requirements-engines.txt (deepspeed==0.19.8)") from e
+
+log = logging.getLogger(__name__)
+
+STATE_FORMAT = "commpress.deepspeed/1"
+TESTED_VERSION = "0.19.8"
+STAGES = (1, 2)
+# DeepSpeedZeroOptimizer methods the adapter patches on the instance
+PATCHED = ("average_tensor", "allreduce_and_scatter", "allreduce_no_retain")
+
+# Engines compressed in this process; the gather dispatcher looks a call up here.
+_INSTALLED: weakref.WeakSet = weakref.WeakSet()
+_DEEPSPEED_GATHER: Callable | None = None
+
+
+def reduce_scatter_parts(parts: list[torch.Tensor], path: GradPath,
+                         group: dist.ProcessGroup, topology: Topology | None = None,
+                         label: str = "dp.grad") -> torch.Tensor:
+    """Sum over ranks of the part each rank holds for this rank (fp32, rank order).
+
+    ``parts[r]`` (1-D, any length; every rank passes the same lengths) is what this rank
+    contributes to rank ``r``. Each part is encoded once with ``path``'s codec and sent
+    to its rank only — one all-to-all with uneven rows — so a rank receives no more
+    than its own elements, and a part of length 0 costs nothing. Two-level paths on
+    several nodes: step 1 sends inside the node, to local rank ``l``, the parts of
+    every node's rank ``l`` (``intra`` codec); step 2 sends those partial sums across
+    nodes among ranks of one local index (``inter`` codec).
+
+    Bytes this rank sends: ``Σ_{r≠me} wire(len(parts[r]))``; two levels:
+    ``Σ_{l'≠l} wire_intra(Σ_n len(parts[n·L + l']))`` inside the node and
+    ``Σ_{n'≠n} wire_inter(len(parts[n'·L + l]))`` across nodes. Stats go to ``label``
+    (``label.intra`` / ``label.inter`` with two levels).
+    """
+    world = dist.get_world_size(group)
+    if len(parts) != world:
+        raise ValueError(f"reduce_scatter_parts: {len(parts)} parts for a group of {world} "
+                         "ranks; allowed: one part per rank")
+    sizes = [p.numel() for p in parts]
+    rpn = (topology or Topology()).ranks_per_node_in(world)
+    # every rank must agree on the codecs, the parts' lengths and the node size before
+    # a byte moves (and before the node sub-groups are made)
+    call = begin("reduce_scatter_parts", group, label, dict(path.codecs), op="sum",
+                 tensors={"parts": parts[0]}, sizes=sizes, ranks_per_node=rpn)
+    if not path.two_level:
+        return _exchange(parts, call.codecs["single"], call.group, call.stats, label,
+                         call.rank)
+    levels = call.ctx.levels(call.group, rpn)
+    if levels.nodes == 1:
+        return _exchange(parts, call.codecs["intra"], call.group, call.stats, f"{label}.intra",
+                         call.rank)
+    if levels.ranks_per_node == 1:
+        return _exchange(parts, call.codecs["inter"], call.group, call.stats, f"{label}.inter",
+                         call.rank)
+    L, nodes, local = levels.ranks_per_node, levels.nodes, levels.local_rank
+    # Step 1: local rank l receives, from each rank of the node, the parts of ranks
+    # (0, l), (1, l), … (node-major) and sums them
+    intra_parts = [torch.cat([parts[n * L + j].reshape(-1) for n in range(nodes)])
+                   for j in range(L)]
+    partial = _exchange(intra_parts, call.codecs["intra"], levels.intra, call.stats,
+                        f"{label}.intra", local)
+    # Step 2: the node sums cross the slow link once, to the rank of this local index
+    inter_parts = list(partial.split([sizes[n * L + local] for n in range(nodes)]))
+    return _exchange(inter_parts, call.codecs["inter"], levels.inter, call.stats,
+                     f"{label}.inter", levels.node)
+
+
+def _exchange(parts: list[torch.Tensor], codec: AnyCodec, group: dist.ProcessGroup,
+              stats: Stats, label: str, me: int) -> torch.Tensor:
+    """One level of :func:`reduce_scatter_parts`: encode, all-to-all, decode and sum."""
+    device, dtype = parts[me].device, parts[me].dtype
+    padded = [chunks.padded_chunk(codec, p.numel()) for p in parts]
+    # Step 1: encode each rank's part once, padded to the codec's alignment
+    with stats.timed(label, "encode_s", device):
+        rows = [_encode_part(codec, p, m, me, f"{label}#{r}")
+                for r, (p, m) in enumerate(zip(parts, padded))]
+    elements = sum(m for r, m in enumerate(padded) if r != me)
+    stats.record(label, calls=1, elements=elements,
+                 wire_bytes=sum(row.numel() for r, row in enumerate(rows) if r != me),
+                 raw_bytes=elements * parts[me].element_size())
+    # Step 2: one all-to-all of the byte rows (row sizes first: any codec works)
+    with stats.timed(label, "comm_s", device):
+        received = Exchange(rows, group).wait()
+    n = parts[me].numel()
+    if n == 0:
+        return torch.zeros(0, dtype=torch.float32, device=device)
+    # Step 3: decode every rank's part for this rank and sum in fp32, in rank order
+    with stats.timed(label, "decode_s", device):
+        return chunks.decode_sum_rows(codec, received, padded[me], dtype)[:n]
+
+
+def _encode_part(codec: AnyCodec, part: torch.Tensor, padded: int, rng_stream: int,
+                 key: str) -> torch.Tensor:
+    if padded == 0:
+        return torch.empty(0, dtype=torch.uint8, device=part.device)
+    x = part.reshape(-1)
+    if padded != x.numel():
+        x = torch.cat([x, x.new_zeros(padded - x.numel())])
+    return packet_to_bytes(chunks.encode(codec, x, rng_stream=rng_stream, key=key))
+
+
+class DeepSpeedCompression:
+    """commpress inside one DeepSpeed ZeRO-1/2 engine (made by :func:`compress`).
+
+    Slots: hyperparameters (``policy``, ``topology``, the engine's data-parallel
+    ``group``); internal state (the gradient codecs of each of DeepSpeed's buckets —
+    its buckets keep their parameters from step to step —, keyed by their first and
+    last parameter's names; one weight codec per parameter group; with qWD, this
+    rank's partition of the weights as last gathered); stats (``buckets_reduced``).
+    """
+
+    def __init__(self, engine: DeepSpeedEngine, policy: Policy, topology: Topology) -> None:
+        self.engine = engine
+        self.optimizer = engine.optimizer
+        # hyperparameters
+        self.policy = policy
+        self.topology = topology
+        self.group = self.optimizer.dp_process_group
+        self.param_rule = policy.rule("dp", "param")
+        # internal state
+        self.grad_paths: dict[str, GradPath] = {}
+        self.param_codecs = [self.param_rule.build() for _ in self.optimizer.bit16_groups_flat]
+        self._pending: dict[str, dict] = {}  # loaded codec states of buckets not yet seen
+        self._own_weights = self._own_partitions() if self.param_rule.delta else None
+        self._names = {id(p): n for n, p in engine.module.named_parameters()}
+        self._pieces: list | None = None  # slices DeepSpeed hands over while collecting
+        self._loading = False
+        self._originals: dict[str, Callable] = {}
+        # stats
+        self.buckets_reduced = 0
+
+    # -- install / undo ----------------------------------------------------------------
+    def _install(self) -> None:
+        global _DEEPSPEED_GATHER
+        opt, engine = self.optimizer, self.engine
+        for name in PATCHED:
+            self._originals[name] = getattr(opt, name)
+        opt.average_tensor = MethodType(_average_tensor, self)
+        opt.allreduce_and_scatter = MethodType(_collect_scatter, self)
+        opt.allreduce_no_retain = MethodType(_collect_reduce, self)
+        self._originals["save_checkpoint"] = engine.save_checkpoint
+        self._originals["load_checkpoint"] = engine.load_checkpoint
+        engine.save_checkpoint = self._save_checkpoint
+        engine.load_checkpoint = self._load_checkpoint
+        if stage_1_and_2.all_gather_dp_groups is not _gather_dispatch:
+            _DEEPSPEED_GATHER = stage_1_and_2.all_gather_dp_groups
+            stage_1_and_2.all_gather_dp_groups = _gather_dispatch
+        _INSTALLED.add(self)
+
+    def undo(self) -> None:
+        """Give the engine back DeepSpeed's own reductions, gathers and checkpoints."""
+        global _DEEPSPEED_GATHER
+        for name in PATCHED:
+            self.optimizer.__dict__.pop(name, None)
+        for name in ("save_checkpoint", "load_checkpoint"):
+            self.engine.__dict__.pop(name, None)
+        _INSTALLED.discard(self)
+        if not _INSTALLED and _DEEPSPEED_GATHER is not None:
+            stage_1_and_2.all_gather_dp_groups = _DEEPSPEED_GATHER
+            _DEEPSPEED_GATHER = None
+        self.engine.__dict__.pop("commpress", None)
+        log.info("Removed commpress from the DeepSpeed engine")
+
+    # -- gradients -----------------------------------------------------------------------
+    def reduce_bucket(self, tensor: torch.Tensor, comm_dtype: torch.dtype) -> None:
+        """DeepSpeed's ``average_tensor``, with the slices it would send reduce-scattered."""
+        pieces: list = []
+        self._pieces = pieces
+        try:
+            self._originals["average_tensor"](tensor, comm_dtype)
+        finally:
+            self._pieces = None
+        if not pieces:
+            return
+        world, me = dist.get_world_size(self.group), dist.get_rank(self.group)
+        by_rank: list[list[torch.Tensor]] = [[] for _ in range(world)]
+        for dst, view, _ in pieces:
+            by_rank[dst].append(view.reshape(-1))
+        parts = [torch.cat(views) if views else tensor.new_empty(0) for views in by_rank]
+        reduced = reduce_scatter_parts(parts, self._grad_path(tensor, comm_dtype), self.group,
+                                       self.topology).to(comm_dtype)
+        # as DeepSpeed's reduction: the owner's slices (and its fp32 partition buffer, if
+        # any) receive the reduced values; other ranks' slices are left as they are
+        offset = 0
+        for dst, view, output in pieces:
+            if dst != me:
+                continue
+            value = reduced[offset:offset + view.numel()]
+            offset += view.numel()
+            if output is not None:
+                output.add_(value.to(output.dtype).view_as(output))
+            view.copy_(value.view_as(view))
+        self.buckets_reduced += 1
+
+    def _grad_path(self, tensor: torch.Tensor, comm_dtype: torch.dtype) -> GradPath:
+        params = self.optimizer.ipg_buckets[comm_dtype].params
+        first, last = (self._names[id(self.optimizer.bit16_groups[i][j])]
+                       for i, j, _ in (params[0], params[-1]))
+        key = f"{str(comm_dtype).removeprefix('torch.')}:{first}..{last}:{tensor.numel()}"
+        path = self.grad_paths.get(key)
+        if path is None:
+            path = self.grad_paths[key] = GradPath(self.policy, self.topology)
+            if key in self._pending:
+                path.load_state_dict(self._pending.pop(key))
+        return path
+
+    def collect(self, dst: int, view: torch.Tensor, output: torch.Tensor | None,
+                group: dist.ProcessGroup) -> None:
+        if group is not None and group is not self.group:
+            raise RuntimeError("commpress.deepspeed: a gradient slice is reduced over another "
+                               "group than the engine's data-parallel group (MoE?); not "
+                               "supported")
+        self._pieces.append((dst, view, output))
+
+    # -- weights ------------------------------------------------------------------------
+    def gather(self, groups_flat: list[torch.Tensor], partitions: list[list[torch.Tensor]],
+               groups: list[dist.ProcessGroup]) -> None:
+        """The step's weight all-gather, each parameter group with the ``dp.param`` rule."""
+        for i, (flat, parts) in enumerate(zip(groups_flat, partitions)):
+            if dist.get_world_size(groups[i]) == 1:
+                continue
+            mine = parts[dist.get_rank(groups[i])]
+            if self._own_weights is None:
+                gather_weights(flat, mine, self.param_codecs[i], self.param_rule, self.topology,
+                               groups[i])
+                continue
+            # qWD: the difference is taken against this rank's partition as every replica
+            # holds it, which DeepSpeed has just overwritten with the new weights
+            new = mine.clone()
+            mine.copy_(self._own_weights[i])
+            gather_weights(flat, new, self.param_codecs[i], self.param_rule, self.topology,
+                           groups[i])
+            self._own_weights[i] = mine.clone()
+
+    def _own_partitions(self) -> list[torch.Tensor]:
+        opt = self.optimizer
+        return [parts[dist.get_rank(opt.real_dp_process_group[i])].detach().clone()
+                for i, parts in enumerate(opt.parallel_partitioned_bit16_groups)]
+
+    # -- checkpoints ------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's codec state (the weights themselves are in DeepSpeed's files)."""
+        return {"format": STATE_FORMAT, "policy": self.policy.to_dict(),
+                "world_size": dist.get_world_size(self.group),
+                "dp_rank": dist.get_rank(self.group),
+                "grad_codecs": {**self._pending,
+                                **{k: p.state_dict() for k, p in self.grad_paths.items()}},
+                "param_codecs": [c.state_dict() for c in self.param_codecs],
+                "buckets_reduced": self.buckets_reduced}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore codec state saved by the same data-parallel rank of the same run."""
+        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+            raise ValueError(f"not a commpress.deepspeed state (expected format "
+                             f"{STATE_FORMAT!r})")
+        for key, mine in (("policy", self.policy.to_dict()),
+                          ("world_size", dist.get_world_size(self.group)),
+                          ("dp_rank", dist.get_rank(self.group)),
+                          ("param_codecs", len(self.param_codecs))):
+            saved = state[key] if key != "param_codecs" else len(state[key])
+            if saved != mine:
+                raise ValueError(f"commpress.deepspeed checkpoint {key} {saved!r} does not "
+                                 f"match this run's {mine!r}; resume with the same policy, "
+                                 "data-parallel size and parameter groups")
+        for codec, saved in zip(self.param_codecs, state["param_codecs"]):
+            codec.load_state_dict(saved)
+        self.grad_paths = {}
+        self._pending = dict(state["grad_codecs"])  # applied as each bucket comes
+        self.buckets_reduced = state["buckets_reduced"]
+        if self._own_weights is not None:  # DeepSpeed has restored the weights
+            self._own_weights = self._own_partitions()
+
+    def state_path(self, checkpoint_dir: str) -> str:
+        """This rank's codec-state file inside a checkpoint's tag directory."""
+        return os.path.join(checkpoint_dir, f"commpress_rank{dist.get_rank():05d}.pt")
+
+    def _save_checkpoint(self, save_dir: str, tag: Any = None, *args, **kwargs) -> Any:
+        # DeepSpeed's default tag, fixed here so both files land in one directory
+        tag = str(tag) if tag is not None else f"global_step{self.engine.global_steps}"
+        os.makedirs(os.path.join(save_dir, tag), exist_ok=True)
+        # written before DeepSpeed's files: its 'latest' never names a tag without it
+        torch.save(self.state_dict(), self.state_path(os.path.join(save_dir, tag)))
+        return self._originals["save_checkpoint"](save_dir, tag, *args, **kwargs)
+
+    def _load_checkpoint(self, load_dir: str, tag: Any = None, *args, **kwargs) -> Any:
+        self._loading = True  # a gather DeepSpeed makes while loading stays its own
+        try:
+            load_path, client_state = self._originals["load_checkpoint"](load_dir, tag, *args,
+                                                                         **kwargs)
+        finally:
+            self._loading = False
+        if load_path is None or kwargs.get("load_module_only"):
+            return load_path, client_state
+        path = self.state_path(os.path.dirname(load_path))
+        if not os.path.exists(path):
+            raise ValueError(f"commpress.deepspeed: {path} is missing: the checkpoint was "
+                             "saved without commpress's codec state; save it with a "
+                             "compressed engine, or load with load_module_only=True")
+        self.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+        return load_path, client_state
+
+
+# DeepSpeed calls these as methods of its optimizer; bound to the compression instead.
+def _average_tensor(self: DeepSpeedCompression, tensor: torch.Tensor,
+                    communication_data_type: torch.dtype) -> None:
+    self.reduce_bucket(tensor, communication_data_type)
+
+
+def _collect_scatter(self: DeepSpeedCompression, bucket, communication_data_type,
+                     numel_per_bucket=500000000, log=None, divide=True, process_group=None):
+    if self._pieces is None:
+        return self._originals["allreduce_and_scatter"](
+            bucket, communication_data_type, numel_per_bucket=numel_per_bucket, log=log,
+            divide=divide, process_group=process_group)
+    for item in bucket:
+        ranks, view, output = item if len(item) == 3 else (*item, None)
+        if not isinstance(ranks, frozenset) or len(ranks) != 1:
+            raise RuntimeError("commpress.deepspeed: a gradient slice is copied to several "
+                               f"ranks ({sorted(ranks) if isinstance(ranks, frozenset) else ranks}"
+                               "; Muon's split matrices?); not supported")
+        self.collect(next(iter(ranks)), view, output, process_group)
+
+
+def _collect_reduce(self: DeepSpeedCompression, bucket, communication_data_type,
+                    numel_per_bucket=500000000, rank=None, log=None, divide=True,
+                    process_group=None, output_bucket=None):
+    if self._pieces is None or rank is None:
+        return self._originals["allreduce_no_retain"](
+            bucket, communication_data_type, numel_per_bucket=numel_per_bucket, rank=rank,
+            log=log, divide=divide, process_group=process_group, output_bucket=output_bucket)
+    for view, output in zip(bucket, output_bucket or [None] * len(bucket)):
+        self.collect(rank, view, output, process_group)
+
+
+def _gather_dispatch(groups_flat, partitioned_param_groups, dp_process_group,
+                     start_alignment_factor, allgather_bucket_size):
+    """``all_gather_dp_groups`` for every engine: compressed ones go to commpress."""
+    for compression in list(_INSTALLED):
+        if compression.optimizer.bit16_groups_flat is groups_flat and not compression._loading:
+            return compression.gather(groups_flat, partitioned_param_groups, dp_process_group)
+    return _DEEPSPEED_GATHER(groups_flat, partitioned_param_groups, dp_process_group,
+                             start_alignment_factor, allgather_bucket_size)
+
+
+def compress(engine: DeepSpeedEngine, policy: str | dict | Policy = "none",
+             topology: Topology | None = None) -> DeepSpeedCompression:
+    """Compress a DeepSpeed ZeRO-1/2 engine's gradient reduce-scatter and weight
+    all-gather with ``policy``; returns the :class:`DeepSpeedCompression` (``undo()``).
+
+    Gradients: each rank receives only the slices it owns, ``bits(dp.grad)`` per element
+    (two levels when the policy names ``intra``/``inter`` codecs and the group spans
+    several nodes); weights: ``bits(dp.param)`` per element of each rank's partition.
+
+    Args:
+        engine: what ``deepspeed.initialize`` returned first (ZeRO stage 1 or 2).
+        policy: preset name, policy file, dict or :class:`~commpress.Policy`.
+        topology: node layout for two levels (default from ``LOCAL_WORLD_SIZE``).
+
+    Example::
+
+        engine, *_ = deepspeed.initialize(model=model, config=config,
+                                          model_parameters=model.parameters())
+        commpress.deepspeed.compress(engine, "sdp4bit")
+    """
+    _check_engine(engine)
+    compression = DeepSpeedCompression(engine, Policy.resolve(policy), topology or Topology())
+    compression._install()
+    engine.commpress = compression
+    log.info("Applied commpress to DeepSpeed ZeRO-%d: policy %s (%s)",
+             engine.zero_optimization_stage(), compression.policy.name,
+             compression.policy.describe() or "exact")
+    return compression
+
+
+def _check_engine(engine: Any) -> None:
+    """Refuse, with the reason and the way out, what the adapter cannot honour."""
+    if not isinstance(engine, DeepSpeedEngine):
+        raise TypeError(f"commpress.deepspeed.compress: engine must be the DeepSpeedEngine "
+                        f"deepspeed.initialize returns; got {type(engine).__name__}")
+    if getattr(engine, "commpress", None) is not None:
+        raise ValueError("commpress.deepspeed.compress: this engine is compressed already; "
+                         "call engine.commpress.undo() first")
+    stage = engine.zero_optimization_stage()
+    if stage not in STAGES:
+        hint = (" ZeRO-3 is not covered: its parameters are gathered per module inside "
+                "DeepSpeed's partition_parameters; for compressed fully sharded training use "
+                "FSDP2 with commpress.fsdp.compress" if stage == 3 else
+                " Without ZeRO, DeepSpeed all-reduces gradients: use ZeRO stage 1 or 2")
+        raise ValueError(f"commpress.deepspeed.compress: zero_optimization.stage={stage} is "
+                         f"not allowed; allowed: {', '.join(map(str, STAGES))}.{hint}")
+    zeropp = [name for name in ("zero_quantized_weights", "zero_quantized_gradients")
+              if getattr(engine, name)()]
+    if engine.zero_hpz_partition_size() > 1:
+        zeropp.append("zero_hpz_partition_size")
+    if zeropp:
+        raise ValueError(f"commpress.deepspeed.compress: ZeRO++'s own quantized paths "
+                         f"({', '.join(zeropp)}) are not allowed with commpress; turn them "
+                         "off (commpress's policy compresses the same collectives)")
+    opt = engine.optimizer
+    if not isinstance(opt, stage_1_and_2.DeepSpeedZeroOptimizer):
+        raise ValueError(f"commpress.deepspeed.compress: the engine's optimizer is "
+                         f"{type(opt).__name__}; allowed: DeepSpeedZeroOptimizer (ZeRO stage "
+                         "1 or 2)")
+    missing = [n for n in PATCHED if not hasattr(opt, n)]
+    if missing or not hasattr(stage_1_and_2, "all_gather_dp_groups"):
+        raise RuntimeError(f"commpress.deepspeed: DeepSpeed {deepspeed.__version__} lacks "
+                           f"{missing or ['all_gather_dp_groups']}; the adapter is written "
+                           f"for DeepSpeed {TESTED_VERSION}")
+    for field, bad, fix in (
+            ("reduce_scatter", not opt.reduce_scatter, "set zero_optimization.reduce_scatter "
+             "to true (DeepSpeed's default)"),
+            ("contiguous_gradients", not opt.contiguous_gradients, "set zero_optimization."
+             "contiguous_gradients to true (DeepSpeed's default)"),
+            ("offload_optimizer", opt.cpu_offload, "CPU offload is not covered"),
+            ("moe", opt.has_moe_layers, "MoE expert gradients are not covered"),
+            ("zenflow", getattr(opt, "zenflow", False), "ZenFlow is not covered"),
+            ("optimizer", type(opt.optimizer).__name__.startswith("Muon"),
+             "Muon's split matrices are all-reduced; not covered")):
+        if bad:
+            raise ValueError(f"commpress.deepspeed.compress: {field} as configured is not "
+                             f"allowed: {fix}")
+    if any(g is not opt.dp_process_group for g in opt.real_dp_process_group):
+        raise ValueError("commpress.deepspeed.compress: parameter groups reduce over other "
+                         "groups than the data-parallel group; not covered")
+    if deepspeed.__version__ != TESTED_VERSION:
+        log.warning("commpress.deepspeed is written for DeepSpeed %s; this is %s",
+                    TESTED_VERSION, deepspeed.__version__)

@@ -1,0 +1,108 @@
+"""Lightning (and accelerate): the commpress DDP hook on any device.
+
+Lightning's ``DDPStrategy`` registers a communication hook only when its root device
+is CUDA, so ``DDPStrategy(ddp_comm_hook=...)`` on CPU is silently ignored and the
+gradients go through DDP's own all-reduce. :class:`CommpressDDPStrategy` registers
+:func:`commpress.ddp_hook` on every device, keeps the hook's codec state
+(error-feedback residuals, stochastic-rounding counters) in the trainer's checkpoints
+— one file per rank beside the checkpoint, ``<checkpoint>.commpress-rank<r>.pt``,
+since each rank's residuals are its own — and is otherwise Lightning's ``DDPStrategy``.
+
+accelerate needs no adapter: register the hook on the model ``accelerator.prepare``
+returns (a ``DistributedDataParallel`` when there are several processes)::
+
+    model, optimizer = accelerator.prepare(model, optimizer)
+    model.register_comm_hook(*commpress.ddp_hook(model, "int2ef"))
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+
+from commpress.collectives import Topology
+from commpress.integrations.ddp import BUCKET_NUMEL, DDPHookState, ddp_hook
+from commpress.policy import Policy
+
+try:
+    from lightning.pytorch.strategies import DDPStrategy
+except ImportError as e:  # pragma: no cover - the engine tests require it
+    raise ImportError("commpress.lightning needs Lightning: pip install -r "
+                      "requirements-engines.txt (lightning==2.6.6)") from e
+
+log = logging.getLogger(__name__)
+
+
+class CommpressDDPStrategy(DDPStrategy):
+    """Lightning's DDP strategy with the commpress gradient hook, on any device.
+
+    Args:
+        policy: preset name, policy file, dict or :class:`~commpress.Policy` (or a codec
+            spec for ``dp.grad``, as :func:`commpress.ddp_hook` takes).
+        topology: node layout for two-level policies (default from ``LOCAL_WORLD_SIZE``).
+        overlap: run the hook's collectives on a communication thread during backward.
+        bucket_numel: elements per hook bucket.
+        **kwargs: passed to ``DDPStrategy`` (``find_unused_parameters``, timeout, …).
+
+    Example::
+
+        trainer = L.Trainer(accelerator="cpu", devices=2,
+                            strategy=commpress.lightning.CommpressDDPStrategy("int2ef"))
+    """
+
+    strategy_name = "commpress_ddp"
+
+    def __init__(self, policy: str | dict | Policy = "none", *,
+                 topology: Topology | None = None, overlap: bool = True,
+                 bucket_numel: int = BUCKET_NUMEL, **kwargs: Any) -> None:
+        for taken in ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper"):
+            if kwargs.get(taken) is not None:
+                raise ValueError(f"CommpressDDPStrategy: {taken} is not allowed: the strategy "
+                                 "registers commpress's hook; choose its codecs with policy")
+        super().__init__(**kwargs)
+        self.policy = policy
+        self.topology = topology
+        self.overlap = overlap
+        self.bucket_numel = bucket_numel
+        self.hook_state: DDPHookState | None = None
+        self._loaded_hook_state: dict | None = None  # from a checkpoint read before setup
+
+    def _register_ddp_hooks(self) -> None:
+        # DDPStrategy's own registers a hook on CUDA only; this one on any device
+        self.hook_state, hook = ddp_hook(self.model, self.policy, topology=self.topology,
+                                         overlap=self.overlap, bucket_numel=self.bucket_numel)
+        if self._loaded_hook_state is not None:
+            self.hook_state.load_state_dict(self._loaded_hook_state)
+            self._loaded_hook_state = None
+        self.model.register_comm_hook(self.hook_state, hook)
+        log.info("Applied commpress's DDP hook: policy %s on %s",
+                 self.hook_state.policy.name, self.root_device)
+
+    # -- checkpoints: each rank's codec state beside the checkpoint ---------------------
+    def hook_state_path(self, checkpoint_path: str | os.PathLike) -> str:
+        return f"{os.fspath(checkpoint_path)}.commpress-rank{self.global_rank}.pt"
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | os.PathLike,
+                        storage_options: Any | None = None) -> None:
+        if self.hook_state is not None:
+            os.makedirs(os.path.dirname(os.path.abspath(filepath)), exist_ok=True)
+            torch.save(self.hook_state.state_dict(), self.hook_state_path(filepath))
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def load_checkpoint(self, checkpoint_path: str | os.PathLike,
+                        weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        path = self.hook_state_path(checkpoint_path)
+        if not os.path.exists(path):
+            raise ValueError(f"CommpressDDPStrategy: {path} is missing: the checkpoint was "
+                             "saved without commpress's hook state (by another strategy, or "
+                             "with another number of ranks)")
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        if self.hook_state is not None:  # resumed after setup: the hook exists already
+            self.hook_state.load_state_dict(state)
+        else:
+            self._loaded_hook_state = state
+        return checkpoint

@@ -1,0 +1,216 @@
+"""Per-rank DeepSpeed runs for the engine tests (module level: picklable).
+
+Importing DeepSpeed and building an engine cost tens of seconds per process, so each
+worker runs several engines one after another in the same ranks.
+"""
+
+import hashlib
+import importlib
+import logging
+import os
+
+import torch
+import torch.distributed as dist
+
+import commpress
+from commpress.model.gpt import GPT, config_from_preset
+from commpress.train.data import TextData, load_tokens
+
+SEQ, BATCH = 32, 8  # global batch per step; each rank takes its share
+BUCKET = 20_000  # elements: several buckets, one owner boundary inside a bucket
+
+
+def _deepspeed():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+    from deepspeed.utils import logger
+
+    logger.setLevel(logging.WARNING)
+    # DeepSpeed's CPU communicator compiles a shared-memory op (minutes) that only its
+    # inference all-reduce uses; training runs without it
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    return deepspeed
+
+
+def config(stage=2, accumulation=1, overlap=True, multi_rank=True, world=2):
+    return {
+        "train_micro_batch_size_per_gpu": BATCH // world // accumulation,
+        "gradient_accumulation_steps": accumulation,
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1,
+                                                  "torch_adam": True}},
+        "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": BUCKET,
+                              "allgather_bucket_size": BUCKET, "overlap_comm": overlap,
+                              "contiguous_gradients": True, "reduce_scatter": True,
+                              "use_multi_rank_bucket_allreduce": multi_rank},
+        "steps_per_print": 10**9,
+    }
+
+
+def engine_for(cfg, policy=None, topology=None):
+    """A fresh gpt-tiny engine (same seed on every rank), compressed when ``policy``."""
+    deepspeed = _deepspeed()
+    torch.manual_seed(0)
+    model = GPT(config_from_preset("gpt-tiny", block_size=SEQ))
+    engine, *_ = deepspeed.initialize(model=model, config=cfg,
+                                      model_parameters=model.parameters())
+    if policy is not None:
+        commpress.deepspeed.compress(engine, policy, topology=topology)
+    return engine
+
+
+def weights_hash(engine):
+    h = hashlib.sha256()
+    for p in engine.module.parameters():
+        h.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def train(engine, data, start, steps, rank, world):
+    """``steps`` optimizer steps; per step the mean loss over ranks and the weights."""
+    accumulation = engine.gradient_accumulation_steps()
+    micro = BATCH // world // accumulation
+    losses, hashes = [], []
+    for step in range(start, start + steps):
+        x, y = data.batch("train", BATCH, SEQ, 0, step)
+        total = 0.0
+        for m in range(accumulation):
+            lo = rank * (BATCH // world) + m * micro
+            _, loss = engine(x[lo:lo + micro], y[lo:lo + micro])
+            engine.backward(loss)
+            engine.step()
+            total += loss.item() / accumulation
+        t = torch.tensor([total])
+        dist.all_reduce(t)
+        losses.append(t.item() / world)
+        hashes.append(weights_hash(engine))
+    return losses, hashes
+
+
+def run(engine, data, rank, world, steps):
+    commpress.reset_stats()
+    losses, hashes = train(engine, data, 0, steps, rank, world)
+    return {"losses": losses, "hashes": hashes, "stats": commpress.stats(),
+            "numel": sum(p.numel() for p in engine.module.parameters())}
+
+
+def runs(rank, world, cases, steps):
+    """Each ``(name, config kwargs, policy)`` case trained ``steps`` steps; by name."""
+    data = TextData(load_tokens(max_bytes=200_000))
+    out = {}
+    for name, kwargs, policy in cases:
+        engine = engine_for(config(world=world, **kwargs), policy)
+        out[name] = run(engine, data, rank, world, steps)
+        out[name]["partition"] = [len(f) // world for f in engine.optimizer.bit16_groups_flat]
+        if policy is not None:
+            engine.commpress.undo()
+    return out
+
+
+def everything(rank, world, cases, directory, steps):
+    """The cases, the refusals and a resumed run, in one set of ranks."""
+    return {"cases": runs(rank, world, cases, steps), "refusals": refusals(rank, world),
+            "resume": resume(rank, world, directory, steps), "parts": parts(rank, world)}
+
+
+def parts(rank, world):
+    """reduce_scatter_parts alone: uneven and empty parts, exact and int8; and ranks
+    that disagree on the parts' lengths."""
+    from commpress.integrations.deepspeed import reduce_scatter_parts
+    from commpress.integrations.grad_path import GradPath
+    from commpress.policy import Policy
+
+    sizes = [300, 0] if world == 2 else [300, 0, 7, 130][:world]
+    gen = torch.Generator().manual_seed(rank)
+    mine = [torch.randn(n, generator=gen) for n in sizes]
+    every = [torch.empty(sum(sizes)) for _ in range(world)]
+    dist.all_gather(every, torch.cat(mine))
+    offsets = [sum(sizes[:r]) for r in range(world)]
+    expected = sum(e[offsets[rank]:offsets[rank] + sizes[rank]] for e in every)
+    out = {}
+    for name in ("none", "int8"):
+        policy = Policy.from_dict({"name": name, "dp": {"grad": name}})
+        got = reduce_scatter_parts(mine, GradPath(policy, commpress.Topology()),
+                                   dist.group.WORLD)
+        out[name] = float((got - expected).abs().max()) if got.numel() else 0.0
+        out[name + " scale"] = float(expected.abs().max()) if got.numel() else 0.0
+    wrong = [torch.zeros(n + (rank == 0)) for n in sizes]
+    try:
+        reduce_scatter_parts(wrong, GradPath(Policy.preset("none"), commpress.Topology()),
+                             dist.group.WORLD)
+        out["mismatch"] = None
+    except commpress.CollectiveMismatchError as e:
+        out["mismatch"] = str(e)
+    return out
+
+
+# error feedback, stochastic rounding and qWD: a resumed run is the same run only if
+# the residuals, the rounding counters and the own weights come back
+STATEFUL = {"name": "stateful",
+            "dp": {"grad": {"codec": "int4:rounding=stochastic", "error_feedback": True},
+                   "param": {"codec": "int4:group=2048", "delta": True}}}
+
+
+def resume(rank, world, directory, steps):
+    """Train 2·steps uninterrupted; train steps, save, and continue in a new engine."""
+    data = TextData(load_tokens(max_bytes=200_000))
+    engine = engine_for(config(world=world), STATEFUL)
+    first, _ = train(engine, data, 0, steps, rank, world)
+    engine.save_checkpoint(directory, tag="half")
+    residuals = sum(float(r.abs().sum()) for p in engine.commpress.grad_paths.values()
+                    for r in p.codecs["single"].residuals.values())
+    uninterrupted = train(engine, data, steps, steps, rank, world)
+    engine.commpress.undo()
+    resumed_engine = engine_for(config(world=world), STATEFUL)
+    resumed_engine.load_checkpoint(directory, tag="half")
+    resumed = train(resumed_engine, data, steps, steps, rank, world)
+    # control: the same checkpoint with the codecs' state left fresh
+    fresh_engine = engine_for(config(world=world), STATEFUL)
+    fresh = fresh_engine.commpress.state_dict()
+    fresh_engine.load_checkpoint(directory, tag="half")
+    fresh_engine.commpress.load_state_dict(fresh)
+    fresh_codecs = train(fresh_engine, data, steps, steps, rank, world)
+    fresh_engine.commpress.undo()
+    # a checkpoint without commpress's files is refused on every rank, not half-loaded
+    os.remove(resumed_engine.commpress.state_path(os.path.join(directory, "half")))
+    dist.barrier()
+    try:
+        resumed_engine.load_checkpoint(directory, tag="half")
+        refused = None
+    except ValueError as e:
+        refused = str(e)
+    resumed_engine.commpress.undo()
+    return {"first": first, "uninterrupted": uninterrupted, "resumed": resumed,
+            "fresh codecs": fresh_codecs, "residuals": residuals, "refused": refused}
+
+
+def refusals(rank, world):
+    """What compress refuses, by case: the message (None: accepted)."""
+    deepspeed = _deepspeed()
+    from deepspeed.runtime.zero import stage_1_and_2
+
+    stock_gather = stage_1_and_2.all_gather_dp_groups
+    out = {}
+    for name, change in (("stage 0", {"stage": 0}),
+                         ("stage 3", {"stage": 3}),
+                         ("reduce_scatter false", {"reduce_scatter": False})):
+        cfg = config(world=world)
+        cfg["zero_optimization"].update(change)
+        engine = engine_for(cfg)
+        try:
+            commpress.deepspeed.compress(engine, "sdp4bit")
+            out[name] = None
+        except ValueError as e:
+            out[name] = str(e)
+        del engine
+    # undo gives the engine DeepSpeed's own methods and gather back
+    engine = engine_for(config(world=world), "zeropp")
+    patched = stage_1_and_2.all_gather_dp_groups is not stock_gather
+    engine.commpress.undo()
+    out["undo"] = {"patched": patched,
+                   "gather restored": stage_1_and_2.all_gather_dp_groups is stock_gather,
+                   "methods restored": all(n not in vars(engine.optimizer) for n in (
+                       "average_tensor", "allreduce_and_scatter", "allreduce_no_retain")),
+                   "checkpoints restored": "save_checkpoint" not in vars(engine)}
+    del deepspeed
+    return out

@@ -1,0 +1,171 @@
+"""Per-rank Lightning and accelerate runs for the engine tests (module level: picklable).
+
+The ranks come from :func:`commpress.launch.spawn` with the process group already
+initialized; Lightning sees ``LOCAL_RANK`` and does not launch processes of its own,
+accelerate reads the same environment.
+"""
+
+import hashlib
+import logging
+import os
+import warnings
+
+import torch
+import torch.distributed as dist
+
+import commpress
+from commpress.model.gpt import GPT, config_from_preset
+from commpress.train.data import TextData, load_tokens
+
+SEQ, BATCH, LR = 32, 8, 3e-3
+INT4 = {"name": "int4", "dp": {"grad": "int4:hadamard=128"}}
+
+
+def _model():
+    torch.manual_seed(0)
+    return GPT(config_from_preset("gpt-tiny", block_size=SEQ))
+
+
+def _rank_batch(data, step, rank, world):
+    x, y = data.batch("train", BATCH, SEQ, 0, step)
+    per = BATCH // world
+    return x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+
+
+def _hash(model):
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _mean(value, world):
+    t = torch.tensor([float(value)])
+    dist.all_reduce(t)
+    return t.item() / world
+
+
+def _quiet():
+    warnings.filterwarnings("ignore")
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric", "accelerate"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+# -- Lightning --------------------------------------------------------------------------
+
+def _lightning_module(rank, world, steps_seen):
+    import lightning as L
+
+    data = TextData(load_tokens(max_bytes=200_000))
+
+    class GPTModule(L.LightningModule):
+        """gpt-tiny; the batch is picked by the global step, so a resumed fit sees the
+        batches an uninterrupted one would."""
+
+        def __init__(self):
+            super().__init__()
+            self.gpt = _model()
+
+        def training_step(self, batch, batch_idx):
+            x, y = _rank_batch(data, self.global_step, rank, world)
+            _, loss = self.gpt(x, y)
+            steps_seen.append(loss.detach())
+            return loss
+
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            steps_seen[-1] = (steps_seen[-1], _hash(self.gpt))
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=LR, weight_decay=0.1)
+
+    return GPTModule()
+
+
+def _trainer(strategy, steps, directory=None):
+    import lightning as L
+
+    return L.Trainer(accelerator="cpu", devices=dist.get_world_size(), strategy=strategy,
+                     max_steps=steps, logger=False, enable_checkpointing=False,
+                     enable_progress_bar=False, enable_model_summary=False,
+                     use_distributed_sampler=False, default_root_dir=directory)
+
+
+def lightning_fit(rank, world, strategy, steps, start=0, ckpt_path=None, save_to=None):
+    """Fit until global step ``start + steps``; per step run here the mean loss and the
+    weights' hash."""
+    seen = []
+    module = _lightning_module(rank, world, seen)
+    trainer = _trainer(strategy, start + steps)
+    loader = torch.utils.data.DataLoader(range(1000), batch_size=None)  # batches: by step
+    trainer.fit(module, loader, ckpt_path=ckpt_path)
+    if save_to is not None:
+        trainer.save_checkpoint(save_to)
+    return {"losses": [_mean(loss, world) for loss, _ in seen], "hashes": [h for _, h in seen]}
+
+
+def lightning_runs(rank, world, directory, steps):
+    from lightning.pytorch.strategies import DDPStrategy
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    from commpress.integrations.lightning import CommpressDDPStrategy
+
+    _quiet()
+    out = {}
+    commpress.reset_stats()
+    out["stock"] = lightning_fit(rank, world, DDPStrategy(), steps)
+    # Lightning's own strategy drops a hook on CPU without a word
+    out["stock fp16 hook"] = lightning_fit(
+        rank, world, DDPStrategy(ddp_comm_hook=default_hooks.fp16_compress_hook), steps)
+    out["none"] = lightning_fit(rank, world, CommpressDDPStrategy("none"), steps)
+    commpress.reset_stats()
+    out["int4"] = lightning_fit(rank, world, CommpressDDPStrategy(INT4), steps)
+    out["int4"]["stats"] = commpress.stats()
+    # save after `steps`, resume for `steps` more: equals 2·steps uninterrupted
+    ckpt = os.path.join(directory, "half.ckpt")
+    ef = {"name": "ef", "dp": {"grad": {"codec": "int2", "error_feedback": True}}}
+    out["ef uninterrupted"] = lightning_fit(rank, world, CommpressDDPStrategy(ef), 2 * steps)
+    lightning_fit(rank, world, CommpressDDPStrategy(ef), steps, save_to=ckpt)
+    dist.barrier()
+    out["ef resumed"] = lightning_fit(rank, world, CommpressDDPStrategy(ef), steps, start=steps,
+                                      ckpt_path=ckpt)
+    return out
+
+
+# -- accelerate --------------------------------------------------------------------------
+
+def accelerate_train(rank, world, policy, steps):
+    """The README recipe: prepare, then register the hook on the model prepare returns."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    if policy is not None:
+        model.register_comm_hook(*commpress.ddp_hook(model, policy))
+    data = TextData(load_tokens(max_bytes=200_000))
+    losses, hashes = [], []
+    for step in range(steps):
+        x, y = _rank_batch(data, step, rank, world)
+        _, loss = model(x, y)
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(_mean(loss.detach(), world))
+        hashes.append(_hash(model))
+    return {"losses": losses, "hashes": hashes, "wrapped": type(model).__name__}
+
+
+def accelerate_runs(rank, world, steps):
+    _quiet()
+    out = {"stock": accelerate_train(rank, world, None, steps),
+           "none": accelerate_train(rank, world, "none", steps)}
+    commpress.reset_stats()
+    out["int4"] = accelerate_train(rank, world, INT4, steps)
+    out["int4"]["stats"] = commpress.stats()
+    return out
+
+
+def everything(rank, world, directory, steps):
+    return {"lightning": lightning_runs(rank, world, directory, steps),
+            "accelerate": accelerate_runs(rank, world, steps)}

@@ -1,0 +1,61 @@
+"""The commpress DDP hook inside Lightning (CommpressDDPStrategy) and accelerate (the
+README recipe), on real Gloo ranks on CPU, against each engine's own DDP."""
+
+import pytest
+
+import commpress
+from commpress.launch import spawn
+from tests.integrations.engines import lightning_workers as workers
+
+pytestmark = pytest.mark.engine
+
+STEPS = 3
+
+
+def close(a, b, rel):
+    return all(abs(x - y) <= rel * abs(y) for x, y in zip(a, b))
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    directory = str(tmp_path_factory.mktemp("lightning"))
+    return spawn(workers.everything, 2, (directory, STEPS), timeout=900)
+
+
+@pytest.mark.parametrize("engine", ["lightning", "accelerate"])
+def test_codec_none_is_the_engines_own_ddp_bit_for_bit(two_ranks, engine):
+    for rank in two_ranks:
+        runs = rank[engine]
+        assert runs["none"]["hashes"] == runs["stock"]["hashes"]
+        assert runs["none"]["losses"] == runs["stock"]["losses"]
+
+
+@pytest.mark.parametrize("engine", ["lightning", "accelerate"])
+def test_int4_gradients_track_the_engine_with_identical_replicas(two_ranks, engine):
+    runs = two_ranks[0][engine]
+    assert close(runs["int4"]["losses"], runs["stock"]["losses"], 0.02)
+    assert runs["int4"]["hashes"][-1] != runs["stock"]["hashes"][-1]
+    assert runs["int4"]["hashes"] == two_ranks[1][engine]["int4"]["hashes"]
+    stats = runs["int4"]["stats"]["dp.grad"]
+    n = 1 << 16
+    assert 8 * stats["wire_bytes"] / stats["elements"] == (
+        8 * commpress.codec("int4:hadamard=128").wire_bytes(n) / n)
+
+
+def test_lightning_drops_its_own_hook_on_cpu_and_the_strategy_does_not(two_ranks):
+    runs = two_ranks[0]["lightning"]
+    # DDPStrategy(ddp_comm_hook=fp16_compress_hook) on CPU: the hook never ran
+    assert runs["stock fp16 hook"]["hashes"] == runs["stock"]["hashes"]
+    assert runs["int4"]["stats"]["dp.grad"]["calls"] == STEPS
+
+
+def test_accelerate_prepare_returns_ddp_for_the_hook(two_ranks):
+    assert two_ranks[0]["accelerate"]["int4"]["wrapped"] == "DistributedDataParallel"
+
+
+def test_lightning_checkpoint_carries_the_hook_state(two_ranks):
+    for rank in two_ranks:
+        runs = rank["lightning"]
+        # int2 with error feedback: resumed after STEPS equals the uninterrupted run
+        assert runs["ef resumed"]["hashes"] == runs["ef uninterrupted"]["hashes"][STEPS:]
+        assert runs["ef resumed"]["losses"] == runs["ef uninterrupted"]["losses"][STEPS:]
