@@ -42,6 +42,7 @@ from typing import Any
 import yaml
 
 from commpress.codecs import Codec, ErrorFeedback, codec
+from commpress.files import read_regular
 
 AXES: dict[str, tuple[str, ...]] = {"dp": ("grad", "param"), "tp": ("act", "act_grad"),
                                     "pp": ("act", "act_grad")}
@@ -164,11 +165,7 @@ class Policy:
         if not path.endswith((".toml", ".yaml", ".yml")):
             raise ValueError(f"policy file {path!r}: unknown extension; allowed: .yaml, .yml, "
                              ".toml")
-        with open(path, "rb") as f:
-            raw = f.read(MAX_POLICY_BYTES + 1)
-        if len(raw) > MAX_POLICY_BYTES:
-            raise ValueError(f"policy file {path!r} is larger than {MAX_POLICY_BYTES} bytes; "
-                             "a policy is a few lines")
+        raw = read_regular(path, MAX_POLICY_BYTES, "policy file")  # a FIFO would block
         try:
             if path.endswith(".toml"):
                 d = tomllib.loads(raw.decode())

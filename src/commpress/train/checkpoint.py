@@ -8,13 +8,22 @@ Layout::
 
 Each rank file is written to a temporary name while its SHA-256 is computed, fsynced,
 then renamed; rank 0 writes the manifest (itself checksummed) once every rank has
-written, and only then ``latest``. On load every file is checked against the
-manifest — one flipped byte anywhere is refused — and the manifest's identity
-(model, layout, policy, dtype, ranks per node, data fingerprint, …) against the run.
-Resuming from a run directory takes the newest step whose manifest verifies, so an
-interrupted save, a stale or empty ``latest`` fall back to the checkpoint before.
-Files load with ``weights_only=True``: no pickled code runs. Temporary files that a
-killed run left behind are removed before the next save.
+written, and only then ``latest``: ``latest`` is the commit point of a save. A save that
+fails on any rank (a full disk) fails on every rank together, its temporary and
+partial files removed, and names the checkpoint kept. On load every file is checked
+against the manifest — one flipped byte anywhere is refused — and the manifest's
+structure, then its identity (model, layout, policy, dtype, ranks per node, data
+fingerprint, …) against the run. Only regular files are read, each no longer than its
+manifest (or, for the manifest, :data:`MAX_MANIFEST_BYTES`) says.
+
+Resuming from a run directory takes the newest step at or below ``latest`` whose
+manifest verifies, so an interrupted save falls back to the checkpoint before, and the
+steps of an abandoned branch (a run resumed from an older step that then saved, moving
+``latest`` back) are never resumed. The first save of such a run moves the steps it
+supersedes aside, to ``ckpt/retired/``, and says so. Without a usable ``latest`` (empty,
+garbage) the newest verified step is taken. Files load with ``weights_only=True``: no
+pickled code runs. Temporary files that a killed run left behind are removed before the
+next save.
 """
 
 from __future__ import annotations
@@ -30,15 +39,23 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from commpress.files import open_regular, read_regular
+
 log = logging.getLogger(__name__)
 
 FORMAT = "commpress.train/2"
 MANIFEST = "manifest.json"
+LATEST = "latest"
+RETIRED = "retired"
+# a manifest lists ~150 bytes per rank file: a million ranks fit in 256 MiB
+MAX_MANIFEST_BYTES = 256 << 20
 _STEP_DIR = re.compile(r"step_(\d{6,})$")
+_RANK_NAME = re.compile(r"rank\d{5,}\.pt$")
+_SHA256 = re.compile(r"[0-9a-f]{64}$")
 
 
 class CheckpointError(ValueError):
-    """A checkpoint is missing, corrupt, or belongs to another run."""
+    """A checkpoint is missing, corrupt, belongs to another run, or cannot be written."""
 
 
 def step_dir(run_dir: str, step: int) -> str:
@@ -121,15 +138,18 @@ def write_manifest(run_dir: str, step: int, identity: dict[str, Any],
 
 
 def read_manifest(directory: str) -> dict[str, Any]:
-    """A step directory's manifest, checked against its own checksum."""
+    """A step directory's manifest, checked against its own checksum (a regular file of
+    at most :data:`MAX_MANIFEST_BYTES`)."""
     path = os.path.join(directory, MANIFEST)
     try:
-        with open(path) as f:
-            manifest = json.load(f)
+        manifest = json.loads(read_regular(path, MAX_MANIFEST_BYTES, "checkpoint manifest",
+                                           CheckpointError))
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {directory!r} is incomplete: no {MANIFEST} (the "
                               "save was interrupted)") from None
-    except (OSError, ValueError, UnicodeDecodeError) as e:
+    except CheckpointError:
+        raise
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError) as e:
         raise CheckpointError(f"checkpoint manifest {path!r} is corrupted: {e}") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"{path!r} is not a commpress checkpoint manifest (expected "
@@ -179,22 +199,28 @@ def check_identity(directory: str, saved: dict[str, Any], mine: dict[str, Any]) 
 
 
 def verify_file(directory: str, manifest: dict[str, Any], rank: int) -> str:
-    """This rank's file, checked against the manifest's size and SHA-256."""
+    """This rank's file, checked against the manifest's size (before it is read) and
+    SHA-256."""
     name = rank_name(rank)
     entry = manifest["files"].get(name)
     path = os.path.join(directory, name)
     if entry is None:
         raise CheckpointError(f"checkpoint {directory!r} has no file for rank {rank} (it was "
                               f"written by {len(manifest['files'])} ranks)")
-    sha, size = hashlib.sha256(), 0
     try:
-        with open(path, "rb") as f:
-            while block := f.read(1 << 20):
-                sha.update(block)
-                size += len(block)
+        f, size = open_regular(path, "checkpoint file", CheckpointError)
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint file {path!r} is missing") from None
-    if size != entry["bytes"] or sha.hexdigest() != entry["sha256"]:
+    with f:
+        if size != entry["bytes"]:
+            raise CheckpointError(f"checkpoint file {path!r} holds {size} bytes; its manifest "
+                                  f"says {entry['bytes']}: it is truncated or not this "
+                                  "checkpoint's")
+        sha, left = hashlib.sha256(), size
+        while left and (block := f.read(min(left, 1 << 20))):
+            sha.update(block)
+            left -= len(block)
+    if left or sha.hexdigest() != entry["sha256"]:
         raise CheckpointError(f"checkpoint file {path!r} is corrupted: its SHA-256 does not "
                               "match the manifest")
     return path
@@ -258,12 +284,15 @@ def _read_verified(path: str, identity: dict[str, Any], rank: int,
 def load(path: str) -> dict[str, Any]:
     """Load a (verified) rank file; a truncated or foreign file is a clear error."""
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        f, _ = open_regular(path, "checkpoint file", CheckpointError)
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint file {path!r} is missing") from None
-    except Exception as e:  # noqa: BLE001 - any unpickling failure means a bad file
-        raise CheckpointError(f"checkpoint file {path!r} is corrupted or truncated: "
-                              f"{type(e).__name__}: {e}") from None
+    with f:
+        try:
+            state = torch.load(f, map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001 - any unpickling failure means a bad file
+            raise CheckpointError(f"checkpoint file {path!r} is corrupted or truncated: "
+                                  f"{type(e).__name__}: {e}") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise CheckpointError(f"{path!r} is not a commpress training checkpoint "
                               f"(expected format {FORMAT!r})")

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from commpress.files import open_regular
+
 TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst")
 
 
@@ -31,7 +33,9 @@ def _stdlib_files() -> list[str]:
 
 
 def load_tokens(path: str | None = None, max_bytes: int | None = 4 << 20) -> torch.Tensor:
-    """Tokens of the corpus as a 1-D int64 tensor (see the module doc for sources)."""
+    """Tokens of the corpus as a 1-D int64 tensor (see the module doc for sources): at
+    most ``max_bytes`` bytes read, of regular files only (a FIFO or ``/dev/zero`` named
+    by ``path`` is refused)."""
     if path is None:
         files = _stdlib_files()
         if not files:
@@ -47,8 +51,8 @@ def load_tokens(path: str | None = None, max_bytes: int | None = 4 << 20) -> tor
             raise ValueError(f"data folder {path!r} holds no {', '.join(TEXT_SUFFIXES)} files")
     elif path.endswith(".bin"):
         # read at most max_bytes: a multi-GB corpus costs only what is used
-        count = -1 if max_bytes is None else max_bytes // 2
-        arr = np.fromfile(path, dtype=np.uint16, count=count)
+        raw = _read_prefix(path, max_bytes, "--data")
+        arr = np.frombuffer(raw, dtype=np.uint16, count=len(raw) // 2)
         tokens = torch.from_numpy(arr.astype(np.int64))
         _check_nonempty(tokens, path)
         return tokens
@@ -56,16 +60,23 @@ def load_tokens(path: str | None = None, max_bytes: int | None = 4 << 20) -> tor
         files = [path]
     chunks, total = [], 0
     for f in files:
-        with open(f, "rb") as fh:
-            data = fh.read(-1 if max_bytes is None else max_bytes - total)
-        chunks.append(data)
-        total += len(data)
+        left = None if max_bytes is None else max_bytes - total
+        chunks.append(_read_prefix(f, left, "--data" if f == path else "corpus file"))
+        total += len(chunks[-1])
         if max_bytes is not None and total >= max_bytes:
             break
     raw = b"".join(chunks)
     if not raw:
         raise ValueError(f"the corpus {path or 'the standard library'!r} is empty")
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(torch.int64)
+
+
+def _read_prefix(path: str, max_bytes: int | None, what: str) -> bytes:
+    """The first ``max_bytes`` bytes of regular file ``path`` (all of it for None, as
+    long as it was when opened)."""
+    f, size = open_regular(path, what)
+    with f:
+        return f.read(size if max_bytes is None else min(size, max_bytes))
 
 
 def _check_nonempty(tokens: torch.Tensor, where: str) -> None:
