@@ -94,10 +94,11 @@ def ddp_run(rank, world, policy, steps, options=None):
 
 
 def hook_error(rank, world, fault):
-    """One step of the hook where the ranks go wrong; returns the error each rank saw.
+    """Steps of the hook where the ranks go wrong; returns the error each rank saw.
 
     ``"policies"``: rank 1 compresses with another codec (a mismatch). ``"late"``: rank 1
-    reaches backward after the group's timeout.
+    reaches backward after the group's timeout. ``"unused"``: rank 1 leaves out a block
+    under a DDP that does not look for unused parameters.
     """
     data = workers._data()
     model = SkippingGPT(workers._model())
@@ -105,14 +106,15 @@ def hook_error(rank, world, fault):
     policy = ({"name": "other", "dp": {"grad": "int8"}} if fault == "policies" and rank == 1
               else "none")
     ddp.register_comm_hook(*commpress.ddp_hook(ddp, policy, bucket_numel=25_000))
-    x, y = workers._local_batch(data, 0, rank, world)
-    loss = ddp(x, y)
-    if fault == "late" and rank == 1:
-        time.sleep(12)  # past the 4 s group timeout (and the 5 s diagnosis grace)
-        return {"error": None}
     try:
-        loss.backward()
+        for step in range(2):
+            x, y = workers._local_batch(data, step, rank, world)
+            model.skip = {0} if fault == "unused" and rank == 1 else set()
+            loss = ddp(x, y)
+            if fault == "late" and rank == 1:
+                time.sleep(12)  # past the 4 s group timeout (and the 5 s diagnosis grace)
+                return {"error": None}
+            loss.backward()
     except RuntimeError as e:
         return {"error": f"{type(e).__name__}: {e}"}
     return {"error": None}
-

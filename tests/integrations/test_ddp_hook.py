@@ -115,3 +115,11 @@ def test_a_codec_spec_trains_as_its_one_codec_policy():
     by_dict = _run({"name": spec, "dp": {"grad": spec}}, ranks_per_node=1)
     assert [r["hashes"] for r in by_spec] == [r["hashes"] for r in by_dict]
     _assert_replicas_identical(by_spec)
+
+
+def test_a_rank_skipping_a_block_without_find_unused_parameters_fails_on_every_rank():
+    ranks = spawn(ddp_workers.hook_error, 2, ("unused",), pg_timeout_s=4.0, timeout=120)
+    # DDP refuses the next step on the rank whose reduction never finished; the other
+    # rank's hook names it instead of waiting for it
+    assert "Expected to have finished reduction" in ranks[1]["error"], ranks[1]["error"]
+    assert "CollectiveTimeoutError" in ranks[0]["error"], ranks[0]["error"]
