@@ -10,6 +10,10 @@ import torch
 
 from commpress.model.gpt import PRESETS as MODEL_PRESETS
 from commpress.policy import Policy
+from commpress.validate import check_float, check_int
+
+MAX_SEED = 2**32 - 1
+MAX_TIMEOUT_S = 1_000_000  # about 11.6 days: longer than any wait worth waiting for
 
 
 def _opt(default, help: str):
@@ -67,14 +71,7 @@ class TrainConfig:
         if self.model not in MODEL_PRESETS:
             raise ValueError(f"model={self.model!r} is not allowed; allowed: "
                              f"{', '.join(MODEL_PRESETS)}")
-        for name in ("tp", "pp", "steps", "batch_size", "seq_len", "eval_batches",
-                     "bucket_numel"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} is not allowed; allowed: >= 1")
-        for name in ("dp", "nproc", "ranks_per_node", "micro_batches"):
-            v = getattr(self, name)
-            if v is not None and v < 1:
-                raise ValueError(f"{name}={v} is not allowed; allowed: >= 1 or unset")
+        self._check_numbers()
         if self.dtype not in ("fp32", "bf16", "fp16"):
             raise ValueError(f"dtype={self.dtype!r} is not allowed; allowed: fp32, bf16, fp16")
         if self.engine not in ("sharded", "ddp"):
@@ -83,10 +80,11 @@ class TrainConfig:
             raise ValueError(f"engine=ddp runs data parallelism only; got tp={self.tp}, "
                              f"pp={self.pp}: use engine=sharded for tp/pp")
         hook = self.ddp_hook
+        rank = hook.removeprefix("powersgd:")
         if hook not in ("allreduce", "fp16", "commpress") and not (
-                hook.startswith("powersgd:") and hook.split(":")[1].isdigit()):
+                hook.startswith("powersgd:") and rank.isdecimal() and int(rank) >= 1):
             raise ValueError(f"ddp_hook={hook!r} is not allowed; allowed: allreduce, fp16, "
-                             "powersgd:RANK (e.g. powersgd:4), commpress")
+                             "powersgd:RANK with RANK >= 1 (e.g. powersgd:4), commpress")
         if self.nonfinite not in ("skip", "raise"):
             raise ValueError(f"nonfinite={self.nonfinite!r} is not allowed; allowed: skip, raise")
         if self.seq_len > MODEL_PRESETS[self.model].block_size:
@@ -95,17 +93,30 @@ class TrainConfig:
         if self.data is not None and not os.path.exists(self.data):
             raise ValueError(f"data={self.data!r} does not exist; allowed: a text file, a folder "
                              "of text files, or a uint16 .bin file")
-        if self.checkpoint_every < 0 or self.eval_every < 0:
-            raise ValueError("checkpoint_every and eval_every must be >= 0")
         if self.device not in (None, "cpu", "cuda"):
             raise ValueError(f"device={self.device!r} is not allowed; allowed: cpu, cuda")
         if self.backend not in (None, "gloo", "nccl"):
             raise ValueError(f"backend={self.backend!r} is not allowed; allowed: gloo, nccl")
         if self.backend == "nccl" and self.device == "cpu":
             raise ValueError("backend=nccl needs device=cuda; allowed with device=cpu: gloo")
-        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
-            raise ValueError(f"max_grad_norm={self.max_grad_norm} is not allowed; allowed: > 0 "
-                             "or none")
+
+    def _check_numbers(self) -> None:
+        """Every numeric field finite and in range, before anything else reads it."""
+        for name in ("tp", "pp", "steps", "batch_size", "seq_len", "eval_batches",
+                     "bucket_numel", "max_data_bytes"):
+            check_int(name, getattr(self, name), ge=1)
+        for name in ("dp", "nproc", "ranks_per_node", "micro_batches"):
+            check_int(name, getattr(self, name), ge=1, optional=True)
+        for name in ("warmup", "eval_every", "checkpoint_every"):
+            check_int(name, getattr(self, name), ge=0)
+        # the batch sampler seeds a generator with seed · 1_000_003 + 2 · step, which
+        # must fit in 64 bits
+        check_int("seed", self.seed, ge=0, le=MAX_SEED)
+        check_float("lr", self.lr, gt=0)
+        check_float("min_lr_ratio", self.min_lr_ratio, ge=0, le=1)
+        check_float("weight_decay", self.weight_decay, ge=0)
+        check_float("max_grad_norm", self.max_grad_norm, gt=0, optional=True)
+        check_float("timeout_s", self.timeout_s, gt=0, le=MAX_TIMEOUT_S)
 
     def resolved(self, world: int | None = None) -> TrainConfig:
         """Fill dp, nproc, micro_batches and out; check the layout against the world size."""

@@ -1,0 +1,69 @@
+"""Checks of numeric arguments, shared by the configs, the CLI and the public API.
+
+A bad number gets one ``ValueError`` naming the argument, the value and the allowed
+range. NaN and ±Inf are never in range: ``float("nan")`` passes every comparison-based
+check (``nan < 0`` is False), and a NaN learning rate turns every weight to NaN at the
+first step while the run goes on, skipping every later step.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+
+def check_int(name: str, value: object, *, ge: int | None = None, le: int | None = None,
+              optional: bool = False) -> None:
+    """Raise ``ValueError`` unless ``value`` is an integer (not a bool) in ``[ge, le]``
+    (or None when ``optional``).
+
+    Example::
+
+        check_int("steps", cfg.steps, ge=1)  # steps=0 is not allowed; allowed: an integer >= 1
+    """
+    if value is None and optional:
+        return
+    ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if ok and (ge is None or value >= ge) and (le is None or value <= le):
+        return
+    raise ValueError(f"{name}={value!r} is not allowed; allowed: "
+                     f"{_allowed('an integer', _range(ge=ge, le=le), optional)}")
+
+
+def check_float(name: str, value: object, *, gt: float | None = None, ge: float | None = None,
+                lt: float | None = None, le: float | None = None,
+                optional: bool = False) -> None:
+    """Raise ``ValueError`` unless ``value`` is a finite real number within the bounds
+    (``gt``/``ge`` below, ``lt``/``le`` above), or None when ``optional``.
+
+    Example::
+
+        check_float("min_lr_ratio", 0.1, ge=0, le=1)
+    """
+    if value is None and optional:
+        return
+    ok = (isinstance(value, numbers.Real) and not isinstance(value, bool)
+          and math.isfinite(value)
+          and (gt is None or value > gt) and (ge is None or value >= ge)
+          and (lt is None or value < lt) and (le is None or value <= le))
+    if ok:
+        return
+    raise ValueError(f"{name}={value!r} is not allowed; allowed: "
+                     f"{_allowed('a finite number', _range(gt=gt, ge=ge, lt=lt, le=le), optional)}")
+
+
+def _allowed(kind: str, bounds: str, optional: bool) -> str:
+    return " ".join(part for part in (kind, bounds, "or none" if optional else "") if part)
+
+
+def _range(*, gt=None, ge=None, lt=None, le=None) -> str:
+    """``'>= 1'``, ``'< 1'``, ``'in [0, 1]'``, ``'in (0, 1000000]'`` (empty: unbounded)."""
+    low = f"({gt}" if gt is not None else f"[{ge}" if ge is not None else None
+    high = f"{lt})" if lt is not None else f"{le}]" if le is not None else None
+    if low and high:
+        return f"in {low}, {high}"
+    if low:
+        return f"> {gt}" if gt is not None else f">= {ge}"
+    if high:
+        return f"< {lt}" if lt is not None else f"<= {le}"
+    return ""
