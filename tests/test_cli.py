@@ -2,6 +2,8 @@
 
 import argparse
 
+import pytest
+
 from commpress.cli import build_parser
 
 
@@ -40,3 +42,42 @@ def test_python_dash_m_runs_the_cli():
     bad = subprocess.run([sys.executable, "-m", "commpress", "no-such-command"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "no-such-command" in bad.stderr
+
+
+def _numeric_options():
+    """(command, flag, dest, type name) of every option that takes an int or a float."""
+    for command, action in _options():
+        kind = getattr(action.type, "__name__", None)
+        if kind in ("int", "float") and not action.choices:
+            yield command, action.option_strings[0], action.dest, kind
+
+
+# plan's flags fill ClusterSpec fields of other names (GB/s and µs in the name)
+PLAN_FIELDS = {"intra_bw": "intra_GBps", "inter_bw": "inter_GBps", "latency": "inter_latency_us"}
+# testbed's options need a command for its ranks before they are read
+COMMAND_TAIL = {"testbed": ["--", "train"]}
+
+
+def test_every_command_has_its_numeric_options_checked():
+    commands = {command for command, *_ in _numeric_options()}
+    assert commands == {"train", "compare", "simulate", "plan", "testbed", "bench codecs",
+                        "bench collectives"}
+    assert sum(1 for _ in _numeric_options()) > 60
+
+
+@pytest.mark.parametrize(("command", "flag", "dest", "kind"), list(_numeric_options()),
+                         ids=lambda v: str(v))
+def test_every_numeric_option_refuses_out_of_range_values_in_one_line(capsys, command, flag,
+                                                                       dest, kind):
+    """NaN, Inf and negative numbers (no option allows one) end with a one-line error
+    naming the option and the value, exit code 2, before any rank starts."""
+    from commpress.cli import main
+
+    for value in (["-1"] if kind == "int" else ["nan", "inf", "-1"]):
+        argv = [*command.split(), flag, value, *COMMAND_TAIL.get(command, [])]
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        names = (flag, dest, PLAN_FIELDS.get(dest, dest))
+        assert err.startswith("error:") and err.count("\n") == 1, (argv, err)
+        assert "allowed" in err and any(n in err for n in names), (argv, err)
+        assert value.lstrip("-") in err, (argv, err)

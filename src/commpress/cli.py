@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 import torch
@@ -44,10 +45,7 @@ def _cmd_bench_codecs(args: argparse.Namespace) -> int:
 def _cmd_bench_collectives(args: argparse.Namespace) -> int:
     from commpress.bench.collectives import run_collectives_bench
 
-    sizes = [int(float(v)) for v in args.sizes.split(",")]
-    if any(v < 1 for v in sizes):
-        raise ValueError(f"--sizes {args.sizes!r} is not allowed; allowed: positive element "
-                         "counts such as 65536,1048576")
+    sizes = _element_counts("--sizes", args.sizes)
     if args.codecs:
         from commpress.codecs import codec
 
@@ -59,6 +57,22 @@ def _cmd_bench_collectives(args: argparse.Namespace) -> int:
                           backend=args.backend, dtype={"fp32": "float32", "bf16": "bfloat16",
                                                        "fp16": "float16"}[args.dtype])
     return 0
+
+
+def _element_counts(flag: str, text: str) -> list[int]:
+    """``'65536,1e6'`` → ``[65536, 1000000]``: positive whole numbers, written either way."""
+    counts = []
+    for item in text.split(","):
+        try:
+            value = float(item)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and value >= 1 and value == int(value)):
+            raise ValueError(f"{flag} {text!r} is not allowed: {item.strip()!r} is not a "
+                             "positive whole number; allowed: element counts such as "
+                             "65536,1048576")
+        counts.append(int(value))
+    return counts
 
 
 def _optional(base: type):
@@ -179,11 +193,14 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
     gpu = GPUS[args.gpu]
     tp, pp = args.tp, args.pp
-    dp = args.dp or args.gpus // (tp * pp)
+    # tp or pp < 1 is JobSpec's to refuse; dp defaults to at least 1, so a layout larger
+    # than --gpus is refused by name (dp × tp × pp must equal --gpus)
+    dp = args.dp if args.dp is not None else max(1, args.gpus // max(1, tp * pp))
     cluster = ClusterSpec(
         gpus=args.gpus, gpus_per_node=args.gpus_per_node,
-        intra_GBps=args.intra_bw or gpu["nvlink_GBps"], inter_GBps=args.inter_bw,
-        tflops=args.tflops or gpu["tflops"], mfu=args.mfu,
+        intra_GBps=gpu["nvlink_GBps"] if args.intra_bw is None else args.intra_bw,
+        inter_GBps=args.inter_bw,
+        tflops=gpu["tflops"] if args.tflops is None else args.tflops, mfu=args.mfu,
         intra_latency_us=INTRA_LATENCY_US,
         inter_latency_us=args.latency if args.latency is not None else INTER_LATENCY_US,
         device=args.device, backend=args.backend, link_efficiency=args.link_efficiency,
@@ -209,6 +226,10 @@ def _cmd_testbed(args: argparse.Namespace) -> int:
     from commpress.testbed import run_on_testbed
 
     command = args.command_args[1:] if args.command_args[:1] == ["--"] else args.command_args
+    if command[:1] in (["train"], ["compare"]):
+        # the ranks' options are checked here, once, before any namespace is made
+        _train_config(build_parser().parse_args(
+            [*command, "--ranks-per-node", str(args.ranks_per_node)]))
     return run_on_testbed(args.nodes, args.ranks_per_node, command, args.bandwidth, args.latency,
                           link_stats=args.link_stats)
 

@@ -1,5 +1,7 @@
 """Bad input gets a clear error naming the field, the value and what is allowed."""
 
+import math
+
 import pytest
 
 from commpress.cli import main
@@ -22,7 +24,7 @@ def test_layout_errors(kwargs, needle):
 @pytest.mark.parametrize(("kwargs", "needle"), [
     (dict(policy="fastest"), "unknown policy preset 'fastest'; allowed: none, naive"),
     (dict(model="gpt-huge"), "model='gpt-huge' is not allowed; allowed: gpt-tiny"),
-    (dict(tp=0), "tp=0 is not allowed; allowed: >= 1"),
+    (dict(tp=0), "tp=0 is not allowed; allowed: an integer >= 1"),
     (dict(seq_len=4096), "seq_len=4096 exceeds model 'gpt-1m' block_size 128"),
     (dict(nonfinite="ignore"), "nonfinite='ignore' is not allowed; allowed: skip, raise"),
 ])
@@ -119,3 +121,104 @@ def test_bad_data_is_a_message_and_exit_2(tmp_path, capsys):
                  str(tmp_path / "out2")])
     err = " ".join(capsys.readouterr().err.split())
     assert code == 2 and "--seq-len" in err and "Traceback" not in err, err
+
+
+# -- numbers of the plan, bench and testbed APIs: the checks their CLI commands share -----
+
+CLUSTER = dict(gpus=8, gpus_per_node=4, intra_GBps=100.0, inter_GBps=25.0, tflops=300.0)
+
+
+@pytest.mark.parametrize(("field", "bad", "allowed"), [
+    ("gpus", 0, "an integer >= 1"),
+    ("gpus_per_node", 2.5, "an integer >= 1"),
+    ("intra_GBps", math.inf, "a finite number > 0"),
+    ("inter_GBps", math.nan, "a finite number > 0"),
+    ("tflops", 0.0, "a finite number > 0"),
+    ("mfu", 1.5, "a finite number in (0, 1]"),
+    ("link_efficiency", math.nan, "a finite number in (0, 1]"),
+    ("intra_latency_us", -1.0, "a finite number >= 0"),
+    ("inter_latency_us", math.nan, "a finite number >= 0"),
+    ("codec_GBps", {"int4": (10.0, math.nan)}, None),
+])
+def test_cluster_spec_refuses_bad_numbers(field, bad, allowed):
+    from commpress.plan.cost import ClusterSpec
+
+    with pytest.raises(ValueError) as info:
+        ClusterSpec(**{**CLUSTER, field: bad})
+    message = str(info.value)
+    if allowed is None:  # a measured codec speed: named by codec and direction
+        assert "codec_GBps['int4'].decode=nan is not allowed" in message
+    else:
+        assert f"{field}={bad!r} is not allowed; allowed: {allowed}" in message
+
+
+@pytest.mark.parametrize("field", ["dp", "tp", "pp", "micro_batch", "seq", "global_batch",
+                                   "param_bytes", "grad_bytes", "act_bytes"])
+def test_job_spec_refuses_sizes_below_one(field):
+    from commpress.plan.cost import JobSpec
+    from commpress.plan.models import MODELS
+
+    with pytest.raises(ValueError, match=f"{field}=0 is not allowed; allowed: an integer >= 1"):
+        JobSpec(**{"model": MODELS["gpt-125m"], "dp": 8, field: 0})
+
+
+@pytest.mark.parametrize("arg", ["nan", "inf", "-5", "0", "-1B"])
+def test_plan_model_sizes_must_be_positive_finite_counts(arg):
+    from commpress.plan.models import model_from_arg
+
+    with pytest.raises(ValueError, match=f"--model '{arg}' is not a preset or a parameter "
+                                         "count; allowed: .* a positive number"):
+        model_from_arg(arg)
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    # each of these used to end in a traceback (ZeroDivisionError, OverflowError, TypeError)
+    (["plan", "--tp", "0"], "tp=0 is not allowed"),
+    (["plan", "--micro-batch", "0"], "micro_batch=0 is not allowed"),
+    (["plan", "--global-batch", "0"], "global_batch=0 is not allowed"),
+    (["plan", "--model", "inf"], "--model 'inf' is not a preset"),
+    (["plan", "--model", "-5"], "--model '-5' is not a preset"),
+    # 0 used to stand for "the default" here
+    (["plan", "--intra-bw", "0"], "intra_GBps=0.0 is not allowed"),
+    (["plan", "--tflops", "0"], "tflops=0.0 is not allowed"),
+    (["plan", "--dp", "0"], "dp=0 is not allowed"),
+    (["plan", "--gpus", "4", "--tp", "8"], "dp × tp × pp = 1 × 8 × 1 must equal --gpus 4"),
+    (["bench", "codecs", "--numel", "0"], "numel=0 is not allowed"),
+    (["bench", "codecs", "--iters", "0"], "iters=0 is not allowed"),
+    (["bench", "collectives", "--sizes", "inf"], "--sizes 'inf' is not allowed: 'inf' is not a "
+                                                "positive whole number"),
+    (["bench", "collectives", "--sizes", "1024,nan"], "'nan' is not a positive whole number"),
+    (["bench", "collectives", "--iters", "0"], "iters=0 is not allowed"),
+    (["bench", "collectives", "--ranks-per-node", "0"], "ranks_per_node=0 is not allowed"),
+    (["testbed", "--bandwidth", "0mbit", "--", "train"], "bandwidth '0mbit' is not allowed"),
+    (["testbed", "--", "train", "--lr", "nan"], "lr=nan is not allowed"),
+    (["train", "--timeout-s", "0"], "timeout_s=0.0 is not allowed"),
+    (["train", "--timeout-s", "nan"], "timeout_s=nan is not allowed"),
+    (["train", "--warmup", "-5"], "warmup=-5 is not allowed"),
+])
+def test_cli_bad_numbers_are_one_line_and_exit_2(capsys, argv, needle):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert needle in " ".join(err.split()) and "Traceback" not in err, err
+
+
+def test_bench_and_testbed_functions_check_their_numbers_before_starting_anything():
+    from commpress.bench.codecs import bench_codecs
+    from commpress.bench.collectives import run_collectives_bench
+    from commpress.testbed.netns import Cluster
+    from commpress.testbed.run import run_on_testbed
+
+    calls = [
+        (lambda: bench_codecs(["int8"], numel=-4), "numel=-4 is not allowed"),
+        (lambda: run_collectives_bench(nproc=2, ranks_per_node=0), "ranks_per_node=0"),
+        (lambda: run_collectives_bench(nproc=2, sizes=[1024, 0]), "sizes[1]=0 is not allowed"),
+        (lambda: run_collectives_bench(nproc=2, iters=2.5), "iters=2.5 is not allowed"),
+        (lambda: Cluster(nodes=65), "nodes=65 is not allowed; allowed: an integer in [1, 64]"),
+        (lambda: run_on_testbed(2, 0, ["train"]), "ranks_per_node=0 is not allowed"),
+        (lambda: run_on_testbed(2, 2, ["train"], port=70_000), "port=70000 is not allowed"),
+        (lambda: run_on_testbed(2, 2, ["train"], timeout=math.nan), "timeout=nan is not"),
+    ]
+    for call, needle in calls:
+        with pytest.raises(ValueError) as info:
+            call()
+        assert needle in str(info.value)

@@ -18,6 +18,7 @@ import torch
 from commpress.bench.timing import median_seconds
 from commpress.codecs import codec as build_codec
 from commpress.kernels import reference
+from commpress.validate import check_int
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +86,8 @@ def _reference_fns(spec_codec, x):
 def bench_codecs(specs: list[str] | None = None, *, device: str = "cpu", numel: int = 1 << 22,
                  dtype: torch.dtype = torch.bfloat16, with_reference: bool = True,
                  iters: int = 10, progress=None) -> list[CodecRow]:
+    check_int("numel", numel, ge=1)
+    check_int("iters", iters, ge=1)
     dev = torch.device(device)
     specs = specs or (DEFAULT_CUDA if dev.type == "cuda" else DEFAULT_CPU)
     g = torch.Generator().manual_seed(0)

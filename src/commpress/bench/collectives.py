@@ -25,6 +25,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from commpress.validate import check_int
+
 DEFAULT_CODECS = ["none", "bf16", "int8", "int4", "int4:hadamard=128", "int2"]
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
 BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
@@ -112,6 +114,11 @@ def run_collectives_bench(nproc: int = 4, ranks_per_node: int | None = None,
     from commpress.launch import spawn
 
     sizes = sizes or [1 << 16, 1 << 20]
+    check_int("nproc", nproc, ge=1)
+    check_int("ranks_per_node", ranks_per_node, ge=1, optional=True)
+    check_int("iters", iters, ge=1)
+    for i, size in enumerate(sizes):
+        check_int(f"sizes[{i}]", size, ge=1)
     codecs = codecs or DEFAULT_CODECS
     backend = backend or ("nccl" if device == "cuda" else "gloo")
     if "RANK" in os.environ and dist.is_initialized():  # under torchrun

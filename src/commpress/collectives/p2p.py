@@ -43,6 +43,7 @@ from commpress.collectives.context import (
     mismatch_message,
 )
 from commpress.collectives.handle import Handle
+from commpress.validate import check_int
 
 MAGIC = 0x636F6D6D70726573  # "commpres"
 HEADER_WORDS = 6  # magic, sequence number, payload bytes, descriptor bytes, digest (2)
@@ -76,6 +77,12 @@ def _text(buf: torch.Tensor) -> str:
     return bytes(buf.cpu().tolist()).decode(errors="replace")
 
 
+def _check_tag(tag: int) -> None:
+    """torch.distributed takes a tag that fits a C ``int`` and is not negative (a negative
+    one fails only on the sending side, and the receiver then waits out the timeout)."""
+    check_int("tag", tag, ge=0, le=2**31 - 1)
+
+
 def _check_peer(ctx: GroupContext, peer: int, name: str) -> None:
     if not isinstance(peer, int) or not 0 <= peer < ctx.world or peer == ctx.rank:
         raise ValueError(f"{name}={peer!r} is not allowed; allowed: another rank of the group "
@@ -89,6 +96,7 @@ def isend(tensor: torch.Tensor, dst: int, codec="none", group: dist.ProcessGroup
     ``wait()`` returns once the receiver has acknowledged and the bytes are sent; it
     raises :class:`CollectiveMismatchError` if the receiver expected another transfer.
     """
+    _check_tag(tag)
     group = resolve_group(group)
     codec = resolve_codec(codec)
     check_float("tensor", tensor)
@@ -142,6 +150,7 @@ def irecv(tensor: torch.Tensor, src: int, codec="none", group: dist.ProcessGroup
     any order cannot deadlock); raises :class:`CollectiveMismatchError` if the sender
     sent something else, leaving ``tensor`` untouched.
     """
+    _check_tag(tag)
     group = resolve_group(group)
     codec = resolve_codec(codec)
     check_float("tensor", tensor)

@@ -51,6 +51,7 @@ from commpress.codecs import codec as build_codec
 from commpress.plan.hardware import CODEC_GBps
 from commpress.plan.models import ModelShape
 from commpress.policy import Policy, Rule
+from commpress.validate import check_float, check_int
 
 
 @dataclass(frozen=True)
@@ -70,17 +71,22 @@ class ClusterSpec:
     codec_GBps: dict[str, tuple[float, float]] = field(default_factory=dict)  # spec → enc, dec
 
     def __post_init__(self) -> None:
-        if self.gpus < 1 or self.gpus_per_node < 1 or self.gpus % self.gpus_per_node:
+        check_int("gpus", self.gpus, ge=1)
+        check_int("gpus_per_node", self.gpus_per_node, ge=1)
+        if self.gpus % self.gpus_per_node:
             raise ValueError(f"--gpus {self.gpus} must be a positive multiple of "
                              f"--gpus-per-node {self.gpus_per_node}")
         if self.backend not in ("nccl", "gloo"):
             raise ValueError(f"--backend {self.backend!r} is not allowed; allowed: nccl, gloo")
-        for name in ("intra_GBps", "inter_GBps", "tflops", "mfu"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name}={getattr(self, name)} is not allowed; allowed: > 0")
-        if not 0 < self.link_efficiency <= 1:
-            raise ValueError(f"link_efficiency={self.link_efficiency} is not allowed; "
-                             "allowed: 0 < link_efficiency <= 1")
+        for name in ("intra_GBps", "inter_GBps", "tflops"):
+            check_float(name, getattr(self, name), gt=0)
+        for name in ("mfu", "link_efficiency"):
+            check_float(name, getattr(self, name), gt=0, le=1)
+        for name in ("intra_latency_us", "inter_latency_us"):
+            check_float(name, getattr(self, name), ge=0)
+        for spec, speeds in self.codec_GBps.items():  # measured: a JSON may hold NaN or 0
+            for direction, gbps in zip(("encode", "decode"), speeds, strict=True):
+                check_float(f"codec_GBps[{spec!r}].{direction}", gbps, gt=0)
 
     @property
     def nodes(self) -> int:
@@ -104,6 +110,9 @@ class JobSpec:
     act_bytes: int = 2
 
     def __post_init__(self) -> None:
+        for name in ("dp", "tp", "pp", "micro_batch", "seq", "global_batch", "param_bytes",
+                     "grad_bytes", "act_bytes"):
+            check_int(name, getattr(self, name), ge=1)
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"--zero-stage {self.zero_stage} is not allowed; allowed: 0 "
                              "(plain data parallel, DDP), 1, 2, 3")

@@ -7,6 +7,7 @@ shapes (12·L·h² + embeddings), which lands within a few percent of the nomina
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -52,9 +53,12 @@ def model_from_arg(arg: str) -> ModelShape:
     scale = {"K": 1e3, "M": 1e6, "B": 1e9, "T": 1e12}.get(text[-1:], 1.0)
     try:
         n = float(text[:-1] if scale != 1.0 else text) * scale
+        if not (math.isfinite(n) and n >= 1):  # nan, inf, 0 and negatives have no shape
+            raise ValueError(arg)
     except ValueError:
         raise ValueError(f"--model {arg!r} is not a preset or a parameter count; allowed: "
-                         f"{', '.join(MODELS)}, or a number such as 6.7e9 or 1.3B") from None
+                         f"{', '.join(MODELS)}, or a positive number such as 6.7e9 or "
+                         "1.3B") from None
     # a GPT-like shape for that count: h from 12·L·h² with L ≈ h / 128
     hidden = int(round((n * 128 / 12) ** (1 / 3) / 128)) * 128 or 128
     layers = max(1, int(round(n / (12 * hidden * hidden))))

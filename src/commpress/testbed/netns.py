@@ -19,6 +19,8 @@ import signal
 import subprocess
 from dataclasses import dataclass, field
 
+from commpress.validate import check_int
+
 RATE_RE = re.compile(r"^\d+(\.\d+)?(bit|kbit|mbit|gbit)$")
 DELAY_RE = re.compile(r"^\d+(\.\d+)?(us|ms|s)$")
 
@@ -47,11 +49,14 @@ def check_requirements() -> None:
 def rate_bits(rate: str) -> float:
     """'50mbit' → 5e7 bits per second."""
     m = RATE_RE.match(rate)
-    if not m:
-        raise ValueError(f"bandwidth {rate!r} is not allowed; allowed: a number with bit, kbit, "
-                         "mbit or gbit, e.g. 50mbit")
-    scale = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9}[m.group(2)]
-    return float(rate[: -len(m.group(2))]) * scale
+    bits = 0.0
+    if m:
+        scale = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9}[m.group(2)]
+        bits = float(rate[: -len(m.group(2))]) * scale
+    if not bits > 0:  # 0mbit: a link that never sends
+        raise ValueError(f"bandwidth {rate!r} is not allowed; allowed: a positive number with "
+                         "bit, kbit, mbit or gbit, e.g. 50mbit")
+    return bits
 
 
 @dataclass
@@ -65,8 +70,7 @@ class Cluster:
     _made: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if self.nodes < 1 or self.nodes > 64:
-            raise ValueError(f"nodes={self.nodes} is not allowed; allowed: 1 to 64")
+        check_int("nodes", self.nodes, ge=1, le=64)
         rate_bits(self.bandwidth)
         if self.latency is not None and not DELAY_RE.match(self.latency):
             raise ValueError(f"latency {self.latency!r} is not allowed; allowed: e.g. 1ms, 500us")

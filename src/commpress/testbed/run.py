@@ -17,6 +17,7 @@ import time
 
 from commpress.launch import set_parent_death_signal
 from commpress.testbed.netns import Cluster
+from commpress.validate import check_float, check_int
 
 
 def run_on_testbed(nodes: int, ranks_per_node: int, command: list[str], bandwidth: str = "50mbit",
@@ -30,6 +31,9 @@ def run_on_testbed(nodes: int, ranks_per_node: int, command: list[str], bandwidt
     if not command or command[0] not in ("train", "compare"):
         raise ValueError(f"testbed command {command[:1]!r} is not allowed; allowed: train …, "
                          "compare …")
+    check_int("ranks_per_node", ranks_per_node, ge=1)
+    check_int("port", port, ge=1, le=65535)
+    check_float("timeout", timeout, gt=0)
     world = nodes * ranks_per_node
     with Cluster(nodes, bandwidth, latency) as cluster:
         procs = []
