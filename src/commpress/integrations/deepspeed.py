@@ -9,7 +9,7 @@
   all-reduce of the whole bucket) or ``allreduce_no_retain`` (one ``dist.reduce`` per
   owner). The adapter lets DeepSpeed's own code cut and divide, takes the slices it
   hands over instead of sending them, and moves them in one compressed reduce-scatter
-  with uneven parts (:func:`reduce_scatter_parts`): each slice is encoded once with
+  with uneven parts (:mod:`commpress.collectives.parts`): each slice is encoded once with
   the ``dp.grad`` codec and sent to its owner only, who decodes and sums the ranks'
   slices in fp32, in rank order, and writes them where DeepSpeed's reduction would
   have. With ``intra``/``inter`` codecs and several nodes, two levels: the node's
@@ -57,11 +57,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from commpress.codecs import packet_to_bytes
-from commpress.collectives import Topology, chunks
-from commpress.collectives.call import AnyCodec, begin
-from commpress.collectives.comm import Exchange
-from commpress.collectives.stats import Stats
+from commpress.collectives import Topology
+from commpress.collectives.parts import reduce_scatter_parts
 from commpress.integrations.grad_path import GradPath
 from commpress.integrations.sharded_optimizer import gather_weights
 from commpress.policy import Policy
@@ -85,91 +82,6 @@ PATCHED = ("average_tensor", "allreduce_and_scatter", "allreduce_no_retain")
 # Engines compressed in this process; the gather dispatcher looks a call up here.
 _INSTALLED: weakref.WeakSet = weakref.WeakSet()
 _DEEPSPEED_GATHER: Callable | None = None
-
-
-def reduce_scatter_parts(parts: list[torch.Tensor], path: GradPath,
-                         group: dist.ProcessGroup, topology: Topology | None = None,
-                         label: str = "dp.grad") -> torch.Tensor:
-    """Sum over ranks of the part each rank holds for this rank (fp32, rank order).
-
-    ``parts[r]`` (1-D, any length; every rank passes the same lengths) is what this rank
-    contributes to rank ``r``. Each part is encoded once with ``path``'s codec and sent
-    to its rank only — one all-to-all with uneven rows — so a rank receives no more
-    than its own elements, and a part of length 0 costs nothing. Two-level paths on
-    several nodes: step 1 sends inside the node, to local rank ``l``, the parts of
-    every node's rank ``l`` (``intra`` codec); step 2 sends those partial sums across
-    nodes among ranks of one local index (``inter`` codec).
-
-    Bytes this rank sends: ``Σ_{r≠me} wire(len(parts[r]))``; two levels:
-    ``Σ_{l'≠l} wire_intra(Σ_n len(parts[n·L + l']))`` inside the node and
-    ``Σ_{n'≠n} wire_inter(len(parts[n'·L + l]))`` across nodes. Stats go to ``label``
-    (``label.intra`` / ``label.inter`` with two levels).
-    """
-    world = dist.get_world_size(group)
-    if len(parts) != world:
-        raise ValueError(f"reduce_scatter_parts: {len(parts)} parts for a group of {world} "
-                         "ranks; allowed: one part per rank")
-    sizes = [p.numel() for p in parts]
-    rpn = (topology or Topology()).ranks_per_node_in(world)
-    # every rank must agree on the codecs, the parts' lengths and the node size before
-    # a byte moves (and before the node sub-groups are made)
-    call = begin("reduce_scatter_parts", group, label, dict(path.codecs), op="sum",
-                 tensors={"parts": parts[0]}, sizes=sizes, ranks_per_node=rpn)
-    if not path.two_level:
-        return _exchange(parts, call.codecs["single"], call.group, call.stats, label,
-                         call.rank)
-    levels = call.ctx.levels(call.group, rpn)
-    if levels.nodes == 1:
-        return _exchange(parts, call.codecs["intra"], call.group, call.stats, f"{label}.intra",
-                         call.rank)
-    if levels.ranks_per_node == 1:
-        return _exchange(parts, call.codecs["inter"], call.group, call.stats, f"{label}.inter",
-                         call.rank)
-    L, nodes, local = levels.ranks_per_node, levels.nodes, levels.local_rank
-    # Step 1: local rank l receives, from each rank of the node, the parts of ranks
-    # (0, l), (1, l), … (node-major) and sums them
-    intra_parts = [torch.cat([parts[n * L + j].reshape(-1) for n in range(nodes)])
-                   for j in range(L)]
-    partial = _exchange(intra_parts, call.codecs["intra"], levels.intra, call.stats,
-                        f"{label}.intra", local)
-    # Step 2: the node sums cross the slow link once, to the rank of this local index
-    inter_parts = list(partial.split([sizes[n * L + local] for n in range(nodes)]))
-    return _exchange(inter_parts, call.codecs["inter"], levels.inter, call.stats,
-                     f"{label}.inter", levels.node)
-
-
-def _exchange(parts: list[torch.Tensor], codec: AnyCodec, group: dist.ProcessGroup,
-              stats: Stats, label: str, me: int) -> torch.Tensor:
-    """One level of :func:`reduce_scatter_parts`: encode, all-to-all, decode and sum."""
-    device, dtype = parts[me].device, parts[me].dtype
-    padded = [chunks.padded_chunk(codec, p.numel()) for p in parts]
-    # Step 1: encode each rank's part once, padded to the codec's alignment
-    with stats.timed(label, "encode_s", device):
-        rows = [_encode_part(codec, p, m, me, f"{label}#{r}")
-                for r, (p, m) in enumerate(zip(parts, padded))]
-    elements = sum(m for r, m in enumerate(padded) if r != me)
-    stats.record(label, calls=1, elements=elements,
-                 wire_bytes=sum(row.numel() for r, row in enumerate(rows) if r != me),
-                 raw_bytes=elements * parts[me].element_size())
-    # Step 2: one all-to-all of the byte rows (row sizes first: any codec works)
-    with stats.timed(label, "comm_s", device):
-        received = Exchange(rows, group).wait()
-    n = parts[me].numel()
-    if n == 0:
-        return torch.zeros(0, dtype=torch.float32, device=device)
-    # Step 3: decode every rank's part for this rank and sum in fp32, in rank order
-    with stats.timed(label, "decode_s", device):
-        return chunks.decode_sum_rows(codec, received, padded[me], dtype)[:n]
-
-
-def _encode_part(codec: AnyCodec, part: torch.Tensor, padded: int, rng_stream: int,
-                 key: str) -> torch.Tensor:
-    if padded == 0:
-        return torch.empty(0, dtype=torch.uint8, device=part.device)
-    x = part.reshape(-1)
-    if padded != x.numel():
-        x = torch.cat([x, x.new_zeros(padded - x.numel())])
-    return packet_to_bytes(chunks.encode(codec, x, rng_stream=rng_stream, key=key))
 
 
 class DeepSpeedCompression:
@@ -250,8 +162,12 @@ class DeepSpeedCompression:
         for dst, view, _ in pieces:
             by_rank[dst].append(view.reshape(-1))
         parts = [torch.cat(views) if views else tensor.new_empty(0) for views in by_rank]
-        reduced = reduce_scatter_parts(parts, self._grad_path(tensor, comm_dtype), self.group,
-                                       self.topology).to(comm_dtype)
+        codecs = self._grad_path(tensor, comm_dtype).codecs
+        # DeepSpeed has divided by the world size already: a sum, as its reduction
+        reduced = reduce_scatter_parts(parts, codecs.get("single"), intra=codecs.get("intra"),
+                                       inter=codecs.get("inter"), topology=self.topology,
+                                       group=self.group, op="sum", label="dp.grad")
+        reduced = reduced.to(comm_dtype)
         # as DeepSpeed's reduction: the owner's slices (and its fp32 partition buffer, if
         # any) receive the reduced values; other ranks' slices are left as they are
         offset = 0
@@ -340,8 +256,6 @@ class DeepSpeedCompression:
         self.grad_paths = {}
         self._pending = dict(state["grad_codecs"])  # applied as each bucket comes
         self.buckets_reduced = state["buckets_reduced"]
-        if self._own_weights is not None:  # DeepSpeed has restored the weights
-            self._own_weights = self._own_partitions()
 
     def state_path(self, checkpoint_dir: str) -> str:
         """This rank's codec-state file inside a checkpoint's tag directory."""
@@ -362,7 +276,11 @@ class DeepSpeedCompression:
                                                                          **kwargs)
         finally:
             self._loading = False
-        if load_path is None or kwargs.get("load_module_only"):
+        if load_path is None:
+            return load_path, client_state
+        if self._own_weights is not None:  # DeepSpeed has replaced the weights
+            self._own_weights = self._own_partitions()
+        if kwargs.get("load_module_only"):
             return load_path, client_state
         path = self.state_path(os.path.dirname(load_path))
         if not os.path.exists(path):
@@ -471,9 +389,11 @@ def _check_engine(engine: Any) -> None:
                          "off (commpress's policy compresses the same collectives)")
     opt = engine.optimizer
     if not isinstance(opt, stage_1_and_2.DeepSpeedZeroOptimizer):
+        why = (" (DeepSpeed's choice at ZeRO-1 for bf16 weights with fp32 gradient "
+               "accumulation: use ZeRO-2, or data_types.grad_accum_dtype bf16)"
+               if type(opt).__name__ == "BF16_Optimizer" else "")
         raise ValueError(f"commpress.deepspeed.compress: the engine's optimizer is "
-                         f"{type(opt).__name__}; allowed: DeepSpeedZeroOptimizer (ZeRO stage "
-                         "1 or 2)")
+                         f"{type(opt).__name__}{why}; allowed: DeepSpeedZeroOptimizer")
     missing = [n for n in PATCHED if not hasattr(opt, n)]
     if missing or not hasattr(stage_1_and_2, "all_gather_dp_groups"):
         raise RuntimeError(f"commpress.deepspeed: DeepSpeed {deepspeed.__version__} lacks "

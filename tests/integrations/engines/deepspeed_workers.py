@@ -32,8 +32,12 @@ def _deepspeed():
     return deepspeed
 
 
-def config(stage=2, accumulation=1, overlap=True, multi_rank=True, world=2):
+def config(stage=2, accumulation=1, overlap=True, multi_rank=True, world=2, bf16=False):
+    """ZeRO ``stage``; ``bf16`` weights accumulate gradients in fp32 (DeepSpeed then keeps
+    each rank's reduced gradients in an fp32 partition buffer)."""
     return {
+        "bf16": {"enabled": bf16},
+        "data_types": {"grad_accum_dtype": "fp32"},
         "train_micro_batch_size_per_gpu": BATCH // world // accumulation,
         "gradient_accumulation_steps": accumulation,
         "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1,
@@ -116,9 +120,7 @@ def everything(rank, world, cases, directory, steps):
 def parts(rank, world):
     """reduce_scatter_parts alone: uneven and empty parts, exact and int8; and ranks
     that disagree on the parts' lengths."""
-    from commpress.integrations.deepspeed import reduce_scatter_parts
-    from commpress.integrations.grad_path import GradPath
-    from commpress.policy import Policy
+    from commpress.collectives.parts import reduce_scatter_parts
 
     sizes = [300, 0] if world == 2 else [300, 0, 7, 130][:world]
     gen = torch.Generator().manual_seed(rank)
@@ -128,16 +130,12 @@ def parts(rank, world):
     offsets = [sum(sizes[:r]) for r in range(world)]
     expected = sum(e[offsets[rank]:offsets[rank] + sizes[rank]] for e in every)
     out = {}
-    for name in ("none", "int8"):
-        policy = Policy.from_dict({"name": name, "dp": {"grad": name}})
-        got = reduce_scatter_parts(mine, GradPath(policy, commpress.Topology()),
-                                   dist.group.WORLD)
-        out[name] = float((got - expected).abs().max()) if got.numel() else 0.0
-        out[name + " scale"] = float(expected.abs().max()) if got.numel() else 0.0
-    wrong = [torch.zeros(n + (rank == 0)) for n in sizes]
+    for codec in ("none", "int8"):
+        got = reduce_scatter_parts(mine, codec, op="sum")
+        out[codec] = float((got - expected).abs().max()) if got.numel() else 0.0
+        out[codec + " scale"] = float(expected.abs().max()) if got.numel() else 0.0
     try:
-        reduce_scatter_parts(wrong, GradPath(Policy.preset("none"), commpress.Topology()),
-                             dist.group.WORLD)
+        reduce_scatter_parts([torch.zeros(n + (rank == 0)) for n in sizes])
         out["mismatch"] = None
     except commpress.CollectiveMismatchError as e:
         out["mismatch"] = str(e)

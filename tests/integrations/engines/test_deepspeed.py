@@ -20,6 +20,8 @@ CASES = [
     ("none z2", {}, "none"),
     ("stock z1", Z1_ACCUMULATE, None),
     ("none z1", Z1_ACCUMULATE, "none"),
+    ("stock bf16 z2", {"bf16": True}, None),
+    ("none bf16 z2", {"bf16": True}, "none"),
     ("zeropp z2", {}, "zeropp"),
     ("sdp4bit z1", Z1_ACCUMULATE, "sdp4bit"),
 ]
@@ -42,9 +44,10 @@ def two_ranks(tmp_path_factory):
 
 
 def test_codec_none_is_the_stock_engine_bit_for_bit(two_ranks):
-    # ZeRO-2 with DeepSpeed's default all-reduce of buckets, and ZeRO-1 with gradient
-    # accumulation and one reduce per owner: the same weights after every step
-    for stage in ("z2", "z1"):
+    # ZeRO-2 with DeepSpeed's default all-reduce of buckets; ZeRO-1 with gradient
+    # accumulation and one reduce per owner; bf16 ZeRO-2, whose reduced gradients also
+    # go to an fp32 partition buffer: the same weights after every step
+    for stage in ("z2", "z1", "bf16 z2"):
         for rank in two_ranks:
             stock, none = rank["cases"][f"stock {stage}"], rank["cases"][f"none {stage}"]
             assert none["hashes"] == stock["hashes"], stage
@@ -81,6 +84,8 @@ def test_bytes_per_label_are_the_policys_bits_per_element(two_ranks):
 
     exact = two_ranks[0]["cases"]["none z2"]["stats"]
     assert wire_bits(exact, "dp.grad") == 32 and wire_bits(exact, "dp.param") == 32
+    exact_bf16 = two_ranks[0]["cases"]["none bf16 z2"]["stats"]
+    assert wire_bits(exact_bf16, "dp.grad") == 16 and wire_bits(exact_bf16, "dp.param") == 16
     # one node: the two-level gradient policies use their intra-node codec
     zeropp = two_ranks[0]["cases"]["zeropp z2"]["stats"]
     assert wire_bits(zeropp, "dp.grad.intra") == bits("int4")
