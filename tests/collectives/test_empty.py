@@ -55,3 +55,24 @@ def test_two_level_collectives_on_empty_tensors():
     ranks = spawn(empty_workers.empty_collectives, 4,
                   (SPECS, empty_workers.DTYPES, 2, two_level), ranks_per_node=2, timeout=300)
     _assert_all_empty(ranks)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_played_collectives_on_empty_tensors(spec):
+    """The collectives `simulate` plays in one process take empty tensors as the real ones."""
+    from commpress.collectives import played
+
+    codecs = [codec(spec) for _ in range(2)]
+    empties = [torch.empty(0), torch.empty(0)]
+    rs = played.PlayedReduceScatter(codecs, 0, "rs", "avg")
+    ar = played.PlayedAllReduce(codecs, 0, "ar", "avg")
+    for rank, x in enumerate(empties):
+        rs.add(rank, x)
+        ar.add(rank, x)
+    assert [o.shape for o in rs.finish()] == [(0,), (0,)]
+    assert ar.finish().shape == (0,)
+    assert [o.shape for o in played.played_gather(codecs, empties, "ag", [0, 1])] == [(0,)] * 2
+    weights = torch.empty(0)
+    played.played_delta_gather(weights, empties, codecs, "delta", [0, 1])
+    sent = played.played_transfer(codecs[0], codecs[1], torch.empty(0), rng_stream=0, key="k")
+    assert sent.shape == (0,)
