@@ -56,16 +56,17 @@ def ddp_run(rank, world, policy, steps, options=None):
 
     ``options``: ``overlap``, ``find_unused``, ``static_graph``, ``micro`` (micro-batches,
     all but the last under ``no_sync``), ``schedule`` (:func:`skipped_blocks`),
-    ``dp_groups`` (DDP over the data-parallel group holding this rank).
+    ``dp_groups`` (DDP over the data-parallel group holding this rank; each group draws
+    its own batches).
     """
     o = {"overlap": True, "find_unused": False, "static_graph": False, "micro": 1,
          "schedule": "none", "dp_groups": None, **(options or {})}
-    group, dp_rank, dp_world = None, rank, world
+    group, dp_rank, dp_world, seed = None, rank, world, 0
     if o["dp_groups"] is not None:
-        for ranks in o["dp_groups"]:
+        for index, ranks in enumerate(o["dp_groups"]):
             made = dist.new_group(ranks)
             if rank in ranks:
-                group, dp_rank, dp_world = made, ranks.index(rank), len(ranks)
+                group, dp_rank, dp_world, seed = made, ranks.index(rank), len(ranks), index
     data = workers._data()
     model = SkippingGPT(workers._model())
     ddp = DDP(model, bucket_cap_mb=0.1, process_group=group,
@@ -77,7 +78,7 @@ def ddp_run(rank, world, policy, steps, options=None):
     micro = o["micro"]
     hashes, losses = [], []
     for step in range(steps):
-        x, y = workers._local_batch(data, step, dp_rank, dp_world)
+        x, y = workers._local_batch(data, step, dp_rank, dp_world, seed)
         model.skip = skipped_blocks(o["schedule"], step, dp_rank)
         for i, (xm, ym) in enumerate(zip(x.chunk(micro), y.chunk(micro))):
             if i < micro - 1:

@@ -71,7 +71,8 @@ def test_hook_reduces_over_the_ddp_modules_process_group():
     ranks = _run("int2ef", world=4, ranks_per_node=1, dp_groups=groups,
                  **UNUSED_AND_SKIPPING)
     _assert_replicas_identical(ranks, groups)
-    # the two data-parallel groups see different batches
+    # the groups draw different batches: had the hook averaged over all four ranks,
+    # every replica would be the same
     assert ranks[0]["hashes"][-1] != ranks[1]["hashes"][-1]
 
 
