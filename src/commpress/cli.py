@@ -168,8 +168,9 @@ SIMULATE_HELPS = {"ranks_per_node": "ranks (data-parallel ranks × stages × ten
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
     from commpress.train.compare import compare
-    from commpress.train.simulate import simulate
+    from commpress.train.simulate import refuse_launcher, simulate
 
+    refuse_launcher()  # before a comparison would make the launcher's process group
     if args.ranks < 1:
         raise ValueError(f"--ranks {args.ranks} is not allowed; allowed: an integer >= 1")
     world = args.ranks * args.pp * args.tp

@@ -6,7 +6,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-SILENT_S = 8.0  # how long the silent ranks stay away: far longer than the timeout
+SILENT_S = 5.0  # how long the silent ranks stay away: far longer than the timeout
 TIMEOUT_S = 1.0  # the default group's timeout once every rank has arrived
 
 

@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -38,11 +39,10 @@ def test_sub_groups_wait_no_longer_than_the_launch_timeout():
 def test_compare_under_a_launcher_runs_every_policy_in_one_group(tmp_path):
     # a launched rank (RANK, WORLD_SIZE set, no group yet) used to create and destroy the
     # default group per policy: the second policy's rendezvous timed out
-    ranks = spawn(workers.compare_as_a_launched_rank, 2,
-                  (str(tmp_path), ["none", "sdp4bit", "int2ef"]), timeout=240)
-    assert ranks == [["int2ef", "none", "sdp4bit"], []]
-    assert json.load(open(tmp_path / "compare.json"))["policies"].keys() == {
-        "none", "sdp4bit", "int2ef"}
+    ranks = spawn(workers.compare_as_a_launched_rank, 2, (str(tmp_path), ["none", "int2ef"]),
+                  timeout=240)
+    assert ranks == [["int2ef", "none"], []]
+    assert json.load(open(tmp_path / "compare.json"))["policies"].keys() == {"none", "int2ef"}
 
 
 @pytest.mark.slow
@@ -126,3 +126,71 @@ def test_a_run_whose_every_step_is_skipped_fails(one_step_run, tmp_path, capsys)
     assert "all 2 steps this run were skipped" in lines[0]
     # what it wrote stays for the diagnosis
     assert json.load(open(os.path.join(out, "summary.json")))["skipped_steps"] == 2
+
+
+def test_simulate_refuses_to_run_as_a_launchers_rank(tmp_path, capsys, monkeypatch):
+    # torchrun starts one copy per rank; each would play every rank into the same --out
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    for policies in ([], ["--policies", "none,int2ef"]):
+        code = main([*COMMANDS["simulate"], *TINY, "--steps", "1", *policies,
+                     "--out", str(tmp_path / "sim")])
+        (line,) = _error_lines(capsys)
+        assert code == 2 and "WORLD_SIZE=2" in line and "without a launcher" in line
+    assert not (tmp_path / "sim").exists()
+
+
+@pytest.mark.slow
+def test_simulate_under_torchrun_is_refused_by_every_rank(tmp_path):
+    done = torchrun(2, ["simulate", *TINY, "--ranks", "2", "--steps", "1",
+                        "--out", str(tmp_path / "sim")])
+    assert done.returncode != 0
+    assert done.stderr.count("without a launcher") == 2, done.stderr[-3000:]
+    assert not (tmp_path / "sim").exists()
+
+
+SIM_POLICIES = [*COMMANDS["simulate"], *TINY, "--warmup", "10", "--checkpoint-every", "1"]
+
+
+def _losses(run_dir) -> list[float]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line)["loss"] for line in f]
+
+
+def test_a_policy_comparison_resumes_each_policy_from_its_own_run(tmp_path, capsys):
+    full, part = str(tmp_path / "full"), str(tmp_path / "part")
+    assert main([*SIM_POLICIES, "--policies", "none,int2ef", "--steps", "3", "--out", full]) == 0
+    assert main([*SIM_POLICIES, "--policies", "none,int2ef", "--steps", "2", "--out", part]) == 0
+    # both policies continue from their own checkpoints, as if never stopped
+    assert main([*SIM_POLICIES, "--policies", "none,int2ef", "--steps", "3", "--resume", part,
+                 "--out", part]) == 0
+    for slug in ("none", "int2ef"):
+        assert _losses(os.path.join(part, slug)) == _losses(os.path.join(full, slug))
+    # finished policies are taken over, a policy never started starts
+    capsys.readouterr()
+    assert main([*SIM_POLICIES, "--policies", "none,int2ef,naive", "--steps", "3",
+                 "--resume", part, "--out", part]) == 0
+    assert capsys.readouterr().err.count("(finished before)") == 2
+    assert json.load(open(os.path.join(part, "compare.json")))["policies"].keys() == {
+        "none", "int2ef", "naive"}
+    # a directory that is no comparison's is refused, naming where it looked
+    code = main([*SIM_POLICIES, "--policies", "none,int2ef", "--steps", "3",
+                 "--resume", os.path.join(part, "none"), "--out", str(tmp_path / "other")])
+    (line,) = _error_lines(capsys)
+    assert code == 2 and "holds no checkpoint of these policies" in line
+
+
+@pytest.mark.parametrize("args", [
+    ["simulate", "--ranks", "100000", "--batch-size", "100000"],
+    # every rank draws the global batch: 10^9 sequences cannot be held
+    ["train", "--nproc", "2", "--batch-size", "1000000000"],
+])
+def test_sizes_that_cannot_fit_are_refused_before_allocating(tmp_path, args):
+    t0 = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "commpress.cli", *args, "--steps", "1",
+                           "--no-progress", "--out", str(tmp_path / "run")],
+                          capture_output=True, text=True, timeout=120)
+    err = " ".join(done.stderr.split())
+    assert done.returncode == 2, err[-2000:]
+    assert "needs at least" in err and "available" in err and "--batch-size" in err, err
+    assert time.monotonic() - t0 < 60 and not (tmp_path / "run" / "config.json").exists()

@@ -47,6 +47,7 @@ from commpress.train.config import TrainConfig
 from commpress.train.data import TextData, load_tokens
 from commpress.train.ddp_engine import DDPEngine
 from commpress.train.errors import RunFailedError
+from commpress.train.memory import check_fits, train_needs
 
 # one-level collectives report under the axis label, two-level ones under label.intra/.inter
 AXIS_LABELS = ("dp.grad", "dp.grad.intra", "dp.grad.inter", "dp.grad.gather",
@@ -322,6 +323,7 @@ def train(cfg: TrainConfig) -> dict[str, Any] | None:
         world = int(os.environ["WORLD_SIZE"])
         cfg = cfg.resolved(world)
         check_resume_steps(cfg)
+        check_train_fits(cfg, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
         with launched_group(cfg), _agreed_hold(cfg.out):
             summary = run_rank(dist.get_rank(), world, cfg.to_dict())
         check_progress(summary)
@@ -334,6 +336,7 @@ def train(cfg: TrainConfig) -> dict[str, Any] | None:
                          f"{torch.cuda.device_count()} visible GPUs; allowed: --backend gloo "
                          "(ranks share GPUs) or fewer ranks")
     check_resume_steps(cfg)
+    check_train_fits(cfg, cfg.nproc)
     with run_lock.hold(cfg.out):
         results = spawn(run_rank, cfg.nproc, (cfg.to_dict(),),
                         ranks_per_node=cfg.ranks_per_node, backend=cfg.backend,
@@ -379,6 +382,17 @@ def check_resume_steps(cfg: TrainConfig) -> None:
     if step >= cfg.steps:
         raise ValueError(f"--steps {cfg.steps} does not go past the checkpoint's step {step} "
                          f"({directory}): nothing would be trained; allowed: --steps > {step}")
+
+
+def check_train_fits(cfg: TrainConfig, local_ranks: int) -> None:
+    """Refuse sizes whose ``local_ranks`` ranks on this machine (on CUDA: per GPU)
+    cannot fit in its memory, before any of them allocates."""
+    if cfg.device == "cuda":
+        local_ranks = -(-local_ranks // torch.cuda.device_count())
+    check_fits(train_needs(cfg, local_ranks), cfg.device,
+               f"train: {local_ranks} ranks here × --batch-size {cfg.batch_size} × --seq-len "
+               f"{cfg.seq_len} × --model {cfg.model} (dp{cfg.dp}×tp{cfg.tp}×pp{cfg.pp}, "
+               f"--bucket-numel {cfg.bucket_numel})")
 
 
 def check_progress(summary: dict[str, Any] | None) -> None:

@@ -71,6 +71,7 @@ from commpress.train.loop import (
     summed_counters,
     write_outputs,
 )
+from commpress.train.memory import check_fits, simulate_needs
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -349,6 +350,10 @@ def simulate(cfg: TrainConfig) -> dict[str, Any]:
                          f"ddp_hook={cfg.ddp_hook!r}; allowed: commpress")
     cfg = cfg.resolved()
     check_resume_steps(cfg)
+    check_fits(simulate_needs(cfg), cfg.device,
+               f"simulate --ranks {cfg.dp} × --batch-size {cfg.batch_size} × --seq-len "
+               f"{cfg.seq_len} × --model {cfg.model} (--pp {cfg.pp}, --tp {cfg.tp}, --policy "
+               f"{cfg.policy}, --bucket-numel {cfg.bucket_numel})")
     with run_lock.hold(cfg.out):
         if cfg.tp == 1:
             with rank_threads():  # a spawned rank's kernels: its thread count fixes their bits
