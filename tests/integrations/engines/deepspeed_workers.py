@@ -189,10 +189,12 @@ def refusals(rank, world):
 
     stock_gather = stage_1_and_2.all_gather_dp_groups
     out = {}
-    for name, change in (("stage 0", {"stage": 0}),
-                         ("stage 3", {"stage": 3}),
-                         ("reduce_scatter false", {"reduce_scatter": False})):
-        cfg = config(world=world)
+    for name, change, bf16 in (("stage 0", {"stage": 0}, False),
+                               ("stage 3", {"stage": 3}, False),
+                               ("ZeRO++ qgZ", {"zero_quantized_gradients": True}, False),
+                               ("reduce_scatter false", {"reduce_scatter": False}, False),
+                               ("bf16 stage 1", {"stage": 1}, True)):
+        cfg = config(world=world, bf16=bf16)
         cfg["zero_optimization"].update(change)
         engine = engine_for(cfg)
         try:

@@ -112,6 +112,10 @@ def test_what_is_not_covered_is_refused_and_undo_restores_deepspeed(two_ranks):
     assert "stage=3" in refusals["stage 3"] and "commpress.fsdp" in refusals["stage 3"]
     assert "stage=0" in refusals["stage 0"]
     assert "reduce_scatter" in refusals["reduce_scatter false"]
+    assert "ZeRO++" in refusals["ZeRO++ qgZ"] and "zero_quantized_gradients" in refusals[
+        "ZeRO++ qgZ"]
+    # bf16 weights, fp32 accumulation, ZeRO-1: DeepSpeed picks another optimizer
+    assert "BF16_Optimizer" in refusals["bf16 stage 1"] and "ZeRO-2" in refusals["bf16 stage 1"]
     assert refusals["undo"] == {"patched": True, "gather restored": True,
                                 "methods restored": True, "checkpoints restored": True}
 
