@@ -47,6 +47,20 @@ from commpress.policy import Policy, Rule, list_presets
 
 __version__ = "0.1.0"
 
+# Engine adapters import their engine, so they load on first use (``commpress.megatron``).
+_ENGINES = {"megatron": "commpress.integrations.megatron",
+            "deepspeed": "commpress.integrations.deepspeed",
+            "lightning": "commpress.integrations.lightning"}
+
+
+def __getattr__(name: str):
+    if name in _ENGINES:
+        import importlib
+
+        return importlib.import_module(_ENGINES[name])
+    raise AttributeError(f"module 'commpress' has no attribute {name!r}")
+
+
 __all__ = [
     "DDPHookState",
     "NonFiniteGradientError",

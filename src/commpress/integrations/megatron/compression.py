@@ -1,0 +1,353 @@
+"""``apply``: one policy over a Megatron-core model's data-, tensor- and pipeline-parallel
+traffic, and the handle that undoes it and checkpoints its codec state."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core.distributed import DistributedDataParallel
+
+from commpress.collectives import CollectiveMismatchError, Topology
+from commpress.collectives.comm import all_gather_single
+from commpress.integrations.buckets import checksum, tensor_parallel_key
+from commpress.integrations.megatron import data_parallel, model_parallel
+from commpress.integrations.megatron.data_parallel import BucketComm
+from commpress.integrations.megatron.layout import identical_mask
+from commpress.integrations.megatron.model_parallel import ActivationComm
+from commpress.integrations.megatron.seams import REGISTRY, acquire, release
+from commpress.policy import Policy
+
+log = logging.getLogger(__name__)
+
+STATE_FORMAT = "commpress.megatron/1"
+SWAPS = [*data_parallel.SWAPS, *model_parallel.TP_SWAPS, *model_parallel.PP_SWAPS]
+
+
+class MegatronCompression:
+    """What :func:`apply` installed for one model and optimizer.
+
+    ``remove()`` (or leaving a ``with`` block) gives Megatron its own communication
+    back. ``state_dict()`` / ``load_state_dict()`` hold this rank's codec state —
+    error-feedback memory, stochastic-rounding counters, qWD references — keyed by
+    bucket (``chunk<c>.buffer<b>.bucket<k>``, with its parameter names) and by axis:
+    save it with each rank's checkpoint and load it after the model and optimizer, so a
+    resumed run continues bit for bit.
+    """
+
+    def __init__(self, policy: Policy, buckets: dict[str, BucketComm],
+                 tp: ActivationComm | None, pp: ActivationComm | None,
+                 dgrad_layers: list[torch.nn.Module]) -> None:
+        # hyperparameters
+        self.policy = policy
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        # internal state: the collectives' codecs
+        self.buckets, self.tp, self.pp = buckets, tp, pp
+        self._dgrad_layers = dgrad_layers
+        self.removed = False
+
+    @property
+    def axes(self) -> list[str]:
+        """The parallel axes covered: ``dp`` and, where their groups have peers, ``tp``, ``pp``."""
+        return ["dp"] + [a for a, c in (("tp", self.tp), ("pp", self.pp)) if c is not None]
+
+    def remove(self) -> None:
+        """Restore Megatron's own communication for this model (idempotent)."""
+        if self.removed:
+            return
+        with REGISTRY.lock:
+            for comm in self.buckets.values():
+                for t in (comm.bucket.grad_data, comm.bucket.param_data):
+                    REGISTRY.buckets.pop(id(t), None)
+            if self.tp is not None:
+                REGISTRY.tp.pop(self.tp.group, None)
+            if self.pp is not None:
+                REGISTRY.pp.pop(self.pp.group, None)
+        model_parallel.restore_dgrad(self._dgrad_layers)
+        release()
+        self.removed = True
+        log.info("Removed commpress %s from Megatron-core", self.policy.name)
+
+    def __enter__(self) -> MegatronCompression:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    # -- checkpoints ------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"format": STATE_FORMAT, "policy": self.policy.to_dict(), "rank": self.rank,
+                "world_size": self.world,
+                "buckets": {k: c.state_dict() for k, c in self.buckets.items()},
+                "tp": None if self.tp is None else self.tp.state_dict(),
+                "pp": None if self.pp is None else self.pp.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a state saved by this rank of a run with the same policy, world size and
+        model; anything else is refused with the difference named."""
+        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+            raise ValueError(f"not a commpress Megatron codec state (expected format "
+                             f"{STATE_FORMAT!r})")
+        for key, mine in (("policy", self.policy.to_dict()), ("world_size", self.world),
+                          ("rank", self.rank), ("buckets", sorted(self.buckets))):
+            saved = sorted(state[key]) if key == "buckets" else state[key]
+            if saved != mine:
+                raise ValueError(f"Megatron codec checkpoint {key} {saved!r} does not match this "
+                                 f"run's {mine!r}; resume with the same {key} (each rank loads "
+                                 "its own state)")
+        for key, comm in self.buckets.items():
+            comm.load_state_dict(state["buckets"][key])
+        for axis in ("tp", "pp"):
+            comm = getattr(self, axis)
+            if (state[axis] is None) != (comm is None):
+                raise ValueError(f"Megatron codec checkpoint was saved with another {axis} size; "
+                                 "resume with the same parallel layout")
+            if comm is not None:
+                comm.load_state_dict(state[axis])
+
+
+def apply(model: Any, optimizer: Any = None, policy: str | dict | Policy = "sdp4bit", *,
+          ranks_per_node: int | None = None) -> MegatronCompression:
+    """Compress a Megatron-core model's communication with ``policy``.
+
+    Covers the data-parallel gradient reduce-scatter (``dp.grad``; TLq-HS with
+    ``intra``/``inter`` codecs) or all-reduce (without the distributed optimizer), the
+    distributed optimizer's weight all-gather (``dp.param``; qWD with ``delta``), the
+    tensor-parallel activation collectives and their gradients (``tp.act``,
+    ``tp.act_grad``; sequence parallelism's all-gathers and reduce-scatters too) and the
+    pipeline stages' transfers (``pp.act``, ``pp.act_grad``). Bytes per element are the
+    codecs' (``commpress.stats()`` counts them under those labels). A configuration it
+    cannot honour is refused with the reason.
+
+    Args:
+        model: the ``megatron.core.distributed.DistributedDataParallel`` model, or the list
+            of its chunks (virtual pipeline stages), as Megatron's training loop holds it.
+        optimizer: the optimizer built for it (checked against the model), or None.
+        policy: preset name, policy file, dict or :class:`~commpress.Policy`.
+        ranks_per_node: ranks that share a node (default ``LOCAL_WORLD_SIZE``); each
+            data-parallel group's nodes follow from its members' global ranks.
+
+    Returns:
+        a :class:`MegatronCompression`; ``.remove()`` undoes it, and it is a context
+        manager.
+
+    Example::
+
+        model = DistributedDataParallel(config, ddp_config, gpt)
+        optimizer = get_megatron_optimizer(opt_config, [model])
+        comm = commpress.megatron.apply(model, optimizer, "sdp4bit")
+    """
+    policy = Policy.resolve(policy)
+    chunks = _chunks(model)
+    _check_config(chunks, optimizer, policy)
+    rpn = ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    if not isinstance(rpn, int) or rpn < 1:
+        raise ValueError(f"commpress.megatron.apply: ranks_per_node={rpn!r} is not allowed; "
+                         "allowed: a positive integer")
+    config = chunks[0].config
+    # Step 1: data parallelism, bucket by bucket (Megatron's buckets, as they are)
+    buckets = _bucket_comms(chunks, policy, rpn)
+    # Step 2: tensor parallelism (column-parallel input gradients move to mappings.py)
+    tp = pp = None
+    dgrad_layers: list[torch.nn.Module] = []
+    if chunks[0].tp_group.size() > 1:
+        tp = ActivationComm("tp", chunks[0].tp_group, policy)
+    # Step 3: pipeline parallelism
+    if chunks[0].pp_group.size() > 1:
+        pp = ActivationComm("pp", chunks[0].pp_group, policy)
+    with REGISTRY.lock:
+        _check_free(buckets, tp, pp)
+        for comm in buckets.values():
+            for t in (comm.bucket.grad_data, comm.bucket.param_data):
+                if t is not None:
+                    REGISTRY.buckets[id(t)] = comm
+        if tp is not None:
+            REGISTRY.tp[tp.group] = tp
+            dgrad_layers = model_parallel.route_dgrad_through_mappings(chunks)
+        if pp is not None:
+            REGISTRY.pp[pp.group] = pp
+    acquire(SWAPS)
+    handle = MegatronCompression(policy, buckets, tp, pp, dgrad_layers)
+    log.info("Applied commpress %s to Megatron-core: %d buckets (%s optimizer), tp=%d, pp=%d, "
+             "sequence parallel %s", policy.name, len(buckets),
+             "distributed" if chunks[0].ddp_config.use_distributed_optimizer else "DDP",
+             chunks[0].tp_group.size(), chunks[0].pp_group.size(),
+             "on" if config.sequence_parallel else "off")
+    return handle
+
+
+def _chunks(model: Any) -> list[DistributedDataParallel]:
+    chunks = list(model) if isinstance(model, list | tuple) else [model]
+    for c in chunks:
+        if not isinstance(c, DistributedDataParallel):
+            raise TypeError(f"commpress.megatron.apply: model must be megatron.core.distributed."
+                            f"DistributedDataParallel (or a list of them); got {type(c).__name__}"
+                            " — wrap the model first (Megatron FSDP is not covered)")
+    if not chunks:
+        raise ValueError("commpress.megatron.apply: model is an empty list")
+    if isinstance(chunks[0].pp_group, list):
+        raise ValueError("commpress.megatron.apply: a model with several pipeline groups is not "
+                         "covered")
+    return chunks
+
+
+def _refuse(what: str, fix: str) -> ValueError:
+    return ValueError(f"commpress.megatron.apply: {what} is not covered; {fix}")
+
+
+def _check_config(chunks: list[DistributedDataParallel], optimizer: Any, policy: Policy) -> None:
+    """Refuse what would leave covered traffic uncompressed or break an invariant."""
+    ddp, config = chunks[0].ddp_config, chunks[0].config
+    if ddp.reduce_scatter_with_fp32_accumulation:
+        raise _refuse("reduce_scatter_with_fp32_accumulation=True (it replaces the gradient "
+                      "reduce-scatter itself)", "set it to False")
+    if ddp.num_distributed_optimizer_instances > 1:
+        raise _refuse(f"num_distributed_optimizer_instances="
+                      f"{ddp.num_distributed_optimizer_instances} (its all-reduce between "
+                      "instances calls torch.distributed directly)",
+                      "use 1 instance and a two-level dp.grad (intra/inter) for the same "
+                      "hierarchy")
+    if getattr(config, "num_moe_experts", None) or any(c.expert_parallel_buffers for c in chunks):
+        raise _refuse("a mixture-of-experts model (expert all-to-all and expert buffers)",
+                      "use a dense model")
+    distopt = ddp.use_distributed_optimizer
+    param_lossy = not (policy.rule("dp", "param").exact
+                       or getattr(policy.codec_for("dp", "param"), "lossless", False))
+    for c in chunks:
+        for buffer in c.buffers:
+            if buffer.param_dtype == torch.uint8:
+                raise _refuse("fp8 parameters", "train in bf16 or fp16")
+            if distopt and param_lossy and buffer.param_dtype == torch.float32:
+                raise ValueError(
+                    f"commpress.megatron.apply: dp.param={policy.rule('dp', 'param').codec!r} "
+                    "would overwrite the distributed optimizer's fp32 master weights: for fp32 "
+                    "parameters they are the model's own; train in bf16 or fp16 "
+                    "(TransformerConfig(bf16=True)) or set dp.param to none")
+    if not distopt and param_lossy:
+        log.info("commpress.megatron: no distributed optimizer, so no weight all-gather: "
+                 "dp.param=%s has nothing to compress", policy.rule("dp", "param").codec)
+    if chunks[0].tp_group.size() > 1:
+        if config.tp_comm_overlap:
+            raise _refuse("tp_comm_overlap=True (Transformer Engine's userbuffers)",
+                          "set it to False")
+        te = [type(m).__name__ for c in chunks for m in c.modules()
+              if type(m).__module__.startswith("megatron.core.extensions.transformer_engine")]
+        if te:
+            raise _refuse(f"Transformer Engine layers ({te[0]}) with tensor parallelism (they "
+                          "communicate inside TE)", "build the model with the local layer spec")
+        for kind in model_parallel.KINDS:
+            if policy.rule("tp", kind).error_feedback:
+                raise _refuse(f"error feedback on tp.{kind} (one memory per call site, which "
+                              "Megatron's shared mappings do not identify)",
+                              f"drop error_feedback from tp.{kind}")
+    if chunks[0].pp_group.size() > 1:
+        if config.use_ring_exchange_p2p:
+            raise _refuse("use_ring_exchange_p2p=True", "set it to False")
+        if not config.batch_p2p_comm:
+            raise _refuse("batch_p2p_comm=False (overlap_p2p_comm)", "set batch_p2p_comm=True")
+    if optimizer is not None:
+        _check_optimizer(chunks, optimizer)
+
+
+def _check_optimizer(chunks: list[DistributedDataParallel], optimizer: Any) -> None:
+    # the distributed optimizer knows its model chunks; the others only their parameters
+    parts = getattr(optimizer, "chained_optimizers", [optimizer])
+    covered = {id(m) for o in parts for m in getattr(o, "model_chunks", [])}
+    if covered and not covered & {id(c) for c in chunks}:
+        raise ValueError("commpress.megatron.apply: the optimizer was not built for this model "
+                         "(its model_chunks hold other modules); pass the model and the "
+                         "optimizer get_megatron_optimizer built for it")
+
+
+def dp_topology(group: dist.ProcessGroup, ranks_per_node: int) -> Topology | None:
+    """How many of ``group``'s ranks share each node (node = global rank // ranks_per_node),
+    or None when they are spread unevenly or out of node order."""
+    ranks = dist.get_process_group_ranks(group)
+    nodes = [r // ranks_per_node for r in ranks]
+    per = nodes.count(nodes[0])
+    if nodes != sorted(nodes) or any(nodes.count(n) != per for n in set(nodes)):
+        return None
+    return Topology(per)
+
+
+def _bucket_comms(chunks: list[DistributedDataParallel], policy: Policy,
+                  ranks_per_node: int) -> dict[str, BucketComm]:
+    distopt = chunks[0].ddp_config.use_distributed_optimizer
+    config = chunks[0].config
+    needs_nodes = policy.two_level() or not policy.rule("dp", "param").exact
+    mixed_tp = chunks[0].tp_group.size() > 1
+    out: dict[str, BucketComm] = {}
+    for c, chunk in enumerate(chunks):
+        names = {p: n for n, p in chunk.module.named_parameters()}
+        for b, buffer in enumerate(chunk.buffers):
+            group = buffer.data_parallel_group
+            topology = dp_topology(group, ranks_per_node)
+            if topology is None:
+                if needs_nodes:
+                    raise ValueError(
+                        f"commpress.megatron.apply: the data-parallel group of ranks "
+                        f"{dist.get_process_group_ranks(group)} spreads unevenly over nodes of "
+                        f"{ranks_per_node} ranks; allowed: the same number of its ranks on "
+                        "every node (set ranks_per_node, or a one-level policy)")
+                topology = Topology(1)
+            for bucket in buffer.buckets:
+                key = f"chunk{c}.buffer{b}.bucket{bucket.bucket_id}"
+                positions = {p: (buffer.param_index_map[p][0] - bucket.offset,
+                                 buffer.param_index_map[p][1] - bucket.offset)
+                             for p in bucket.params_list}
+                identical = {"grad": None, "param": None}
+                if mixed_tp:
+                    replicated = {p: not tensor_parallel_key(names[p], p)
+                                  for p in bucket.params_list}
+                    identical["param"] = identical_mask(bucket, positions, replicated)
+                    identical["grad"] = identical_mask(bucket, positions, {
+                        p: replicated[p] and not _tp_summed_later(names[p], p, config)
+                        for p in bucket.params_list})
+                out[key] = BucketComm(key, [names[p] for p in bucket.params_list], bucket, group,
+                                      policy, topology, identical, distopt)
+            if distopt and policy.rule("dp", "param").delta:
+                _check_replicas(buffer, group)
+    return out
+
+
+def _tp_summed_later(name: str, p: torch.nn.Parameter, config: Any) -> bool:
+    """Whether Megatron sums this replicated parameter's gradient across TP ranks after the
+    data-parallel reduction (``finalize_model_grads``): its parts differ between them."""
+    return bool((config.sequence_parallel and getattr(p, "sequence_parallel", False))
+                or getattr(p, "average_gradients_across_tp_domain", False)
+                or (config.qk_layernorm and ("q_layernorm" in name or "k_layernorm" in name)))
+
+
+@torch.no_grad()
+def _check_replicas(buffer: Any, group: dist.ProcessGroup) -> None:
+    """qWD sends only differences, which never close a gap: the replicas must agree."""
+    if group.size() == 1:
+        return
+    mine = torch.tensor([checksum(bk.param_data) for bk in buffer.buckets], dtype=torch.int64,
+                        device=buffer.param_data.device)
+    every = torch.empty(group.size() * mine.numel(), dtype=torch.int64, device=mine.device)
+    all_gather_single(every, mine, group)
+    rows = every.view(group.size(), -1)
+    differ = [r for r in range(group.size()) if not torch.equal(rows[r], rows[0])]
+    if differ:
+        ranks = dist.get_process_group_ranks(group)
+        raise CollectiveMismatchError(
+            f"commpress.megatron.apply: data-parallel ranks {[ranks[r] for r in differ]} hold "
+            f"other weights than rank {ranks[0]}; qWD (dp.param delta) sends differences only "
+            "and would never close the gap: call model.broadcast_params() (or load the same "
+            "checkpoint everywhere) before apply")
+
+
+def _check_free(buckets: dict[str, BucketComm], tp: ActivationComm | None,
+                pp: ActivationComm | None) -> None:
+    if any(id(c.bucket.grad_data) in REGISTRY.buckets for c in buckets.values()):
+        raise ValueError("commpress.megatron.apply: this model already has a policy applied; "
+                         "call .remove() on its handle first")
+    for axis, comm, live in (("tensor", tp, REGISTRY.tp), ("pipeline", pp, REGISTRY.pp)):
+        if comm is not None and comm.group in live:
+            raise ValueError(f"commpress.megatron.apply: another model on the same "
+                             f"{axis}-parallel group already has a policy applied; apply one "
+                             "policy to all model chunks at once (pass the list)")

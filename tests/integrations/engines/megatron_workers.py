@@ -1,0 +1,345 @@
+"""Per-rank Megatron-core training for the engine tests (module level: picklable).
+
+A tiny Megatron GPT (2 layers, hidden 64, 4 heads, byte vocabulary of 256, sequence
+32) in bf16, wrapped in Megatron's own ``DistributedDataParallel`` and optimizer,
+trained on the project's default corpus (the Python standard library's sources).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+
+import torch
+
+SEQ, BATCH, MICRO = 32, 8, 2  # global batch of 8 sequences, micro-batches of 2
+
+
+def cpu_shim() -> None:
+    """TEST-ONLY: let Megatron-core 0.16 run on a CPU-only torch with Gloo.
+
+    Megatron assumes CUDA in a few places: ``device='cuda'`` tensors (optimizer flags,
+    schedules' token counts, the gradient-norm clip), ``torch.cuda.current_device()``
+    for buffers, ``torch.cuda.synchronize()`` after pipeline transfers, the
+    distributed optimizer's ``torch.cuda.*Tensor`` type check, and the CUDA RNG
+    tracker that attention forks for dropout. This process maps them to the CPU. It
+    changes torch for the whole process: never import it outside the tests. commpress
+    itself uses the tensors' own device and needs none of it.
+    """
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    torch.cuda.synchronize = lambda *a, **k: None
+    for name in ("tensor", "zeros", "ones", "empty", "full"):
+        setattr(torch, name, _on_cpu(getattr(torch, name)))
+    real_type = torch.Tensor.type
+
+    def tensor_type(self, *args, **kwargs):  # a CPU tensor reports itself as CUDA's kind
+        kind = real_type(self, *args, **kwargs)
+        if args or kwargs or self.device.type != "cpu":
+            return kind
+        return kind.replace("torch.", "torch.cuda.", 1)
+
+    torch.Tensor.type = tensor_type
+    from megatron.core.tensor_parallel import random as megatron_random
+
+    megatron_random.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
+
+
+def _on_cpu(factory):
+    def make(*args, device=None, **kwargs):
+        return factory(*args, device="cpu" if device == "cuda" else device, **kwargs)
+    return make
+
+
+def init_parallel(tp: int, pp: int) -> None:
+    cpu_shim()
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
+                                             pipeline_model_parallel_size=pp)
+
+
+class SequenceParallelNorm(torch.nn.LayerNorm):
+    """TEST-ONLY: Megatron's torch LayerNorm refuses sequence parallelism (its fused norms
+    need Apex or Transformer Engine); this is torch's LayerNorm with its parameters marked
+    as those mark theirs, so Megatron sums their gradients across TP ranks."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **unused) -> None:
+        super().__init__(hidden_size, eps=eps)
+        for p in self.parameters():
+            p.sequence_parallel = config.sequence_parallel
+
+
+def build(tp: int, pp: int, distopt: bool = True, overlap_param_gather: bool = False,
+          sequence_parallel: bool = False, bucket_size: int = 20_000, seed: int = 0):
+    """A fresh model, DDP wrapper and optimizer (the same weights for the same seed)."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.module import Float16Module
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    torch.manual_seed(seed)
+    config = TransformerConfig(
+        num_layers=2, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True,
+        bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        sequence_parallel=sequence_parallel, hidden_dropout=0.0, attention_dropout=0.0)
+    spec = get_gpt_layer_local_spec()
+    if sequence_parallel:
+        spec.submodules.input_layernorm = SequenceParallelNorm
+        spec.submodules.pre_mlp_layernorm = SequenceParallelNorm
+        spec = TransformerBlockSubmodules(layer_specs=[spec] * (config.num_layers // pp),
+                                          layer_norm=SequenceParallelNorm)
+    gpt = GPTModel(config=config, transformer_layer_spec=spec,
+                   vocab_size=256, max_sequence_length=SEQ,
+                   pre_process=parallel_state.is_pipeline_first_stage(),
+                   post_process=parallel_state.is_pipeline_last_stage())
+    ddp_config = DistributedDataParallelConfig(
+        use_distributed_optimizer=distopt, overlap_grad_reduce=True,
+        overlap_param_gather=overlap_param_gather, bucket_size=bucket_size)
+    model = DistributedDataParallel(config, ddp_config, Float16Module(config, gpt))
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=3e-3, bf16=True, use_distributed_optimizer=distopt,
+                        clip_grad=1.0), [model])
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = model.no_sync
+    return model, optimizer
+
+
+def data():
+    from commpress.train.data import TextData, load_tokens
+
+    return TextData(load_tokens(max_bytes=200_000))
+
+
+def _forward_step(data_iterator, model):
+    x, y = next(data_iterator)
+    positions = torch.arange(SEQ).unsqueeze(0).expand_as(x)
+    out = model(x, positions, None, labels=y)
+
+    def loss_func(out):
+        loss = out.float().mean()
+        return loss, {"loss": loss.detach().clone()}  # Megatron divides ``loss`` in place
+
+    return out, loss_func
+
+
+def train(model, optimizer, corpus, start: int, steps: int, sync_params: bool = False):
+    """``steps`` training steps from ``start``; per step: this rank's micro-batch losses
+    (last pipeline stage), the hash of its weights and of its TP-replicated weights."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
+
+    dp = parallel_state.get_data_parallel_world_size()
+    dp_rank = parallel_state.get_data_parallel_rank()
+    forward_backward = get_forward_backward_func()
+    record = []
+    for step in range(start, start + steps):
+        x, y = corpus.batch("train", BATCH, SEQ, 0, step)
+        per = BATCH // dp
+        x, y = x[dp_rank * per:(dp_rank + 1) * per], y[dp_rank * per:(dp_rank + 1) * per]
+        micro = [(x[i:i + MICRO], y[i:i + MICRO]) for i in range(0, per, MICRO)]
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        out = forward_backward(forward_step_func=_forward_step, data_iterator=iter(micro),
+                               model=[model], num_microbatches=len(micro), seq_length=SEQ,
+                               micro_batch_size=MICRO, forward_only=False)
+        ok, _, _ = optimizer.step()
+        assert ok, f"step {step} was skipped"
+        if sync_params:  # overlap_param_gather defers the gather to the next forward
+            model.start_param_sync(force_sync=True)
+        record.append({"losses": [o["loss"].item() for o in out],
+                       "hash": weights_hash(model), "replicated": weights_hash(model, True)})
+    return record
+
+
+def weights_hash(model, replicated_only: bool = False) -> str:
+    from commpress.integrations.buckets import tensor_parallel_key
+
+    h = hashlib.sha256()
+    for name, p in model.module.named_parameters():
+        if replicated_only and tensor_parallel_key(name, p):
+            continue
+        h.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def coordinates() -> dict[str, int]:
+    from megatron.core import parallel_state as ps
+
+    return {"dp": ps.get_data_parallel_rank(), "tp": ps.get_tensor_model_parallel_rank(),
+            "pp": ps.get_pipeline_model_parallel_rank()}
+
+
+def run_policy(corpus, tp: int, pp: int, policy, steps: int, **layout) -> dict:
+    """Train a fresh model ``steps`` steps with ``policy`` (None: stock Megatron)."""
+    import commpress
+
+    model, optimizer = build(tp, pp, **layout)
+    commpress.reset_stats()
+    comm = None if policy is None else commpress.megatron.apply(model, optimizer, policy)
+    record = train(model, optimizer, corpus, 0, steps,
+                   sync_params=layout.get("overlap_param_gather", False))
+    stats = commpress.stats()
+    if comm is not None:
+        comm.remove()
+    return {"record": record, "stats": stats}
+
+
+def scenario(rank: int, world: int, tp: int, pp: int, jobs: list) -> dict:
+    """Run ``jobs`` — ``(name, kind, kwargs)`` with kind ``train``, ``resume``,
+    ``refusals`` or ``fp32_accumulation`` — in one process group of the given layout."""
+    init_parallel(tp, pp)
+    corpus = data()
+    out = {"coords": coordinates()}
+    for name, kind, kwargs in jobs:
+        out[name] = JOBS[kind](corpus, tp, pp, **kwargs)
+    return out
+
+
+# -- resume -------------------------------------------------------------------------------
+
+def _optimizers(optimizer):
+    return getattr(optimizer, "chained_optimizers", [optimizer])
+
+
+def save(model, optimizer, comm) -> bytes:
+    """This rank's checkpoint in memory: weights, fp32 master shards, Adam state, codecs."""
+    buffer = io.BytesIO()
+    torch.save({"model": model.module.state_dict(),
+                "inner": [o.optimizer.state_dict() for o in _optimizers(optimizer)],
+                "main": [[p.detach().clone() for g in o.optimizer.param_groups
+                          for p in g["params"]] for o in _optimizers(optimizer)],
+                "comm": None if comm is None else comm.state_dict()}, buffer)
+    return buffer.getvalue()
+
+
+@torch.no_grad()
+def load(blob: bytes, model, optimizer, comm) -> None:
+    state = torch.load(io.BytesIO(blob), weights_only=False)
+    model.module.load_state_dict(state["model"])
+    for o, inner, main in zip(_optimizers(optimizer), state["inner"], state["main"]):
+        o.optimizer.load_state_dict(inner)
+        params = [p for g in o.optimizer.param_groups for p in g["params"]]
+        for p, saved in zip(params, main):
+            p.copy_(saved)
+    if comm is not None and state["comm"] is not None:
+        comm.load_state_dict(state["comm"])
+
+
+def resume(corpus, tp: int, pp: int, policy, steps: int, **layout) -> dict:
+    """An uninterrupted run, a run saved at ``steps // 2`` and resumed in fresh objects,
+    and the same resumed without the codec state."""
+    import commpress
+
+    half = steps // 2
+
+    def fresh():
+        model, optimizer = build(tp, pp, **layout)
+        return model, optimizer, commpress.megatron.apply(model, optimizer, policy)
+
+    model, optimizer, comm = fresh()
+    whole = train(model, optimizer, corpus, 0, steps)
+    comm.remove()
+    model, optimizer, comm = fresh()
+    first = train(model, optimizer, corpus, 0, half)
+    blob = save(model, optimizer, comm)
+    comm.remove()
+    out = {"whole": whole, "first": first}
+    for name, with_codecs in (("resumed", True), ("without_codec_state", False)):
+        model, optimizer, comm = fresh()
+        load(blob, model, optimizer, comm if with_codecs else None)
+        out[name] = train(model, optimizer, corpus, half, steps - half)
+        comm.remove()
+    return out
+
+
+# -- refusals and undo ---------------------------------------------------------------------
+
+def refusals(corpus, tp: int, pp: int) -> dict:
+    """What apply refuses, and that remove() gives Megatron its functions back."""
+    from megatron.core.distributed import param_and_grad_buffer as pgb
+    from megatron.core.tensor_parallel import mappings
+
+    import commpress
+
+    out = {}
+    originals = (pgb.dist_reduce_scatter_func, pgb.dist_all_gather_func,
+                 pgb._coalescing_manager, pgb.torch, mappings._reduce)
+    model, optimizer = build(tp, pp)
+    with commpress.megatron.apply(model, optimizer, "sdp4bit") as comm:
+        out["installed"] = pgb.dist_reduce_scatter_func is not originals[0]
+        try:
+            commpress.megatron.apply(model, optimizer, "none")
+        except ValueError as e:
+            out["twice"] = str(e)
+        assert comm.axes == ["dp"]
+    out["restored"] = (pgb.dist_reduce_scatter_func, pgb.dist_all_gather_func,
+                       pgb._coalescing_manager, pgb.torch, mappings._reduce) == originals
+    fp32_model, fp32_optimizer = _fp32_model()
+    for name, call in (
+            ("fp32_qwd", lambda: commpress.megatron.apply(fp32_model, fp32_optimizer,
+                                                          "sdp4bit")),
+            ("not_ddp", lambda: commpress.megatron.apply(model.module, optimizer, "sdp4bit")),
+            ("bad_policy", lambda: commpress.megatron.apply(model, optimizer, "sdp5bit"))):
+        try:
+            call()
+            out[name] = None
+        except (TypeError, ValueError) as e:
+            out[name] = f"{type(e).__name__}: {e}"
+    # exact weights on fp32 parameters are fine
+    commpress.megatron.apply(fp32_model, fp32_optimizer, "tlqhs").remove()
+    return out
+
+
+def _fp32_model():
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    torch.manual_seed(0)
+    config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4,
+                               use_cpu_initialization=True)
+    gpt = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
+                   vocab_size=256, max_sequence_length=SEQ)
+    model = DistributedDataParallel(
+        config, DistributedDataParallelConfig(use_distributed_optimizer=True), gpt)
+    return model, get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=1e-3, use_distributed_optimizer=True), [model])
+
+
+def fp32_accumulation(corpus, tp: int, pp: int) -> str:
+    """A model built with reduce_scatter_with_fp32_accumulation after apply re-binds the
+    reduce-scatter; the next gradient sync must fail instead of passing uncompressed."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    import commpress
+
+    model, optimizer = build(tp, pp)
+    comm = commpress.megatron.apply(model, optimizer, "sdp4bit")
+    fp32_model, _ = _fp32_model()
+    DistributedDataParallel(fp32_model.config, DistributedDataParallelConfig(
+        use_distributed_optimizer=True, reduce_scatter_with_fp32_accumulation=True),
+        fp32_model.module)
+    try:
+        train(model, optimizer, corpus, 0, 1)
+    except RuntimeError as e:
+        return str(e)
+    finally:
+        comm.remove()
+    return "trained"
+
+
+
+JOBS = {"train": run_policy, "resume": resume, "refusals": refusals,
+        "fp32_accumulation": fp32_accumulation}
