@@ -1,5 +1,6 @@
 """Checkpoints: a manifest of checksums and the run's identity; any corruption refused."""
 
+import hashlib
 import json
 import os
 
@@ -156,3 +157,137 @@ def test_manifest_is_plain_json(saved_run):
     with open(os.path.join(checkpoint.step_dir(saved_run, 1), checkpoint.MANIFEST)) as f:
         manifest = json.load(f)
     assert manifest["step"] == 1 and manifest["format"] == checkpoint.FORMAT
+
+
+def _rewrite_manifest(directory, change):
+    """Apply ``change`` to a manifest's body and give it a valid checksum again (the
+    SHA-256 of the body as sorted JSON): corrupt in structure, not in bytes."""
+    path = os.path.join(directory, checkpoint.MANIFEST)
+    with open(path) as f:
+        body = json.load(f)
+    body.pop("sha256")
+    change(body)
+    body["sha256"] = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+    with open(path, "w") as f:
+        json.dump(body, f)
+
+
+def _set(*keys, value):
+    def change(body):
+        target = body
+        for key in keys[:-1]:
+            target = target[key]
+        if value is _DELETE:
+            del target[keys[-1]]
+        else:
+            target[keys[-1]] = value
+    return change
+
+
+_DELETE = object()
+RANK0 = "rank00000.pt"
+
+
+@pytest.mark.parametrize(("change", "field"), [
+    (_set("files", value=["rank00000.pt"]), "'files'"),
+    (_set("files", value={}), "'files'"),
+    (_set("files", value=_DELETE), "'files'"),
+    (_set("files", "../../etc/passwd", value={"sha256": "0" * 64, "bytes": 1}), "'files'"),
+    (_set("files", RANK0, value="abc"), f"'files.{RANK0}'"),
+    (_set("files", RANK0, "bytes", value=_DELETE), f"'files.{RANK0}.bytes'"),
+    (_set("files", RANK0, "bytes", value="100"), f"'files.{RANK0}.bytes'"),
+    (_set("files", RANK0, "bytes", value=-1), f"'files.{RANK0}.bytes'"),
+    (_set("files", RANK0, "sha256", value=5), f"'files.{RANK0}.sha256'"),
+    (_set("files", RANK0, "sha256", value="xyz"), f"'files.{RANK0}.sha256'"),
+    (_set("identity", value="dp2"), "'identity'"),
+    (_set("identity", value=_DELETE), "'identity'"),
+    (_set("step", value="2"), "'step'"),
+    (_set("step", value=3), "'step'"),
+])
+def test_a_manifest_with_a_valid_checksum_and_a_wrong_structure_names_the_field(
+        saved_run, tmp_path, change, field):
+    run = _copy_run(saved_run, tmp_path / "run")
+    step2 = checkpoint.step_dir(run, 2)
+    _rewrite_manifest(step2, change)
+    with pytest.raises(checkpoint.CheckpointError) as info:
+        manifest = checkpoint.read_manifest(step2)
+        checkpoint.check_identity(step2, manifest["identity"], manifest["identity"])
+        checkpoint.verify_file(step2, manifest, 0)
+    assert f"field {field}" in str(info.value), info.value
+
+
+def test_resume_from_a_manifest_of_a_wrong_structure_exits_2_in_one_line(saved_run, tmp_path,
+                                                                         capsys):
+    run = _copy_run(saved_run, tmp_path / "run")
+    step2 = checkpoint.step_dir(run, 2)
+    _rewrite_manifest(step2, _set("files", value=[RANK0, "rank00001.pt"]))
+    code = main(["train", "--policy", "sdp4bit", "--dp", "2", "--model", "gpt-tiny",
+                 "--steps", "3", "--batch-size", "8", "--seq-len", "32", "--eval-every", "0",
+                 "--eval-batches", "1", "--max-data-bytes", "200000", "--bucket-numel", "20000",
+                 "--no-progress", "--out", str(tmp_path / "out"), "--resume", step2])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "field 'files'" in err and "Traceback" not in err and err.count("error:") == 1, err
+
+
+def test_latest_is_honoured_over_a_newer_step(saved_run, tmp_path):
+    run = _copy_run(saved_run, tmp_path / "run")
+    with open(os.path.join(run, "ckpt", "latest"), "w") as f:
+        f.write("1\n")  # step 2 is complete, but the run's last committed save was step 1
+    directory, passed_over = checkpoint.find(run)
+    assert directory == checkpoint.step_dir(run, 1)
+    assert any("step 2" in p and "newer than" in p for p in passed_over), passed_over
+
+
+def _save(run_dir, step, value):
+    state = {"format": checkpoint.FORMAT, "step": step, "w": torch.full((4,), float(value))}
+    checkpoint.save_step(run_dir, step, 0, state, {"world": 1}, None)
+
+
+def test_saving_an_older_step_retires_the_abandoned_branch(tmp_path, caplog):
+    run = str(tmp_path / "run")
+    for step in (1, 2, 3, 4):
+        _save(run, step, value=step)
+    # a run resumed from step 2 saves step 3: the old steps 3 and 4 are another branch
+    with caplog.at_level("WARNING", logger="commpress.train.checkpoint"):
+        _save(run, 3, value=-3)
+    steps = sorted(os.listdir(os.path.join(run, "ckpt")))
+    assert steps == ["latest", checkpoint.RETIRED, "step_000001", "step_000002",
+                     "step_000003"], steps
+    retired = os.path.join(run, "ckpt", checkpoint.RETIRED)
+    assert sorted(os.listdir(retired)) == ["step_000003", "step_000004"]
+    assert "step_000004" in caplog.text and checkpoint.RETIRED in caplog.text
+    directory, passed_over = checkpoint.find(run)
+    assert directory == checkpoint.step_dir(run, 3) and passed_over == []
+    manifest = checkpoint.read_manifest(directory)
+    assert checkpoint.load(checkpoint.verify_file(directory, manifest, 0))["w"][0] == -3
+    # a second rollback to the same steps keeps both retired copies
+    _save(run, 2, value=-2)
+    assert sorted(os.listdir(retired)) == ["step_000002", "step_000003", "step_000003.1",
+                                           "step_000004"]
+
+
+@pytest.mark.slow
+def test_resume_after_a_rollback_continues_the_new_branch(tmp_path, capfd):
+    run = str(tmp_path / "run")
+    train(TrainConfig(out=run, **dict(TINY, steps=3)))
+    # resume from step 1 and stop at step 2: step 3 belongs to the abandoned branch
+    train(TrainConfig(out=run, **dict(TINY, steps=2, resume=checkpoint.step_dir(run, 1))))
+    assert "step_000003" in capfd.readouterr().err
+    directory, _ = checkpoint.find(run)
+    assert directory == checkpoint.step_dir(run, 2)
+    manifest = checkpoint.read_manifest(directory)
+    assert checkpoint.load(checkpoint.verify_file(directory, manifest, 0))["config"]["steps"] == 2
+
+
+def test_resume_from_a_file_names_the_file(tmp_path):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a checkpoint")
+    with pytest.raises(checkpoint.CheckpointError) as info:
+        checkpoint.find(str(notes))
+    assert f"--resume {str(notes)!r} is a file" in str(info.value)
+
+
+def test_resume_from_a_file_of_a_step_directory_takes_that_step(saved_run):
+    path = checkpoint.rank_file(saved_run, 1, 0)
+    assert checkpoint.find(path)[0] == checkpoint.step_dir(saved_run, 1)

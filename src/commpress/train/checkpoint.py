@@ -34,6 +34,7 @@ import json
 import logging
 import os
 import re
+import shutil
 from typing import Any
 
 import torch
@@ -50,8 +51,8 @@ RETIRED = "retired"
 # a manifest lists ~150 bytes per rank file: a million ranks fit in 256 MiB
 MAX_MANIFEST_BYTES = 256 << 20
 _STEP_DIR = re.compile(r"step_(\d{6,})$")
-_RANK_NAME = re.compile(r"rank\d{5,}\.pt$")
-_SHA256 = re.compile(r"[0-9a-f]{64}$")
+_RANK_NAME = re.compile(r"rank\d{5,}\.pt")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 class CheckpointError(ValueError):
@@ -71,15 +72,22 @@ def rank_file(run_dir: str, step: int, rank: int) -> str:
 
 
 class _HashingWriter:
-    """A file wrapper that hashes what is written (torch.save writes sequentially)."""
+    """A file wrapper that hashes what is written (torch.save writes sequentially) and
+    keeps the first ``OSError`` (torch.save reports a failed write, such as a full disk,
+    as a RuntimeError of its own)."""
 
     def __init__(self, f) -> None:
         self.f, self.sha, self.size = f, hashlib.sha256(), 0
+        self.error: OSError | None = None
 
     def write(self, data) -> int:
         self.sha.update(data)
         self.size += len(data)
-        return self.f.write(data)
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = self.error or e
+            raise
 
     def flush(self) -> None:
         self.f.flush()
@@ -87,25 +95,50 @@ class _HashingWriter:
 
 def atomic_save(obj: Any, path: str) -> dict[str, Any]:
     """``torch.save`` to ``path`` through a temporary file and a rename; returns the
-    file's ``{"sha256", "bytes"}``."""
+    file's ``{"sha256", "bytes"}``. A failed write raises its ``OSError`` (its
+    ``filename`` ``path``), the temporary file removed."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "wb") as f:
-        w = _HashingWriter(f)
-        torch.save(obj, w)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            w = _HashingWriter(f)
+            try:
+                torch.save(obj, w)
+            except RuntimeError:
+                if w.error is None:
+                    raise
+                raise w.error from None
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:
+        _discard(tmp, path, e)
+        raise
     return {"sha256": w.sha.hexdigest(), "bytes": w.size}
 
 
 def _atomic_text(path: str, text: str) -> None:
     tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:
+        _discard(tmp, path, e)
+        raise
+
+
+def _discard(tmp: str, path: str, error: BaseException) -> None:
+    """Remove the temporary file of a failed write to ``path``; name ``path`` in its
+    ``OSError``."""
+    try:
+        os.remove(tmp)
+    except OSError:
+        pass
+    if isinstance(error, OSError) and error.filename in (None, tmp):
+        error.filename = path
 
 
 def remove_stale_temporaries(run_dir: str) -> list[str]:
@@ -134,7 +167,7 @@ def write_manifest(run_dir: str, step: int, identity: dict[str, Any],
     manifest = dict(body, sha256=_manifest_digest(body))
     _atomic_text(os.path.join(step_dir(run_dir, step), MANIFEST),
                  json.dumps(manifest, indent=1, sort_keys=True))
-    _atomic_text(os.path.join(run_dir, "ckpt", "latest"), f"{step}\n")
+    _atomic_text(os.path.join(run_dir, "ckpt", LATEST), f"{step}\n")
 
 
 def read_manifest(directory: str) -> dict[str, Any]:
@@ -155,27 +188,108 @@ def read_manifest(directory: str) -> dict[str, Any]:
         raise CheckpointError(f"{path!r} is not a commpress checkpoint manifest (expected "
                               f"format {FORMAT!r})")
     body = {k: v for k, v in manifest.items() if k != "sha256"}
-    match = _STEP_DIR.search(os.path.normpath(directory))
-    if manifest.get("sha256") != _manifest_digest(body) or (
-            match and int(match.group(1)) != manifest.get("step")):
+    if manifest.get("sha256") != _manifest_digest(body):
         raise CheckpointError(f"checkpoint manifest {path!r} is corrupted (its checksum does "
                               "not match its contents)")
+    _check_structure(path, manifest)
+    match = _STEP_DIR.search(os.path.normpath(directory))
+    if match and int(match.group(1)) != manifest["step"]:
+        raise CheckpointError(f"checkpoint manifest {path!r}: field 'step' is "
+                              f"{manifest['step']}, but it lies in {os.path.basename(directory)}"
+                              "; allowed: the step of its directory")
     return manifest
 
 
+_MISSING = object()
+
+
+def _check_structure(path: str, manifest: dict[str, Any]) -> None:
+    """Refuse a manifest (its checksum valid) whose fields are not what a save writes,
+    naming the first such field."""
+    def refuse(field: str, value: Any, allowed: str) -> CheckpointError:
+        shown = "missing" if value is _MISSING else f"{value!r:.80}"
+        return CheckpointError(f"checkpoint manifest {path!r}: field {field!r} is {shown}; "
+                               f"allowed: {allowed}")
+
+    def is_count(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+    step = manifest.get("step", _MISSING)
+    if not is_count(step):
+        raise refuse("step", step, "a step number >= 0")
+    identity = manifest.get("identity", _MISSING)
+    if not isinstance(identity, dict):
+        raise refuse("identity", identity, "an object (the run's model, layout, policy, …)")
+    files = manifest.get("files", _MISSING)
+    if not (isinstance(files, dict) and files and all(_RANK_NAME.fullmatch(n) for n in files)):
+        raise refuse("files", files, "a non-empty object from rank file names (rank00000.pt, "
+                     "…) to {sha256, bytes}")
+    for name, entry in files.items():
+        if not isinstance(entry, dict):
+            raise refuse(f"files.{name}", entry, "an object {sha256, bytes}")
+        size = entry.get("bytes", _MISSING)
+        if not is_count(size):
+            raise refuse(f"files.{name}.bytes", size, "a byte count >= 0")
+        sha = entry.get("sha256", _MISSING)
+        if not (isinstance(sha, str) and _SHA256.fullmatch(sha)):
+            raise refuse(f"files.{name}.sha256", sha, "64 lowercase hexadecimal digits")
+
+
+def _is_step_dir(path: str) -> bool:
+    return (os.path.exists(os.path.join(path, MANIFEST))
+            or bool(_STEP_DIR.search(os.path.normpath(path))))
+
+
+def _steps(run_dir: str) -> list[tuple[int, str]]:
+    """``(step, directory)`` of every step directory under ``run_dir/ckpt``, newest first."""
+    return sorted(((int(m.group(1)), d) for d in glob.glob(os.path.join(run_dir, "ckpt",
+                                                                        "step_*"))
+                   if (m := _STEP_DIR.search(d))), reverse=True)
+
+
+def _latest(run_dir: str) -> tuple[int | None, str | None]:
+    """The step ``run_dir/ckpt/latest`` names; or None and why it cannot be used (None,
+    None: there is none)."""
+    path = os.path.join(run_dir, "ckpt", LATEST)
+    try:
+        text = read_regular(path, 64, "checkpoint pointer", CheckpointError).decode()
+    except FileNotFoundError:
+        return None, None
+    except (CheckpointError, OSError, UnicodeDecodeError) as e:
+        return None, f"{path!r} cannot be read ({e}); the newest complete step is used"
+    if not re.fullmatch(r"[0-9]+", text.strip()):
+        return None, (f"{path!r} holds {text.strip()[:20]!r}, not a step number; the newest "
+                      "complete step is used")
+    return int(text), None
+
+
 def find(path: str) -> tuple[str, list[str]]:
-    """The step directory to resume from — ``path`` itself, or the newest step under a
-    run directory whose manifest verifies — and why newer steps were passed over."""
+    """The step directory to resume from — ``path`` itself (or the step directory of a
+    file in one), or the newest step under a run directory at or below its ``latest``
+    whose manifest verifies — and why newer steps were passed over."""
     if not os.path.exists(path):
         raise CheckpointError(f"--resume {path!r} does not exist; allowed: a run directory or "
                               "a checkpoint step directory")
-    if os.path.isfile(path):
-        path = os.path.dirname(os.path.abspath(path))
-    if os.path.exists(os.path.join(path, MANIFEST)) or _STEP_DIR.search(os.path.normpath(path)):
+    if not os.path.isdir(path):
+        directory = os.path.dirname(os.path.abspath(path))
+        if not (os.path.isfile(path) and _is_step_dir(directory)):
+            kind = "a file" if os.path.isfile(path) else "neither a directory nor a file"
+            raise CheckpointError(f"--resume {path!r} is {kind}, not a checkpoint; allowed: a "
+                                  "run directory, a checkpoint step directory, or a file in "
+                                  "one")
+        path = directory
+    if _is_step_dir(path):
         return path, []
-    steps = sorted(((int(m.group(1)), d) for d in glob.glob(os.path.join(path, "ckpt", "step_*"))
-                    if (m := _STEP_DIR.search(d))), reverse=True)
-    problems = []
+    steps = _steps(path)
+    latest, problem = _latest(path)
+    problems = [problem] if problem else []
+    if latest is not None:
+        newer = sorted(step for step, _ in steps if step > latest)
+        if newer:
+            problems.append(f"step{'s' * (len(newer) > 1)} {', '.join(map(str, newer))} "
+                            f"{'are' if len(newer) > 1 else 'is'} newer than {LATEST} (step "
+                            f"{latest}): an abandoned branch or an unfinished save, not resumed")
+        steps = [(step, d) for step, d in steps if step <= latest]
     for _, directory in steps:
         try:
             read_manifest(directory)
@@ -184,6 +298,30 @@ def find(path: str) -> tuple[str, list[str]]:
             problems.append(str(e))
     detail = f" ({'; '.join(problems)})" if problems else ""
     raise CheckpointError(f"--resume {path!r} holds no complete checkpoint{detail}")
+
+
+def retire_superseded(run_dir: str, step: int) -> list[str]:
+    """Move the step directories at or after ``step`` aside, to ``ckpt/retired/``: a run
+    about to save ``step`` while they exist resumed from an older step, so they belong to
+    an abandoned branch (or to a save that did not finish). Returns where they went."""
+    moved = []
+    for number, directory in _steps(run_dir):
+        if number < step:
+            break
+        target = os.path.join(run_dir, "ckpt", RETIRED, os.path.basename(directory))
+        free, n = target, 0
+        while os.path.lexists(free):  # an earlier rollback retired this step already
+            n += 1
+            free = f"{target}.{n}"
+        os.makedirs(os.path.dirname(free), exist_ok=True)
+        os.rename(directory, free)
+        moved.append(free)
+    if moved:
+        log.warning("saving step %d: the checkpoints at or after it are another branch's (this "
+                    "run resumed from an older step); moved aside to %s: %s", step,
+                    os.path.join(run_dir, "ckpt", RETIRED),
+                    ", ".join(os.path.basename(m) for m in moved))
+    return moved
 
 
 def check_identity(directory: str, saved: dict[str, Any], mine: dict[str, Any]) -> None:
@@ -235,17 +373,65 @@ def _gathered(obj: Any, group: dist.ProcessGroup | None) -> list[Any]:
     return out
 
 
+def _raise_if_any(problems: list[str | None], rank: int, what: str) -> None:
+    """Raise :class:`CheckpointError` on every rank if any rank has a problem: the first
+    rank's, naming the others."""
+    bad = {r: p for r, p in enumerate(problems) if p is not None}
+    if bad:
+        first = min(bad)
+        others = f" (ranks {sorted(bad)} {what})" if len(bad) > 1 else ""
+        raise CheckpointError(f"{bad[first]}"
+                              + ("" if first == rank else f" [reported by rank {first}]")
+                              + others)
+
+
+def _save_failure(run_dir: str, step: int, error: OSError) -> str:
+    """Why step ``step`` was not saved, and which checkpoint is kept."""
+    try:
+        kept = f"the last complete checkpoint, {find(run_dir)[0]!r}, is kept"
+    except CheckpointError:
+        kept = "no complete checkpoint is kept"
+    return (f"cannot save checkpoint step {step}: {error.strerror or error} writing "
+            f"{error.filename!r}; {kept}")
+
+
 def save_step(run_dir: str, step: int, rank: int, state: dict[str, Any],
               identity: dict[str, Any], group: dist.ProcessGroup | None) -> None:
-    """Every rank of ``group`` writes its file; rank 0 then writes the manifest and
-    ``latest`` (``group`` None: one process, rank 0)."""
-    written = atomic_save(state, rank_file(run_dir, step, rank))
-    files = _gathered(written, group)
+    """Save checkpoint ``step``: every rank of ``group`` its file, rank 0 the manifest and
+    ``latest`` (``group`` None: one process, rank 0).
+
+    A write that fails on any rank (a full disk, a quota) raises :class:`CheckpointError`
+    on every rank together, naming the file and the checkpoint kept; the step's files
+    are removed.
+    """
+    directory = step_dir(run_dir, step)
+    # Step 1: rank 0 moves aside what this step supersedes, before any rank writes into it
+    problem = None
     if rank == 0:
-        write_manifest(run_dir, step, identity,
-                       {rank_name(r): info for r, info in enumerate(files)})
-    if group is not None:
-        dist.barrier(group)
+        try:
+            retire_superseded(run_dir, step)
+        except OSError as e:
+            problem = _save_failure(run_dir, step, e)
+    _raise_if_any(_gathered(problem, group), rank, "cannot save")
+    # Step 2: every rank writes its file
+    written, problem = None, None
+    try:
+        written = atomic_save(state, rank_file(run_dir, step, rank))
+    except OSError as e:
+        problem = _save_failure(run_dir, step, e)
+    results = _gathered((written, problem), group)
+    if rank == 0 and any(p is not None for _, p in results):
+        shutil.rmtree(directory, ignore_errors=True)  # every rank is done writing
+    _raise_if_any([p for _, p in results], rank, "cannot save")
+    # Step 3: rank 0 writes the manifest, then `latest` (the commit point)
+    if rank == 0:
+        try:
+            write_manifest(run_dir, step, identity,
+                           {rank_name(r): info for r, (info, _) in enumerate(results)})
+        except OSError as e:
+            shutil.rmtree(directory, ignore_errors=True)
+            problem = _save_failure(run_dir, step, e)
+    _raise_if_any(_gathered(problem, group), rank, "cannot save")
 
 
 def load_agreed(path: str, identity: dict[str, Any], rank: int,
@@ -254,13 +440,7 @@ def load_agreed(path: str, identity: dict[str, Any], rank: int,
     of ``group`` cannot resume, every rank raises :class:`CheckpointError` together (the
     first rank's reason, naming the others)."""
     state, problem = _read_verified(path, identity, rank, warn=rank == 0)
-    bad = {r: p for r, p in enumerate(_gathered(problem, group)) if p is not None}
-    if bad:
-        first = min(bad)
-        others = f" (ranks {sorted(bad)} cannot resume)" if len(bad) > 1 else ""
-        raise CheckpointError(f"{bad[first]}"
-                              + ("" if first == rank else f" [reported by rank {first}]")
-                              + others)
+    _raise_if_any(_gathered(problem, group), rank, "cannot resume")
     return state
 
 
@@ -272,8 +452,8 @@ def _read_verified(path: str, identity: dict[str, Any], rank: int,
     try:
         directory, passed_over = find(path)
         if passed_over and warn:
-            log.warning("resuming from %s; newer checkpoints were passed over: %s",
-                        directory, "; ".join(passed_over))
+            log.warning("resuming from %s; passed over: %s", directory,
+                        "; ".join(passed_over))
         manifest = read_manifest(directory)
         check_identity(directory, manifest["identity"], identity)
         return load(verify_file(directory, manifest, rank)), None
