@@ -182,6 +182,9 @@ def test_a_policy_comparison_resumes_each_policy_from_its_own_run(tmp_path, caps
 
 @pytest.mark.parametrize("args", [
     ["simulate", "--ranks", "100000", "--batch-size", "100000"],
+    # every parameter its own bucket, each padded to a multiple of the 4096 ranks
+    ["simulate", "--ranks", "4096", "--batch-size", "4096", "--bucket-numel", "1",
+     "--policy", "sdp4bit"],
     # every rank draws the global batch: 10^9 sequences cannot be held
     ["train", "--nproc", "2", "--batch-size", "1000000000"],
 ])

@@ -357,9 +357,10 @@ def launched_group(cfg: TrainConfig) -> Iterator[None]:
     """Under a launcher, the default process group for the block: created here once
     (rendezvous and collectives bounded by ``cfg.timeout_s``) unless the process has
     one, destroyed after it. Runs one after another (``compare``'s policies) share it:
-    torch cannot create a default group again once sub-groups were carved from one,
-    and a second rendezvous on the launcher's store waits for keys the first consumed.
-    Without a launcher, or with a group already made, nothing happens."""
+    a second default group on the same launcher store did not connect (under torchrun
+    the second policy's first collective timed out), and torch cannot make one again
+    once sub-groups were carved from the first. Without a launcher, or with a group
+    already made, nothing happens."""
     if not launched() or dist.is_initialized():
         yield
         return
