@@ -197,3 +197,19 @@ def test_sizes_that_cannot_fit_are_refused_before_allocating(tmp_path, args):
     assert done.returncode == 2, err[-2000:]
     assert "needs at least" in err and "available" in err and "--batch-size" in err, err
     assert time.monotonic() - t0 < 60 and not (tmp_path / "run" / "config.json").exists()
+
+
+def test_a_comparison_reports_every_policy_then_fails_for_one_that_trained_nothing(
+        tmp_path, capsys):
+    out = str(tmp_path / "cmp")
+    assert main([*SIM_POLICIES, "--policies", "int2ef,none", "--steps", "1", "--out", out]) == 0
+    poison_weights(os.path.join(out, "int2ef"), 1)
+    capsys.readouterr()
+    code = main([*SIM_POLICIES, "--policies", "int2ef,none", "--steps", "3", "--resume", out,
+                 "--out", out])
+    (line,) = _error_lines(capsys)
+    assert code == 1 and "policy int2ef: all 2 steps this run were skipped" in line
+    # the policy after it still trained, and the comparison was written
+    assert len(_losses(os.path.join(out, "none"))) == 3
+    assert json.load(open(os.path.join(out, "compare.json")))["policies"].keys() == {
+        "none", "int2ef"}
