@@ -1,8 +1,11 @@
 """The cost model's byte formulas against hand-computed cases."""
 
+import os
+
 import pytest
 
 from commpress import Policy
+from commpress.plan import cost
 from commpress.plan.cost import (
     ClusterSpec,
     JobSpec,
@@ -198,3 +201,11 @@ def test_codec_throughput_of_another_device_is_refused(tmp_path):
     path.write_text("{not json")
     with pytest.raises(ValueError, match="cannot be read"):
         load_codec_throughput(str(path), "cpu")
+
+
+def test_codec_throughput_that_is_a_fifo_is_refused_at_once(tmp_path):
+    """A FIFO given as --codec-throughput would block in open(); it is refused instead."""
+    fifo = tmp_path / "throughput.json"
+    os.mkfifo(fifo)
+    with pytest.raises(ValueError, match="codec-throughput"):
+        cost.load_codec_throughput(str(fifo), "gpu")

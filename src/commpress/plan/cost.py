@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from commpress.codecs import codec as build_codec
+from commpress.files import read_regular
 from commpress.plan.hardware import CODEC_GBps
 from commpress.plan.models import ModelShape
 from commpress.policy import Policy, Rule
@@ -237,8 +238,7 @@ def load_codec_throughput(path: str, device: str) -> dict[str, tuple[float, floa
     """Codec throughputs from ``commpress bench codecs --json``, measured on ``device``
     (``gpu`` or ``cpu``): numbers of the other kind would be off by 1000×."""
     try:
-        with open(path) as f:
-            rows = json.load(f)
+        rows = json.loads(read_regular(path, 64 << 20, "--codec-throughput"))
     except (OSError, ValueError) as e:
         raise ValueError(f"--codec-throughput {path!r} cannot be read: {e}") from None
     if not isinstance(rows, list) or not all(isinstance(r, dict) and "codec" in r
