@@ -124,3 +124,12 @@ def test_a_rank_skipping_a_block_without_find_unused_parameters_fails_on_every_r
     # rank's hook names it instead of waiting for it
     assert "Expected to have finished reduction" in ranks[1]["error"], ranks[1]["error"]
     assert "CollectiveTimeoutError" in ranks[0]["error"], ranks[0]["error"]
+
+
+def test_the_played_hook_takes_a_codec_spec_like_the_hook():
+    from commpress.integrations.played_ddp import PlayedDDPHook
+
+    played = PlayedDDPHook(nn.Linear(4, 4), "int4:hadamard=128", ranks=2, ranks_per_node=1)
+    assert played.policy == grad_policy("int4:hadamard=128")
+    with pytest.raises(ValueError, match="policy='int9' is neither a policy preset"):
+        PlayedDDPHook(nn.Linear(4, 4), "int9", ranks=2, ranks_per_node=1)

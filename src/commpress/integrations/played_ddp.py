@@ -26,7 +26,7 @@ from commpress.collectives.played import (
     played_levels,
 )
 from commpress.collectives.stats import Stats
-from commpress.integrations.ddp import BUCKET_NUMEL, hook_layout
+from commpress.integrations.ddp import BUCKET_NUMEL, grad_policy, hook_layout
 from commpress.integrations.grad_path import GradPath
 from commpress.policy import Policy
 
@@ -41,7 +41,7 @@ class PlayedDDPHook:
     def __init__(self, model: nn.Module, policy: str | dict | Policy, *, ranks: int,
                  ranks_per_node: int, bucket_numel: int = BUCKET_NUMEL,
                  label: str = "dp.grad", stats: Stats | None = None) -> None:
-        self.policy = Policy.resolve(policy)
+        self.policy = grad_policy(policy)
         self.world, self.L, self.label = ranks, ranks_per_node, label
         self.levels = played_levels(self.policy.two_level(), ranks, ranks_per_node)
         # gradient bytes every rank sends, summed over the ranks
