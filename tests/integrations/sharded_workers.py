@@ -69,3 +69,50 @@ def clip_method_and_max_grad_norm(rank, world, policy, steps, max_norm):
             hashes.append(_hash_params(model))
         out[how] = {"hashes": hashes, "norms": norms}
     return out
+
+
+def batchnorm_buffers_after_steps(rank, world, broadcast_buffers, steps):
+    """A BatchNorm net trained with each rank fed its own data: per step, the hashes of
+    the buffers (running statistics) and of the whole state."""
+    net = _net_with_frozen_weight_and_batchnorm(0)
+    opt = commpress.ShardedOptimizer(net, torch.optim.SGD, "none", lr=0.1,
+                                     broadcast_buffers=broadcast_buffers)
+    buffer_names = {name for name, _ in net.named_buffers()}
+    out = []
+    for step in range(steps):
+        torch.manual_seed(1000 * rank + step)
+        net(torch.randn(16, 8) + rank).square().mean().backward()  # rank-shifted statistics
+        opt.step()
+        opt.zero_grad()
+        hashes = _state_hashes(net)
+        out.append({"buffers": {k: v for k, v in hashes.items() if k in buffer_names},
+                    "state": hashes})
+    return out
+
+
+def scheduled_adamw(rank, world, steps):
+    """``ShardedOptimizer`` (policy none) driven by torch's StepLR over ``world`` ranks:
+    the weights (flat) and the learning rate the inner optimizer held at each step."""
+    from tests.integrations.workers import _data, _local_batch, _model
+
+    data = _data()
+    model = _model()
+    if world > 1:
+        opt = commpress.ShardedOptimizer(model, torch.optim.AdamW, "none", lr=3e-3,
+                                         decay_1d=True, bucket_numel=30_000)
+        inner_groups = opt.optimizer.param_groups
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        inner_groups = opt.param_groups
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.3)
+    lrs = []
+    for step in range(steps):
+        x, y = _local_batch(data, step, rank, world)
+        model(x, y)[1].backward()
+        lrs.append(sorted({g["lr"] for g in inner_groups}))
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+    return {"lrs": lrs,
+            # numpy: a tensor would travel as shared memory the exiting rank takes along
+            "weights": torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()}

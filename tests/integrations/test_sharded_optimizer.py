@@ -2,6 +2,7 @@
 policy, exact parity with single-process training, bit-exact resume, wire bits."""
 
 import pytest
+import torch
 
 import commpress
 from commpress.launch import spawn
@@ -95,7 +96,6 @@ def test_resume_continues_bit_for_bit(tmp_path):
 
 def test_load_refuses_another_world_size(tmp_path):
     spawn(workers.resume_run, 2, (4, 2, str(tmp_path)))
-    import torch
 
     state = torch.load(tmp_path / "rank0.pt", weights_only=True)["optimizer"]
     model = workers._model()
@@ -154,3 +154,28 @@ def test_clip_grad_norm_method_clips_the_global_norm_like_max_grad_norm():
     for r in ranks:
         assert r["method"]["hashes"] == r["argument"]["hashes"]
     assert ranks[0]["method"]["hashes"] == ranks[1]["method"]["hashes"]
+
+
+def test_a_torch_lr_scheduler_drives_two_ranks_like_one_adamw():
+    steps = 3
+    ranks = spawn(sharded_workers.scheduled_adamw, 2, (steps,))
+    single = sharded_workers.scheduled_adamw(0, 1, steps)
+    assert ranks[0]["lrs"] == single["lrs"] == [[3e-3], [3e-3 * 0.3], [3e-3 * 0.3 * 0.3]]
+    weights = [torch.from_numpy(r["weights"]) for r in (*ranks, single)]
+    assert torch.equal(weights[0], weights[1])
+    # the same AdamW on the averaged gradient: fp32 summation order only. AdamW's first
+    # steps move each weight by ≈ lr, so an unscheduled lr would be off by ~1e-3
+    torch.testing.assert_close(weights[0], weights[2], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("broadcast_buffers", [True, False])
+def test_batchnorm_buffers_stay_identical_after_every_step(broadcast_buffers):
+    steps = 3
+    ranks = spawn(sharded_workers.batchnorm_buffers_after_steps, 2, (broadcast_buffers, steps))
+    for step in range(steps):
+        a, b = (r[step]["buffers"] for r in ranks)
+        assert {"1.running_mean", "1.running_var", "1.num_batches_tracked"} == set(a)
+        if broadcast_buffers:  # rank 0's, as DDP's broadcast_buffers=True
+            assert ranks[0][step]["state"] == ranks[1][step]["state"], step
+        else:  # each rank's forward saw its own data: the statistics drift apart
+            assert a["1.running_mean"] != b["1.running_mean"]

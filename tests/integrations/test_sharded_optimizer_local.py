@@ -172,3 +172,72 @@ def test_step_runs_the_closure_with_gradients_and_returns_its_loss():
         assert torch.equal(loss, expected)
     for pa, pb in zip(a.parameters(), b.parameters()):
         assert torch.equal(pa, pb)
+
+
+SCHEDULERS = {
+    "step": lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5),
+    "lambda": lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1 / (1 + i)),
+    # OneCycleLR also cycles AdamW's betas: they must reach the inner optimizer too
+    "onecycle": lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2,
+                                                                total_steps=6),
+}
+
+
+@pytest.mark.parametrize("schedule", SCHEDULERS)
+def test_a_torch_lr_scheduler_drives_it_like_adamw(schedule):
+    data = _data()
+    a, b = _model(), _model()
+    opt_a = commpress.ShardedOptimizer(a, torch.optim.AdamW, "none", decay_1d=True, lr=3e-3)
+    opt_b = torch.optim.AdamW(b.parameters(), lr=3e-3)
+    assert isinstance(opt_a, torch.optim.Optimizer)
+    sched_a, sched_b = SCHEDULERS[schedule](opt_a), SCHEDULERS[schedule](opt_b)
+    for x, y in _batches(data, 5):
+        for model, opt, sched in ((a, opt_a, sched_a), (b, opt_b, sched_b)):
+            model(x, y)[1].backward()
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+        assert sched_a.get_last_lr()[0] == sched_b.get_last_lr()[0]
+        # the groups a scheduler writes are the inner optimizer's, on the shards
+        for g in opt_a.optimizer.param_groups:
+            assert (g["lr"], g["betas"]) == (opt_b.param_groups[0]["lr"],
+                                             opt_b.param_groups[0]["betas"])
+    # a schedule that did not reach the shards would move the weights by lr·(1 - γ) more
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(pa, pb, rtol=1e-5, atol=1e-6)
+
+
+def test_param_groups_are_the_inner_optimizers_and_add_param_group_is_refused():
+    model = _model()
+    opt = commpress.ShardedOptimizer(model, torch.optim.SGD, "none", lr=0.1)
+    assert opt.param_groups is opt.optimizer.param_groups
+    assert opt.state is opt.optimizer.state
+    with pytest.raises(ValueError, match="add_param_group is not supported"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(2))]})
+    assert "ShardedOptimizer (" in repr(opt)
+
+
+def test_step_hooks_of_torch_optim_run():
+    data = _data()
+    model = _model()
+    opt = commpress.ShardedOptimizer(model, torch.optim.SGD, "none", lr=0.1)
+    calls = []
+    opt.register_step_pre_hook(lambda o, args, kwargs: calls.append("pre"))
+    opt.register_step_post_hook(lambda o, args, kwargs: calls.append("post"))
+    _one_backward(model, data)
+    assert opt.step() is True
+    assert calls == ["pre", "post"]
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"max_grad_norm": float("inf")},
+     "max_grad_norm=inf is not allowed; allowed: a finite number > 0 or none"),
+    ({"max_grad_norm": float("nan")}, "max_grad_norm=nan is not allowed"),
+    ({"bucket_numel": True}, "bucket_numel=True is not allowed; allowed: an integer >= 1"),
+    ({"bucket_numel": 0}, "bucket_numel=0 is not allowed; allowed: an integer >= 1"),
+    ({"broadcast_buffers": "yes"},
+     "broadcast_buffers='yes' is not allowed; allowed: True, False"),
+])
+def test_bad_numbers_and_flags_are_named(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        commpress.ShardedOptimizer(_model(), torch.optim.SGD, "none", lr=0.1, **kwargs)

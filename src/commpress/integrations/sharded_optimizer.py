@@ -35,7 +35,6 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from commpress.collectives import (
-    CollectiveMismatchError,
     Handle,
     Topology,
     all_gather,
@@ -49,12 +48,13 @@ from commpress.integrations.buckets import (
     ReplicationKey,
     build_buckets,
     build_optimizer,
-    checksum,
     tensor_parallel_key,
 )
 from commpress.integrations.grad_path import GradPath
+from commpress.integrations.replica_sync import broadcast_buffers, sync_initial_state
 from commpress.kernels.reference import sum_rows
 from commpress.policy import Policy, Rule
+from commpress.validate import check_float, check_int
 
 log = logging.getLogger(__name__)
 
@@ -67,14 +67,20 @@ class NonFiniteGradientError(FloatingPointError):
     """A gradient held NaN or ±Inf and the optimizer was told to stop."""
 
 
-class ShardedOptimizer:
+class ShardedOptimizer(torch.optim.Optimizer):
     """ZeRO-1/2 optimizer whose gradient reduce-scatter and weight all-gather are
     compressed by ``policy`` (``"none"``: exact ZeRO; ``"sdp4bit"``: qWD + TLq-HS).
 
-    Used like any optimizer::
+    Used like any optimizer — it is a ``torch.optim.Optimizer``, so torch's LR
+    schedulers drive it::
 
         opt = commpress.ShardedOptimizer(model, torch.optim.AdamW, "sdp4bit", lr=3e-4)
-        loss.backward(); opt.step(); opt.zero_grad()
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1000, gamma=0.5)
+        loss.backward(); opt.step(); opt.zero_grad(); sched.step()
+
+    ``param_groups`` (and ``state``) are the inner optimizer's own, over the fp32 master
+    shards (one group per bucket): a scheduler writing ``group["lr"]`` reaches the shard.
+    Groups cannot be added (the buckets are laid out at construction).
 
     Gradient clipping: pass ``max_grad_norm`` (every step), or call
     ``opt.clip_grad_norm_(max_norm)`` between ``backward()`` and ``step()`` (it returns
@@ -109,6 +115,10 @@ class ShardedOptimizer:
             would never close a gap): ``"broadcast"`` the first data-parallel rank's
             parameters (trainable and frozen) and buffers, as DDP does, or ``"verify"``
             that they are equal and refuse if not.
+        broadcast_buffers: copy the first data-parallel rank's buffers (a BatchNorm's
+            running statistics, which each rank's forward moves by its own batch) to every
+            rank once per ``step()``, in one coalesced broadcast, as DDP's
+            ``broadcast_buffers=True`` does before each forward. No buffers: nothing sent.
         **optimizer_kwargs: passed to ``optimizer_cls`` (lr, betas, weight_decay, ...).
     """
 
@@ -122,10 +132,10 @@ class ShardedOptimizer:
                  norm_group: dist.ProcessGroup | None = None,
                  norm_weights: dict[str, float] | None = None,
                  replication_key: ReplicationKey = tensor_parallel_key,
-                 init_sync: str = "broadcast",
+                 init_sync: str = "broadcast", broadcast_buffers: bool = True,
                  **optimizer_kwargs: Any) -> None:
         _check_arguments(model, optimizer_cls, policy, nonfinite, bucket_numel, max_grad_norm,
-                         init_sync)
+                         init_sync, broadcast_buffers)
         self.model = model
         self.policy = Policy.resolve(policy)
         self.group = group if group is not None else (dist.group.WORLD if dist.is_initialized()
@@ -138,6 +148,7 @@ class ShardedOptimizer:
         self.norm_weights = norm_weights or {}
         self.nonfinite = nonfinite
         self.overlap = overlap
+        self.broadcast_buffers = broadcast_buffers
         # stats
         self.steps = 0
         self.skipped_steps = 0
@@ -158,47 +169,21 @@ class ShardedOptimizer:
             replication_key)
         for b in self.buckets:
             b.materialize(self.rank, self.world)
-        self._sync_initial_weights(init_sync)
+        if self.world > 1:
+            sync_initial_state(model, self.buckets, self.group, self.rank, self.world,
+                               init_sync)
         self.optimizer = build_optimizer(self.buckets, optimizer_cls, optimizer_kwargs)
+        # torch.optim.Optimizer's bookkeeping (step hooks, profiling) over the inner
+        # optimizer's very groups and state: what a scheduler writes, the shards use
+        super().__init__(self.optimizer.param_groups, self.optimizer.defaults)
+        self.param_groups = self.optimizer.param_groups
+        self.state = self.optimizer.state
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
                        for b in self.buckets for p in b.params]
         self._where = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         log.info("ShardedOptimizer: %d buckets, %d parameters, world %d, policy %s",
                  len(self.buckets), sum(b.numel for b in self.buckets), self.world,
                  self.policy.name)
-
-    @torch.no_grad()
-    def _sync_initial_weights(self, how: str) -> None:
-        """Make (or check that) every data-parallel replica start from the same state:
-        the buckets, and — as DDP does — the frozen parameters and every buffer (a
-        BatchNorm's running statistics), which no step ever brings together."""
-        if self.world == 1:
-            return
-        src = dist.get_global_rank(self.group, 0) if self.group is not dist.group.WORLD else 0
-        device = self.buckets[0].param_buffer.device
-        in_buckets = {id(p) for b in self.buckets for p in b.params}
-        others = [(f"parameter {n!r}", p) for n, p in self.model.named_parameters()
-                  if id(p) not in in_buckets]
-        others += [(f"buffer {n!r}", t) for n, t in self.model.named_buffers()]
-        if how == "broadcast":
-            for b in self.buckets:
-                dist.broadcast(b.param_buffer, src=src, group=self.group)
-                b.reset_master(self.rank, self.world)
-            _broadcast_coalesced([t for _, t in others], src, self.group, device)
-            return
-        items = [(f"the bucket holding {b.names[0]!r}", b.param_buffer) for b in self.buckets]
-        items += others
-        mine = torch.tensor([checksum(t) for _, t in items], dtype=torch.int64, device=device)
-        every = [torch.empty_like(mine) for _ in range(self.world)]
-        dist.all_gather(every, mine, group=self.group)
-        differ = [r for r in range(self.world) if not torch.equal(every[r], every[0])]
-        if differ:
-            first = next(name for i, (name, _) in enumerate(items)
-                         if any(every[r][i] != every[0][i] for r in differ))
-            raise CollectiveMismatchError(
-                f"ShardedOptimizer(init_sync='verify'): data-parallel ranks {differ} start "
-                f"from other weights than rank 0 (first difference: {first}); initialize "
-                "every replica from the same seed, or use init_sync='broadcast'")
 
     # -- backward ---------------------------------------------------------------------
     @torch.no_grad()
@@ -270,6 +255,8 @@ class ShardedOptimizer:
             with torch.enable_grad():
                 loss = closure()
         stepped = self._step()
+        if self.broadcast_buffers and self.world > 1:
+            broadcast_buffers(self.model, self.group, self.buckets[0].param_buffer.device)
         return loss if closure is not None else stepped
 
     def _step(self) -> bool:
@@ -368,11 +355,18 @@ class ShardedOptimizer:
         self._reduced_norm = self._clip_norm = None
         self._zero_grad_buffers()
 
-    # -- introspection -----------------------------------------------------------------
-    @property
-    def param_groups(self) -> list[dict]:
-        """The inner optimizer's groups (set ``lr`` here for schedules)."""
-        return self.optimizer.param_groups
+    # -- groups ------------------------------------------------------------------------
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Refused: the parameters are packed into flat buckets at construction.
+        (``torch.optim.Optimizer.__init__`` registers the inner optimizer's groups here.)"""
+        if any(param_group is g for g in self.optimizer.param_groups):
+            self.param_groups.append(param_group)
+            return
+        raise ValueError(
+            "ShardedOptimizer.add_param_group is not supported: the parameters are packed "
+            "into flat buckets when the optimizer is built; allowed: build it over a model "
+            "holding every parameter to train (set requires_grad before), and change a "
+            "group's options (lr, weight_decay, ...) in param_groups")
 
     # -- checkpoints -----------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -439,22 +433,6 @@ def gather_weights(weights: torch.Tensor, new: torch.Tensor, codec: Any, rule: R
     return all_gather(weights, new, codec, group=group, label="dp.param", async_op=async_op)
 
 
-def _broadcast_coalesced(tensors: list[torch.Tensor], src: int,
-                         group: dist.ProcessGroup | None, device: torch.device) -> None:
-    """Broadcast ``tensors`` (any dtypes, shapes, bool included) in one collective: their
-    bytes packed into one buffer, copied back in place."""
-    if not tensors:
-        return
-    parts = [t.detach().reshape(-1).contiguous().view(torch.uint8).to(device) for t in tensors]
-    flat = torch.cat(parts)
-    dist.broadcast(flat, src=src, group=group)
-    offset = 0
-    for t, part in zip(tensors, parts):
-        # a fresh copy: viewing bytes as a wider dtype needs an aligned start
-        t.copy_(flat[offset : offset + part.numel()].clone().view(t.dtype).view(t.shape))
-        offset += part.numel()
-
-
 def clip_and_step(optimizer: torch.optim.Optimizer,
                   masters: list[tuple[nn.Parameter, torch.Tensor]], norm: float,
                   max_grad_norm: float | None) -> None:
@@ -480,7 +458,8 @@ def norm_of_parts(parts: torch.Tensor) -> float:
 
 
 def _check_arguments(model, optimizer_cls, policy, nonfinite: str, bucket_numel: int,
-                     max_grad_norm: float | None, init_sync: str) -> None:
+                     max_grad_norm: float | None, init_sync: str,
+                     broadcast_buffers: bool) -> None:
     """Bad arguments get a message naming them, before anything is built."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"ShardedOptimizer: model must be a torch.nn.Module; got "
@@ -501,7 +480,8 @@ def _check_arguments(model, optimizer_cls, policy, nonfinite: str, bucket_numel:
     if init_sync not in INIT_SYNC_CHOICES:
         raise ValueError(f"init_sync={init_sync!r} is not allowed; allowed: "
                          f"{', '.join(INIT_SYNC_CHOICES)}")
-    if not isinstance(bucket_numel, int) or bucket_numel < 1:
-        raise ValueError(f"bucket_numel={bucket_numel!r} is not allowed; allowed: an int >= 1")
-    if max_grad_norm is not None and not max_grad_norm > 0:
-        raise ValueError(f"max_grad_norm={max_grad_norm} is not allowed; allowed: > 0 or None")
+    check_int("bucket_numel", bucket_numel, ge=1)
+    check_float("max_grad_norm", max_grad_norm, gt=0, optional=True)
+    if not isinstance(broadcast_buffers, bool):
+        raise ValueError(f"broadcast_buffers={broadcast_buffers!r} is not allowed; allowed: "
+                         "True, False")
