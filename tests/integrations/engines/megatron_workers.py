@@ -10,10 +10,27 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
+import time
+from dataclasses import dataclass
 
 import torch
 
 SEQ, BATCH, MICRO = 32, 8, 2  # global batch of 8 sequences, micro-batches of 2
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The GPT and its batches (the tests' tiny one by default)."""
+
+    layers: int = 2
+    hidden: int = 64
+    heads: int = 4
+    seq: int = SEQ
+    batch: int = BATCH  # sequences per step, over all data-parallel ranks
+    micro: int = MICRO  # sequences per micro-batch
+
+
+TINY = Shape()
 
 
 def cpu_shim() -> None:
@@ -71,7 +88,8 @@ class SequenceParallelNorm(torch.nn.LayerNorm):
 
 
 def build(tp: int, pp: int, distopt: bool = True, overlap_param_gather: bool = False,
-          sequence_parallel: bool = False, bucket_size: int = 20_000, seed: int = 0):
+          sequence_parallel: bool = False, bucket_size: int = 20_000, seed: int = 0,
+          shape: Shape = TINY):
     """A fresh model, DDP wrapper and optimizer (the same weights for the same seed)."""
     from megatron.core import parallel_state
     from megatron.core.distributed import (
@@ -88,7 +106,8 @@ def build(tp: int, pp: int, distopt: bool = True, overlap_param_gather: bool = F
 
     torch.manual_seed(seed)
     config = TransformerConfig(
-        num_layers=2, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True,
+        num_layers=shape.layers, hidden_size=shape.hidden, num_attention_heads=shape.heads,
+        use_cpu_initialization=True,
         bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         sequence_parallel=sequence_parallel, hidden_dropout=0.0, attention_dropout=0.0)
@@ -99,7 +118,7 @@ def build(tp: int, pp: int, distopt: bool = True, overlap_param_gather: bool = F
         spec = TransformerBlockSubmodules(layer_specs=[spec] * (config.num_layers // pp),
                                           layer_norm=SequenceParallelNorm)
     gpt = GPTModel(config=config, transformer_layer_spec=spec,
-                   vocab_size=256, max_sequence_length=SEQ,
+                   vocab_size=256, max_sequence_length=shape.seq,
                    pre_process=parallel_state.is_pipeline_first_stage(),
                    post_process=parallel_state.is_pipeline_last_stage())
     ddp_config = DistributedDataParallelConfig(
@@ -122,7 +141,7 @@ def data():
 
 def _forward_step(data_iterator, model):
     x, y = next(data_iterator)
-    positions = torch.arange(SEQ).unsqueeze(0).expand_as(x)
+    positions = torch.arange(x.shape[1]).unsqueeze(0).expand_as(x)
     out = model(x, positions, None, labels=y)
 
     def loss_func(out):
@@ -132,9 +151,11 @@ def _forward_step(data_iterator, model):
     return out, loss_func
 
 
-def train(model, optimizer, corpus, start: int, steps: int, sync_params: bool = False):
+def train(model, optimizer, corpus, start: int, steps: int, sync_params: bool = False,
+          shape: Shape = TINY, hashes: bool = True):
     """``steps`` training steps from ``start``; per step: this rank's micro-batch losses
-    (last pipeline stage), the hash of its weights and of its TP-replicated weights."""
+    (last pipeline stage), its wall time, the hash of its weights and of its
+    TP-replicated weights."""
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 
@@ -143,21 +164,24 @@ def train(model, optimizer, corpus, start: int, steps: int, sync_params: bool = 
     forward_backward = get_forward_backward_func()
     record = []
     for step in range(start, start + steps):
-        x, y = corpus.batch("train", BATCH, SEQ, 0, step)
-        per = BATCH // dp
+        start_s = time.perf_counter()
+        x, y = corpus.batch("train", shape.batch, shape.seq, 0, step)
+        per = shape.batch // dp
         x, y = x[dp_rank * per:(dp_rank + 1) * per], y[dp_rank * per:(dp_rank + 1) * per]
-        micro = [(x[i:i + MICRO], y[i:i + MICRO]) for i in range(0, per, MICRO)]
+        micro = [(x[i:i + shape.micro], y[i:i + shape.micro]) for i in range(0, per, shape.micro)]
         model.zero_grad_buffer()
         optimizer.zero_grad()
         out = forward_backward(forward_step_func=_forward_step, data_iterator=iter(micro),
-                               model=[model], num_microbatches=len(micro), seq_length=SEQ,
-                               micro_batch_size=MICRO, forward_only=False)
+                               model=[model], num_microbatches=len(micro), seq_length=shape.seq,
+                               micro_batch_size=shape.micro, forward_only=False)
         ok, _, _ = optimizer.step()
         assert ok, f"step {step} was skipped"
         if sync_params:  # overlap_param_gather defers the gather to the next forward
             model.start_param_sync(force_sync=True)
         record.append({"losses": [o["loss"].item() for o in out],
-                       "hash": weights_hash(model), "replicated": weights_hash(model, True)})
+                       "time_s": time.perf_counter() - start_s})
+        if hashes:
+            record[-1].update(hash=weights_hash(model), replicated=weights_hash(model, True))
     return record
 
 
@@ -285,19 +309,51 @@ def refusals(corpus, tp: int, pp: int) -> dict:
     out["restored"] = (pgb.dist_reduce_scatter_func, pgb.dist_all_gather_func,
                        pgb._coalescing_manager, pgb.torch, mappings._reduce) == originals
     fp32_model, fp32_optimizer = _fp32_model()
+    apply = commpress.megatron.apply
     for name, call in (
-            ("fp32_qwd", lambda: commpress.megatron.apply(fp32_model, fp32_optimizer,
-                                                          "sdp4bit")),
-            ("not_ddp", lambda: commpress.megatron.apply(model.module, optimizer, "sdp4bit")),
-            ("bad_policy", lambda: commpress.megatron.apply(model, optimizer, "sdp5bit"))):
-        try:
-            call()
-            out[name] = None
-        except (TypeError, ValueError) as e:
-            out[name] = f"{type(e).__name__}: {e}"
+            ("fp32_qwd", lambda: apply(fp32_model, fp32_optimizer, "sdp4bit")),
+            ("not_ddp", lambda: apply(model.module, optimizer, "sdp4bit")),
+            ("bad_policy", lambda: apply(model, optimizer, "sdp5bit")),
+            ("other_optimizer", lambda: apply(model, fp32_optimizer, "sdp4bit"))):
+        out[name] = _refusal(call)
+    # configurations Megatron builds only on CUDA, or only with MoE: the same model with
+    # the field set, as Megatron would hold it
+    for name, holder, field, value in (
+            ("instances", model.ddp_config, "num_distributed_optimizer_instances", 2),
+            ("fp32_accumulation", model.ddp_config, "reduce_scatter_with_fp32_accumulation",
+             True),
+            ("moe", model.config, "num_moe_experts", 4)):
+        saved = getattr(holder, field)
+        setattr(holder, field, value)
+        out[name] = _refusal(lambda: apply(model, optimizer, "sdp4bit"))
+        setattr(holder, field, saved)
     # exact weights on fp32 parameters are fine
-    commpress.megatron.apply(fp32_model, fp32_optimizer, "tlqhs").remove()
+    apply(fp32_model, fp32_optimizer, "tlqhs").remove()
     return out
+
+
+def _refusal(call) -> str | None:
+    try:
+        call().remove()
+    except (TypeError, ValueError) as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def scoped(corpus, tp: int, pp: int, steps: int, **layout) -> dict:
+    """A second model trained while the first has a policy: stock Megatron's path and
+    bits (it goes through the replaced functions to Megatron's originals)."""
+    import commpress
+
+    model, optimizer = build(tp, pp, **layout)
+    comm = commpress.megatron.apply(model, optimizer, "sdp4bit")
+    other, other_optimizer = build(tp, pp, **layout)
+    commpress.reset_stats()
+    record = train(other, other_optimizer, corpus, 0, steps,
+                   sync_params=layout.get("overlap_param_gather", False))
+    stats = commpress.stats()
+    comm.remove()
+    return {"record": record, "stats": stats}
 
 
 def _fp32_model():
@@ -341,5 +397,5 @@ def fp32_accumulation(corpus, tp: int, pp: int) -> str:
 
 
 
-JOBS = {"train": run_policy, "resume": resume, "refusals": refusals,
+JOBS = {"train": run_policy, "resume": resume, "refusals": refusals, "scoped": scoped,
         "fp32_accumulation": fp32_accumulation}

@@ -41,7 +41,9 @@ def dp4():
     # then plain DDP (gradient all-reduce); two nodes, so both levels of TLq-HS run
     jobs = (_train_jobs("", overlap_param_gather=True)
             + _train_jobs("ddp-", distopt=False)
-            + [("refusals", "refusals", {}), ("fp32_accumulation", "fp32_accumulation", {})])
+            + [("refusals", "refusals", {}),
+               ("scoped", "scoped", dict(steps=2, overlap_param_gather=True)),
+               ("fp32_accumulation", "fp32_accumulation", {})])
     return spawn(workers.scenario, 4, (1, 1, jobs), ranks_per_node=2, timeout=900)
 
 
@@ -116,7 +118,7 @@ def _groups(ranks, same):
 def test_replicas_stay_bitwise_identical(request, layout):
     ranks, prefixes = _runs(request, layout)
     for run in [k for k in ranks[0] if k not in ("coords", "refusals", "fp32_accumulation",
-                                                 "resume")]:
+                                                 "resume", "scoped")]:
         # data-parallel replicas: every weight; TP peers: the weights both hold whole
         for same, key in ((("tp", "pp"), "hash"), (("dp", "pp"), "replicated")):
             for group in _groups(ranks, same):
@@ -207,6 +209,23 @@ def test_refusals_name_the_reason(dp4):
     assert "fp32 master weights" in out["fp32_qwd"] and "bf16" in out["fp32_qwd"]
     assert out["not_ddp"].startswith("TypeError") and "DistributedDataParallel" in out["not_ddp"]
     assert "unknown policy preset 'sdp5bit'" in out["bad_policy"]
+
+
+def test_configurations_that_would_pass_uncompressed_are_refused(dp4):
+    out = dp4[0]["refusals"]
+    assert "num_distributed_optimizer_instances=2" in out["instances"]
+    assert "reduce_scatter_with_fp32_accumulation=True" in out["fp32_accumulation"]
+    assert "mixture-of-experts" in out["moe"]
+    assert "not built for this model" in out["other_optimizer"]
+
+
+def test_a_model_without_a_policy_keeps_stock_megatron(dp4):
+    # trained while another model's policy is installed: the same bits as stock, and
+    # nothing of it is counted by commpress
+    for rank in dp4:
+        scoped, stock = rank["scoped"], rank["stock"]["record"]
+        assert [s["hash"] for s in scoped["record"]] == [s["hash"] for s in stock[:2]]
+        assert not any(s["elements"] for s in scoped["stats"].values())
 
 
 def test_a_later_fp32_accumulation_swap_is_refused_at_the_next_sync(dp4):
