@@ -10,6 +10,17 @@ here and the weights are gathered exactly instead (logged) — use
 
 Both run synchronously inside FSDP's communication streams and return ``None``.
 
+HSDP (``fully_shard(mesh=...)`` on a 2-D ``(replicate, shard)`` mesh): torch 2.13 has
+no custom-comm seam for the gradient all-reduce across replicas — ``foreach_reduce``
+calls ``dist.all_reduce`` on the replicate group itself. ``compress`` therefore shows
+each HSDP parameter group's FSDP machinery a shard-only view of its mesh (FSDP then
+reduce-scatters over the shard group and all-reduces nothing) and runs the replicate
+all-reduce inside its reduce-scatter, through the policy's inter-node ``dp.grad``
+codec (label ``dp.grad.inter``). Parameters keep their 2-D DTensor placements. Not
+covered, refused by name: a shard dimension of size 1 (that is DDP: use
+:func:`commpress.ddp_hook`), and ``set_requires_all_reduce(False)`` (deferred
+replicate all-reduce for gradient accumulation).
+
 ``compress`` returns an :class:`FSDPCompression`: the installed collectives by FSDP
 module name, and their codec state (error-feedback residuals, stochastic-rounding
 counters) as a ``torch.distributed.checkpoint`` ``Stateful``. Without it a resumed
@@ -21,6 +32,7 @@ from __future__ import annotations
 import io
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,8 +40,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo
 
-from commpress.collectives import Topology, all_gather
+from commpress.collectives import Topology, all_gather, all_reduce
 from commpress.collectives.comm import all_gather_single
 from commpress.integrations.grad_path import GradPath
 from commpress.policy import Policy, Rule
@@ -67,17 +80,84 @@ class CompressedReduceScatter(_Allocate, ReduceScatter):
 
     Accepts ``ReduceOp.AVG``, ``ReduceOp.SUM`` and ``ReduceOp.PREMUL_SUM(factor)``
     (FSDP passes it for a custom gradient divide factor): the input is scaled by
-    ``factor`` and summed.
+    ``factor`` and summed. With HSDP it then all-reduces its output across the
+    replicas (``replicate``).
     """
 
-    def __init__(self, grad_path: GradPath) -> None:
+    def __init__(self, grad_path: GradPath, replicate: ReplicateAllReduce | None = None) -> None:
         self.grad_path = grad_path
+        self.replicate = replicate
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, op, async_op: bool = False) -> None:
+        if self.replicate is not None:
+            self.replicate.check()
         self.grad_path.reduce_scatter(output_tensor, input_tensor, group,
                                       op=_op_name(op, input_tensor))
+        if self.replicate is not None:
+            self.replicate(output_tensor)
         return None
+
+
+class ReplicateAllReduce:
+    """HSDP's gradient all-reduce across replicas, through the inter-node codec.
+
+    FSDP, seeing only the shard group, picks the reduce-scatter op as if the shard group
+    were the whole data-parallel world; what it leaves to this all-reduce is then: the
+    mean across replicas when no gradient divide factor is set (FSDP averages or divides
+    by the shard size alone), the sum when one is (FSDP already divided by it). Every
+    rank decodes the same bytes, so replicas stay bitwise identical.
+    """
+
+    def __init__(self, codec, group: dist.ProcessGroup, param_group: Any,
+                 label: str = "dp.grad.inter") -> None:
+        self.codec = codec
+        self.group = group
+        self.param_group = param_group
+        self.label = label
+
+    def check(self) -> None:
+        if not self.param_group.all_reduce_grads:
+            raise RuntimeError(
+                "commpress.fsdp: set_requires_all_reduce(False) (a deferred replicate "
+                "all-reduce) is not covered with compressed HSDP; use "
+                "set_requires_gradient_sync(False) for gradient accumulation instead")
+
+    def __call__(self, tensor: torch.Tensor) -> None:
+        op = "avg" if self.param_group.gradient_divide_factor is None else "sum"
+        all_reduce(tensor, self.codec, group=self.group, op=op, label=self.label)
+
+
+@dataclass
+class _ShardOnlyMeshInfo(FSDPMeshInfo):
+    """An HSDP mesh as FSDP's reduction sees it once commpress owns the replicate
+    all-reduce: shard dimension only (``hsdp`` keeps the original)."""
+
+    hsdp: HSDPMeshInfo | None = None
+
+
+def _take_replicate_all_reduce(param_group: Any) -> dist.ProcessGroup | None:
+    """The replicate process group of an HSDP parameter group, after switching FSDP's
+    own all-reduce off for it; ``None`` for FSDP on a 1-D mesh."""
+    mesh_info = param_group.mesh_info
+    if isinstance(mesh_info, _ShardOnlyMeshInfo):  # compressed before
+        return mesh_info.hsdp.replicate_process_group
+    if not isinstance(mesh_info, HSDPMeshInfo):
+        return None
+    if mesh_info.shard_mesh_size == 1:
+        raise ValueError(
+            "commpress.fsdp.compress: HSDP mesh with a shard dimension of size 1 "
+            f"(mesh {tuple(mesh_info.mesh.shape)}) is replication only and FSDP calls no "
+            "reduce-scatter to compress; allowed: a shard dimension of size >= 2 (for pure "
+            "replication use DDP with commpress.ddp_hook)")
+    shard_only = _ShardOnlyMeshInfo(mesh=mesh_info.mesh, shard_mesh_dim=mesh_info.shard_mesh_dim,
+                                    dp_mesh_dims=mesh_info.dp_mesh_dims,
+                                    spmd_mesh=mesh_info.spmd_mesh, hsdp=mesh_info)
+    shard_only.reduce_scatter_process_group = mesh_info.reduce_scatter_process_group
+    if param_group.post_forward_mesh_info is mesh_info:  # reshard_after_forward=True
+        param_group.post_forward_mesh_info = shard_only
+    param_group.mesh_info = shard_only
+    return mesh_info.replicate_process_group
 
 
 def _op_name(op, input_tensor: torch.Tensor) -> str:
@@ -130,9 +210,13 @@ class FSDPCompression:
 
     def codec_states(self) -> dict[str, dict[str, Any]]:
         """This rank's codec state by FSDP module name: ``{"param": ..., "grad": ...}``."""
-        return {name: {"param": gather.codec.state_dict(),
-                       "grad": scatter.grad_path.state_dict()}
-                for name, (gather, scatter) in self.modules.items()}
+        states = {}
+        for name, (gather, scatter) in self.modules.items():
+            states[name] = {"param": gather.codec.state_dict(),
+                            "grad": scatter.grad_path.state_dict()}
+            if scatter.replicate is not None:
+                states[name]["replicate"] = scatter.replicate.codec.state_dict()
+        return states
 
     def state_dict(self) -> dict[str, Any]:
         # the policy travels inside the rank's entry: DCP loads only the keys the
@@ -160,8 +244,13 @@ class FSDPCompression:
         codec_states = entry["codecs"]
         _check_module_names(list(codec_states), list(self.modules))
         for name, (gather, scatter) in self.modules.items():
-            gather.codec.load_state_dict(codec_states[name]["param"])
-            scatter.grad_path.load_state_dict(codec_states[name]["grad"])
+            saved = codec_states[name]
+            _check_same(f"HSDP replicate codec of module {name!r}", "replicate" in saved,
+                        scatter.replicate is not None)
+            gather.codec.load_state_dict(saved["param"])
+            scatter.grad_path.load_state_dict(saved["grad"])
+            if scatter.replicate is not None:
+                scatter.replicate.codec.load_state_dict(saved["replicate"])
 
 
 def _check_same(key: str, saved: Any, mine: Any) -> None:
@@ -205,12 +294,27 @@ def compress(model: nn.Module, policy: str | dict | Policy = "sdp4bit",
             continue
         param_codec = Rule().build() if param_rule.delta else param_rule.build()
         gather = CompressedAllGather(param_codec)
-        scatter = CompressedReduceScatter(GradPath(policy, topology))
+        scatter = CompressedReduceScatter(GradPath(policy, topology),
+                                          _replicate_all_reduce(module, policy))
         module.set_custom_all_gather(gather)
         module.set_custom_reduce_scatter(scatter)
         modules[name] = (gather, scatter)
     if not modules:
         raise ValueError("commpress.fsdp.compress: no FSDPModule found; call fully_shard first")
     device = next(model.parameters()).device
+    hsdp = sum(scatter.replicate is not None for _, scatter in modules.values())
+    if hsdp:
+        log.info("commpress.fsdp: HSDP replicate all-reduce of %d FSDP modules through "
+                 "the inter-node codec (dp.grad.inter)", hsdp)
     log.info("Applied commpress %s to %d FSDP modules", policy.name, len(modules))
     return FSDPCompression(policy, modules, device)
+
+
+def _replicate_all_reduce(module: FSDPModule, policy: Policy) -> ReplicateAllReduce | None:
+    param_groups = module._get_fsdp_state()._fsdp_param_groups
+    if len(param_groups) != 1:  # none: no parameters; several: set_custom_* refuses
+        return None
+    group = _take_replicate_all_reduce(param_groups[0])
+    if group is None:
+        return None
+    return ReplicateAllReduce(policy.codec_for("dp", "grad", "inter"), group, param_groups[0])
