@@ -238,3 +238,29 @@ def test_importing_commpress_does_not_import_megatron():
     code = ("import sys, commpress; assert 'megatron' not in sys.modules; "
             "assert callable(commpress.megatron.apply); assert 'megatron.core' in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+
+
+@pytest.mark.parametrize("rows, unit", [(1, 8), (2, 128), (4, 16)])
+def test_wire_layout_round_trips_and_never_mixes_kinds_in_a_group(rows, unit):
+    import torch
+
+    from commpress.integrations.megatron.layout import Layout
+
+    g = torch.Generator().manual_seed(rows * unit)
+    numel = rows * 300
+    identical = torch.rand(numel, generator=g) < 0.3
+    values = torch.randn(numel, generator=g)
+    layout = Layout(identical, rows, unit)
+    wire = layout.to_wire(values)  # (rows, width)
+    assert wire.shape == (rows, layout.width) and layout.width % unit == 0
+    kind = layout.to_wire(identical.float() + 1)  # 2: identical, 1: other, 0: padding
+    for group in kind.view(rows, -1, unit).reshape(-1, unit):
+        assert len(set(group[group > 0].tolist())) <= 1  # one kind per group, pads aside
+    out = torch.empty_like(values)
+    layout.from_wire(wire, out)
+    assert torch.equal(out, values)
+    for r in range(rows):
+        assert torch.equal(layout.row_to_wire(values.view(rows, -1)[r], r), wire[r])
+        row = torch.empty(numel // rows)
+        layout.row_from_wire(wire[r], r, row)
+        assert torch.equal(row, values.view(rows, -1)[r])
