@@ -32,9 +32,10 @@ import threading
 import time
 import weakref
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -45,6 +46,7 @@ from commpress.collectives.stats import Stats, retire
 HEADER_WORDS = 3  # sequence number, 128-bit digest as two int64
 PUBLISH_AFTER_S = 1.0  # a wait longer than this is published for the timeout diagnosis
 GRACE_S = 5.0  # how long a timed-out rank looks for the others' published waits
+T = TypeVar("T")
 
 
 class CollectiveMismatchError(RuntimeError):
@@ -72,7 +74,7 @@ class GroupContext:
     """State commpress keeps for one process group.
 
     Slots: identity (``rank``, ``world``, ``ranks``, ``name``); internal state (call
-    sequence numbers, point-to-point counters, node levels, the control group);
+    sequence numbers, point-to-point counters and inboxes, node levels, the control group);
     ``stats`` (this group's byte and time counters).
     """
 
@@ -87,6 +89,7 @@ class GroupContext:
         self._lock = threading.RLock()
         self._seq = 0
         self._p2p: dict[tuple[str, int, int], int] = defaultdict(int)
+        self._p2p_inboxes: dict[tuple[int, int], object] = {}
         self._levels: dict[int, Levels] = {}
         self._control: dist.ProcessGroup | None = group if "gloo" in self.backend else None
         self._held: list = []  # (work, buffers) sent without a caller to wait on them
@@ -126,6 +129,14 @@ class GroupContext:
             seq = self._p2p[key]
             self._p2p[key] += 1
             return seq
+
+    def p2p_inbox(self, peer: int, tag: int, make: Callable[[], T]) -> T:
+        """The state of what ``peer`` sends this rank on ``tag`` (``make()`` at first use)."""
+        with self._lock:
+            inbox = self._p2p_inboxes.get((peer, tag))
+            if inbox is None:
+                inbox = self._p2p_inboxes[(peer, tag)] = make()
+            return inbox  # type: ignore[return-value]
 
     def hold(self, work, *buffers: torch.Tensor) -> None:
         """Keep an asynchronous send and its buffers alive until it completes (a send

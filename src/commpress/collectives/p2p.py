@@ -8,23 +8,41 @@ decoded values in place.
 Every transfer is checked, so a send and a receive that disagree can neither corrupt
 the receiver's tensor nor leave uninitialised memory in it:
 
-1. the sender posts, at once, a 48-byte header (a magic number, the transfer's
-   sequence number between the two ranks and tag, the payload's size, the length and
-   the 128-bit digest of its descriptor), the descriptor itself (label, codec, size,
-   dtype, ranks, tag — any length), the payload, and a receive for an acknowledgement;
-2. the receiver takes the header and descriptor (``irecv`` returns once it has them),
-   compares them with its own, and acknowledges: on agreement it receives the payload;
-   otherwise it drains the payload, sends its own descriptor back and raises
-   :class:`CollectiveMismatchError`; the sender raises the same error in ``wait()``.
+1. the sender posts, at once, a 56-byte frame (a magic number, the kind ``DATA``, the
+   transfer's sequence number between the two ranks and tag, the payload's size, the
+   length and the 128-bit digest of its descriptor), the descriptor itself (label,
+   codec, size, dtype, ranks, tag — any length) and the payload;
+2. the receiver takes the frame and descriptor (``irecv`` returns once it has them),
+   receives the payload whatever it holds (of the size the frame announced), compares
+   the descriptors and answers with an acknowledgement frame: ``ACK_OK``, or
+   ``ACK_MISMATCH`` followed by its own descriptor, after which it raises
+   :class:`CollectiveMismatchError`; the sender reads the answer in ``wait()`` and
+   raises the same error.
 
-The receiver's decision needs the header on the host: on NCCL that is one small
-device-to-host copy per receive. On Gloo, which cannot send CUDA memory, headers and
+**One channel, read in order.** Everything one rank sends another on one tag — its
+transfers and its answers to the other's transfers — is one ordered stream: Gloo
+matches a receive with the oldest message on (peer, tag) and aborts the process when
+the message is larger than the buffer; NCCL ignores tags and matches every message
+between two ranks in order. Two ranks that exchange on one tag interleave transfers
+and answers in an order neither can predict, so a receive posted for an answer could
+take a transfer's frame. So no receive is posted for an expected message: an
+:class:`_Inbox` per (peer, tag) reads the stream frame by frame — every frame has the
+same size and says what follows it, so it posts the receives for those bytes at once —
+and files each arrival where its reader (an ``irecv``, or a send's ``wait()``) takes
+it. Distinct tags per message kind were the alternative: the user's tag already spans
+torch's whole range, [0, 2³¹ − 1], so there is no room to derive one, and NCCL
+would not separate them anyway.
+
+The receiver's decision needs the frame on the host: on NCCL that is one small
+device-to-host copy per message. On Gloo, which cannot send CUDA memory, frames and
 payloads travel through host memory (the payload is staged on both sides).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+from collections import deque
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -46,8 +64,9 @@ from commpress.collectives.handle import Handle
 from commpress.validate import check_int
 
 MAGIC = 0x636F6D6D70726573  # "commpres"
-HEADER_WORDS = 6  # magic, sequence number, payload bytes, descriptor bytes, digest (2)
-ACK_OK, ACK_MISMATCH = 1, 2
+# magic, kind, sequence number, payload bytes, descriptor bytes, descriptor digest (2)
+FRAME_WORDS = 7
+DATA, ACK_OK, ACK_MISMATCH = 0, 1, 2
 
 
 def _global(group: dist.ProcessGroup, peer: int) -> int:
@@ -77,6 +96,105 @@ def _text(buf: torch.Tensor) -> str:
     return bytes(buf.cpu().tolist()).decode(errors="replace")
 
 
+def _frame(kind: int, seq: int, payload_bytes: int, text: str,
+           device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A frame and the descriptor that follows it (``text`` may be empty)."""
+    desc = _text_tensor(text, device)
+    d1, d2 = digest(text) if text else (0, 0)
+    frame = torch.tensor([MAGIC, kind, seq, payload_bytes, desc.numel(), d1, d2],
+                         dtype=torch.int64, device=device)
+    return frame, desc
+
+
+@dataclass
+class _Arrival:
+    """One message read off a peer's stream: its frame's fields, and the buffers that
+    follow the frame with their receives (posted at once, each waited for once: a
+    second wait on a Gloo receive waits for another message)."""
+
+    kind: int
+    seq: int
+    payload_bytes: int
+    digest: tuple[int, int]
+    desc: torch.Tensor | None = None  # a transfer's, or a refusing receiver's, descriptor
+    payload: torch.Tensor | None = None  # a transfer's
+    pending: dict = field(default_factory=dict)  # "desc"/"payload" -> its receive
+
+    def text(self) -> str:
+        assert self.desc is not None, "an ACK_OK frame carries no descriptor"
+        self._wait("desc")
+        return _text(self.desc)
+
+    def wait(self) -> None:
+        self._wait("desc")
+        self._wait("payload")
+
+    def _wait(self, part: str) -> None:
+        work = self.pending.pop(part, None)
+        if work is not None:
+            work.wait()
+
+
+class _Inbox:
+    """What one peer sends this rank on one tag, read in order (see the module's
+    docstring): transfers queue for the ``irecv`` calls, in the order sent; answers to
+    this rank's sends wait, by sequence number, for the send's ``wait()``."""
+
+    def __init__(self, group: dist.ProcessGroup, peer: int, tag: int) -> None:
+        self.group, self.peer, self.tag = group, peer, tag  # peer: the global rank
+        self._lock = threading.Lock()  # one reader at a time: frames come in order
+        self._transfers: deque[_Arrival] = deque()
+        self._answers: dict[int, _Arrival] = {}
+
+    def next_transfer(self, device: torch.device, what: str) -> _Arrival:
+        with self._lock:
+            while not self._transfers:
+                self._read(device, what)
+            return self._transfers.popleft()
+
+    def answer(self, seq: int, device: torch.device, what: str) -> _Arrival:
+        with self._lock:
+            while seq not in self._answers:
+                self._read(device, what)
+            return self._answers.pop(seq)
+
+    def _read(self, device: torch.device, what: str) -> None:
+        frame = torch.empty(FRAME_WORDS, dtype=torch.int64, device=device)
+        try:
+            dist.irecv(frame, self.peer, group=self.group, tag=self.tag).wait()
+        except RuntimeError as e:
+            raise CollectiveTimeoutError(
+                f"{what}: nothing came from rank {self.peer} on tag {self.tag} within the "
+                f"timeout. Cause: {type(e).__name__}: {e}") from e
+        magic, kind, seq, payload_bytes, desc_bytes, d1, d2 = frame.tolist()
+        if magic != MAGIC or kind not in (DATA, ACK_OK, ACK_MISMATCH):
+            raise CollectiveMismatchError(
+                f"{what}: rank {self.peer} did not send a commpress transfer (plain "
+                "torch.distributed.send?); allowed: commpress.send/isend on the sending side")
+        # the bytes that follow the frame are next on the stream: post their receives
+        # before the next frame's
+        arrival = _Arrival(kind, seq, payload_bytes, (d1, d2))
+        if kind != ACK_OK:
+            arrival.desc = torch.empty(desc_bytes, dtype=torch.uint8, device=device)
+            arrival.pending["desc"] = self._irecv(arrival.desc)
+        if kind == DATA:
+            arrival.payload = torch.empty(payload_bytes, dtype=torch.uint8, device=device)
+            arrival.pending["payload"] = self._irecv(arrival.payload)
+            self._transfers.append(arrival)
+        else:
+            self._answers[seq] = arrival
+
+    def _irecv(self, buf: torch.Tensor):
+        return dist.irecv(buf, self.peer, group=self.group, tag=self.tag)
+
+    def send(self, *tensors: torch.Tensor) -> list:
+        return [dist.isend(t, self.peer, group=self.group, tag=self.tag) for t in tensors]
+
+
+def _inbox(ctx: GroupContext, group: dist.ProcessGroup, peer: int, tag: int) -> _Inbox:
+    return ctx.p2p_inbox(peer, tag, lambda: _Inbox(group, _global(group, peer), tag))
+
+
 def _check_tag(tag: int) -> None:
     """torch.distributed takes a tag that fits a C ``int`` and is not negative (a negative
     one fails only on the sending side, and the receiver then waits out the timeout)."""
@@ -103,7 +221,6 @@ def isend(tensor: torch.Tensor, dst: int, codec="none", group: dist.ProcessGroup
     ctx = context(group)
     _check_peer(ctx, dst, "dst")
     label = label or "p2p"
-    peer = _global(group, dst)
     device = _wire_device(ctx, tensor)
     with ctx.stats.timed(label, "encode_s", tensor.device):
         packet = chunks.encode(codec, tensor.detach(), rng_stream=dist.get_rank(),
@@ -116,27 +233,26 @@ def isend(tensor: torch.Tensor, dst: int, codec="none", group: dist.ProcessGroup
                      raw_bytes=tensor.numel() * tensor.element_size())
     seq = ctx.next_p2p("send", dst, tag)
     text = _descriptor(ctx, seq, label, codec, tensor, ctx.rank, dst, tag)
-    desc = _text_tensor(text, device)
-    header = torch.tensor([MAGIC, seq, payload.numel(), desc.numel(), *digest(text)],
-                          dtype=torch.int64, device=device)
-    ack = torch.empty(3, dtype=torch.int64, device=device)
-    works = [dist.isend(header, peer, group=group, tag=tag),
-             dist.isend(desc, peer, group=group, tag=tag),
-             dist.isend(payload, peer, group=group, tag=tag)]
-    ack_work = dist.irecv(ack, peer, group=group, tag=tag)
+    inbox = _inbox(ctx, group, dst, tag)
+    frame, desc = _frame(DATA, seq, payload.numel(), text, device)
+    works = inbox.send(frame, desc, payload)
+    what = f"commpress.isend (label {label!r}, transfer #{seq} to rank {ctx.ranks[dst]})"
 
     def finish() -> torch.Tensor:
         with ctx.stats.timed(label, "comm_s", tensor.device):
-            for w in works:
-                w.wait()
-            ack_work.wait()
-        status, their_len = int(ack[0]), int(ack[1])
-        if status != ACK_OK:
-            theirs = torch.empty(their_len, dtype=torch.uint8, device=device)
-            dist.recv(theirs, peer, group=group, tag=tag)
+            try:
+                for w in works:
+                    w.wait()
+            except RuntimeError as e:
+                raise CollectiveTimeoutError(
+                    f"{what}: rank {ctx.ranks[dst]} did not take it within the timeout. "
+                    f"Cause: {type(e).__name__}: {e}") from e
+            answer = inbox.answer(seq, device, f"{what}: waiting for its acknowledgement")
+            theirs = answer.text() if answer.kind == ACK_MISMATCH else None
+        if theirs is not None:
             raise CollectiveMismatchError(mismatch_message(
                 f"commpress.isend (label {label!r}) to rank {ctx.ranks[dst]}",
-                [text, _text(theirs)], (ctx.ranks[ctx.rank], ctx.ranks[dst])))
+                [text, theirs], (ctx.ranks[ctx.rank], ctx.ranks[dst])))
         return tensor
 
     return Handle(finish)
@@ -146,7 +262,7 @@ def irecv(tensor: torch.Tensor, src: int, codec="none", group: dist.ProcessGroup
           label: str | None = None, tag: int = 0) -> Handle:
     """Start receiving into ``tensor`` (the sender's shape and dtype) from group rank ``src``.
 
-    Returns once the sender's header has arrived and matched (so waiting on handles in
+    Returns once the sender's frame has arrived and matched (so waiting on handles in
     any order cannot deadlock); raises :class:`CollectiveMismatchError` if the sender
     sent something else, leaving ``tensor`` untouched.
     """
@@ -157,45 +273,32 @@ def irecv(tensor: torch.Tensor, src: int, codec="none", group: dist.ProcessGroup
     ctx = context(group)
     _check_peer(ctx, src, "src")
     label = label or "p2p"
-    peer = _global(group, src)
     device = _wire_device(ctx, tensor)
     seq = ctx.next_p2p("recv", src, tag)
     mine = _descriptor(ctx, seq, label, codec, tensor, src, ctx.rank, tag)
-    header = torch.empty(HEADER_WORDS, dtype=torch.int64, device=device)
+    inbox = _inbox(ctx, group, src, tag)
+    what = f"commpress.irecv (label {label!r}, transfer #{seq} from rank {ctx.ranks[src]})"
     with ctx.stats.timed(label, "comm_s", tensor.device):
-        try:
-            dist.irecv(header, peer, group=group, tag=tag).wait()
-        except RuntimeError as e:
-            raise CollectiveTimeoutError(
-                f"commpress.irecv (label {label!r}, transfer #{seq} from rank "
-                f"{ctx.ranks[src]}, tag {tag}): rank {ctx.ranks[src]} never sent it within "
-                f"the timeout. Cause: {type(e).__name__}: {e}") from e
-    magic, their_seq, nbytes, desc_len, d1, d2 = header.tolist()
-    if magic != MAGIC:
-        raise CollectiveMismatchError(
-            f"commpress.irecv (label {label!r}) from rank {ctx.ranks[src]}: the peer did not "
-            "send a commpress transfer (plain torch.distributed.send?); allowed: "
-            "commpress.send/isend on the sending side")
-    theirs = torch.empty(desc_len, dtype=torch.uint8, device=device)
-    dist.irecv(theirs, peer, group=group, tag=tag).wait()
+        arrival = inbox.next_transfer(device, what)
+        theirs = arrival.text()
     expected = codec.wire_bytes(tensor.numel(), tensor.dtype)
-    agreed = (d1, d2) == digest(mine) and (expected is None or nbytes == expected)
+    agreed = arrival.digest == digest(mine) and (expected is None
+                                                  or arrival.payload_bytes == expected)
     if not agreed:
-        _refuse(ctx, peer, group, tag, device, mine, nbytes)
+        _refuse(ctx, inbox, arrival, mine, device)
         raise CollectiveMismatchError(mismatch_message(
             f"commpress.irecv (label {label!r}) from rank {ctx.ranks[src]}",
-            [_text(theirs), mine], (ctx.ranks[src], ctx.ranks[ctx.rank])))
-    payload = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    work = dist.irecv(payload, peer, group=group, tag=tag)
-    ack = torch.tensor([ACK_OK, 0, their_seq], dtype=torch.int64, device=device)
-    ack_work = dist.isend(ack, peer, group=group, tag=tag)
+            [theirs, mine], (ctx.ranks[src], ctx.ranks[ctx.rank])))
+    # not waited for: a Gloo send completes once the peer takes it, which it does in its
+    # send's wait() — after its own receive's, perhaps, which may be waiting for ours
+    ack, _ = _frame(ACK_OK, arrival.seq, 0, "", device)
+    ctx.hold(*inbox.send(ack), ack)
 
     def finish() -> torch.Tensor:
         with ctx.stats.timed(label, "comm_s", tensor.device):
-            work.wait()
-            ack_work.wait()
+            arrival.wait()
         with ctx.stats.timed(label, "decode_s", tensor.device):
-            packet = codec.packet_from_bytes(payload.to(tensor.device), tensor.numel(),
+            packet = codec.packet_from_bytes(arrival.payload.to(tensor.device), tensor.numel(),
                                              tuple(tensor.shape), tensor.dtype)
             codec.decode(packet, out=tensor)
         return tensor
@@ -203,16 +306,14 @@ def irecv(tensor: torch.Tensor, src: int, codec="none", group: dist.ProcessGroup
     return Handle(finish)
 
 
-def _refuse(ctx: GroupContext, peer: int, group: dist.ProcessGroup, tag: int,
-            device: torch.device, mine: str, nbytes: int) -> None:
-    """Drain the sender's payload (its send completes), then tell it why — without
+def _refuse(ctx: GroupContext, inbox: _Inbox, arrival: _Arrival, mine: str,
+            device: torch.device) -> None:
+    """Take the sender's payload (its send completes), then tell it why — without
     waiting for it to read the answer (it may itself be refusing a transfer of ours)."""
-    dist.recv(torch.empty(max(0, nbytes), dtype=torch.uint8, device=device), peer, group=group,
-              tag=tag)
-    desc = _text_tensor(mine, device)
-    ack = torch.tensor([ACK_MISMATCH, desc.numel(), 0], dtype=torch.int64, device=device)
-    ctx.hold(dist.isend(ack, peer, group=group, tag=tag), ack)
-    ctx.hold(dist.isend(desc, peer, group=group, tag=tag), desc)
+    arrival.wait()
+    frame, desc = _frame(ACK_MISMATCH, arrival.seq, 0, mine, device)
+    for work, buf in zip(inbox.send(frame, desc), (frame, desc)):
+        ctx.hold(work, buf)
 
 
 def send(tensor: torch.Tensor, dst: int, codec="none", group: dist.ProcessGroup | None = None,
