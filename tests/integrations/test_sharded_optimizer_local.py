@@ -241,3 +241,20 @@ def test_step_hooks_of_torch_optim_run():
 def test_bad_numbers_and_flags_are_named(kwargs, message):
     with pytest.raises(ValueError, match=message):
         commpress.ShardedOptimizer(_model(), torch.optim.SGD, "none", lr=0.1, **kwargs)
+
+
+def test_a_scheduler_still_reaches_the_shards_after_load_state_dict():
+    data = _data()
+    model = _model()
+    opt = commpress.ShardedOptimizer(model, torch.optim.AdamW, "none", lr=3e-3)
+    _one_backward(model, data)
+    opt.step()
+    opt.zero_grad()
+    opt.load_state_dict(opt.state_dict())  # torch's load makes new group dicts
+    assert opt.param_groups is opt.optimizer.param_groups
+    assert opt.state is opt.optimizer.state
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    _one_backward(model, data, 1)
+    opt.step()
+    sched.step()
+    assert {g["lr"] for g in opt.optimizer.param_groups} == {1.5e-3}

@@ -405,6 +405,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
             b.master.copy_(master)
             b.param_buffer.copy_(params)
         self.optimizer.load_state_dict(state["optimizer"])
+        # torch's load_state_dict makes new group dicts: share them again (a scheduler
+        # writing the old ones would no longer reach the shards)
+        self.param_groups = self.optimizer.param_groups
+        self.state = self.optimizer.state
         for b, grad_state, pcodec in zip(self.buckets, state["grad_codecs"],
                                          state["param_codecs"]):
             b.grad_path.load_state_dict(grad_state)
