@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.optim.lr_scheduler import LambdaLR
 
 from commpress.collectives import reset_stats, stats
 from commpress.collectives.topology import Topology
@@ -57,12 +58,17 @@ COUNTERS = ("wire_bytes", "raw_bytes", "elements")
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
-    """Linear warm-up, then cosine decay to ``lr · min_lr_ratio``."""
+    """Linear warm-up, then cosine decay to ``lr · min_lr_ratio``: ``lr · lr_factor``, the
+    same product (same bits) as the trainer's ``LambdaLR``."""
+    return cfg.lr * lr_factor(cfg, step)
+
+
+def lr_factor(cfg: TrainConfig, step: int) -> float:
+    """The multiplier of ``cfg.lr`` at ``step`` (0-based)."""
     if step < cfg.warmup:
-        return cfg.lr * (step + 1) / cfg.warmup
+        return (step + 1) / cfg.warmup
     frac = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi
-                                                                                     * frac)))
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac))
 
 
 def summed_counters(counters: dict[str, dict[str, float]],
@@ -119,6 +125,7 @@ class _Run:
                 lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
         self.schedule = GPipe(self.stage, self.mesh, self.policy, cfg.micro_batches)
         self.start_step = 0
+        self.lr_schedule = self.lr_schedule_at(0)
         self.history: list[dict[str, Any]] = []
 
     @property
@@ -140,17 +147,24 @@ class _Run:
         return t.item() / self.cfg.dp
 
     # -- steps -----------------------------------------------------------------------
+    def lr_schedule_at(self, step: int) -> LambdaLR:
+        """torch's ``LambdaLR`` over :func:`lr_factor`, at ``step``: a resumed run
+        recomputes it from the step (nothing of it needs a checkpoint)."""
+        opt = self.ddp.opt if self.ddp is not None else self.opt
+        for g in opt.param_groups:
+            g["initial_lr"] = self.cfg.lr
+        return LambdaLR(opt, lambda i: lr_factor(self.cfg, i), last_epoch=step - 1)
+
     def train_step(self, step: int) -> float:
-        for g in self.opt.param_groups:
-            g["lr"] = lr_at(self.cfg, step)
         x, y = self.local_batch("train", step)
         if self.ddp is not None:
             loss = self.ddp.forward_backward(x, y, self.cfg.micro_batches)
             self.ddp.step()
-            return self._dp_mean(loss)
-        loss = self.schedule.step(x, y, sync_ctx=self.opt.no_sync, train=True)
-        self.opt.step()
-        self.opt.zero_grad()
+        else:
+            loss = self.schedule.step(x, y, sync_ctx=self.opt.no_sync, train=True)
+            self.opt.step()
+            self.opt.zero_grad()
+        self.lr_schedule.step()
         return self._dp_mean(loss)
 
     @torch.no_grad()
@@ -200,6 +214,7 @@ class _Run:
         self.opt.load_state_dict(state["optimizer"])
         self.load_codec_state(state)
         self.start_step = state["step"]
+        self.lr_schedule = self.lr_schedule_at(self.start_step)
         self.history = list(state["history"])
 
 
