@@ -118,6 +118,7 @@ def test_a_codec_spec_trains_as_its_one_codec_policy():
     _assert_replicas_identical(by_spec)
 
 
+@pytest.mark.slow  # waits out the 4 s timeout and the 5 s diagnosis grace
 def test_a_rank_skipping_a_block_without_find_unused_parameters_fails_on_every_rank():
     ranks = spawn(ddp_workers.hook_error, 2, ("unused",), pg_timeout_s=4.0, timeout=120)
     # DDP refuses the next step on the rank whose reduction never finished; the other
