@@ -178,12 +178,6 @@ def restore_dgrad(changed: list[torch.nn.Module]) -> None:
 # -- pipeline parallelism -----------------------------------------------------------------
 
 
-# One tag per direction: 1F1B sends activations downstream while gradients come back
-# upstream on the same pair of ranks, and a commpress transfer's acknowledgement
-# travels against it; on one tag Gloo would match a header against an acknowledgement.
-PP_TAGS = {"act": 1, "act_grad": 2}
-
-
 def batched_p2p_ops(*, tensor_send_prev, tensor_recv_prev, tensor_send_next, tensor_recv_next,
                     group, prev_pipeline_rank: int, next_pipeline_rank: int):
     """Replaces ``_batched_p2p_ops``: a covered pipeline group's transfers, in Megatron's
@@ -204,7 +198,7 @@ def batched_p2p_ops(*, tensor_send_prev, tensor_recv_prev, tensor_send_next, ten
         if tensor is not None:
             # receives land in Megatron's leaf tensors (requires_grad): write through a view
             ops.append(P2POp(op, tensor.detach(), peer, comm.codecs[kind], group,
-                             comm.label(kind), PP_TAGS[kind]))
+                             comm.label(kind)))
     return batch_isend_irecv(ops) if ops else []
 
 
