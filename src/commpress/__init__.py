@@ -50,7 +50,8 @@ __version__ = "0.1.0"
 # Engine adapters import their engine, so they load on first use (``commpress.megatron``).
 _ENGINES = {"megatron": "commpress.integrations.megatron",
             "deepspeed": "commpress.integrations.deepspeed",
-            "lightning": "commpress.integrations.lightning"}
+            "lightning": "commpress.integrations.lightning",
+            "torchtitan": "commpress.integrations.torchtitan"}
 
 
 def __getattr__(name: str):

@@ -1,0 +1,78 @@
+"""Per-rank functions for the torchtitan tests (module level: picklable): torchtitan's
+llama3 debug model (2 layers, SDPA attention: FlexAttention has no CPU backward),
+sharded by torchtitan's own ``apply_fsdp_to_decoder`` on an HSDP mesh, 2 nodes x 2."""
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule
+from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
+from torchtitan.models.common.attention import ScaledDotProductAttention
+from torchtitan.models.llama3 import model_registry
+
+import commpress
+from tests.integrations.hsdp_workers import NODES, local_shards_hash
+from tests.integrations.workers import _data, _global_loss, _local_batch
+
+LAYERS = 2
+
+
+def _llama3(world, policy, divide_by_tokens=False):
+    """``divide_by_tokens``: keep torchtitan's gradient divide factor 1.0 (it scales the
+    loss itself), a PREMUL_SUM Gloo cannot run stock; else FSDP's own averaging."""
+    config = model_registry("debugmodel", attn_backend="flex").model
+    config.layers = config.layers[:LAYERS]
+    for layer in config.layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    torch.manual_seed(0)
+    model = config.build()
+    model.init_states()
+    mesh = init_device_mesh("cpu", (NODES, world // NODES),
+                            mesh_dim_names=("dp_replicate", "fsdp"))
+    apply_fsdp_to_decoder(model, mesh, param_dtype=torch.float32,
+                          reduce_dtype=torch.float32, pp_enabled=False)
+    if not divide_by_tokens:
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_gradient_divide_factor(None)
+    comm = commpress.torchtitan.compress(model, policy) if policy is not None else None
+    return model, comm
+
+
+def _loss(model, x, y):
+    logits = model(x)
+    return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+
+
+def titan_runs(rank, world, policies, steps):
+    """``steps`` AdamW steps of the llama3 debug model per policy (``None``: stock)."""
+    data = _data()
+    out = []
+    for policy in policies:
+        model, comm = _llama3(world, policy)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        commpress.reset_stats()
+        losses = []
+        for step in range(steps):
+            x, y = _local_batch(data, step, rank, world)
+            loss = _loss(model, x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(_global_loss(loss, world))
+        out.append({"losses": losses, "local": local_shards_hash(model),
+                    "stats": commpress.stats(),
+                    "comm": (type(comm).__name__, len(comm)) if comm is not None else None})
+    return out
+
+
+def titan_sum_gradients(rank, world):
+    """torchtitan's own gradient divide factor 1.0 (compressed, exact codec) and stock
+    FSDP averaging: the full gradients of each, as numpy."""
+    x, y = _local_batch(_data(), 0, rank, world)
+    grads = []
+    for policy, divide_by_tokens in (("none", True), (None, False)):
+        model, _ = _llama3(world, policy, divide_by_tokens)
+        _loss(model, x, y).backward()
+        grads.append([p.grad.full_tensor().numpy() for p in model.parameters()])
+    return grads
