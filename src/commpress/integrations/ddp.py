@@ -47,7 +47,6 @@ import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -57,6 +56,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from commpress.codecs import codec as build_codec
 from commpress.collectives import Topology, context
+from commpress.collectives.comm import group_timeout
 from commpress.integrations.grad_path import GradPath
 from commpress.policy import Policy, list_presets
 
@@ -377,18 +377,8 @@ def new_hook_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     ranks = dist.get_process_group_ranks(parent)
     backend = str(dist.get_backend(parent))
     # a sub-group (one of several data-parallel groups) is made by its members alone
-    return dist.new_group(ranks, backend=backend, timeout=_group_timeout(parent, backend),
+    return dist.new_group(ranks, backend=backend, timeout=group_timeout(parent),
                           use_local_synchronization=len(ranks) < dist.get_world_size())
-
-
-def _group_timeout(group: dist.ProcessGroup, backend: str) -> timedelta | None:
-    """``group``'s collective timeout (``new_group`` would otherwise take torch's
-    30-minute default, not the one the run chose)."""
-    device = torch.device("cuda" if "nccl" in backend else "cpu")
-    try:
-        return group._get_backend(device).options._timeout
-    except (AttributeError, RuntimeError):
-        return None
 
 
 def compressed_allreduce_hook(state: DDPHookState,
