@@ -292,7 +292,8 @@ def irecv(tensor: torch.Tensor, src: int, codec="none", group: dist.ProcessGroup
     # not waited for: a Gloo send completes once the peer takes it, which it does in its
     # send's wait() — after its own receive's, perhaps, which may be waiting for ours
     ack, _ = _frame(ACK_OK, arrival.seq, 0, "", device)
-    ctx.hold(*inbox.send(ack), ack)
+    [ack_work] = inbox.send(ack)
+    ctx.hold(ack_work, ack)
 
     def finish() -> torch.Tensor:
         with ctx.stats.timed(label, "comm_s", tensor.device):
