@@ -42,7 +42,9 @@ def small_disk(tmp_path):
     done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)],
                           capture_output=True, text=True)
     if done.returncode:
-        pytest.skip(f"cannot mount a small tmpfs here: {done.stderr.strip()}")
+        # a real full disk needs a mount (CI and the dev machines run as root); failing
+        # here keeps a missing mount from passing as a green run
+        pytest.fail(f"cannot mount a small tmpfs (needs root): {done.stderr.strip()}")
     try:
         yield mount
     finally:
