@@ -15,17 +15,18 @@ Rules for asynchronous calls (``async_op=True``) and CUDA streams:
    read a result on another stream, record an event after ``wait()`` on this one.
 4. One group, one thread at a time: collectives on a group must be issued in the same
    order on every rank (as with torch.distributed); each call is checked across ranks
-   (:mod:`commpress.collectives.context`).
+   (:mod:`commpress.collectives.agreement`).
 """
 
-from commpress.collectives.all_gather import all_gather
-from commpress.collectives.all_reduce import all_reduce
-from commpress.collectives.context import (
+from commpress.collectives.agreement import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
     GroupContext,
     context,
 )
+from commpress.collectives.all_gather import all_gather
+from commpress.collectives.all_reduce import all_reduce
+from commpress.collectives.byte_stats import reset_stats, stats
 from commpress.collectives.delta_gather import delta_all_gather
 from commpress.collectives.handle import Handle
 from commpress.collectives.hierarchical import (
@@ -35,7 +36,6 @@ from commpress.collectives.hierarchical import (
 )
 from commpress.collectives.p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
 from commpress.collectives.reduce_scatter import reduce_scatter
-from commpress.collectives.stats import reset_stats, stats
 from commpress.collectives.topology import Topology
 
 __all__ = [

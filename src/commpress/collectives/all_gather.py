@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from commpress.collectives import chunks
+from commpress.collectives.byte_stats import Stats
 from commpress.collectives.call import AnyCodec, begin, end, is_exact, owned_input
 from commpress.collectives.comm import (
     Gather,
@@ -19,7 +20,6 @@ from commpress.collectives.comm import (
     write_back,
 )
 from commpress.collectives.handle import Handle, completed
-from commpress.collectives.stats import Stats
 
 
 def start_all_gather(shard: torch.Tensor, codec: AnyCodec, group: dist.ProcessGroup,

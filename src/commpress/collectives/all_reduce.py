@@ -20,11 +20,11 @@ import torch.distributed as dist
 
 from commpress.collectives import chunks
 from commpress.collectives.all_gather import finish_all_gather, start_all_gather
+from commpress.collectives.byte_stats import Stats
 from commpress.collectives.call import AnyCodec, begin, end, is_exact
 from commpress.collectives.comm import REDUCE_OPS, writable_flat, write_back
 from commpress.collectives.handle import Handle, completed
 from commpress.collectives.reduce_scatter import finish_reduce_scatter, start_reduce_scatter
-from commpress.collectives.stats import Stats
 
 
 def run_all_reduce(tensor: torch.Tensor, codec: AnyCodec, group: dist.ProcessGroup,

@@ -19,10 +19,10 @@ import torch.distributed as dist
 
 from commpress.codecs import Codec, ErrorFeedback
 from commpress.codecs import codec as build_codec
+from commpress.collectives.agreement import GroupContext, context
+from commpress.collectives.byte_stats import Stats
 from commpress.collectives.comm import check_op, describe, resolve_group
-from commpress.collectives.context import GroupContext, context
 from commpress.collectives.handle import Handle
-from commpress.collectives.stats import Stats
 
 AnyCodec = Codec | ErrorFeedback
 

@@ -24,9 +24,9 @@ import torch
 import torch.distributed as dist
 
 from commpress.codecs import Delta
+from commpress.collectives.agreement import Levels
 from commpress.collectives.all_gather import run_all_gather
 from commpress.collectives.call import Call, end
-from commpress.collectives.context import Levels
 from commpress.collectives.handle import Handle
 from commpress.collectives.hierarchical import EXACT, begin_two_level
 from commpress.collectives.topology import Topology

@@ -45,8 +45,10 @@ import torch
 import torch.distributed as dist
 
 from commpress.collectives import chunks
+from commpress.collectives.agreement import Levels
 from commpress.collectives.all_gather import run_all_gather
 from commpress.collectives.all_reduce import run_all_reduce
+from commpress.collectives.byte_stats import Stats
 from commpress.collectives.call import AnyCodec, Call, begin, end, is_exact, resolve_codec
 from commpress.collectives.comm import (
     Exchange,
@@ -55,14 +57,12 @@ from commpress.collectives.comm import (
     writable_flat,
     write_back,
 )
-from commpress.collectives.context import Levels
 from commpress.collectives.handle import Handle
 from commpress.collectives.reduce_scatter import (
     finish_reduce_scatter,
     run_reduce_scatter,
     start_reduce_scatter,
 )
-from commpress.collectives.stats import Stats
 from commpress.collectives.topology import Topology
 
 EXACT = resolve_codec("none")

@@ -49,9 +49,7 @@ import torch.distributed as dist
 
 from commpress.codecs import packet_to_bytes
 from commpress.collectives import chunks
-from commpress.collectives.call import AnyCodec, check_float, resolve_codec
-from commpress.collectives.comm import resolve_group
-from commpress.collectives.context import (
+from commpress.collectives.agreement import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
     GroupContext,
@@ -60,6 +58,8 @@ from commpress.collectives.context import (
     digest,
     mismatch_message,
 )
+from commpress.collectives.call import AnyCodec, check_float, resolve_codec
+from commpress.collectives.comm import resolve_group
 from commpress.collectives.handle import Handle
 from commpress.validate import check_int
 

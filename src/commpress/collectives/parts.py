@@ -29,9 +29,9 @@ import torch.distributed as dist
 
 from commpress.codecs import packet_to_bytes
 from commpress.collectives import chunks
+from commpress.collectives.byte_stats import Stats
 from commpress.collectives.call import AnyCodec, begin
 from commpress.collectives.comm import Exchange, resolve_group
-from commpress.collectives.stats import Stats
 from commpress.collectives.topology import Topology
 
 

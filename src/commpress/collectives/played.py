@@ -22,8 +22,8 @@ import torch
 
 from commpress.codecs import Delta, packet_to_bytes
 from commpress.collectives import chunks
+from commpress.collectives.byte_stats import Stats
 from commpress.collectives.call import AnyCodec, is_exact
-from commpress.collectives.stats import Stats
 
 
 def played_levels(two_level: bool, world: int, ranks_per_node: int) -> tuple[str, ...]:

@@ -4,7 +4,7 @@ Ranks ``node · L … node · L + L − 1`` form a node (``L = ranks_per_node``)
 ``torchrun`` and SLURM number them. The intra-node group of a rank holds its node's
 ranks; its inter-node group holds the ranks with the same local index on every node.
 The sub-groups are created once per (group, L), by their members only, and kept in
-the group's context (:mod:`commpress.collectives.context`), so they go with it.
+the group's context (:mod:`commpress.collectives.agreement`), so they go with it.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from commpress.collectives.context import Levels, context
+from commpress.collectives.agreement import Levels, context
 
 
 @dataclass(frozen=True)

@@ -19,13 +19,13 @@ import torch
 import torch.nn as nn
 
 from commpress.collectives import Topology
+from commpress.collectives.byte_stats import Stats
 from commpress.collectives.played import (
     PlayedAllReduce,
     PlayedHierarchicalAllReduce,
     level_label,
     played_levels,
 )
-from commpress.collectives.stats import Stats
 from commpress.integrations.ddp import BUCKET_NUMEL, grad_policy, hook_layout
 from commpress.integrations.grad_path import GradPath
 from commpress.policy import Policy

@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 
 from commpress.collectives import Topology
+from commpress.collectives.byte_stats import Stats
 from commpress.collectives.call import is_exact, resolve_codec
 from commpress.collectives.played import (
     PlayedReduceScatter,
@@ -33,7 +34,6 @@ from commpress.collectives.played import (
     played_gather,
     played_levels,
 )
-from commpress.collectives.stats import Stats
 from commpress.integrations.buckets import (
     Bucket,
     build_buckets,

@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from commpress.collectives.stats import record
+from commpress.collectives.byte_stats import record
 from commpress.collectives.topology import Topology
 from commpress.integrations.ddp import ddp_hook
 from commpress.integrations.sharded_optimizer import NonFiniteGradientError

@@ -44,9 +44,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from commpress.collectives import stats
+from commpress.collectives.byte_stats import Stats
 from commpress.collectives.comm import all_gather_single
 from commpress.collectives.played import played_transfer
-from commpress.collectives.stats import Stats
 from commpress.integrations.played_ddp import PlayedDDPHook
 from commpress.integrations.played_optimizer import PlayedShardedOptimizer
 from commpress.integrations.sharded_optimizer import norm_of_parts

@@ -79,7 +79,7 @@ def record(label: str, **amounts: float) -> None:
 def stats(group=None) -> dict[str, dict[str, float]]:
     """The counters: ``{label: {calls, elements, raw_bytes, wire_bytes, encode_s,
     decode_s, comm_s}}`` summed over every group, or of ``group`` alone."""
-    from commpress.collectives.context import context, live_contexts
+    from commpress.collectives.agreement import context, live_contexts
 
     if group is not None:
         return context(group).stats.snapshot()
@@ -92,7 +92,7 @@ def stats(group=None) -> dict[str, dict[str, float]]:
 
 def reset_stats() -> None:
     """Clear every counter."""
-    from commpress.collectives.context import live_contexts
+    from commpress.collectives.agreement import live_contexts
 
     _PROCESS.reset()
     for ctx in live_contexts():

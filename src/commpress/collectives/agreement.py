@@ -40,8 +40,8 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
+from commpress.collectives.byte_stats import Stats, retire
 from commpress.collectives.comm import all_gather_single, group_timeout
-from commpress.collectives.stats import Stats, retire
 
 HEADER_WORDS = 3  # sequence number, 128-bit digest as two int64
 PUBLISH_AFTER_S = 1.0  # a wait longer than this is published for the timeout diagnosis
