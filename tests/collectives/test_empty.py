@@ -60,19 +60,31 @@ def test_two_level_collectives_on_empty_tensors():
 @pytest.mark.parametrize("spec", SPECS)
 def test_played_collectives_on_empty_tensors(spec):
     """The collectives `simulate` plays in one process take empty tensors as the real ones."""
-    from commpress.collectives import played
+    from commpress.collectives.all_gather import all_gather_steps
+    from commpress.collectives.all_reduce import all_reduce_steps
+    from commpress.collectives.byte_stats import Stats
+    from commpress.collectives.delta_gather import delta_gather_steps
+    from commpress.collectives.played import Played, played_peers, played_transfer
+    from commpress.collectives.reduce_scatter import reduce_scatter_steps
 
     codecs = [codec(spec) for _ in range(2)]
     empties = [torch.empty(0), torch.empty(0)]
-    rs = played.PlayedReduceScatter(codecs, 0, "rs", "avg")
-    ar = played.PlayedAllReduce(codecs, 0, "ar", "avg")
-    for rank, x in enumerate(empties):
-        rs.add(rank, x)
-        ar.add(rank, x)
-    assert [o.shape for o in rs.finish()] == [(0,), (0,)]
-    assert ar.finish().shape == (0,)
-    assert [o.shape for o in played.played_gather(codecs, empties, "ag", [0, 1])] == [(0,)] * 2
-    weights = torch.empty(0)
-    played.played_delta_gather(weights, empties, codecs, "delta", [0, 1])
-    sent = played.played_transfer(codecs[0], codecs[1], torch.empty(0), rng_stream=0, key="k")
+    stats, weights, one = Stats(), torch.empty(0), played_peers(0, 1, 1)[1]
+    collectives = {
+        "rs": lambda r, x: reduce_scatter_steps(x, 0, codecs[r], played_peers(r, 2, 2)[0],
+                                                stats, "rs", "avg"),
+        "ar": lambda r, x: all_reduce_steps(x, codecs[r], played_peers(r, 2, 2)[0], stats,
+                                            "ar", "avg"),
+        "ag": lambda r, x: all_gather_steps(x, codecs[r], played_peers(r, 2, 2)[0], stats,
+                                            "ag"),
+        "delta": lambda r, x: delta_gather_steps(weights, x, codecs[r], one,
+                                                 played_peers(r, 2, 2)[0], stats, "delta"),
+    }
+    for name, steps in collectives.items():
+        played = Played(2, steps)
+        for rank, x in enumerate(empties):
+            played.add(rank, x)
+        shape = (2, 0) if name == "ag" else (0,)  # a gather: every rank's (empty) shard
+        assert [o.shape for o in played.finish().values()] == [shape, shape], name
+    sent = played_transfer(codecs[0], codecs[1], torch.empty(0), rng_stream=0, key="k")
     assert sent.shape == (0,)

@@ -338,24 +338,23 @@ def real_all_reduces(rank, world, grad_rule, numel, dtype, calls, rpn):
 
 def played_all_reduces(world, grad_rule, numel, dtype, calls, rpn):
     """The same calls played in this process for ``world`` ranks."""
-    from commpress.collectives.played import PlayedAllReduce, PlayedHierarchicalAllReduce
+    from commpress.collectives.byte_stats import Stats
+    from commpress.collectives.hierarchical import all_reduce_levels_steps
+    from commpress.collectives.played import Played, played_peers
+    from commpress.collectives.topology import levels_used
 
     per_rank = [_grad_codecs(grad_rule) for _ in range(world)]
     inputs = [played_inputs(r, numel, dtype, calls) for r in range(world)]
+    used = levels_used("single" not in per_rank[0], world, rpn)
     out = []
     for c in range(calls):
-        if "single" in per_rank[0]:
-            played = PlayedAllReduce([p["single"] for p in per_rank], numel, "g", "avg")
-        elif world // rpn == 1 or rpn == 1:
-            level = "intra" if world // rpn == 1 else "inter"
-            played = PlayedAllReduce([p[level] for p in per_rank], numel, f"g.{level}", "avg")
-        else:
-            played = PlayedHierarchicalAllReduce([p["intra"] for p in per_rank],
-                                                 [p["inter"] for p in per_rank], rpn, numel,
-                                                 "g", "avg")
+        played = Played(world, lambda r, x: all_reduce_levels_steps(
+            x, per_rank[r], used, *played_peers(r, world, rpn), Stats(), "g", "avg"))
         for r in reversed(range(world)):  # any order of arrival
             played.add(r, inputs[r][c])
-        out.append(_digest(played.finish()))
+        results = played.finish()
+        assert all(torch.equal(results[r], results[0]) for r in range(world))
+        out.append(_digest(results[0]))
     return out
 
 

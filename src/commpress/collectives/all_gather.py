@@ -6,77 +6,66 @@ Bytes this rank sends: ``wire_bytes(shard)`` (to each peer; a ring or tree moves
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
 from commpress.collectives import chunks
-from commpress.collectives.byte_stats import Stats
+from commpress.collectives.byte_stats import Stats, count_sent
 from commpress.collectives.call import AnyCodec, begin, end, is_exact, owned_input
-from commpress.collectives.comm import (
-    Gather,
-    all_gather_single,
-    check_sizes,
-    writable_flat,
-    write_back,
-)
-from commpress.collectives.handle import Handle, completed
+from commpress.collectives.comm import check_sizes, copy_into, writable_flat, write_back
+from commpress.collectives.handle import Handle
+from commpress.collectives.transport import AllGather, Peers, Steps, run
 
 
-def start_all_gather(shard: torch.Tensor, codec: AnyCodec, group: dist.ProcessGroup,
-                     stats: Stats, label: str, *, rng_stream: int, key: str | None = None,
-                     count_call: bool = True) -> Gather:
-    """Encode a padded flat ``shard`` and start gathering every rank's bytes.
+def all_gather_steps(flat: torch.Tensor, codec: AnyCodec, peers: Peers, stats: Stats,
+                     label: str, *, rng_stream: int | None = None, key: str | None = None,
+                     count_call: bool = True, out: torch.Tensor | None = None,
+                     eager: bool = False,
+                     then: Callable[[torch.Tensor], object] = lambda values: values) -> Steps:
+    """One rank's all-gather of ``flat`` → ``then(values)``, ``values`` every rank's
+    ``m`` elements as ``(peers.size, m)`` (fp32 when compressed, decoded from the same
+    bytes on every rank). ``then`` must depend on the gathered values alone.
 
-    ``label`` keys the stats, ``key`` the error-feedback memory (default: ``label``).
+    ``rng_stream`` defaults to the rank among ``peers``; ``key`` (error-feedback memory)
+    to ``label``; ``out`` (exact only) a buffer to gather into.
     """
-    n = dist.get_world_size(group)
+    n, m, itemsize = peers.size, flat.numel(), flat.element_size()
+    if n == 1:  # nothing crosses the wire, so nothing is compressed
+        return then(flat.view(1, m))
+    if is_exact(codec):
+        count_sent(stats, label, (n - 1) * m, (n - 1) * m * itemsize, itemsize)
+        request = AllGather(peers, stats, label, eager, flat.contiguous(), True,
+                            lambda rows: then(rows.view(n, m)), out)
+        del flat
+        return (yield request)
+    # Step 1: encode this rank's shard once; gather every rank's bytes
+    m_pad, dtype = chunks.padded_chunk(codec, m), flat.dtype
+    shard = chunks.pad_chunks(flat, 1, m, m_pad)
+    del flat
     with stats.timed(label, "encode_s", shard.device):
-        row = chunks.encode_rows(codec, shard.view(1, -1), rng_stream=rng_stream,
-                                 key=key or label)
+        row = chunks.encode_rows(codec, shard, rng_stream=peers.rank if rng_stream is None
+                                 else rng_stream, key=key or label)
     row = row.view(-1) if isinstance(row, torch.Tensor) else row[0]
-    stats.record(label, calls=int(count_call), elements=(n - 1) * shard.numel(),
-                 wire_bytes=(n - 1) * row.numel(),
-                 raw_bytes=(n - 1) * shard.numel() * shard.element_size())
-    with stats.timed(label, "comm_s", shard.device):
-        return Gather(row, fixed_size=chunks.splittable(codec), group=group)
+    count_sent(stats, label, (n - 1) * m_pad, (n - 1) * row.numel(), itemsize,
+               calls=int(count_call))
 
+    def decode(rows) -> object:
+        # Step 2: every rank decodes every shard from the same bytes
+        with stats.timed(label, "decode_s", row.device):
+            return then(chunks.decode_rows(codec, rows, m_pad, dtype)[:, :m])
 
-def finish_all_gather(g: Gather, codec: AnyCodec, stats: Stats, label: str,
-                      wire_dtype: torch.dtype, m_pad: int, device: torch.device) -> torch.Tensor:
-    """Wait and decode all ranks' shards → ``(world, m_pad)`` fp32."""
-    with stats.timed(label, "comm_s", device):
-        rows = g.wait()
-    with stats.timed(label, "decode_s", device):
-        return chunks.decode_rows(codec, rows, m_pad, wire_dtype)
+    return (yield AllGather(peers, stats, label, eager, row, chunks.splittable(codec), decode))
 
 
 def run_all_gather(output: torch.Tensor, input: torch.Tensor, codec: AnyCodec,
                    group: dist.ProcessGroup, stats: Stats, label: str) -> Handle:
-    """The all-gather itself, once ranks agree (sub-groups of a two-level call too)."""
-    n = dist.get_world_size(group)
+    """The all-gather itself, once ranks agree, over torch.distributed."""
     out, copied = writable_flat(output)
-    m = input.numel()
-    if n == 1:  # nothing crosses the wire, so nothing is compressed
-        out.copy_(input.reshape(-1))
-        return completed(write_back(output, out, copied))
-    if is_exact(codec):
-        size = (n - 1) * m * input.element_size()
-        stats.record(label, calls=1, elements=(n - 1) * m, wire_bytes=size, raw_bytes=size)
-        work = all_gather_single(out, input.reshape(-1).contiguous(), group, async_op=True)
-        return Handle(lambda: (work.wait(), write_back(output, out, copied))[1])
-
-    # Step 1: encode this rank's shard once; start gathering every rank's bytes
-    m_pad = chunks.padded_chunk(codec, m)
-    shard = chunks.pad_chunks(input.reshape(-1), 1, m, m_pad).view(-1)
-    g = start_all_gather(shard, codec, group, stats, label, rng_stream=dist.get_rank(group))
-
-    def finish() -> torch.Tensor:
-        # Step 2: every rank decodes every shard from the same bytes
-        values = finish_all_gather(g, codec, stats, label, input.dtype, m_pad, input.device)
-        out.view(n, m).copy_(values[:, :m])
-        return write_back(output, out, copied)
-
-    return Handle(finish)
+    peers = Peers(dist.get_rank(group), dist.get_world_size(group), group)
+    steps = all_gather_steps(input.reshape(-1), codec, peers, stats, label, out=out)
+    return run(steps, lambda values: write_back(output, copy_into(out, values), copied))
 
 
 def all_gather(

@@ -19,73 +19,65 @@ import torch
 import torch.distributed as dist
 
 from commpress.collectives import chunks
-from commpress.collectives.all_gather import finish_all_gather, start_all_gather
-from commpress.collectives.byte_stats import Stats
+from commpress.collectives.all_gather import all_gather_steps
+from commpress.collectives.byte_stats import Stats, count_sent
 from commpress.collectives.call import AnyCodec, begin, end, is_exact
-from commpress.collectives.comm import REDUCE_OPS, writable_flat, write_back
-from commpress.collectives.handle import Handle, completed
-from commpress.collectives.reduce_scatter import finish_reduce_scatter, start_reduce_scatter
+from commpress.collectives.comm import copy_into, writable_flat, write_back
+from commpress.collectives.handle import Handle
+from commpress.collectives.reduce_scatter import exchange_and_sum
+from commpress.collectives.transport import Peers, Reduce, Steps, run
+
+
+def two_rank_exchange(world: int) -> bool:
+    """Whether a compressed all-reduce over ``world`` ranks exchanges whole encoded
+    tensors (two ranks: each element quantized once, the same bytes) instead of a
+    reduce-scatter and an all-gather of the reduced chunks."""
+    return world == 2
+
+
+def all_reduce_steps(flat: torch.Tensor, codec: AnyCodec, peers: Peers, stats: Stats,
+                     label: str, op: str) -> Steps:
+    """One rank's all-reduce of ``flat`` → the reduced values in its dtype, bitwise the
+    same on every rank (``flat`` itself, reduced in place, when exact)."""
+    n, numel, dtype = peers.size, flat.numel(), flat.dtype
+    if n == 1 or numel == 0:
+        return flat
+    chunk = -(-numel // n)
+    if is_exact(codec):
+        size = 2 * (n - 1) * chunk * flat.element_size()
+        count_sent(stats, label, 2 * (n - 1) * chunk, size, flat.element_size())
+        request = Reduce(peers, stats, label, False, flat, op)
+        del flat
+        return (yield request)
+    if two_rank_exchange(n):
+        m_pad = chunks.padded_chunk(codec, numel)
+        x = chunks.pad_chunks(flat, 1, numel, m_pad).view(-1)
+        del flat
+        # both ranks sum the two decoded copies in rank order: bitwise identical
+        total = yield from all_gather_steps(x, codec, peers, stats, label,
+                                            then=lambda values: values[0] + values[1])
+        return (total / 2 if op == "avg" else total)[:numel].to(dtype)
+    # Step 1-3: encode once, chunk i for rank i; all-to-all; decode and sum in fp32
+    m_pad = chunks.padded_chunk(codec, chunk)
+    x = chunks.pad_chunks(flat, n, chunk, m_pad)
+    del flat
+    shard = yield from exchange_and_sum(x, codec, peers, stats, label, rng_stream=peers.rank)
+    if op == "avg":
+        shard /= n
+    # Step 4-6: encode that shard once (in the tensor's dtype, like the input), all-gather
+    # its codes; every rank decodes every shard from the same bytes
+    return (yield from all_gather_steps(
+        shard.to(dtype), codec, peers, stats, label, key=label + ".shard", count_call=False,
+        then=lambda values: values[:, :chunk].reshape(-1)[:numel].to(dtype)))
 
 
 def run_all_reduce(tensor: torch.Tensor, codec: AnyCodec, group: dist.ProcessGroup,
                    stats: Stats, label: str, op: str) -> Handle:
-    """The all-reduce itself, once ranks agree (sub-groups of a two-level call too)."""
-    n = dist.get_world_size(group)
-    numel = tensor.numel()
-    if n == 1 or numel == 0:
-        return completed(tensor)
+    """The all-reduce itself, once ranks agree, over torch.distributed."""
     flat, copied = writable_flat(tensor)  # a non-contiguous tensor: a copy, written back
-    chunk = -(-numel // n)
-    if is_exact(codec):
-        size = 2 * (n - 1) * chunk * tensor.element_size()
-        stats.record(label, calls=1, elements=2 * (n - 1) * chunk, wire_bytes=size,
-                     raw_bytes=size)
-        work = dist.all_reduce(flat, op=REDUCE_OPS[op], group=group, async_op=True)
-        return Handle(lambda: (work.wait(), write_back(tensor, flat, copied))[1])
-    rank = dist.get_rank(group)
-    if n == 2:
-        return _exchange_and_sum(tensor, flat, copied, codec, group, stats, label, op, rank)
-
-    # Step 1-2: encode once, chunk i for rank i; all-to-all
-    m_pad = chunks.padded_chunk(codec, chunk)
-    x = chunks.pad_chunks(flat, n, chunk, m_pad)
-    ex = start_reduce_scatter(x, codec, group, stats, label, rng_stream=rank)
-
-    def finish() -> torch.Tensor:
-        # Step 3: decode and sum the received chunks in fp32 (and divide for avg)
-        shard = finish_reduce_scatter(ex, codec, stats, label, tensor.dtype, m_pad,
-                                      tensor.device)
-        if op == "avg":
-            shard /= n
-        # Step 4-5: encode that shard once (in the tensor's dtype, like the input) and
-        # all-gather its codes
-        g = start_all_gather(shard.to(tensor.dtype), codec, group, stats, label,
-                             rng_stream=rank, key=label + ".shard", count_call=False)
-        # Step 6: every rank decodes every shard from the same bytes
-        values = finish_all_gather(g, codec, stats, label, tensor.dtype, m_pad, tensor.device)
-        flat.copy_(values[:, :chunk].reshape(-1)[:numel])
-        return write_back(tensor, flat, copied)
-
-    return Handle(finish)
-
-
-def _exchange_and_sum(tensor: torch.Tensor, flat: torch.Tensor, copied: bool,
-                      codec: AnyCodec, group: dist.ProcessGroup, stats: Stats, label: str,
-                      op: str, rank: int) -> Handle:
-    numel = tensor.numel()
-    m_pad = chunks.padded_chunk(codec, numel)
-    x = chunks.pad_chunks(flat, 1, numel, m_pad).view(-1)
-    g = start_all_gather(x, codec, group, stats, label, rng_stream=rank)
-
-    def finish() -> torch.Tensor:
-        values = finish_all_gather(g, codec, stats, label, tensor.dtype, m_pad, tensor.device)
-        total = values[0] + values[1]  # rank order on both ranks: bitwise identical
-        if op == "avg":
-            total /= 2
-        flat.copy_(total[:numel])
-        return write_back(tensor, flat, copied)
-
-    return Handle(finish)
+    peers = Peers(dist.get_rank(group), dist.get_world_size(group), group)
+    return run(all_reduce_steps(flat, codec, peers, stats, label, op),
+               lambda values: write_back(tensor, copy_into(flat, values), copied))
 
 
 def all_reduce(

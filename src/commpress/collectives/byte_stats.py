@@ -62,6 +62,15 @@ class Stats:
             self._counters.clear()
 
 
+def count_sent(stats: Stats, label: str, elements: int, wire_bytes: int, itemsize: int,
+               calls: int = 1) -> None:
+    """Record one rank's part of a collective: ``elements`` values sent to other ranks,
+    ``wire_bytes`` on the wire, ``elements × itemsize`` uncompressed (the formula every
+    collective, real or played, and nothing else uses)."""
+    stats.record(label, calls=calls, elements=elements, wire_bytes=wire_bytes,
+                 raw_bytes=elements * itemsize)
+
+
 # counters of destroyed groups, and of transfers no group context accounts for
 _PROCESS = Stats()
 

@@ -95,7 +95,7 @@ class Gather:
             padded = torch.zeros(max(self.sizes), dtype=torch.uint8, device=row.device)
             padded[: row.numel()] = row
             row = padded
-        self.recv = torch.empty(world * row.numel(), dtype=torch.uint8, device=row.device)
+        self.recv = torch.empty(world * row.numel(), dtype=row.dtype, device=row.device)
         self.work = all_gather_single(self.recv, row, group, async_op=True)
         self.world, self.width = world, row.numel()
 
@@ -135,3 +135,10 @@ def write_back(t: torch.Tensor, flat: torch.Tensor, copied: bool) -> torch.Tenso
     if copied:
         t.copy_(flat.view(t.shape))
     return t
+
+
+def copy_into(out: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``out`` holding ``values`` (cast to its dtype; nothing to do when they are ``out``)."""
+    if values.data_ptr() != out.data_ptr() or values.numel() != out.numel():
+        out.view(values.shape).copy_(values)
+    return out

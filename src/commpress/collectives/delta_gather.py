@@ -24,12 +24,13 @@ import torch
 import torch.distributed as dist
 
 from commpress.codecs import Delta
-from commpress.collectives.agreement import Levels
-from commpress.collectives.all_gather import run_all_gather
-from commpress.collectives.call import Call, end
+from commpress.collectives.all_gather import all_gather_steps
+from commpress.collectives.byte_stats import Stats
+from commpress.collectives.call import AnyCodec, end
 from commpress.collectives.handle import Handle
-from commpress.collectives.hierarchical import EXACT, begin_two_level
+from commpress.collectives.hierarchical import EXACT, begin_two_level, level_peers
 from commpress.collectives.topology import Topology
+from commpress.collectives.transport import Peers, Steps, run
 
 
 def delta_all_gather(
@@ -68,21 +69,14 @@ def delta_all_gather(
         "delta_all_gather", group, label, EXACT, codec, topology,
         tensors={"weights": weights, "shard": shard},
         check=lambda n: _check_sizes(weights, shard, n))
-    codec = call.codecs["inter"]
-    m = shard.numel()
+    flat = weights.view(-1)
     if single is None:
-        return end(_two_level(weights, shard, call, levels), async_op)
-    # one level: every rank applies every rank's difference
-    mine = weights.view(-1)[call.rank * m:(call.rank + 1) * m]
-    diff = Delta.difference(shard.reshape(-1).to(weights.dtype), mine)
-    full = torch.empty(call.world * m, dtype=torch.float32, device=weights.device)
-    gather = run_all_gather(full, diff, codec, call.group, call.stats, call.label)
-
-    def finish() -> torch.Tensor:
-        gather.wait()
-        return Delta.apply(weights.view(-1), full, out=weights.view(-1)).view_as(weights)
-
-    return end(Handle(finish), async_op)
+        intra, inter = level_peers(levels)
+    else:  # one level: every rank applies every rank's difference
+        intra, inter = Peers(0, 1, None), Peers(call.rank, call.world, call.group)
+    steps = delta_gather_steps(flat, shard.reshape(-1), call.codecs["inter"], intra, inter,
+                               call.stats, call.label)
+    return end(run(steps, lambda new: flat.copy_(new).view_as(weights)), async_op)
 
 
 def _check_sizes(weights: torch.Tensor, shard: torch.Tensor, world: int) -> None:
@@ -91,23 +85,23 @@ def _check_sizes(weights: torch.Tensor, shard: torch.Tensor, world: int) -> None
                          f"shard.numel() ({shard.numel()}) elements; got {weights.numel()}")
 
 
-def _two_level(weights: torch.Tensor, shard: torch.Tensor, call: Call, levels: Levels) -> Handle:
-    L, nodes, m = levels.ranks_per_node, levels.nodes, shard.numel()
+def delta_gather_steps(weights: torch.Tensor, shard: torch.Tensor, codec: AnyCodec,
+                       intra: Peers, inter: Peers, stats: Stats, label: str) -> Steps:
+    """One rank's qWD gather → the new flat replica. ``weights`` is the flat replica
+    (read, not written), ``shard`` this rank's new values. One level when ``intra`` has
+    one rank: the differences cross ``inter``, labelled ``label``."""
+    L, nodes, m = intra.size, inter.size, shard.numel()
     shards = weights.view(nodes, L, m)  # rank node·L + l owns shards[node, l]
-    diff = Delta.difference(shard.reshape(-1).to(weights.dtype),
-                            shards[levels.node, levels.local_rank])
-    # Step 1: the differences of this local index cross nodes once
-    across = torch.empty(nodes * m, dtype=torch.float32, device=weights.device)
-    run_all_gather(across, diff, call.codecs["inter"], levels.inter, call.stats,
-                   f"{call.label}.inter").wait()
-
-    def finish() -> torch.Tensor:
-        # Step 2: apply them to this local index's shards; Step 3: share inside the node
-        mine = Delta.apply(shards[:, levels.local_rank], across.view(nodes, m))
-        local = torch.empty(L * nodes * m, dtype=weights.dtype, device=weights.device)
-        run_all_gather(local, mine.reshape(-1), EXACT, levels.intra, call.stats,
-                       f"{call.label}.intra").wait()
-        shards.copy_(local.view(L, nodes, m).transpose(0, 1))
-        return weights
-
-    return Handle(finish)
+    diff = Delta.difference(shard.to(weights.dtype), shards[inter.rank, intra.rank])
+    del shard
+    # Step 1: the differences of this local index cross nodes once and are applied to
+    # its shards; every rank that gathers them computes the same
+    mine = yield from all_gather_steps(
+        diff, codec, inter, stats, label if L == 1 else f"{label}.inter",
+        then=lambda full: Delta.apply(shards[:, intra.rank], full.reshape(nodes, m)))
+    if L == 1:
+        return mine.view(-1)
+    # Step 2: share them inside the node, in the weights' dtype
+    return (yield from all_gather_steps(
+        mine.reshape(-1), EXACT, intra, stats, f"{label}.intra",
+        then=lambda local: local.view(L, nodes, m).transpose(0, 1).reshape(-1)))

@@ -46,26 +46,33 @@ import torch.distributed as dist
 
 from commpress.collectives import chunks
 from commpress.collectives.agreement import Levels
-from commpress.collectives.all_gather import run_all_gather
-from commpress.collectives.all_reduce import run_all_reduce
-from commpress.collectives.byte_stats import Stats
+from commpress.collectives.all_gather import all_gather_steps, run_all_gather
+from commpress.collectives.all_reduce import all_reduce_steps
+from commpress.collectives.byte_stats import Stats, count_sent
 from commpress.collectives.call import AnyCodec, Call, begin, end, is_exact, resolve_codec
 from commpress.collectives.comm import (
-    Exchange,
     check_sizes,
+    copy_into,
     resolve_group,
     writable_flat,
     write_back,
 )
 from commpress.collectives.handle import Handle
 from commpress.collectives.reduce_scatter import (
-    finish_reduce_scatter,
-    run_reduce_scatter,
-    start_reduce_scatter,
+    exchange_and_sum,
+    reduce_scatter_steps,
+    send_rows,
 )
-from commpress.collectives.topology import Topology
+from commpress.collectives.topology import Topology, level_label, levels_used
+from commpress.collectives.transport import AllToAll, Peers, Steps, run
 
 EXACT = resolve_codec("none")
+
+
+def level_peers(levels: Levels) -> tuple[Peers, Peers]:
+    """This rank's peers inside its node and across nodes (same local index)."""
+    return (Peers(levels.local_rank, levels.ranks_per_node, levels.intra),
+            Peers(levels.node, levels.nodes, levels.inter))
 
 
 def begin_two_level(collective: str, group: dist.ProcessGroup | None, label: str | None,
@@ -75,7 +82,7 @@ def begin_two_level(collective: str, group: dist.ProcessGroup | None, label: str
     """The prologue of a two-level collective: agree on everything, including the node
     size, *before* the sub-groups are made (ranks that disagree on it would otherwise
     wait for each other in ``new_group``). Returns the call, the levels, and
-    ``(codec, level name)`` when only one level exists (one node, or one rank per node).
+    ``(codec, level name)`` when only one level exists (:func:`levels_used`).
     """
     topology = topology or Topology()
     world = dist.get_world_size(resolve_group(group))
@@ -83,11 +90,8 @@ def begin_two_level(collective: str, group: dist.ProcessGroup | None, label: str
     call = begin(collective, group, label, {"intra": intra, "inter": inter}, op=op,
                  tensors=tensors, check=check, ranks_per_node=rpn)
     levels = call.ctx.levels(call.group, rpn)
-    single = None
-    if levels.nodes == 1:
-        single = call.codecs["intra"], "intra"
-    elif levels.ranks_per_node == 1:
-        single = call.codecs["inter"], "inter"
+    used = levels_used(True, world, rpn)
+    single = (call.codecs[used[0]], used[0]) if len(used) == 1 else None
     return call, levels, single
 
 
@@ -119,64 +123,87 @@ def hierarchical_reduce_scatter(
         tensors={"input": input, "output": output},
         check=lambda n: check_sizes("hierarchical_reduce_scatter", input, output, n, "input",
                                     "output"))
-    if single:
-        return end(run_reduce_scatter(output, input, single[0], call.group, call.stats,
-                                      f"{call.label}.{single[1]}", op), async_op)
-    return end(_two_level_reduce_scatter(output, input, call, levels, op), async_op)
+    out, copied = writable_flat(output)
+    steps = reduce_scatter_levels_steps(
+        input.reshape(-1), out.numel(), call.codecs, _used(single), *_peers(call, levels),
+        call.stats, call.label, op, call.rank)
+    return end(run(steps, lambda values: write_back(output, copy_into(out, values), copied)),
+               async_op)
 
 
-def _two_level_reduce_scatter(output: torch.Tensor, input: torch.Tensor, call: Call,
-                              levels: Levels, op: str) -> Handle:
-    intra, inter = call.codecs["intra"], call.codecs["inter"]
-    stats, rank = call.stats, call.rank
-    L, nodes, m, n = levels.ranks_per_node, levels.nodes, output.numel(), call.world
+def _used(single: tuple[AnyCodec, str] | None) -> tuple[str, ...]:
+    return (single[1],) if single else ("intra", "inter")
+
+
+def _peers(call: Call, levels: Levels) -> tuple[Peers, Peers, Peers]:
+    return (Peers(call.rank, call.world, call.group), *level_peers(levels))
+
+
+def reduce_scatter_levels_steps(flat: torch.Tensor, m: int, codecs: dict[str, AnyCodec],
+                                used: tuple[str, ...], peers: Peers, intra: Peers,
+                                inter: Peers, stats: Stats, label: str, op: str,
+                                rank: int) -> Steps:
+    """A reduce-scatter on the levels ``used`` (:func:`levels_used`): one level over
+    ``peers`` with that level's codec and label, or TLq-HS over ``intra``/``inter``."""
+    if len(used) == 1:
+        return reduce_scatter_steps(flat, m, codecs[used[0]], peers, stats,
+                                    level_label(label, used[0]), op)
+    return two_level_reduce_scatter_steps(flat, m, codecs["intra"], codecs["inter"], intra,
+                                          inter, stats, label, op, rank)
+
+
+def all_reduce_levels_steps(flat: torch.Tensor, codecs: dict[str, AnyCodec],
+                            used: tuple[str, ...], peers: Peers, intra: Peers, inter: Peers,
+                            stats: Stats, label: str, op: str, *,
+                            gather_out: torch.Tensor | None = None) -> Steps:
+    """An all-reduce on the levels ``used``: one level over ``peers``, or two."""
+    if len(used) == 1:
+        return all_reduce_steps(flat, codecs[used[0]], peers, stats,
+                                level_label(label, used[0]), op)
+    return two_level_all_reduce_steps(flat, codecs["intra"], codecs["inter"], intra, inter,
+                                      stats, label, op, gather_out=gather_out)
+
+
+def two_level_reduce_scatter_steps(flat: torch.Tensor, m: int, intra: AnyCodec,
+                                   inter: AnyCodec, intra_peers: Peers, inter_peers: Peers,
+                                   stats: Stats, label: str, op: str, rank: int) -> Steps:
+    """One rank's TLq-HS reduce-scatter of ``flat`` (``world × m``) → its ``m`` values in
+    fp32; ``rank`` (in the whole group) seeds its random streams."""
+    L, nodes = intra_peers.size, inter_peers.size
+    n, itemsize, device = L * nodes, flat.element_size(), flat.device
     unit = math.lcm(max(intra.alignment, 1), max(inter.alignment, 1))
     m_pad = -(-m // unit) * unit
     # (nodes, L, m) chunks → (L, nodes, m): local rank l gets chunks l, L + l, 2L + l, …
-    x = chunks.pad_chunks(input.reshape(-1), n, m, m_pad)
+    x = chunks.pad_chunks(flat, n, m, m_pad)
     x = x.view(nodes, L, m_pad).transpose(0, 1).reshape(L, nodes * m_pad)
-    lab_intra, lab_inter = f"{call.label}.intra", f"{call.label}.inter"
-    device = input.device
-
-    # Step 1-2: encode for and exchange inside the node
-    ex = start_reduce_scatter(x, intra, levels.intra, stats, lab_intra, rng_stream=rank)
-    # Step 3: reduce the node's contributions and re-encode for the slow link. Done
-    # now, not in wait(): the fast intra-node exchange is short, and the slow transfer
-    # then runs while an async caller (a bucket during backward) goes on computing.
+    del flat
+    lab_intra, lab_inter = f"{label}.intra", f"{label}.inter"
+    # Step 1-3: encode for and exchange inside the node, reduce the node's contributions
+    # and re-encode for the slow link. Eager, not in wait(): the fast intra-node exchange
+    # is short, and the slow transfer then runs while an async caller goes on computing.
     if intra.requantizes_into(inter):
-        with stats.timed(lab_intra, "comm_s", device):
-            received = ex.wait()
+        with stats.timed(lab_intra, "encode_s", device):
+            rows = chunks.encode_rows(intra, x, rng_stream=rank, key=lab_intra)
+        del x
+        received = yield from send_rows(rows, intra_peers, stats, lab_intra, nodes * m_pad,
+                                        itemsize, eager=True)
         with stats.timed(lab_inter, "encode_s", device):
             packet = chunks.packet_of_rows(intra, received, nodes * m_pad, torch.float32)
             rows = chunks.rows_of_packet(
                 intra.sum_requantize(packet, inter, rng_stream=rank), nodes)
-        inter_ex = _send_rows(rows, levels.inter, stats, lab_inter, m_pad, input)
-    else:
-        partial = finish_reduce_scatter(ex, intra, stats, lab_intra, input.dtype,
-                                        nodes * m_pad, device)
-        inter_ex = start_reduce_scatter(partial.view(nodes, m_pad), inter, levels.inter, stats,
-                                        lab_inter, rng_stream=rank)
-    out, copied = writable_flat(output)
-
-    def finish() -> torch.Tensor:
+        del received, packet
         # Step 4-5: exchange across nodes, decode, sum (and the inverse rotation, once)
-        total = finish_reduce_scatter(inter_ex, inter, stats, lab_inter, torch.float32, m_pad,
-                                      device)
-        if op == "avg":
-            total /= n
-        out.copy_(total[:m])
-        return write_back(output, out, copied)
-
-    return Handle(finish)
-
-
-def _send_rows(rows: torch.Tensor, group: dist.ProcessGroup, stats: Stats, label: str,
-               m_pad: int, like: torch.Tensor) -> Exchange:
-    k = rows.shape[0]
-    stats.record(label, calls=1, elements=(k - 1) * m_pad, wire_bytes=(k - 1) * rows.shape[1],
-                 raw_bytes=(k - 1) * m_pad * like.element_size())
-    with stats.timed(label, "comm_s", like.device):
-        return Exchange(rows, group)
+        received = yield from send_rows(rows, inter_peers, stats, lab_inter, m_pad, itemsize)
+        with stats.timed(lab_inter, "decode_s", device):
+            total = chunks.decode_sum_rows(inter, received, m_pad, torch.float32)
+    else:
+        partial = yield from exchange_and_sum(x, intra, intra_peers, stats, lab_intra,
+                                              rng_stream=rank, eager=True)
+        total = yield from exchange_and_sum(partial.view(nodes, m_pad), inter, inter_peers,
+                                            stats, lab_inter, rng_stream=rank)
+    if op == "avg":
+        total /= n
+    return total[:m]
 
 
 def hierarchical_all_gather(
@@ -211,24 +238,29 @@ def hierarchical_all_gather(
     if single:
         return end(run_all_gather(output, input, single[0], call.group, call.stats,
                                   f"{call.label}.{single[1]}"), async_op)
-    L, nodes, m = levels.ranks_per_node, levels.nodes, input.numel()
-    # Step 1: shards cross nodes once, among ranks of this local index
-    across = torch.empty(nodes * m, dtype=input.dtype, device=input.device)
-    first = run_all_gather(across, input, call.codecs["inter"], levels.inter, call.stats,
-                           f"{call.label}.inter")
     out, copied = writable_flat(output)
+    steps = two_level_all_gather_steps(input.reshape(-1), call.codecs["intra"],
+                                       call.codecs["inter"], *level_peers(levels), call.stats,
+                                       call.label)
+    return end(run(steps, lambda values: write_back(output, copy_into(out, values), copied)),
+               async_op)
 
-    def finish() -> torch.Tensor:
-        first.wait()
-        # Step 2: the node shares what it decoded; local rank l's row holds the nodes'
-        # shards l, and rank order is node-major
-        local = torch.empty(L * nodes * m, dtype=input.dtype, device=input.device)
-        run_all_gather(local, across, call.codecs["intra"], levels.intra, call.stats,
-                       f"{call.label}.intra").wait()
-        out.view(nodes, L, m).copy_(local.view(L, nodes, m).transpose(0, 1))
-        return write_back(output, out, copied)
 
-    return end(Handle(finish), async_op)
+def two_level_all_gather_steps(flat: torch.Tensor, intra: AnyCodec, inter: AnyCodec,
+                               intra_peers: Peers, inter_peers: Peers, stats: Stats,
+                               label: str) -> Steps:
+    """One rank's two-level all-gather of ``flat`` → every rank's values, node-major, in
+    ``flat``'s dtype."""
+    L, nodes, m, dtype = intra_peers.size, inter_peers.size, flat.numel(), flat.dtype
+    # Step 1: shards cross nodes once, among ranks of this local index
+    across = yield from all_gather_steps(flat, inter, inter_peers, stats, f"{label}.inter",
+                                         then=lambda v: v.to(dtype).reshape(-1))
+    del flat
+    # Step 2: the node shares what it decoded; local rank l's row holds the nodes'
+    # shards l, and rank order is node-major
+    return (yield from all_gather_steps(
+        across, intra, intra_peers, stats, f"{label}.intra",
+        then=lambda v: v.to(dtype).view(L, nodes, m).transpose(0, 1).reshape(-1)))
 
 
 def hierarchical_all_reduce(
@@ -261,49 +293,48 @@ def hierarchical_all_reduce(
     """
     call, levels, single = begin_two_level("hierarchical_all_reduce", group, label, intra,
                                            inter, topology, op=op, tensors={"tensor": tensor})
-    if single:
-        return end(run_all_reduce(tensor, single[0], call.group, call.stats,
-                                  f"{call.label}.{single[1]}", op), async_op)
-    return end(_two_level_all_reduce(tensor, call, levels, op), async_op)
-
-
-def _two_level_all_reduce(tensor: torch.Tensor, call: Call, levels: Levels, op: str) -> Handle:
-    stats, label = call.stats, call.label
-    n, L, numel = call.world, levels.ranks_per_node, tensor.numel()
-    m = -(-numel // L)
     flat, copied = writable_flat(tensor)
-    if L * m == numel:
-        padded = flat  # gathered into in place below: no copies
-    else:
-        padded = torch.zeros(L * m, dtype=tensor.dtype, device=tensor.device)
+    in_place = flat if flat.numel() % levels.ranks_per_node == 0 else None  # no copies
+    steps = all_reduce_levels_steps(flat, call.codecs, _used(single), *_peers(call, levels),
+                                    call.stats, call.label, op, gather_out=in_place)
+    return end(run(steps, lambda values: write_back(tensor, copy_into(flat, values), copied)),
+               async_op)
+
+
+def two_level_all_reduce_steps(flat: torch.Tensor, intra: AnyCodec, inter: AnyCodec,
+                               intra_peers: Peers, inter_peers: Peers, stats: Stats,
+                               label: str, op: str, *,
+                               gather_out: torch.Tensor | None = None) -> Steps:
+    """One rank's two-level all-reduce of ``flat`` → the reduced values in its dtype
+    (bitwise the same on every rank); ``gather_out``, a ``L · ceil(numel / L)`` buffer
+    the last exact gather may write into."""
+    L, n = intra_peers.size, intra_peers.size * inter_peers.size
+    numel, dtype, itemsize = flat.numel(), flat.dtype, flat.element_size()
+    m = -(-numel // L)
+    padded = flat
+    if L * m != numel:
+        padded = torch.zeros(L * m, dtype=dtype, device=flat.device)
         padded[:numel] = flat
-    chunk = torch.empty(m, dtype=tensor.dtype, device=tensor.device)
+    del flat
     # Step 1: reduce inside the node; local rank l holds chunk l of the node's sum
-    if is_exact(call.codecs["intra"]):
+    if is_exact(intra):
         # an all-to-all and a sum in local-rank order: deterministic, and on Gloo
         # about twice as fast as its reduce-scatter
-        recv = torch.empty_like(padded)
-        dist.all_to_all_single(recv, padded, group=levels.intra)
-        torch.sum(recv.view(L, m), dim=0, out=chunk)
-        size = (L - 1) * m * tensor.element_size()
-        stats.record(f"{label}.intra", calls=1, elements=(L - 1) * m, wire_bytes=size,
-                     raw_bytes=size)
+        count_sent(stats, f"{label}.intra", (L - 1) * m, (L - 1) * m * itemsize, itemsize)
+        request = AllToAll(intra_peers, stats, f"{label}.intra", True, padded.view(L, m))
+        del padded
+        chunk = torch.sum((yield request), dim=0)
     else:
-        run_reduce_scatter(chunk, padded, call.codecs["intra"], levels.intra, stats,
-                           f"{label}.intra", "sum").wait()
-    # Step 2: the slow transfer starts now; an async caller prepares other work meanwhile
-    across = run_all_reduce(chunk, call.codecs["inter"], levels.inter, stats, f"{label}.inter",
-                            "sum")
-
-    def finish() -> torch.Tensor:
-        across.wait()
-        if op == "avg":
-            chunk.div_(n)
-        # Step 3: share the result inside the node, exactly
-        run_all_gather(padded, chunk, EXACT, levels.intra, stats,
-                       f"{label}.gather.intra").wait()
-        if padded.data_ptr() != flat.data_ptr():
-            flat.copy_(padded[:numel])
-        return write_back(tensor, flat, copied)
-
-    return Handle(finish)
+        chunk = (yield from reduce_scatter_steps(padded, m, intra, intra_peers, stats,
+                                                 f"{label}.intra", "sum", eager=True))
+        del padded
+        chunk = chunk.to(dtype)
+    # Step 2: across nodes; the slow transfer starts now, an async caller computes on
+    chunk = (yield from all_reduce_steps(chunk, inter, inter_peers, stats, f"{label}.inter",
+                                         "sum")).to(dtype)
+    if op == "avg":
+        chunk = chunk / n  # not in place: the played transport shares gathered results
+    # Step 3: share the result inside the node, exactly
+    return (yield from all_gather_steps(chunk, EXACT, intra_peers, stats,
+                                        f"{label}.gather.intra", out=gather_out,
+                                        then=lambda v: v.reshape(-1)[:numel]))

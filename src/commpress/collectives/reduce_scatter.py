@@ -15,71 +15,68 @@ import torch
 import torch.distributed as dist
 
 from commpress.collectives import chunks
-from commpress.collectives.byte_stats import Stats
+from commpress.collectives.byte_stats import Stats, count_sent
 from commpress.collectives.call import AnyCodec, begin, end, is_exact, owned_input
-from commpress.collectives.comm import (
-    Exchange,
-    check_sizes,
-    reduce_scatter_single,
-    writable_flat,
-    write_back,
-)
-from commpress.collectives.handle import Handle, completed
+from commpress.collectives.comm import check_sizes, copy_into, writable_flat, write_back
+from commpress.collectives.handle import Handle
+from commpress.collectives.transport import AllToAll, Peers, Reduce, Rows, Steps, run
 
 
-def start_reduce_scatter(x: torch.Tensor, codec: AnyCodec, group: dist.ProcessGroup,
-                         stats: Stats, label: str, *, rng_stream: int) -> Exchange:
-    """Encode ``x`` (``(world, m_pad)``: row ``i`` for rank ``i``) and start the all-to-all."""
-    n, m_pad = x.shape
-    rank = dist.get_rank(group)
-    with stats.timed(label, "encode_s", x.device):
+def send_rows(rows: Rows, peers: Peers, stats: Stats, label: str, m_pad: int,
+              itemsize: int, eager: bool = False) -> Steps:
+    """Count and send byte rows (row ``i`` to peer ``i``) → the rows received."""
+    sent, count = chunks.row_bytes(rows, skip=peers.rank)
+    count_sent(stats, label, count * m_pad, sent, itemsize)
+    return (yield AllToAll(peers, stats, label, eager, rows))
+
+
+def exchange_and_sum(x: torch.Tensor, codec: AnyCodec, peers: Peers, stats: Stats, label: str,
+                     *, rng_stream: int, eager: bool = False) -> Steps:
+    """Encode ``x`` (``(peers, m_pad)``: row ``i`` for peer ``i``) once, exchange, decode
+    what every peer sent this rank and sum in fp32, in peer order → ``(m_pad,)``."""
+    m_pad, dtype, itemsize, device = x.shape[1], x.dtype, x.element_size(), x.device
+    with stats.timed(label, "encode_s", device):
         rows = chunks.encode_rows(codec, x, rng_stream=rng_stream, key=label)
-    sent, count = chunks.row_bytes(rows, skip=rank)
-    stats.record(label, calls=1, elements=count * m_pad, wire_bytes=sent,
-                 raw_bytes=count * m_pad * x.element_size())
-    with stats.timed(label, "comm_s", x.device):
-        return Exchange(rows, group)
-
-
-def finish_reduce_scatter(ex: Exchange, codec: AnyCodec, stats: Stats, label: str,
-                          wire_dtype: torch.dtype, m_pad: int,
-                          device: torch.device) -> torch.Tensor:
-    """Wait for the all-to-all, decode every source's chunk and sum in fp32 → ``(m_pad,)``."""
-    with stats.timed(label, "comm_s", device):
-        received = ex.wait()
+    del x  # only codes are kept while the peers answer
+    received = yield from send_rows(rows, peers, stats, label, m_pad, itemsize, eager)
     with stats.timed(label, "decode_s", device):
-        return chunks.decode_sum_rows(codec, received, m_pad, wire_dtype)
+        return chunks.decode_sum_rows(codec, received, m_pad, dtype)
+
+
+def reduce_scatter_steps(flat: torch.Tensor, m: int, codec: AnyCodec, peers: Peers,
+                         stats: Stats, label: str, op: str, *, out: torch.Tensor | None = None,
+                         eager: bool = False) -> Steps:
+    """One rank's reduce-scatter of ``flat`` (``peers.size × m``) → its ``m`` values (fp32
+    when compressed; ``out`` itself when exact and given)."""
+    n = peers.size
+    if n == 1:
+        return flat
+    if is_exact(codec):
+        count_sent(stats, label, (n - 1) * m, (n - 1) * m * flat.element_size(),
+                   flat.element_size())
+        request = Reduce(peers, stats, label, eager, flat, op, True, out)
+        del flat
+        return (yield request)
+    # Step 1-2: encode once, chunk i for rank i; all-to-all
+    m_pad = chunks.padded_chunk(codec, m)
+    x = chunks.pad_chunks(flat, n, m, m_pad)
+    del flat
+    # Step 3: decode the chunks received and sum them in fp32, in rank order
+    total = yield from exchange_and_sum(x, codec, peers, stats, label, rng_stream=peers.rank,
+                                        eager=eager)
+    if op == "avg":
+        total /= n
+    return total[:m]
 
 
 def run_reduce_scatter(output: torch.Tensor, input: torch.Tensor, codec: AnyCodec,
                        group: dist.ProcessGroup, stats: Stats, label: str, op: str) -> Handle:
-    """The reduce-scatter itself, once ranks agree (sub-groups of a two-level call too)."""
-    n = dist.get_world_size(group)
+    """The reduce-scatter itself, once ranks agree, over torch.distributed."""
     out, copied = writable_flat(output)
-    if n == 1:
-        out.copy_(input.reshape(-1))
-        return completed(write_back(output, out, copied))
-    m = out.numel()
-    if is_exact(codec):
-        size = (n - 1) * m * output.element_size()
-        stats.record(label, calls=1, elements=(n - 1) * m, wire_bytes=size, raw_bytes=size)
-        work = reduce_scatter_single(out, input.reshape(-1), op, group, async_op=True)
-        return Handle(lambda: (work.wait(), write_back(output, out, copied))[1])
-
-    # Step 1-2: encode once, chunk i for rank i; all-to-all
-    m_pad = chunks.padded_chunk(codec, m)
-    x = chunks.pad_chunks(input.reshape(-1), n, m, m_pad)
-    ex = start_reduce_scatter(x, codec, group, stats, label, rng_stream=dist.get_rank(group))
-
-    def finish() -> torch.Tensor:
-        # Step 3: decode the chunks received and sum them in fp32, in rank order
-        total = finish_reduce_scatter(ex, codec, stats, label, input.dtype, m_pad, input.device)
-        if op == "avg":
-            total /= n
-        out.copy_(total[:m])
-        return write_back(output, out, copied)
-
-    return Handle(finish)
+    peers = Peers(dist.get_rank(group), dist.get_world_size(group), group)
+    steps = reduce_scatter_steps(input.reshape(-1), out.numel(), codec, peers, stats, label, op,
+                                 out=out)
+    return run(steps, lambda result: write_back(output, copy_into(out, result), copied))
 
 
 def reduce_scatter(

@@ -25,6 +25,13 @@ from commpress.collectives import (
     hierarchical_reduce_scatter,
     reduce_scatter,
 )
+from commpress.collectives.byte_stats import Stats
+from commpress.collectives.hierarchical import (
+    all_reduce_levels_steps,
+    reduce_scatter_levels_steps,
+)
+from commpress.collectives.topology import levels_used
+from commpress.collectives.transport import Peers, Steps
 from commpress.policy import Policy
 
 
@@ -71,6 +78,24 @@ class GradPath:
         return hierarchical_all_reduce(tensor, intra=self.codecs["intra"],
                                        inter=self.codecs["inter"], topology=self.topology,
                                        group=group, op=op, label=self.label, async_op=async_op)
+
+    def reduce_scatter_steps(self, flat: torch.Tensor, m: int,
+                             peers: tuple[Peers, Peers, Peers], stats: Stats,
+                             op: str = "avg") -> Steps:
+        """The steps of :meth:`reduce_scatter` for one rank, given its peers in the whole
+        group, inside its node and across nodes (what a played rank runs)."""
+        whole, intra, inter = peers
+        used = levels_used(self.two_level, whole.size, intra.size)
+        return reduce_scatter_levels_steps(flat, m, self.codecs, used, whole, intra, inter,
+                                           stats, self.label, op, whole.rank)
+
+    def all_reduce_steps(self, flat: torch.Tensor, peers: tuple[Peers, Peers, Peers],
+                         stats: Stats, op: str = "avg") -> Steps:
+        """The steps of :meth:`all_reduce` for one rank (as :meth:`reduce_scatter_steps`)."""
+        whole, intra, inter = peers
+        used = levels_used(self.two_level, whole.size, intra.size)
+        return all_reduce_levels_steps(flat, self.codecs, used, whole, intra, inter, stats,
+                                       self.label, op)
 
     def state_dict(self) -> dict[str, Any]:
         return {k: c.state_dict() for k, c in self.codecs.items()}

@@ -20,12 +20,8 @@ import torch.nn as nn
 
 from commpress.collectives import Topology
 from commpress.collectives.byte_stats import Stats
-from commpress.collectives.played import (
-    PlayedAllReduce,
-    PlayedHierarchicalAllReduce,
-    level_label,
-    played_levels,
-)
+from commpress.collectives.played import Played, played_peers
+from commpress.collectives.topology import levels_used
 from commpress.integrations.ddp import BUCKET_NUMEL, grad_policy, hook_layout
 from commpress.integrations.grad_path import GradPath
 from commpress.policy import Policy
@@ -42,8 +38,8 @@ class PlayedDDPHook:
                  ranks_per_node: int, bucket_numel: int = BUCKET_NUMEL,
                  label: str = "dp.grad", stats: Stats | None = None) -> None:
         self.policy = grad_policy(policy)
+        levels_used(self.policy.two_level(), ranks, ranks_per_node)  # checks the layout
         self.world, self.L, self.label = ranks, ranks_per_node, label
-        self.levels = played_levels(self.policy.two_level(), ranks, ranks_per_node)
         # gradient bytes every rank sends, summed over the ranks
         self.stats = stats if stats is not None else Stats()
         topology = Topology(ranks_per_node)
@@ -54,7 +50,7 @@ class PlayedDDPHook:
         # each rank's own codec objects per bucket
         self.paths = [[GradPath(self.policy, topology, label) for _ in range(ranks)]
                       for _ in self.buckets]
-        self.played: list = [None] * len(self.buckets)
+        self._reductions: list[Played] | None = None  # this step's all-reduces
 
     def state_dict(self) -> dict[str, Any]:
         """Every rank's codec states, bucket by bucket."""
@@ -70,38 +66,32 @@ class PlayedDDPHook:
             for path, s in zip(row, states, strict=True):
                 path.load_state_dict(s)
 
-    def _play(self, j: int, numel: int):
-        paths = self.paths[j]
-        if len(self.levels) == 2:
-            return PlayedHierarchicalAllReduce([p.codecs["intra"] for p in paths],
-                                               [p.codecs["inter"] for p in paths], self.L,
-                                               numel, self.label, "avg", self.stats)
-        (level,) = self.levels
-        return PlayedAllReduce([p.codecs[level] for p in paths], numel,
-                               level_label(self.label, level), "avg", self.stats)
+    def _all_reduce(self, j: int) -> Played:
+        paths = self.paths[j]  # every rank ends with the same values: rank 0's are kept
+        return Played(self.world, lambda r, flat: paths[r].all_reduce_steps(
+            flat, played_peers(r, self.world, self.L), self.stats), keep=(0,))
 
     @torch.no_grad()
     def take(self, rank: int) -> None:
         """Rank ``rank``'s gradients (now in ``p.grad``) into its bucket all-reduces; the
         gradients are cleared."""
-        for j, b in enumerate(self.buckets):
+        if self._reductions is None:
+            self._reductions = [self._all_reduce(j) for j in range(len(self.buckets))]
+        for played, b in zip(self._reductions, self.buckets):
             grads = []
             for name, numel in zip(b.names, b.numels):
                 p = self.params[name]
                 grads.append(p.grad.reshape(-1) if p.grad is not None
                              else torch.zeros(numel, dtype=p.dtype, device=p.device))
                 p.grad = None
-            flat = torch.cat(grads)
-            if self.played[j] is None:
-                self.played[j] = self._play(j, flat.numel())
-            self.played[j].add(rank, flat)
+            played.add(rank, torch.cat(grads))
 
     @torch.no_grad()
     def finish(self) -> None:
         """Every bucket's all-reduced gradient — what every rank holds — into ``p.grad``."""
-        for j, b in enumerate(self.buckets):
-            reduced = self.played[j].finish()
-            self.played[j] = None
+        reductions, self._reductions = self._reductions, None
+        for played, b in zip(reductions, self.buckets):
+            reduced = played.finish()[0]
             for name, off, numel in zip(b.names, b.offsets, b.numels):
                 p = self.params[name]
                 p.grad = reduced[off:off + numel].view_as(p).clone()

@@ -24,16 +24,8 @@ import torch.nn as nn
 
 from commpress.collectives import Topology
 from commpress.collectives.byte_stats import Stats
-from commpress.collectives.call import is_exact, resolve_codec
-from commpress.collectives.played import (
-    PlayedReduceScatter,
-    PlayedTwoLevelReduceScatter,
-    count_exact_gather,
-    level_label,
-    played_delta_gather,
-    played_gather,
-    played_levels,
-)
+from commpress.collectives.played import Played, played_peers
+from commpress.collectives.topology import levels_used
 from commpress.integrations.buckets import (
     Bucket,
     build_buckets,
@@ -46,6 +38,7 @@ from commpress.integrations.sharded_optimizer import (
     clip_and_step,
     norm_of_parts,
 )
+from commpress.integrations.weight_gather import weight_gather_steps
 from commpress.policy import Policy
 
 log = logging.getLogger(__name__)
@@ -67,54 +60,47 @@ class PlayedShardedOptimizer:
                  norm_weights: dict[str, float] | None = None,
                  **optimizer_kwargs: Any) -> None:
         self.policy = Policy.resolve(policy)
-        self.levels = played_levels(self.policy.two_level(), ranks, ranks_per_node)
-        self.world, self.L, self.nodes = ranks, ranks_per_node, ranks // ranks_per_node
+        levels_used(self.policy.two_level(), ranks, ranks_per_node)  # checks the layout
+        self.world, self.L = ranks, ranks_per_node
         self.max_grad_norm = max_grad_norm
         self.nonfinite = nonfinite
         self.norm_weights = dict(norm_weights or {})
         self.steps = self.skipped_steps = 0
-        self._shards: list | None = None  # between reduce() and update()
         self.last_grad_norm = float("nan")
         self.param_rule = self.policy.rule("dp", "param")
         # gradient bytes every rank sends, summed over the ranks
         self.stats = stats if stats is not None else Stats()
         topology = Topology(ranks_per_node)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        # the one replica's buffers: weights (the parameters become views), one rank's
+        # gradient at a time, and the whole fp32 master (all ranks' shards)
         self.buckets = build_buckets(named[::-1], bucket_numel, decay_1d,
                                      lambda: GradPath(self.policy, topology),
                                      self.param_rule.build, ranks, tensor_parallel_key)
         for b in self.buckets:
-            self._materialize(b)
-            # each rank's own codec objects (the bucket's own only fixed the alignment)
-            b.grad_paths = [GradPath(self.policy, topology) for _ in range(ranks)]
-            b.param_codecs = [self.param_rule.build() for _ in range(ranks)]
-            b.played = None
+            b.materialize(0, 1)
+        # each rank's own codec objects per bucket (the bucket's own only fixed the alignment)
+        self.grad_paths = [[GradPath(self.policy, topology) for _ in range(ranks)]
+                           for _ in self.buckets]
+        self.param_codecs = [[self.param_rule.build() for _ in range(ranks)]
+                             for _ in self.buckets]
+        # internal state: this step's reduce-scatters, then their shards by rank
+        self._reductions: list[Played] | None = None
+        self._shards: list[dict[int, torch.Tensor]] | None = None
         self.optimizer = build_optimizer(self.buckets, optimizer_cls, optimizer_kwargs)
-
-    @staticmethod
-    def _materialize(b: Bucket) -> None:
-        """The one replica's buffers: weights (the parameters become views), one rank's
-        gradient at a time, and the whole fp32 master (all ranks' shards)."""
-        b.materialize(0, 1)
 
     @property
     def param_groups(self) -> list[dict]:
         return self.optimizer.param_groups
 
+    def _peers(self, rank: int):
+        return played_peers(rank, self.world, self.L)
+
     # -- gradients ---------------------------------------------------------------------
-    def _play(self, b: Bucket):
-        shard = b.numel // self.world
-        paths = b.grad_paths
-        if self.world == 1:  # nothing crosses a wire: nothing is compressed
-            return PlayedReduceScatter([resolve_codec("none")], shard, "dp.grad", "avg",
-                                       self.stats)
-        if len(self.levels) == 2:
-            return PlayedTwoLevelReduceScatter([p.codecs["intra"] for p in paths],
-                                               [p.codecs["inter"] for p in paths], self.L,
-                                               shard, "dp.grad", "avg", self.stats)
-        (level,) = self.levels
-        return PlayedReduceScatter([p.codecs[level] for p in paths], shard,
-                                   level_label("dp.grad", level), "avg", self.stats)
+    def _reduce_scatter(self, j: int, b: Bucket) -> Played:
+        paths, m = self.grad_paths[j], b.numel // self.world
+        return Played(self.world, lambda r, flat: paths[r].reduce_scatter_steps(
+            flat, m, self._peers(r), self.stats))
 
     @torch.no_grad()
     def take(self, rank: int) -> None:
@@ -122,11 +108,11 @@ class PlayedShardedOptimizer:
         gradients are cleared (accumulated over micro-batches first, as the real
         optimizer's buffer does: call :meth:`accumulate` after each backward)."""
         self.accumulate()
-        for b in self.buckets:
-            if b.played is None:
-                b.played = self._play(b)
-            b.played.add(rank, b.grad_buffer)
-            b.grad_buffer.zero_()
+        if self._reductions is None:
+            self._reductions = [self._reduce_scatter(j, b) for j, b in enumerate(self.buckets)]
+        for played, b in zip(self._reductions, self.buckets):
+            played.add(rank, b.grad_buffer)
+            b.grad_buffer = torch.zeros_like(b.grad_buffer)  # handed over to the steps
 
     @torch.no_grad()
     def accumulate(self) -> None:
@@ -147,9 +133,8 @@ class PlayedShardedOptimizer:
     def reduce(self) -> list[torch.Tensor]:
         """Finish the reduce-scatters; returns each rank's part of the squared gradient
         norm (fp64), in rank order — a pipeline adds the parts of every stage's ranks."""
-        self._shards = [b.played.finish() for b in self.buckets]
-        for b in self.buckets:
-            b.played = None
+        self._shards = [played.finish() for played in self._reductions]
+        self._reductions = None
         return [sum(b.grad_sumsq(r, self.world, self.norm_weights, s[r])
                     for b, s in zip(self.buckets, self._shards)) for r in range(self.world)]
 
@@ -167,10 +152,25 @@ class PlayedShardedOptimizer:
                                              f"{norm}")
             log.warning("simulated step %d: non-finite gradient norm, skipped", self.steps - 1)
             return False
-        grads = [(b.master, torch.cat(s)) for b, s in zip(self.buckets, shards)]
+        grads = [(b.master, torch.cat([s[r] for r in range(self.world)]))
+                 for b, s in zip(self.buckets, shards)]
         clip_and_step(self.optimizer, grads, norm, self.max_grad_norm)
-        self._gather()
+        for j, b in enumerate(self.buckets):
+            self._gather(j, b)
         return True
+
+    def _gather(self, j: int, b: Bucket) -> None:
+        """The new weights to the replica, as every rank's gather gives them."""
+        new = b.master.detach().to(b.dtype).view(self.world, -1)
+        if self.world == 1:  # as ShardedOptimizer: nothing crosses a wire
+            b.param_buffer.copy_(new.view(-1))
+            return
+        codecs, weights = self.param_codecs[j], b.param_buffer.view(-1)
+        played = Played(self.world, lambda r, shard: weight_gather_steps(
+            weights, shard, codecs[r], self.param_rule, self._peers(r), self.stats), keep=(0,))
+        for r in range(self.world):
+            played.add(r, new[r])
+        b.param_buffer.copy_(played.finish()[0])
 
     # -- checkpoints ----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -184,8 +184,8 @@ class PlayedShardedOptimizer:
             "master": [b.master.detach().clone() for b in self.buckets],
             "params": [b.param_buffer.clone() for b in self.buckets],
             "optimizer": self.optimizer.state_dict(),
-            "grad_codecs": [[p.state_dict() for p in b.grad_paths] for b in self.buckets],
-            "param_codecs": [[c.state_dict() for c in b.param_codecs] for b in self.buckets],
+            "grad_codecs": [[p.state_dict() for p in paths] for paths in self.grad_paths],
+            "param_codecs": [[c.state_dict() for c in codecs] for codecs in self.param_codecs],
         }
 
     @torch.no_grad()
@@ -204,37 +204,9 @@ class PlayedShardedOptimizer:
             b.master.copy_(master)
             b.param_buffer.copy_(params)
         self.optimizer.load_state_dict(state["optimizer"])
-        for b, grads, params in zip(self.buckets, state["grad_codecs"], state["param_codecs"]):
-            for path, s in zip(b.grad_paths, grads, strict=True):
-                path.load_state_dict(s)
-            for codec, s in zip(b.param_codecs, params, strict=True):
-                codec.load_state_dict(s)
+        for objects, states in ((self.grad_paths, state["grad_codecs"]),
+                                (self.param_codecs, state["param_codecs"])):
+            for row, row_states in zip(objects, states):
+                for obj, s in zip(row, row_states, strict=True):
+                    obj.load_state_dict(s)
         self.steps, self.skipped_steps = state["steps"], state["skipped_steps"]
-
-    def _gather(self) -> None:
-        two_level = self.nodes > 1 and self.L > 1 and not self.param_rule.exact
-        for b in self.buckets:
-            shard = b.numel // self.world
-            news = [b.master[r * shard:(r + 1) * shard].detach().to(b.dtype)
-                    for r in range(self.world)]
-            # random streams: the rank in the group that encodes (across nodes: the node)
-            streams = ([r // self.L for r in range(self.world)] if two_level
-                       else list(range(self.world)))
-            label = "dp.param.inter" if two_level else "dp.param"
-            across = self.nodes if two_level else self.world  # the gather's group size
-            if self.world == 1:
-                b.param_buffer.copy_(torch.cat(news))
-            elif is_exact(b.param_codecs[0]) and not self.param_rule.delta:
-                count_exact_gather(self.stats, label, shard, b.param_buffer.element_size(),
-                                   self.world, ranks=self.world)
-                b.param_buffer.copy_(torch.cat(news))
-            elif self.param_rule.delta:
-                played_delta_gather(b.param_buffer, news, b.param_codecs, label, streams,
-                                    self.stats, across)
-            else:
-                decoded = played_gather(b.param_codecs, news, label, streams, self.stats,
-                                        across)
-                b.param_buffer.copy_(torch.cat(decoded))
-            if two_level:  # then each node shares what crossed, exactly
-                count_exact_gather(self.stats, "dp.param.intra", self.nodes * shard,
-                                   b.param_buffer.element_size(), self.L, ranks=self.world)

@@ -35,11 +35,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from commpress.collectives import (
-    Handle,
     Topology,
-    all_gather,
-    delta_all_gather,
-    hierarchical_all_gather,
 )
 from commpress.collectives.comm import all_gather_single
 from commpress.collectives.handle import completed
@@ -52,8 +48,9 @@ from commpress.integrations.buckets import (
 )
 from commpress.integrations.grad_path import GradPath
 from commpress.integrations.replica_sync import broadcast_buffers, sync_initial_state
+from commpress.integrations.weight_gather import gather_weights
 from commpress.kernels.reference import sum_rows
-from commpress.policy import Policy, Rule
+from commpress.policy import Policy
 from commpress.validate import check_float, check_int
 
 log = logging.getLogger(__name__)
@@ -415,26 +412,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
             b.param_codec.load_state_dict(pcodec)
         self.steps = state["steps"]
         self.skipped_steps = state["skipped_steps"]
-
-
-def gather_weights(weights: torch.Tensor, new: torch.Tensor, codec: Any, rule: Rule,
-                   topology: Topology, group: dist.ProcessGroup,
-                   async_op: bool = False) -> torch.Tensor | Handle:
-    """Move every rank's ``new`` shard into the replicated ``weights`` (rank order) with
-    the policy's ``dp.param`` rule: differences (qWD) when ``rule.delta``, else the
-    weights themselves. With several nodes, compressed weights cross the slow link once
-    per shard and are shared inside the node exactly; uncompressed stays torch's own
-    all-gather."""
-    levels = topology.resolve(group)
-    two_level = levels.nodes > 1 and levels.ranks_per_node > 1 and not rule.exact
-    if rule.delta:
-        return delta_all_gather(weights, new, codec=codec,
-                                topology=topology if two_level else Topology(1), group=group,
-                                label="dp.param", async_op=async_op)
-    if two_level:
-        return hierarchical_all_gather(weights, new, inter=codec, topology=topology,
-                                       group=group, label="dp.param", async_op=async_op)
-    return all_gather(weights, new, codec, group=group, label="dp.param", async_op=async_op)
 
 
 def clip_and_step(optimizer: torch.optim.Optimizer,

@@ -48,7 +48,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from commpress.codecs import codec as build_codec
+from commpress.collectives.all_reduce import two_rank_exchange
+from commpress.collectives.topology import levels_used
 from commpress.files import read_regular
+from commpress.integrations.weight_gather import weight_gather_levels
 from commpress.plan.hardware import CODEC_GBps
 from commpress.plan.models import ModelShape
 from commpress.policy import Policy, Rule
@@ -226,8 +229,8 @@ def compressed_all_reduce(n: int, n_local: int, spec: str, numel: float,
     """:func:`commpress.all_reduce` of ``numel`` elements on ``n`` ranks: two ranks
     exchange their codes once; more run an all-to-all reduce-scatter and a ring
     all-gather of ``numel / n``."""
-    if n == 2:
-        return all_to_all(2, n_local, wire_bytes(spec, numel, 4), gpus_per_node)
+    if two_rank_exchange(n):
+        return all_to_all(n, n_local, wire_bytes(spec, numel, 4), gpus_per_node)
     w = wire_bytes(spec, numel / n, 4)
     a, r = all_to_all(n, n_local, w, gpus_per_node), ring(n, n_local, w, gpus_per_node)
     return Traffic(a.intra_bytes + r.intra_bytes, a.inter_bytes + r.inter_bytes,
@@ -357,7 +360,8 @@ def _dp_grad_cost(c: ClusterSpec, j: JobSpec, policy: Policy, n_local: int, shar
     G, nodes = c.gpus_per_node, j.dp // n_local
     if j.dp == 1:
         return [], 0.0
-    if policy.two_level() and n_local > 1 and nodes > 1:
+    used = levels_used(policy.two_level(), nodes * n_local, n_local)
+    if len(used) == 2:
         intra = policy.rule("dp", "grad", "intra")
         inter = policy.rule("dp", "grad", "inter")
         if j.zero_stage == 0:  # node sums: exact-or-intra in, across nodes, exact out
@@ -371,9 +375,7 @@ def _dp_grad_cost(c: ClusterSpec, j: JobSpec, policy: Policy, n_local: int, shar
                   all_to_all(nodes, 1, wire_bytes(inter.codec, shard, 4), G)]
         return stages, (rule_seconds(c, intra, p_local, n_local * nodes * shard, 4)
                         + rule_seconds(c, inter, nodes * shard, nodes * shard, 4))
-    rule = policy.rule("dp", "grad")
-    if policy.two_level():  # one node or one rank per node: one level
-        rule = policy.rule("dp", "grad", "intra" if nodes == 1 else "inter")
+    rule = policy.rule("dp", "grad", None if used == ("single",) else used[0])
     if rule.exact:  # a ring; DDP's all-reduce and Gloo's reduce-scatter take two passes
         passes = 2 if j.zero_stage == 0 or c.backend == "gloo" else 1
         return [ring(j.dp, n_local, shard * j.grad_bytes, G, passes)], 0.0
@@ -393,7 +395,7 @@ def _dp_param_cost(c: ClusterSpec, j: JobSpec, policy: Policy, n_local: int, sha
         return [], 0.0
     rule: Rule = policy.rule("dp", "param")
     pbytes = wire_bytes(rule.codec, shard, j.param_bytes)
-    if rule.exact or nodes == 1 or n_local == 1:
+    if len(weight_gather_levels(rule, nodes, n_local)) == 1:
         return ([ring(j.dp, n_local, pbytes, G)],
                 rule_seconds(c, rule, shard, p_local, j.param_bytes))
     return ([ring(nodes, 1, pbytes, G),

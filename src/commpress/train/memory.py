@@ -19,7 +19,7 @@ import torch
 
 from commpress.collectives import Topology
 from commpress.collectives.call import is_exact
-from commpress.collectives.played import played_levels
+from commpress.collectives.topology import levels_used
 from commpress.integrations.buckets import build_buckets, tensor_parallel_key
 from commpress.integrations.ddp import BUCKET_NUMEL, hook_layout
 from commpress.integrations.grad_path import GradPath
@@ -112,7 +112,7 @@ def _bucket_numels(cfg: TrainConfig, policy: Policy, ranks: int, rpn: int) -> li
 def _held_codes(path: GradPath, numel: int, ranks: int, rpn: int) -> int:
     """What a played reduction keeps of every rank until it ends: the codes of the last
     level (an exact reduction keeps only a running sum)."""
-    levels = played_levels(path.two_level, ranks, rpn)
+    levels = levels_used(path.two_level, ranks, rpn)
     codec = path.codecs[levels[-1]]
     if ranks == 1 or is_exact(codec):
         return 0
