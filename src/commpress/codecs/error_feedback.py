@@ -23,7 +23,12 @@ from commpress.kernels.reference import saturate
 
 
 class ErrorFeedback:
-    """Wrap ``codec`` with per-key residual memory.
+    """Residual memory around ``codec`` (grace's ``Memory``), per key.
+
+    A collective applies it around its codec — :meth:`compensate` before the encode,
+    :meth:`update` after — and reads and writes bytes with ``codec`` alone
+    (:func:`split`). It is not a codec: none of a codec's members are forwarded, so a
+    codec method can never be reached through it by mistake.
 
     Example::
 
@@ -34,60 +39,43 @@ class ErrorFeedback:
 
     def __init__(self, codec: Codec) -> None:
         if isinstance(codec, ErrorFeedback):
-            raise ValueError("ErrorFeedback(ErrorFeedback(...)): wrap a plain codec once")
+            raise ValueError(f"ErrorFeedback({codec!r}): wrap a plain codec once")
         self.codec = codec
         # internal state: residual per key, fp32, same shape as the input
         self.residuals: dict[str, torch.Tensor] = {}
 
-    @property
-    def name(self) -> str:
-        return self.codec.name
-
-    @property
-    def fixed_rate(self) -> bool:
-        return self.codec.fixed_rate
-
-    @property
-    def alignment(self) -> int:
-        return self.codec.alignment
-
     def spec(self) -> str:
         return f"ef({self.codec.spec()})"
 
-    def wire_bytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int | None:
-        return self.codec.wire_bytes(numel, dtype)
-
-    def packet_layout(self, numel: int, dtype: torch.dtype) -> list[tuple[torch.dtype, int]]:
-        return self.codec.packet_layout(numel, dtype)
-
-    def packet_from_bytes(self, buf: torch.Tensor, numel: int, shape: tuple[int, ...],
-                          dtype: torch.dtype) -> Packet:
-        return self.codec.packet_from_bytes(buf, numel, shape, dtype)
-
-    def encode(self, x: torch.Tensor, *, key: str = "default", rng_stream: int = 0) -> Packet:
-        """Encode ``x + residual[key]`` and update the residual."""
+    def compensate(self, x: torch.Tensor, key: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(to encode, x + residual[key] in fp32)``; what is encoded is in ``x``'s dtype,
+        saturated to its range."""
         old = self.residuals.get(key)
         if old is not None and old.shape != x.shape:
             raise ValueError(f"ErrorFeedback key {key!r}: shape {tuple(x.shape)} differs "
                              f"from the residual's {tuple(old.shape)}")
         compensated = x.float() + old if old is not None else x.float().clone()
         # the cast to x's dtype is part of what is lost: the residual includes it
-        sent = saturate(compensated, x.dtype).to(x.dtype)
-        packet = self.codec.encode(sent, rng_stream=rng_stream)
-        new = compensated.sub_(self.codec.decode(packet).float())  # in place: one pass
+        return saturate(compensated, x.dtype).to(x.dtype), compensated
+
+    def update(self, key: str, compensated: torch.Tensor, decoded: torch.Tensor) -> None:
+        """``residual[key] ← compensated − decoded`` where finite (else the old one)."""
+        old = self.residuals.get(key)
+        new = compensated.sub_(decoded.float())  # in place: one pass
         # keep the old memory where this step was not finite (no host sync to check)
         self.residuals[key] = torch.where(torch.isfinite(new), new,
                                           old if old is not None else 0.0)
+
+    def encode(self, x: torch.Tensor, *, key: str = "default", rng_stream: int = 0) -> Packet:
+        """Encode ``x + residual[key]`` with the codec and update the residual."""
+        sent, compensated = self.compensate(x, key)
+        packet = self.codec.encode(sent, rng_stream=rng_stream)
+        self.update(key, compensated, self.codec.decode(packet))
         return packet
 
     def decode(self, packet: Packet, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Decode what :meth:`encode` sent (the codec's own decode)."""
         return self.codec.decode(packet, out)
-
-    def decode_sum(self, packet: Packet) -> torch.Tensor:
-        return self.codec.decode_sum(packet)
-
-    def requantizes_into(self, other: Codec) -> bool:
-        return False  # the residual needs the decoded values of what is sent
 
     def state_dict(self) -> dict[str, Any]:
         return {"codec": self.codec.state_dict(),
@@ -99,3 +87,19 @@ class ErrorFeedback:
 
     def __repr__(self) -> str:
         return f"ErrorFeedback({self.codec!r})"
+
+
+def split(coder: Codec | ErrorFeedback) -> tuple[Codec, ErrorFeedback | None]:
+    """The codec that reads and writes the bytes, and the memory applied around it."""
+    if isinstance(coder, ErrorFeedback):
+        return coder.codec, coder
+    return coder, None
+
+
+def encode(coder: Codec | ErrorFeedback, x: torch.Tensor, *, rng_stream: int,
+           key: str) -> Packet:
+    """Encode ``x``, through the memory (keyed by ``key``) when there is one."""
+    codec, memory = split(coder)
+    if memory is None:
+        return codec.encode(x, rng_stream=rng_stream)
+    return memory.encode(x, key=key, rng_stream=rng_stream)

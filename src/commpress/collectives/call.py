@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from commpress.codecs import Codec, ErrorFeedback
 from commpress.codecs import codec as build_codec
+from commpress.codecs.error_feedback import split
 from commpress.collectives.agreement import GroupContext, context
 from commpress.collectives.byte_stats import Stats
 from commpress.collectives.comm import check_op, describe, resolve_group
@@ -29,14 +30,15 @@ AnyCodec = Codec | ErrorFeedback
 
 def resolve_codec(codec: Any) -> AnyCodec:
     """A codec object from a spec, dict or codec (an ErrorFeedback passes through)."""
-    if hasattr(codec, "encode") and hasattr(codec, "decode"):
+    if isinstance(codec, Codec | ErrorFeedback):
         return codec
     return build_codec(codec)
 
 
 def is_exact(codec: AnyCodec) -> bool:
     """Whether a collective can use torch's own uncompressed collective for this codec."""
-    return getattr(codec, "name", None) == "none" and not hasattr(codec, "residuals")
+    plain, memory = split(codec)
+    return plain.name == "none" and memory is None
 
 
 def check_float(name: str, t: torch.Tensor) -> None:

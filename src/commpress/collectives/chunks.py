@@ -6,6 +6,9 @@ codec's alignment, encodes all chunks in **one** codec call when the codec allow
 bytes out as a ``(world, row_bytes)`` tensor whose row ``i`` goes to rank ``i``.
 Variable-rate or unsplittable codecs (zfp, nvcomp, topk) encode chunk by chunk into
 a list of byte tensors of different sizes.
+
+Each function takes a codec or an :class:`ErrorFeedback`: its memory is applied
+around the encode; everything else is the codec's own (:func:`split`).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import torch
 
 from commpress.codecs import Codec, ErrorFeedback, Packet, packet_to_bytes
 from commpress.codecs.base import itemsize, sum_rows
+from commpress.codecs.error_feedback import encode, split
 
 AnyCodec = Codec | ErrorFeedback
 Rows = torch.Tensor | list[torch.Tensor]
@@ -21,18 +25,13 @@ Rows = torch.Tensor | list[torch.Tensor]
 
 def padded_chunk(codec: AnyCodec, m: int) -> int:
     """Chunk length after padding to the codec's alignment (unchanged if it has none)."""
-    a = codec.alignment
+    a = split(codec)[0].alignment
     return m if a <= 1 else -(-m // a) * a
 
 
 def splittable(codec: AnyCodec) -> bool:
+    codec = split(codec)[0]
     return codec.fixed_rate and codec.alignment > 0
-
-
-def encode(codec: AnyCodec, x: torch.Tensor, *, rng_stream: int, key: str) -> Packet:
-    if isinstance(codec, ErrorFeedback):
-        return codec.encode(x, key=key, rng_stream=rng_stream)
-    return codec.encode(x, rng_stream=rng_stream)
 
 
 def rows_of_packet(packet: Packet, n: int) -> torch.Tensor:
@@ -45,7 +44,7 @@ def rows_of_packet(packet: Packet, n: int) -> torch.Tensor:
 def packet_of_rows(codec: AnyCodec, rows: torch.Tensor, m_pad: int,
                    wire_dtype: torch.dtype) -> Packet:
     """Inverse of :func:`rows_of_packet`: the ``(n, m_pad)`` packet of ``n`` byte rows."""
-    n = rows.shape[0]
+    codec, n = split(codec)[0], rows.shape[0]
     tensors, offset = [], 0
     for dt, count in codec.packet_layout(n * m_pad, wire_dtype):
         width = count * itemsize(dt) // n
@@ -65,7 +64,7 @@ def encode_rows(codec: AnyCodec, x: torch.Tensor, *, rng_stream: int, key: str) 
 
 def _row_packet(codec: AnyCodec, row: torch.Tensor, m_pad: int,
                 wire_dtype: torch.dtype) -> Packet:
-    p = codec.packet_from_bytes(row, m_pad, (m_pad,), wire_dtype)
+    p = split(codec)[0].packet_from_bytes(row, m_pad, (m_pad,), wire_dtype)
     return Packet(p.tensors, p.numel, p.shape, torch.float32)
 
 
@@ -76,6 +75,7 @@ def decode_rows(codec: AnyCodec, rows: Rows, m_pad: int,
     ``wire_dtype`` is the dtype the sender encoded (it fixes the layout of codecs that
     send values in the input's dtype, such as ``none`` and ``topk``).
     """
+    codec = split(codec)[0]
     if isinstance(rows, list):
         return torch.stack([codec.decode(_row_packet(codec, r, m_pad, wire_dtype))
                             for r in rows])
@@ -85,6 +85,7 @@ def decode_rows(codec: AnyCodec, rows: Rows, m_pad: int,
 def decode_sum_rows(codec: AnyCodec, rows: Rows, m_pad: int,
                     wire_dtype: torch.dtype) -> torch.Tensor:
     """Decode byte rows and sum them in fp32, in row order → ``(m_pad,)``."""
+    codec = split(codec)[0]
     if isinstance(rows, list):
         return sum_rows(decode_rows(codec, rows, m_pad, wire_dtype))
     return codec.decode_sum(packet_of_rows(codec, rows, m_pad, wire_dtype))

@@ -44,6 +44,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from commpress.codecs.error_feedback import split
 from commpress.collectives import chunks
 from commpress.collectives.agreement import Levels
 from commpress.collectives.all_gather import all_gather_steps, run_all_gather
@@ -171,7 +172,8 @@ def two_level_reduce_scatter_steps(flat: torch.Tensor, m: int, intra: AnyCodec,
     fp32; ``rank`` (in the whole group) seeds its random streams."""
     L, nodes = intra_peers.size, inter_peers.size
     n, itemsize, device = L * nodes, flat.element_size(), flat.device
-    unit = math.lcm(max(intra.alignment, 1), max(inter.alignment, 1))
+    (intra_codec, intra_memory), (inter_codec, inter_memory) = split(intra), split(inter)
+    unit = math.lcm(max(intra_codec.alignment, 1), max(inter_codec.alignment, 1))
     m_pad = -(-m // unit) * unit
     # (nodes, L, m) chunks → (L, nodes, m): local rank l gets chunks l, L + l, 2L + l, …
     x = chunks.pad_chunks(flat, n, m, m_pad)
@@ -181,7 +183,9 @@ def two_level_reduce_scatter_steps(flat: torch.Tensor, m: int, intra: AnyCodec,
     # Step 1-3: encode for and exchange inside the node, reduce the node's contributions
     # and re-encode for the slow link. Eager, not in wait(): the fast intra-node exchange
     # is short, and the slow transfer then runs while an async caller goes on computing.
-    if intra.requantizes_into(inter):
+    # fused only without memory: a residual needs the decoded values of what is sent
+    if intra_memory is None and inter_memory is None and intra_codec.requantizes_into(
+            inter_codec):
         with stats.timed(lab_intra, "encode_s", device):
             rows = chunks.encode_rows(intra, x, rng_stream=rank, key=lab_intra)
         del x
@@ -190,7 +194,7 @@ def two_level_reduce_scatter_steps(flat: torch.Tensor, m: int, intra: AnyCodec,
         with stats.timed(lab_inter, "encode_s", device):
             packet = chunks.packet_of_rows(intra, received, nodes * m_pad, torch.float32)
             rows = chunks.rows_of_packet(
-                intra.sum_requantize(packet, inter, rng_stream=rank), nodes)
+                intra_codec.sum_requantize(packet, inter_codec, rng_stream=rank), nodes)
         del received, packet
         # Step 4-5: exchange across nodes, decode, sum (and the inverse rotation, once)
         received = yield from send_rows(rows, inter_peers, stats, lab_inter, m_pad, itemsize)

@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 from commpress.codecs import packet_to_bytes
+from commpress.codecs.error_feedback import split
 from commpress.collectives import chunks
 from commpress.collectives.agreement import (
     CollectiveMismatchError,
@@ -281,7 +282,8 @@ def irecv(tensor: torch.Tensor, src: int, codec="none", group: dist.ProcessGroup
     with ctx.stats.timed(label, "comm_s", tensor.device):
         arrival = inbox.next_transfer(device, what)
         theirs = arrival.text()
-    expected = codec.wire_bytes(tensor.numel(), tensor.dtype)
+    wire = split(codec)[0]  # decoding needs the codec alone, not its sender's memory
+    expected = wire.wire_bytes(tensor.numel(), tensor.dtype)
     agreed = arrival.digest == digest(mine) and (expected is None
                                                   or arrival.payload_bytes == expected)
     if not agreed:
@@ -299,9 +301,9 @@ def irecv(tensor: torch.Tensor, src: int, codec="none", group: dist.ProcessGroup
         with ctx.stats.timed(label, "comm_s", tensor.device):
             arrival.wait()
         with ctx.stats.timed(label, "decode_s", tensor.device):
-            packet = codec.packet_from_bytes(arrival.payload.to(tensor.device), tensor.numel(),
-                                             tuple(tensor.shape), tensor.dtype)
-            codec.decode(packet, out=tensor)
+            packet = wire.packet_from_bytes(arrival.payload.to(tensor.device), tensor.numel(),
+                                            tuple(tensor.shape), tensor.dtype)
+            wire.decode(packet, out=tensor)
         return tensor
 
     return Handle(finish)

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from commpress.codecs import packet_to_bytes
+from commpress.codecs.error_feedback import split
 from commpress.collectives import chunks
 from commpress.collectives.byte_stats import Stats
 from commpress.collectives.call import AnyCodec
@@ -137,6 +138,7 @@ def played_transfer(send_codec: AnyCodec, recv_codec: AnyCodec, tensor: torch.Te
         stats.record(label, calls=1, elements=tensor.numel(), wire_bytes=payload.numel(),
                      raw_bytes=tensor.numel() * tensor.element_size())
     out = torch.empty_like(tensor, memory_format=torch.contiguous_format)
+    recv_codec = split(recv_codec)[0]
     received = recv_codec.packet_from_bytes(payload, out.numel(), tuple(out.shape), out.dtype)
     recv_codec.decode(received, out=out)
     return out

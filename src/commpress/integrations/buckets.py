@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from commpress.codecs.error_feedback import split
 from commpress.collectives import Handle
 from commpress.integrations.grad_path import GradPath
 
@@ -111,7 +112,7 @@ def build_buckets(named: list[tuple[str, nn.Parameter]], bucket_numel: int, deca
     for (dtype, decay, replication), lists in groups.items():
         for members in lists:
             grad_path, param_codec = make_grad_path(), make_param_codec()
-            unit = math.lcm(grad_path.alignment, max(param_codec.alignment, 1)) * world
+            unit = math.lcm(grad_path.alignment, max(split(param_codec)[0].alignment, 1)) * world
             offsets, total = [], 0
             for _, p in members:
                 offsets.append(total)

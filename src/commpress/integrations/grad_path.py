@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from commpress.codecs.error_feedback import split
 from commpress.collectives import (
     Handle,
     Topology,
@@ -56,7 +57,7 @@ class GradPath:
         """Element count every codec of the path splits evenly on."""
         unit = 1
         for c in self.codecs.values():
-            unit = math.lcm(unit, max(c.alignment, 1))
+            unit = math.lcm(unit, max(split(c)[0].alignment, 1))
         return unit
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor,

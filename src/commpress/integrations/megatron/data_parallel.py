@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.distributed import param_and_grad_buffer as pgb
 
+from commpress.codecs.error_feedback import split
 from commpress.collectives import Handle, Topology
 from commpress.collectives.call import is_exact
 from commpress.integrations.grad_path import GradPath
@@ -139,8 +140,9 @@ class BucketComm:
         if rule.delta:
             new = input.clone()
             input.copy_(self.reference)  # the weights every rank holds for this slice
-        lossy = not (is_exact(codec) or getattr(codec, "lossless", False))
-        layout = self._layout("param", lossy, codec.alignment, self.world)
+        plain, memory = split(codec)
+        lossy = not (is_exact(codec) or (memory is None and plain.lossless))
+        layout = self._layout("param", lossy, plain.alignment, self.world)
         if layout is None:
             handle = gather_weights(output, new, codec, rule, self.topology, self.group,
                                     async_op=True)
