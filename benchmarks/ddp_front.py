@@ -76,11 +76,21 @@ HOOKS: dict[str, HookSpec] = {
     "int2ef": HookSpec("commpress", "int2ef"),
     "int2ef-b512k": HookSpec("commpress", "int2ef", {"bucket_numel": 1 << 19}),
     "sdp4bit": HookSpec("commpress", "sdp4bit"),
+    # PowerSGD with its factors as int8/int4 codes across nodes (commpress.lowrank_hook)
     "lowrank-r4-int8": HookSpec("lowrank", options={"rank": 4, "factor_codec": "int8"}),
     "lowrank-r4-fp32": HookSpec("lowrank", options={"rank": 4, "factor_codec": "none"}),
     "lowrank-r8-int4": HookSpec("lowrank", options={"rank": 8, "factor_codec": "int4"}),
-    "lowrank-r1-int8": HookSpec("lowrank", options={"rank": 1, "factor_codec": "int8"}),
     "lowrank-r16-int8": HookSpec("lowrank", options={"rank": 16, "factor_codec": "int8"}),
+    # ACP-SGD: P and Q on alternate steps, one all-reduce per step
+    "acp-r4-int8": HookSpec("lowrank", options={"rank": 4, "factor_codec": "int8",
+                                                "alternate": True}),
+    "acp-r8-int8": HookSpec("lowrank", options={"rank": 8, "factor_codec": "int8",
+                                                "alternate": True}),
+    "acp-r16-int8": HookSpec("lowrank", options={"rank": 16, "factor_codec": "int8",
+                                                 "alternate": True}),
+    "acp-r4-int8-b1m": HookSpec("lowrank", options={"rank": 4, "factor_codec": "int8",
+                                                    "alternate": True,
+                                                    "bucket_numel": 1 << 20}),
     "compute-only": HookSpec("local"),
 }
 DEFAULT_HOOKS = "allreduce,powersgd-r1,powersgd-r4,powersgd-r16,int2ef,sdp4bit,compute-only"
@@ -164,6 +174,7 @@ def run_one(item: dict, data, steps: int, evaluate: bool, ranks_per_node: int) -
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    import commpress
     from commpress.train.ddp_engine import replica_optimizer, step_replica
     from commpress.train.loop import lr_factor
 
@@ -175,6 +186,7 @@ def run_one(item: dict, data, steps: int, evaluate: bool, ranks_per_node: int) -
     ddp = DDP(module, bucket_cap_mb=spec.bucket_cap_mb, init_sync=False)
     install(ddp, spec, ranks_per_node)
     opt = replica_optimizer(module, LR, 0.1)
+    commpress.reset_stats()
     schedule = SimpleNamespace(warmup=4, steps=steps, min_lr_ratio=0.1)
     times, losses, link = [], [], None
     for step in range(steps):
@@ -191,6 +203,7 @@ def run_one(item: dict, data, steps: int, evaluate: bool, ranks_per_node: int) -
         times.append(time.perf_counter() - t0)
         losses.append(loss.item())
     end = link_bytes()
+    counters = commpress.stats()
     timed = torch.tensor(times[WARMUP_STEPS:], dtype=torch.float64)
     gathered = [torch.zeros_like(timed) for _ in range(world)]
     dist.all_gather(gathered, timed)
@@ -209,6 +222,8 @@ def run_one(item: dict, data, steps: int, evaluate: bool, ranks_per_node: int) -
             "step_s_each": slowest, "train_losses": losses, "val_loss": val,
             "link_mb_per_step": (end - link) / timed_steps / 1e6
             if link is not None and timed_steps else None,
+            "hook_cpu_s_per_step": sum(c["encode_s"] + c["decode_s"] for c in counters.values())
+            / steps,
             "replicas_identical": all(torch.equal(d, digests[0]) for d in digests),
             "params": flat.numel()}
 
@@ -257,7 +272,7 @@ def launch(cluster: Cluster | None, plan: list[dict], steps: int, evaluate: bool
     one); ``on_result(result)`` as each item finishes. Raises if a rank fails."""
     world = NODES * RANKS_PER_NODE
     out = tempfile.mktemp(prefix="ddp_front_", suffix=".jsonl")
-    procs = []
+    procs, logs = [], []
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world),
                    LOCAL_RANK=str(rank % RANKS_PER_NODE), LOCAL_WORLD_SIZE=str(RANKS_PER_NODE),
@@ -270,8 +285,10 @@ def launch(cluster: Cluster | None, plan: list[dict], steps: int, evaluate: bool
         argv = [*prefix, sys.executable, os.path.abspath(__file__), "--rank", "--plan",
                 json.dumps(plan), "--steps", str(steps), "--out", out,
                 "--timeout-s", str(timeout_s), *(["--evaluate"] if evaluate else [])]
+        # stderr to a file: a pipe nobody reads blocks a chatty rank once it is full
+        logs.append(tempfile.TemporaryFile())
         procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL,
-                                      stderr=subprocess.PIPE, preexec_fn=set_parent_death_signal))
+                                      stderr=logs[-1], preexec_fn=set_parent_death_signal))
     seen = 0
     try:
         while True:
@@ -285,8 +302,8 @@ def launch(cluster: Cluster | None, plan: list[dict], steps: int, evaluate: bool
             time.sleep(0.5)
         failed = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
         if failed:
-            time.sleep(1)
-            err = procs[failed[0]].stderr.read().decode(errors="replace")[-3000:]
+            logs[failed[0]].seek(0)
+            err = logs[failed[0]].read().decode(errors="replace")[-3000:]
             raise RuntimeError(f"rank {failed[0]} failed:\n{err}")
         lines = open(out).read().splitlines()
         for line in lines[seen:]:
@@ -296,6 +313,8 @@ def launch(cluster: Cluster | None, plan: list[dict], steps: int, evaluate: bool
             if p.poll() is None:
                 p.kill()
             p.wait()
+        for f in logs:
+            f.close()
         if os.path.exists(out):
             os.remove(out)
 

@@ -57,22 +57,24 @@ def train(rank, world, steps, options=None, nan_at=None):
     return _steps(model, ddp, opt, data, rank, world, 0, steps, nan_at)
 
 
-def wire_bytes(rank, world, options=None):
-    """Bytes this rank counted in one compressed step, and what the formula gives."""
+def wire_bytes(rank, world, options=None, warm=0):
+    """Bytes this rank counted in one compressed step (after ``warm`` compressed steps),
+    and what the formula gives."""
     data = workers._data()
     options = {**HOOK, **(options or {})}
     model, ddp, state, opt = _build(options)
-    _steps(model, ddp, opt, data, rank, world, 0, options["start_iter"])
-    commpress.reset_stats()
-    _steps(model, ddp, opt, data, rank, world, options["start_iter"], 1)
-    counted = sum(s["wire_bytes"] for label, s in commpress.stats().items()
-                  if label.startswith(LABEL))
+    start = options["start_iter"] + warm
+    _steps(model, ddp, opt, data, rank, world, 0, start)
     codec = build_codec(options["factor_codec"])
     expected = sum(codec.wire_bytes(chunks.padded_chunk(codec, k))
                    for hb in state.buckets for k in hb.grad_path.wire_elements())
+    elements = state.wire_elements()
+    commpress.reset_stats()
+    _steps(model, ddp, opt, data, rank, world, start, 1)
+    counted = sum(s["wire_bytes"] for label, s in commpress.stats().items()
+                  if label.startswith(LABEL))
     numel = sum(p.numel() for p in model.parameters())
-    return {"counted": counted, "expected": expected, "numel": numel,
-            "elements": state.wire_elements()}
+    return {"counted": counted, "expected": expected, "numel": numel, "elements": elements}
 
 
 def resume(rank, world, options=None):

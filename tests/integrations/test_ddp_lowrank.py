@@ -14,9 +14,10 @@ def _spawn(fn, *args):
     return spawn(fn, 2, args, ranks_per_node=1, pg_timeout_s=PG_TIMEOUT_S, timeout=300)
 
 
-@pytest.mark.parametrize("factor_codec", ["int8", "int4"])
-def test_replicas_stay_bitwise_identical_and_train(factor_codec):
-    ranks = _spawn(lowrank_workers.train, 6, {"factor_codec": factor_codec})
+@pytest.mark.parametrize("options", [{"factor_codec": "int8"}, {"factor_codec": "int4"},
+                                     {"factor_codec": "int8", "alternate": True}])
+def test_replicas_stay_bitwise_identical_and_train(options):
+    ranks = _spawn(lowrank_workers.train, 6, options)
     for a, b in zip(*ranks):
         assert a["params"] == b["params"] and a["grads"] == b["grads"]
         assert a["finite"]
@@ -24,19 +25,23 @@ def test_replicas_stay_bitwise_identical_and_train(factor_codec):
     assert losses[-1] < losses[0] - 0.05, losses
 
 
-def test_bytes_per_step_match_the_factor_formula():
-    ranks = _spawn(lowrank_workers.wire_bytes)
+@pytest.mark.parametrize("options, warm", [({}, 0), ({"alternate": True}, 0),
+                                           ({"alternate": True}, 1)])
+def test_bytes_per_step_match_the_factor_formula(options, warm):
+    ranks = _spawn(lowrank_workers.wire_bytes, options, warm)
     for r in ranks:
-        # two exchanges per hook bucket (P with the vectors, then Q), each one int8 packet
+        # per hook bucket one int8 packet per exchange: P with the vectors, then Q (or,
+        # alternating, P or Q with the vectors)
         assert r["counted"] == r["expected"]
-    n_pq = sum(ranks[0]["elements"])
+    n_pq = ranks[0]["elements"]
     # the factors are a small fraction of the gradient, at 8.25 bits instead of 32
     assert n_pq < ranks[0]["numel"] / 3
     assert ranks[0]["counted"] < 0.3 * 4 * n_pq
 
 
-def test_state_dict_round_trip_resumes_bit_for_bit():
-    ranks = _spawn(lowrank_workers.resume)
+@pytest.mark.parametrize("options", [{}, {"alternate": True}])
+def test_state_dict_round_trip_resumes_bit_for_bit(options):
+    ranks = _spawn(lowrank_workers.resume, options)
     for r in ranks:
         assert [s["params"] for s in r["straight"]] == [s["params"] for s in r["resumed"]]
         assert "rank" in r["refused"] and "config" in r["refused"]

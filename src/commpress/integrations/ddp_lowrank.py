@@ -57,6 +57,7 @@ class LowRankConfig:
     start_iter: int = 2  # exact all-reduce steps first, as the trainer sets torch's PowerSGD
     min_compression_rate: float = 2.0
     seed: int = 0
+    alternate: bool = False  # ACP-SGD: one factor per step, one all-reduce instead of two
 
     def __post_init__(self) -> None:
         if not isinstance(self.rank, int) or self.rank < 1:
@@ -107,17 +108,41 @@ class LowRankReducer:
         self.iter = 0
         g = torch.Generator().manual_seed(config.seed * 1_000_003 + bucket_index)
         self.qs = [torch.randn(x.m, x.r, generator=g) for x in self.matrices]
+        self.ps = [torch.zeros(x.n, x.r) for x in self.matrices]  # alternate: last P sent
         self.error: torch.Tensor | None = None
 
-    def wire_elements(self) -> tuple[int, int]:
-        """Elements of the two all-reduces of a compressed step: (P and vectors, Q)."""
+    def _sends_p(self) -> bool:
+        """Alternate scheme: whether this step sends ``P`` (else ``Q``)."""
+        return (self.iter - self.config.start_iter) % 2 == 0
+
+    def wire_elements(self) -> list[int]:
+        """Elements of each all-reduce of the next compressed step: PowerSGD ``[P and
+        vectors, Q]``; alternate ``[P and vectors]`` or ``[Q and vectors]``."""
         vectors = sum(k for _, k in self.vector_slices)
-        return (sum(x.n * x.r for x in self.matrices) + vectors,
-                sum(x.m * x.r for x in self.matrices))
+        n_p = sum(x.n * x.r for x in self.matrices)
+        n_q = sum(x.m * x.r for x in self.matrices)
+        if not self.config.alternate:
+            return [n_p + vectors, n_q]
+        return [(n_p if self._sends_p() else n_q) + vectors]
 
     def _reduce(self, flat: torch.Tensor, codec, group: dist.ProcessGroup | None) -> None:
         hierarchical_all_reduce(flat, intra=self.exact, inter=codec, topology=self.topology,
                                 group=group, op="avg", label=LABEL)
+
+    def _send(self, views: list[torch.Tensor], bases: list[torch.Tensor], left: bool,
+              vectors: torch.Tensor | None, group) -> list[torch.Tensor]:
+        """Average ``M B`` (``Mᵀ B`` when ``left``) of every matrix, with ``vectors``
+        appended, across the group; returns the averaged factors, then the vectors."""
+        sizes = [(x.m if left else x.n) * x.r for x in self.matrices]
+        extra = 0 if vectors is None else vectors.numel()
+        flat = torch.empty(sum(sizes) + extra)
+        parts = list(flat.split(sizes + [extra]))
+        for mv, b, out in zip(views, bases, parts):
+            torch.mm(mv.t() if left else mv, b, out=out.view(-1, b.shape[1]))
+        if vectors is not None:
+            parts[-1].copy_(vectors)
+        self._reduce(flat, self.codec, group)
+        return [out.view(-1, b.shape[1]) for out, b in zip(parts, bases)] + parts[len(bases):]
 
     def all_reduce(self, tensor: torch.Tensor, group: dist.ProcessGroup | None, op: str = "avg",
                    async_op: bool = False):
@@ -133,48 +158,42 @@ class LowRankReducer:
         compensated = tensor.float() + self.error
         views = [compensated[x.offset: x.offset + x.n * x.m].view(x.n, x.m)
                  for x in self.matrices]
-        # Step 2: P = M Q for every matrix, packed with the vectors
-        n_p, n_q = self.wire_elements()
-        first = torch.empty(n_p)
-        at = 0
-        for x, mv, q in zip(self.matrices, views, self.qs):
-            torch.mm(mv, q, out=first[at: at + x.n * x.r].view(x.n, x.r))
-            at += x.n * x.r
-        for offset, k in self.vector_slices:
-            first[at: at + k] = compensated[offset: offset + k]
-            at += k
-        # Step 3: average P and the vectors (exact in the node, codes across nodes)
-        self._reduce(first, self.codec, group)
-        # Step 4: orthogonalize each P; Step 5: Q = Mᵀ P, averaged the same way
-        ps, second, at, bt = [], torch.empty(n_q), 0, 0
-        for x, mv in zip(self.matrices, views):
-            p = torch.linalg.qr(first[at: at + x.n * x.r].view(x.n, x.r)).Q
-            ps.append(p)
-            torch.mm(mv.t(), p, out=second[bt: bt + x.m * x.r].view(x.m, x.r))
-            at, bt = at + x.n * x.r, bt + x.m * x.r
-        self._reduce(second, self.codec, group)
+        vectors = torch.cat([compensated[o: o + k] for o, k in self.vector_slices]
+                            or [compensated[:0]])
+        ps, qs = self.ps, self.qs
+        if not self.config.alternate:
+            # Step 2-3: P = M Q, averaged with the vectors; Step 4: orthogonalize P;
+            # Step 5: Q = Mᵀ P, averaged; the update is P Qᵀ
+            *ps, vectors = self._send(views, self.qs, False, vectors, group)
+            ps = [torch.linalg.qr(p).Q for p in ps]
+            qs = self._send(views, ps, True, None, group)[:-1]
+        elif self._sends_p():
+            # ACP-SGD (Zhang et al., ICDCS 2023): one factor per step, alternating;
+            # P = M orth(Q), averaged with the vectors; the update is P orth(Q)ᵀ
+            qs = [torch.linalg.qr(q).Q for q in self.qs]
+            *ps, vectors = self._send(views, qs, False, vectors, group)
+        else:
+            ps = [torch.linalg.qr(p).Q for p in self.ps]
+            *qs, vectors = self._send(views, ps, True, vectors, group)
         # Step 6: the update, P Qᵀ for matrices and the averaged vectors
         result = torch.empty_like(compensated)
-        bt = 0
-        new_qs = []
-        for x, p in zip(self.matrices, ps):
-            q = second[bt: bt + x.m * x.r].view(x.m, x.r)
+        for x, p, q in zip(self.matrices, ps, qs):
             torch.mm(p, q.t(), out=result[x.offset: x.offset + x.n * x.m].view(x.n, x.m))
-            new_qs.append(q.clone())
-            bt += x.m * x.r
+        at = 0
         for offset, k in self.vector_slices:
-            result[offset: offset + k] = first[at: at + k]
+            result[offset: offset + k] = vectors[at: at + k]
             at += k
         # Step 7: keep what was not sent; a non-finite result leaves the state as it was
         if bool(torch.isfinite(result).all()):
             self.error = compensated - result
-            self.qs = new_qs
+            self.ps, self.qs = [p.clone() for p in ps], [q.clone() for q in qs]
         tensor.copy_(result)
         self.iter += 1
         return _DONE
 
     def state_dict(self) -> dict[str, Any]:
         return {"iter": self.iter, "qs": [q.clone() for q in self.qs],
+                "ps": [p.clone() for p in self.ps],
                 "error": None if self.error is None else self.error.clone(),
                 "codec": self.codec.state_dict()}
 
@@ -186,6 +205,7 @@ class LowRankReducer:
                              f"{shapes}: resume with the same model and rank")
         self.iter = state["iter"]
         self.qs = [q.clone() for q in state["qs"]]
+        self.ps = [p.clone() for p in state["ps"]]
         self.error = None if state["error"] is None else state["error"].clone()
         self.codec.load_state_dict(state["codec"])
 
@@ -230,22 +250,22 @@ class LowRankHookState(DDPHookState):
                              f"this run's is {asdict(self.config)!r}")
         super().load_state_dict(state)
 
-    def wire_elements(self) -> tuple[int, int]:
-        """Elements all-reduced per compressed step, summed over buckets: (P and
-        vectors, Q)."""
-        counts = [hb.grad_path.wire_elements() for hb in self.buckets]
-        return sum(c[0] for c in counts), sum(c[1] for c in counts)
+    def wire_elements(self) -> int:
+        """Elements all-reduced in the next compressed step, over every bucket."""
+        return sum(sum(hb.grad_path.wire_elements()) for hb in self.buckets)
 
 
 def lowrank_hook(model: nn.Module, rank: int = 4, factor_codec: str = "int8",
                  start_iter: int = 2, min_compression_rate: float = 2.0, seed: int = 0,
-                 group: dist.ProcessGroup | None = None, topology: Topology | None = None,
-                 overlap: bool = True, bucket_numel: int = BUCKET_NUMEL):
+                 alternate: bool = False, group: dist.ProcessGroup | None = None,
+                 topology: Topology | None = None, overlap: bool = True,
+                 bucket_numel: int = BUCKET_NUMEL):
     """``(state, hook)`` for ``DistributedDataParallel.register_comm_hook``: PowerSGD of
     rank ``rank`` whose factors cross nodes as ``factor_codec`` codes.
 
     Sends per compressed step, per node across nodes, ``2 · (nodes − 1) / nodes`` times
     the codec's wire size of ``Σ r (n + m)`` factor elements plus the vector elements
+    (``alternate``: ``Σ r n`` and ``Σ r m`` on alternate steps, plus the vectors each step)
     (int8 with group-128 fp32 scales: 8.25 bits each); the first ``start_iter`` steps are
     exact all-reduces.
 
@@ -256,6 +276,8 @@ def lowrank_hook(model: nn.Module, rank: int = 4, factor_codec: str = "int8",
         start_iter: exact steps before the low-rank ones.
         min_compression_rate: a matrix is approximated only if it shrinks this much.
         seed: seed of the initial ``Q`` (the same on every rank).
+        alternate: send ``P`` and ``Q`` on alternate steps (ACP-SGD): one all-reduce per
+            step and half the bytes, for a projection on one side at a time.
         group, topology, overlap, bucket_numel: as in :func:`commpress.ddp_hook`.
 
     Example::
@@ -263,6 +285,6 @@ def lowrank_hook(model: nn.Module, rank: int = 4, factor_codec: str = "int8",
         model = DDP(model)
         model.register_comm_hook(*lowrank_hook(model, rank=4, factor_codec="int8"))
     """
-    config = LowRankConfig(rank, factor_codec, start_iter, min_compression_rate, seed)
+    config = LowRankConfig(rank, factor_codec, start_iter, min_compression_rate, seed, alternate)
     state = LowRankHookState(model, config, group, topology, overlap, bucket_numel)
     return state, compressed_allreduce_hook
