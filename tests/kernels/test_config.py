@@ -38,6 +38,7 @@ def test_the_configuration_is_frozen_and_checked():
         KernelConfig(backend="triton", fp32_dot="tf16")
     with pytest.raises(ValueError, match="backend='cuda'.*reference, triton"):
         KernelConfig(backend="cuda")
+    assert KernelConfig(**cfg.to_dict()) == cfg  # round-trips through a dict
     assert KernelConfig(backend="reference").to_dict()["tile"] == config.TILE_ELEMENTS
 
 
