@@ -118,13 +118,19 @@ class TorchNNByteLM(nn.Module):
         return self.head(self.norm(self.blocks(x, mask=mask, is_causal=True)))  # (B, T, 256)
 
 
+MODELS = {  # name → builder; the *-tiny ones keep the script's test short
+    "gpt": lambda: GPT(config_from_preset("gpt-3m")),
+    "torchnn": lambda: TorchNNByteLM(),
+    "gpt-tiny": lambda: GPT(config_from_preset("gpt-tiny", block_size=SEQ)),
+    "torchnn-tiny": lambda: TorchNNByteLM(d=64, layers=2),
+}
+
+
 def build_model(name: str) -> nn.Module:
-    """``gpt``: commpress's GPT (gpt-3m, 2.7 M parameters); ``torchnn``: TorchNNByteLM."""
-    if name == "gpt":
-        return GPT(config_from_preset("gpt-3m"))
-    if name == "torchnn":
-        return TorchNNByteLM()
-    raise ValueError(f"model={name!r} is not allowed; allowed: gpt, torchnn")
+    """``gpt``: commpress's GPT (gpt-3m, 2.8 M parameters); ``torchnn``: TorchNNByteLM."""
+    if name not in MODELS:
+        raise ValueError(f"model={name!r} is not allowed; allowed: {', '.join(MODELS)}")
+    return MODELS[name]()
 
 
 # -- one rank ------------------------------------------------------------------------------
@@ -168,8 +174,10 @@ def link_bytes() -> int | None:
         return None
 
 
-def run_one(item: dict, data, steps: int, evaluate: bool, ranks_per_node: int) -> dict:
-    """Train ``item['model']`` with ``item['hook']`` for ``steps`` steps on every rank."""
+def run_one(item: dict, data, ranks_per_node: int) -> dict:
+    """Train ``item['model']`` with ``item['hook']`` for ``item['steps']`` steps on every
+    rank; evaluate if ``item['evaluate']``."""
+    steps, evaluate = item["steps"], item["evaluate"]
     import torch.distributed as dist
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -218,7 +226,7 @@ def run_one(item: dict, data, steps: int, evaluate: bool, ranks_per_node: int) -
     if evaluate:
         val = evaluate_loss(ddp.module, data, item["seed"])
     timed_steps = steps - WARMUP_STEPS
-    return {**item, "steps": steps, "step_s": statistics.median(slowest) if slowest else None,
+    return {**item, "step_s": statistics.median(slowest) if slowest else None,
             "step_s_each": slowest, "train_losses": losses, "val_loss": val,
             "link_mb_per_step": (end - link) / timed_steps / 1e6
             if link is not None and timed_steps else None,
@@ -258,7 +266,7 @@ def rank_main(args) -> None:
     data = TextData(load_tokens(None, max_bytes=8 << 20))
     plan = json.loads(args.plan)
     for item in plan:
-        result = run_one(item, data, args.steps, args.evaluate, RANKS_PER_NODE)
+        result = run_one(item, data, RANKS_PER_NODE)
         if dist.get_rank() == 0:
             with open(args.out, "a") as f:
                 f.write(json.dumps(result) + "\n")
@@ -266,8 +274,8 @@ def rank_main(args) -> None:
 
 
 # -- the grid ------------------------------------------------------------------------------
-def launch(cluster: Cluster | None, plan: list[dict], steps: int, evaluate: bool,
-           on_result, port: int, timeout_s: float) -> None:
+def launch(cluster: Cluster | None, plan: list[dict], on_result, port: int,
+           timeout_s: float) -> None:
     """Run ``plan`` on 2 × 2 ranks (in ``cluster``'s namespaces, or on loopback without
     one); ``on_result(result)`` as each item finishes. Raises if a rank fails."""
     world = NODES * RANKS_PER_NODE
@@ -283,8 +291,7 @@ def launch(cluster: Cluster | None, plan: list[dict], steps: int, evaluate: bool
             env["GLOO_SOCKET_IFNAME"] = "eth0"
             prefix = ["ip", "netns", "exec", cluster.ns(rank // RANKS_PER_NODE)]
         argv = [*prefix, sys.executable, os.path.abspath(__file__), "--rank", "--plan",
-                json.dumps(plan), "--steps", str(steps), "--out", out,
-                "--timeout-s", str(timeout_s), *(["--evaluate"] if evaluate else [])]
+                json.dumps(plan), "--out", out, "--timeout-s", str(timeout_s)]
         # stderr to a file: a pipe nobody reads blocks a chatty rank once it is full
         logs.append(tempfile.TemporaryFile())
         procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL,
@@ -326,9 +333,6 @@ def run_grid(args) -> dict:
 
     links, seeds = args.links.split(","), [int(s) for s in args.seeds.split(",")]
     models, hooks = args.models.split(","), args.hooks.split(",")
-    for h in hooks:
-        if h not in HOOKS:
-            raise SystemExit(f"--hooks: {h!r} is not allowed; allowed: {', '.join(HOOKS)}")
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     cache = {} if args.fresh or not os.path.exists(args.json) else json.load(open(args.json))
     loss_link = links[-1]  # the fastest link, listed last
@@ -337,12 +341,13 @@ def run_grid(args) -> dict:
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/"
                   "{task.total}"), TimeElapsedColumn(), console=console) as progress:
         task = progress.add_task("DDP front", total=total)
-        for link in reversed(links):  # loss runs first: a timing run is checked against them
-            evaluate = link == loss_link
-            steps = args.loss_steps if evaluate else WARMUP_STEPS + args.time_steps
-            for seed in seeds:
-                plan = [{"model": m, "hook": h, "seed": seed} for m in models for h in hooks
-                        if f"{link}|{m}|{h}|{seed}" not in cache]
+        # seed by seed, so a cut-short grid leaves whole seeds; the loss run of a seed
+        # first, since its timing runs are checked against it
+        for seed in seeds:
+            for link in reversed(links):
+                plan = [{"model": m, "hook": h, "seed": seed,
+                         **run_length(args, h, link == loss_link)}
+                        for m in models for h in hooks if f"{link}|{m}|{h}|{seed}" not in cache]
                 progress.advance(task, len(models) * len(hooks) - len(plan))
                 if not plan:
                     continue
@@ -363,12 +368,19 @@ def run_grid(args) -> dict:
                     progress.advance(task)
 
                 if args.local:
-                    launch(None, plan, steps, evaluate, on_result, args.port, args.timeout_s)
+                    launch(None, plan, on_result, args.port, args.timeout_s)
                 else:
                     with Cluster(NODES, link) as cluster:
-                        launch(cluster, plan, steps, evaluate, on_result, args.port,
-                               args.timeout_s)
+                        launch(cluster, plan, on_result, args.port, args.timeout_s)
     return cache
+
+
+def run_length(args, hook: str, loss_run: bool) -> dict:
+    """Steps and evaluation of one run: the loss link trains ``--loss-steps`` and
+    evaluates; other links, and the compute floor everywhere, time the short run."""
+    if loss_run and HOOKS[hook].kind != "local":
+        return {"steps": args.loss_steps, "evaluate": True}
+    return {"steps": WARMUP_STEPS + args.time_steps, "evaluate": False}
 
 
 # -- the report ----------------------------------------------------------------------------
@@ -385,13 +397,13 @@ def summarize(cache: dict, links: list[str], models: list[str], hooks: list[str]
                         if k.startswith(f"{loss_link}|{m}|{h}|")}
                 if not runs or not base:
                     continue
-                vals = [b["val_loss"] for b in base.values()]
+                vals = [b["val_loss"] for b in base.values() if b["val_loss"] is not None]
                 same = all(base[r["seed"]]["train_losses"][:len(r["train_losses"])]
                            == r["train_losses"] for r in runs if r["seed"] in base)
                 mbs = [r["link_mb_per_step"] for r in runs if r["link_mb_per_step"] is not None]
                 out[(m, link, h)] = {
                     "step_s": statistics.median(r["step_s"] for r in runs),
-                    "loss": statistics.mean(vals),
+                    "loss": statistics.mean(vals) if vals else math.nan,
                     "loss_std": statistics.stdev(vals) if len(vals) > 1 else 0.0,
                     "seeds": len(vals), "mb": statistics.median(mbs) if mbs else math.nan,
                     "load": statistics.mean(r["load_avg"] for r in runs),
@@ -481,15 +493,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--timeout-s", type=float, default=300.0)
     ap.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--plan", help=argparse.SUPPRESS)
-    ap.add_argument("--steps", type=int, help=argparse.SUPPRESS)
-    ap.add_argument("--evaluate", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.rank:
         rank_main(args)
         return
+    for flag, names, allowed in (("--hooks", args.hooks, HOOKS), ("--models", args.models,
+                                                                  MODELS)):
+        for name in names.split(","):
+            if name not in allowed:
+                ap.error(f"{flag}: {name!r} is not allowed; allowed: {', '.join(allowed)}")
     if args.loss_steps <= WARMUP_STEPS or args.time_steps < 1:
-        raise SystemExit(f"--loss-steps must exceed {WARMUP_STEPS} and --time-steps be >= 1")
+        ap.error(f"--loss-steps must exceed {WARMUP_STEPS} and --time-steps be >= 1")
     os.makedirs(args.results, exist_ok=True)
     stem = os.path.join(args.results, args.name)
     args.json = stem + ".json"
