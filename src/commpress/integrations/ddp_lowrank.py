@@ -110,6 +110,7 @@ class LowRankReducer:
         self.qs = [torch.randn(x.m, x.r, generator=g) for x in self.matrices]
         self.ps = [torch.zeros(x.n, x.r) for x in self.matrices]  # alternate: last P sent
         self.error: torch.Tensor | None = None
+        self.device = torch.device("cpu")
 
     def _sends_p(self) -> bool:
         """Alternate scheme: whether this step sends ``P`` (else ``Q``)."""
@@ -135,7 +136,7 @@ class LowRankReducer:
         appended, across the group; returns the averaged factors, then the vectors."""
         sizes = [(x.m if left else x.n) * x.r for x in self.matrices]
         extra = 0 if vectors is None else vectors.numel()
-        flat = torch.empty(sum(sizes) + extra)
+        flat = torch.empty(sum(sizes) + extra, device=self.device)
         parts = list(flat.split(sizes + [extra]))
         for mv, b, out in zip(views, bases, parts):
             torch.mm(mv.t() if left else mv, b, out=out.view(-1, b.shape[1]))
@@ -155,6 +156,10 @@ class LowRankReducer:
         # Step 1: add the memory: M = G + E
         if self.error is None:
             self.error = torch.zeros_like(tensor, dtype=torch.float32)
+        if self.device != tensor.device:  # the factors live where the gradients do
+            self.device = tensor.device
+            self.qs = [q.to(tensor.device) for q in self.qs]
+            self.ps = [p.to(tensor.device) for p in self.ps]
         compensated = tensor.float() + self.error
         views = [compensated[x.offset: x.offset + x.n * x.m].view(x.n, x.m)
                  for x in self.matrices]
@@ -204,9 +209,10 @@ class LowRankReducer:
             raise ValueError(f"low-rank hook state has factors {theirs}; this bucket has "
                              f"{shapes}: resume with the same model and rank")
         self.iter = state["iter"]
-        self.qs = [q.clone() for q in state["qs"]]
-        self.ps = [p.clone() for p in state["ps"]]
-        self.error = None if state["error"] is None else state["error"].clone()
+        self.qs = [q.to(self.device, copy=True) for q in state["qs"]]
+        self.ps = [p.to(self.device, copy=True) for p in state["ps"]]
+        self.error = None if state["error"] is None else state["error"].to(self.device,
+                                                                             copy=True)
         self.codec.load_state_dict(state["codec"])
 
 
