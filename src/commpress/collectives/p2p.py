@@ -59,6 +59,7 @@ from commpress.collectives.agreement import (
     digest,
     mismatch_message,
 )
+from commpress.collectives.byte_stats import Stats, count_sent
 from commpress.collectives.call import AnyCodec, check_float, resolve_codec
 from commpress.collectives.comm import resolve_group
 from commpress.collectives.handle import Handle
@@ -223,15 +224,8 @@ def isend(tensor: torch.Tensor, dst: int, codec="none", group: dist.ProcessGroup
     _check_peer(ctx, dst, "dst")
     label = label or "p2p"
     device = _wire_device(ctx, tensor)
-    with ctx.stats.timed(label, "encode_s", tensor.device):
-        packet = chunks.encode(codec, tensor.detach(), rng_stream=dist.get_rank(),
-                               key=f"{label}->{dst}")
-        payload = packet_to_bytes(packet).to(device)
-        if payload.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr():
-            payload = payload.clone()  # codec "none" sends the tensor itself: the caller
-            # may reuse its tensor once isend returns
-    ctx.stats.record(label, calls=1, elements=tensor.numel(), wire_bytes=payload.numel(),
-                     raw_bytes=tensor.numel() * tensor.element_size())
+    payload = encode_payload(codec, tensor, ctx.stats, label, device,
+                             rng_stream=dist.get_rank(), key=f"{label}->{dst}")
     seq = ctx.next_p2p("send", dst, tag)
     text = _descriptor(ctx, seq, label, codec, tensor, ctx.rank, dst, tag)
     inbox = _inbox(ctx, group, dst, tag)
@@ -301,12 +295,30 @@ def irecv(tensor: torch.Tensor, src: int, codec="none", group: dist.ProcessGroup
         with ctx.stats.timed(label, "comm_s", tensor.device):
             arrival.wait()
         with ctx.stats.timed(label, "decode_s", tensor.device):
-            packet = wire.packet_from_bytes(arrival.payload.to(tensor.device), tensor.numel(),
-                                            tuple(tensor.shape), tensor.dtype)
-            wire.decode(packet, out=tensor)
-        return tensor
+            return decode_payload(codec, arrival.payload.to(tensor.device), tensor)
 
     return Handle(finish)
+
+
+def encode_payload(codec: AnyCodec, tensor: torch.Tensor, stats: Stats, label: str,
+                   device: torch.device, *, rng_stream: int, key: str) -> torch.Tensor:
+    """Encode ``tensor`` for a transfer and count its bytes → the payload on ``device``
+    (never the tensor's own storage: the sender may reuse it once the send returns)."""
+    with stats.timed(label, "encode_s", tensor.device):
+        packet = chunks.encode(codec, tensor.detach(), rng_stream=rng_stream, key=key)
+        payload = packet_to_bytes(packet).to(device)
+        if payload.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr():
+            payload = payload.clone()  # codec "none" sends the tensor itself
+    count_sent(stats, label, tensor.numel(), payload.numel(), tensor.element_size())
+    return payload
+
+
+def decode_payload(codec: AnyCodec, payload: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Decode a transfer's ``payload`` into ``out`` (the codec alone: the memory of error
+    feedback is the sender's)."""
+    wire = split(codec)[0]
+    packet = wire.packet_from_bytes(payload, out.numel(), tuple(out.shape), out.dtype)
+    return wire.decode(packet, out=out)
 
 
 def _refuse(ctx: GroupContext, inbox: _Inbox, arrival: _Arrival, mine: str,

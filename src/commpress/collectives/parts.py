@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from commpress.codecs import packet_to_bytes
 from commpress.collectives import chunks
-from commpress.collectives.byte_stats import Stats
+from commpress.collectives.byte_stats import Stats, count_sent
 from commpress.collectives.call import AnyCodec, begin
 from commpress.collectives.comm import Exchange, resolve_group
 from commpress.collectives.topology import Topology
@@ -112,10 +112,9 @@ def _level(parts: list[torch.Tensor], codec: AnyCodec, group: dist.ProcessGroup,
     with stats.timed(label, "encode_s", device):
         rows = [_encode_part(codec, p, m, me, f"{label}#{r}")
                 for r, (p, m) in enumerate(zip(parts, padded))]
-    elements = sum(m for r, m in enumerate(padded) if r != me)
-    stats.record(label, calls=1, elements=elements,
-                 wire_bytes=sum(row.numel() for r, row in enumerate(rows) if r != me),
-                 raw_bytes=elements * parts[me].element_size())
+    count_sent(stats, label, sum(m for r, m in enumerate(padded) if r != me),
+               sum(row.numel() for r, row in enumerate(rows) if r != me),
+               parts[me].element_size())
     # Step 2: one all-to-all of the byte rows. A fixed-rate codec's rows for this rank
     # all have the size of the one it sends itself; a variable-rate codec's sizes
     # travel first.

@@ -23,11 +23,9 @@ from typing import Any
 
 import torch
 
-from commpress.codecs import packet_to_bytes
-from commpress.codecs.error_feedback import split
-from commpress.collectives import chunks
 from commpress.collectives.byte_stats import Stats
 from commpress.collectives.call import AnyCodec
+from commpress.collectives.p2p import decode_payload, encode_payload
 from commpress.collectives.transport import AllGather, AllToAll, Peers, Reduce, Request, Steps
 
 
@@ -132,13 +130,7 @@ def played_transfer(send_codec: AnyCodec, recv_codec: AnyCodec, tensor: torch.Te
     """What :func:`commpress.recv` writes on the receiver when the sender calls
     :func:`commpress.isend` on ``tensor`` (``rng_stream``: the sender's global rank;
     ``key``: ``"<label>-><dst>"``) — the same encode, bytes and decode into a new tensor."""
-    packet = chunks.encode(send_codec, tensor.detach(), rng_stream=rng_stream, key=key)
-    payload = packet_to_bytes(packet)
-    if stats is not None:
-        stats.record(label, calls=1, elements=tensor.numel(), wire_bytes=payload.numel(),
-                     raw_bytes=tensor.numel() * tensor.element_size())
+    payload = encode_payload(send_codec, tensor, Stats() if stats is None else stats, label,
+                             tensor.device, rng_stream=rng_stream, key=key)
     out = torch.empty_like(tensor, memory_format=torch.contiguous_format)
-    recv_codec = split(recv_codec)[0]
-    received = recv_codec.packet_from_bytes(payload, out.numel(), tuple(out.shape), out.dtype)
-    recv_codec.decode(received, out=out)
-    return out
+    return decode_payload(recv_codec, payload, out)

@@ -3,8 +3,9 @@
 What ``commpress simulate --engine ddp`` runs: the hook's own fixed buckets
 (:func:`~commpress.integrations.ddp.hook_layout`, the same layout as in a real run),
 one :class:`GradPath` per rank and bucket (each rank's stochastic-rounding counters and
-error-feedback memory), and each bucket's all-reduce as
-:mod:`commpress.collectives.played` plays it — one level, or two over ``N / M`` nodes.
+error-feedback memory), and each rank running the hook's own all-reduce steps
+(:meth:`GradPath.all_reduce_steps`) over the played transport
+(:mod:`commpress.collectives.played`) — one level, or two over ``N / M`` nodes.
 DDP then holds the same averaged gradient on every rank; so does the one replica here.
 
 Per step: :meth:`take` after each rank's backward (its gradients are encoded and

@@ -5,9 +5,11 @@ run holds the same bits — and feeds it the ``N`` ranks' gradients one at a tim
 object keeps what the ``N`` real optimizers keep: the same flat buckets
 (:func:`build_buckets` with ``world = N``), one set of codec objects per rank and
 bucket (stochastic-rounding counters, error-feedback memory), the ``N`` master shards
-(together: one fp32 master per bucket, updated by the same elementwise optimizer), and
-it runs the policy's collectives as :mod:`commpress.collectives.played` plays them. The
-gradient norm adds the ranks' parts in rank order, as the real optimizer does.
+(together: one fp32 master per bucket, updated by the same elementwise optimizer). Each
+rank runs the real optimizer's own collective steps — :meth:`GradPath.reduce_scatter_steps`,
+:func:`weight_gather_steps` — over the played transport
+(:mod:`commpress.collectives.played`). The gradient norm adds the ranks' parts in rank
+order, as the real optimizer does.
 
 Per step: :meth:`take` after each rank's backward (the gradient is encoded and freed:
 only codes of ``N`` ranks are held), then :meth:`step`.
@@ -15,8 +17,6 @@ only codes of ``N`` ranks are held), then :meth:`step`.
 
 from __future__ import annotations
 
-import logging
-import math
 from typing import Any
 
 import torch
@@ -34,14 +34,12 @@ from commpress.integrations.buckets import (
 )
 from commpress.integrations.grad_path import GradPath
 from commpress.integrations.sharded_optimizer import (
-    NonFiniteGradientError,
     clip_and_step,
     norm_of_parts,
+    skips_nonfinite,
 )
 from commpress.integrations.weight_gather import weight_gather_steps
 from commpress.policy import Policy
-
-log = logging.getLogger(__name__)
 
 STATE_FORMAT = "commpress.played_sharded_optimizer/1"
 
@@ -145,12 +143,8 @@ class PlayedShardedOptimizer:
         self.last_grad_norm = norm
         shards, self._shards = self._shards, None
         self.steps += 1
-        if not math.isfinite(norm):
+        if skips_nonfinite(norm, self.nonfinite, f"simulated step {self.steps - 1}"):
             self.skipped_steps += 1
-            if self.nonfinite == "raise":
-                raise NonFiniteGradientError(f"simulated step {self.steps - 1}: gradient norm "
-                                             f"{norm}")
-            log.warning("simulated step %d: non-finite gradient norm, skipped", self.steps - 1)
             return False
         grads = [(b.master, torch.cat([s[r] for r in range(self.world)]))
                  for b, s in zip(self.buckets, shards)]

@@ -261,14 +261,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         norm = self._reduce_gradients()
         limits = [x for x in (self.max_grad_norm, self._clip_norm) if x is not None]
         self._reduced_norm = self._clip_norm = None
-        if not math.isfinite(norm):
+        if skips_nonfinite(norm, self.nonfinite, f"ShardedOptimizer step {self.steps}"):
             self.skipped_steps += 1
-            if self.nonfinite == "raise":
-                raise NonFiniteGradientError(
-                    f"ShardedOptimizer step {self.steps}: the global gradient norm is {norm} "
-                    "(a gradient holds NaN or Inf on some rank); the weights were not changed")
-            log.warning("ShardedOptimizer step %d: non-finite gradient norm %s, step skipped",
-                        self.steps, norm)
             self.steps += 1
             return False
         # Step 3: clip; the inner optimizer on the fp32 master shards
@@ -412,6 +406,19 @@ class ShardedOptimizer(torch.optim.Optimizer):
             b.param_codec.load_state_dict(pcodec)
         self.steps = state["steps"]
         self.skipped_steps = state["skipped_steps"]
+
+
+def skips_nonfinite(norm: float, nonfinite: str, where: str) -> bool:
+    """Whether a step with gradient norm ``norm`` is skipped (logged): a non-finite norm
+    with ``nonfinite="skip"``; with ``"raise"`` it raises :class:`NonFiniteGradientError`."""
+    if math.isfinite(norm):
+        return False
+    if nonfinite == "raise":
+        raise NonFiniteGradientError(
+            f"{where}: the global gradient norm is {norm} (a gradient holds NaN or Inf on "
+            "some rank); the weights were not changed")
+    log.warning("%s: non-finite gradient norm %s, step skipped", where, norm)
+    return True
 
 
 def clip_and_step(optimizer: torch.optim.Optimizer,
