@@ -110,7 +110,8 @@ def run(steps: Steps, then: Callable[[Any], Any] = lambda result: result) -> Han
             request = steps.send(_finish(request, transfer))
             transfer = _start(request)
     except StopIteration as done:
-        return completed(then(done.value))
+        with torch.no_grad():  # results are written in place, as in Handle.wait()
+            return completed(then(done.value))
 
     def finish() -> Any:
         nonlocal request, transfer
