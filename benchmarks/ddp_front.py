@@ -405,6 +405,7 @@ def summarize(cache: dict, links: list[str], models: list[str], hooks: list[str]
                     "step_s": statistics.median(r["step_s"] for r in runs),
                     "loss": statistics.mean(vals) if vals else math.nan,
                     "loss_std": statistics.stdev(vals) if len(vals) > 1 else 0.0,
+                    "losses": {seed: b["val_loss"] for seed, b in base.items()},
                     "seeds": len(vals), "mb": statistics.median(mbs) if mbs else math.nan,
                     "load": statistics.mean(r["load_avg"] for r in runs),
                     "same_bits": same, "identical": all(r["replicas_identical"] for r in runs),
@@ -436,11 +437,49 @@ def report(summary: dict, links: list[str], models: list[str], hooks: list[str],
                              f"{s['step_s']:.3f} | {speed} | {loss} | {s['mb']:.2f} | "
                              f"{s['load']:.1f} | {'yes' if s['same_bits'] else 'NO'}"
                              f"{'' if s['identical'] else ', replicas differ'} |")
+    lines += ["", *front_verdicts(summary, links, models, hooks)]
     text = "\n".join(lines) + "\n"
     with open(md, "w") as f:
         f.write(text)
     plot(summary, links, models, hooks, png)
     return text
+
+
+def paired_delta(a: dict, b: dict) -> tuple[float, float]:
+    """Mean and sample std of ``a − b`` validation loss over the seeds both ran (the
+    same seed: the same initialization and batches)."""
+    d = [a["losses"][seed] - b["losses"][seed] for seed in a["losses"] if seed in b["losses"]]
+    if not d:
+        return math.nan, math.nan
+    return statistics.mean(d), statistics.stdev(d) if len(d) > 1 else 0.0
+
+
+def front_verdicts(summary: dict, links: list[str], models: list[str],
+                   hooks: list[str]) -> list[str]:
+    """For each PowerSGD rank: the fastest commpress hook at a mean loss no worse."""
+    ours = [h for h in hooks if HOOKS[h].kind in ("commpress", "lowrank")]
+    lines = ["For each PowerSGD rank, the fastest commpress hook whose mean validation loss "
+             "is no worse:", "",
+             "| model | link | PowerSGD | step s | val loss | commpress hook | step s | "
+             "speedup | paired Δ loss ± std |", "|---|---|---|---|---|---|---|---|---|"]
+    for m in models:
+        for link in links:
+            for h in hooks:
+                peer = summary.get((m, link, h))
+                if peer is None or HOOKS[h].kind != "powersgd":
+                    continue
+                fits = [(summary[(m, link, o)]["step_s"], o) for o in ours
+                        if (m, link, o) in summary and summary[(m, link, o)]["loss"]
+                        <= peer["loss"]]
+                row = f"| {m} | {link} | {h} | {peer['step_s']:.3f} | {peer['loss']:.4f} |"
+                if not fits:
+                    lines.append(row + " none | - | - | - |")
+                    continue
+                t, o = min(fits)
+                d, sd = paired_delta(summary[(m, link, o)], peer)
+                lines.append(row + f" {o} | {t:.3f} | {peer['step_s'] / t:.2f}× | "
+                                   f"{d:+.4f} ± {sd:.4f} |")
+    return lines
 
 
 def plot(summary: dict, links: list[str], models: list[str], hooks: list[str], png: str) -> None:

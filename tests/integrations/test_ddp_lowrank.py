@@ -14,8 +14,12 @@ def _spawn(fn, *args):
     return spawn(fn, 2, args, ranks_per_node=1, pg_timeout_s=PG_TIMEOUT_S, timeout=300)
 
 
-@pytest.mark.parametrize("options", [{"factor_codec": "int8"}, {"factor_codec": "int4"},
-                                     {"factor_codec": "int8", "alternate": True}])
+SLOW = pytest.mark.slow  # the variants; the first of each test runs by default
+
+
+@pytest.mark.parametrize("options", [{"factor_codec": "int8"},
+                                     pytest.param({"factor_codec": "int4"}, marks=SLOW),
+                                     pytest.param({"alternate": True}, marks=SLOW)])
 def test_replicas_stay_bitwise_identical_and_train(options):
     ranks = _spawn(lowrank_workers.train, 6, options)
     for a, b in zip(*ranks):
@@ -25,8 +29,9 @@ def test_replicas_stay_bitwise_identical_and_train(options):
     assert losses[-1] < losses[0] - 0.05, losses
 
 
-@pytest.mark.parametrize("options, warm", [({}, 0), ({"alternate": True}, 0),
-                                           ({"alternate": True}, 1)])
+@pytest.mark.parametrize("options, warm", [({}, 0),
+                                           pytest.param({"alternate": True}, 0, marks=SLOW),
+                                           pytest.param({"alternate": True}, 1, marks=SLOW)])
 def test_bytes_per_step_match_the_factor_formula(options, warm):
     ranks = _spawn(lowrank_workers.wire_bytes, options, warm)
     for r in ranks:
@@ -39,7 +44,7 @@ def test_bytes_per_step_match_the_factor_formula(options, warm):
     assert ranks[0]["counted"] < 0.3 * 4 * n_pq
 
 
-@pytest.mark.parametrize("options", [{}, {"alternate": True}])
+@pytest.mark.parametrize("options", [{}, pytest.param({"alternate": True}, marks=SLOW)])
 def test_state_dict_round_trip_resumes_bit_for_bit(options):
     ranks = _spawn(lowrank_workers.resume, options)
     for r in ranks:
