@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import torch
 
+from commpress.codecs.error_feedback import split
 from commpress.collectives import Topology
 from commpress.collectives.call import is_exact
 from commpress.collectives.topology import levels_used
@@ -117,7 +118,7 @@ def _held_codes(path: GradPath, numel: int, ranks: int, rpn: int) -> int:
     if ranks == 1 or is_exact(codec):
         return 0
     per_rank = numel // rpn if len(levels) == 2 else numel
-    return ranks * (codec.wire_bytes(per_rank) or 0)
+    return ranks * (split(codec)[0].wire_bytes(per_rank) or 0)
 
 
 def _batch_bytes(cfg: TrainConfig) -> int:
