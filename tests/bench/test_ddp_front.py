@@ -16,8 +16,8 @@ def test_smallest_grid_writes_its_table_and_plot(tmp_path):
     hooks = "allreduce,powersgd-r1,acp-r4-int8,compute-only"
     proc = subprocess.run(
         [sys.executable, SCRIPT, "--local", "--links", "50mbit,1gbit", "--seeds", "0",
-         "--models", "gpt-tiny,torchnn-tiny", "--hooks", hooks, "--loss-steps", "5",
-         "--time-steps", "2", "--results", str(tmp_path), "--port", "29583"],
+         "--models", "gpt-tiny,torchnn-tiny", "--hooks", hooks, "--loss-steps", "8",
+         "--time-steps", "4", "--results", str(tmp_path), "--port", "29583"],
         capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     table = (tmp_path / "ddp_front.md").read_text()
