@@ -495,6 +495,7 @@ def plot(summary: dict, links: list[str], models: list[str], hooks: list[str], p
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, axes = plt.subplots(len(models), len(links), figsize=(5.5 * len(links),
                              4 * len(models)), squeeze=False)
@@ -505,7 +506,9 @@ def plot(summary: dict, links: list[str], models: list[str], hooks: list[str], p
                 s = summary.get((m, link, h))
                 if s is None or HOOKS[h].kind == "local":
                     if s is not None:
-                        ax.axvline(s["step_s"], color="grey", ls=":", label="compute only")
+                        ax.axvline(s["step_s"], color="grey", ls=":")
+                        ax.annotate("compute only", (s["step_s"], 0.02), rotation=90,
+                                    xycoords=("data", "axes fraction"), fontsize=6)
                     continue
                 peer = HOOKS[h].kind in ("powersgd", "allreduce")
                 ax.errorbar(s["step_s"], s["loss"], yerr=s["loss_std"], ls="none",
@@ -515,6 +518,8 @@ def plot(summary: dict, links: list[str], models: list[str], hooks: list[str], p
                 ax.annotate(h, (s["step_s"], s["loss"]), fontsize=6, xytext=(3, 3),
                             textcoords="offset points")
             ax.set_xscale("log")
+            ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+            ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
             ax.set(xlabel="step time (s, log)", ylabel="validation loss",
                    title=f"{m} @ {link}")
             ax.grid(alpha=0.3)
