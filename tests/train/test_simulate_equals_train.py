@@ -20,6 +20,7 @@ import torch
 
 import commpress
 from commpress.cli import main
+from commpress.integrations.ddp import grad_policy
 
 # the reported layout: 4 ranks as 2 nodes × 2, gpt-tiny, batch 8 × 32
 LAYOUT = ["--model", "gpt-tiny", "--batch-size", "8", "--seq-len", "32", "--ranks-per-node",
@@ -101,8 +102,18 @@ DRIFTED = dict(SWEEP_LAYOUT, policy="sdp4bit", batch_size=8, seq_len=32, seed=0,
                data=CORPORA["argparse"], steps=12)
 
 
-def sweep_cases(engine: str, seeds=SEEDS, policies=COMPRESSED_GRADIENTS,
-                steps: int = 30) -> list[dict]:
+def ddp_paths(policies: list[str]) -> list[str]:
+    """One preset per gradient path of DDP's hook, which reads only the ``dp.grad`` rules
+    (hybrid, sdp4bit and tlqhs send their gradients alike)."""
+    first = {}
+    for policy in policies:
+        first.setdefault(json.dumps(grad_policy(policy).to_dict()["dp"]["grad"]), policy)
+    return list(first.values())
+
+
+def sweep_cases(engine: str, seeds=SEEDS, policies=None, steps: int = 30) -> list[dict]:
+    policies = policies or (ddp_paths(COMPRESSED_GRADIENTS) if engine == "ddp"
+                            else COMPRESSED_GRADIENTS)
     extra = dict(engine="ddp", micro_batches=1) if engine == "ddp" else {}
     return [dict(SWEEP_LAYOUT, policy=policy, seed=seed, data=CORPORA[corpus], steps=steps,
                  bucket_numel=20_000 if seed % 2 else 1 << 20, **extra)

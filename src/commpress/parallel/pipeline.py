@@ -15,7 +15,6 @@ never asks which.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 
@@ -30,8 +29,6 @@ from commpress.collectives.stats import Stats
 from commpress.model.gpt import GPT
 from commpress.parallel.mesh import Mesh, MeshShape
 from commpress.policy import Policy
-
-log = logging.getLogger(__name__)
 
 
 def stage_layers(n_layer: int, pp: int) -> list[tuple[int, int]]:

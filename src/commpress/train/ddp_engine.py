@@ -136,10 +136,6 @@ class DDPEngine:
         self.skipped_steps = 0
         self.steps = 0
 
-    @property
-    def param_groups(self):
-        return self.opt.param_groups
-
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor, micro: int) -> float:
         return ddp_forward_backward(self.model, x, y, micro,
                                     self.model.no_sync if self.played is None else None)

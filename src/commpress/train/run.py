@@ -315,8 +315,14 @@ class Run:
     def identity(self) -> dict[str, Any]:
         """What a checkpoint must share with this run to be resumed by it (a played
         checkpoint holds every rank's state, a real one one rank's: other runs)."""
-        return run_identity(self.cfg, self.policy, self.data, self.world, self.ranks_per_node,
-                            self.played)
+        cfg = self.cfg
+        return {"world": self.world, "model": cfg.model, "dp": cfg.dp, "tp": cfg.tp,
+                "pp": cfg.pp, "policy": self.policy.to_dict(), "dtype": cfg.dtype,
+                "ranks_per_node": self.ranks_per_node, "seed": cfg.seed,
+                "batch_size": cfg.batch_size, "seq_len": cfg.seq_len,
+                "micro_batches": cfg.micro_batches, "bucket_numel": cfg.bucket_numel,
+                "engine": cfg.engine, "ddp_hook": cfg.ddp_hook, "data": self.data.fingerprint(),
+                **({"simulate": True} if self.played else {})}
 
     def state_dict(self, step: int) -> dict[str, Any]:
         stages = [st.state_dict() for st in self.stages]
@@ -363,17 +369,6 @@ class Run:
         return summed_counters(mine.snapshot(), self.device)
 
 
-def run_identity(cfg: TrainConfig, policy: Policy, data: TextData, world: int,
-                 ranks_per_node: int, played: bool = False) -> dict[str, Any]:
-    """What a checkpoint of ``world`` processes must share with a run to be resumed by it."""
-    return {"world": world, "model": cfg.model, "dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp,
-            "policy": policy.to_dict(), "dtype": cfg.dtype, "ranks_per_node": ranks_per_node,
-            "seed": cfg.seed, "batch_size": cfg.batch_size, "seq_len": cfg.seq_len,
-            "micro_batches": cfg.micro_batches, "bucket_numel": cfg.bucket_numel,
-            "engine": cfg.engine, "ddp_hook": cfg.ddp_hook, "data": data.fingerprint(),
-            **({"simulate": True} if played else {})}
-
-
 def summed_counters(counters: dict[str, dict[str, float]],
                     device: torch.device) -> dict[str, dict[str, float]]:
     """Per-label wire/raw bytes and elements of ``counters`` (this rank's), summed over
@@ -389,6 +384,8 @@ def summed_counters(counters: dict[str, dict[str, float]],
 def run_steps(run: Run, writer: bool) -> dict[str, Any] | None:
     """The steps, evaluations and checkpoints of ``run`` from its start (or checkpoint);
     the ``writer`` writes the run directory and returns the summary."""
+    from commpress.train.report import TrainProgress
+
     cfg = run.cfg
     if writer:  # before anyone saves: a killed run's half-written files go
         checkpoint.remove_stale_temporaries(cfg.out)
@@ -401,7 +398,7 @@ def run_steps(run: Run, writer: bool) -> dict[str, Any] | None:
         with open(os.path.join(cfg.out, "config.json"), "w") as f:
             json.dump({"simulate" if run.played else "train": cfg.to_dict(),
                        "policy": run.policy.to_dict()}, f, indent=1)
-    progress = progress_bar(cfg) if writer and cfg.progress else None
+    progress = TrainProgress(cfg.steps) if writer and cfg.progress else None
     wall0 = time.perf_counter() - (run.history[-1]["wall_s"] if run.history else 0.0)
     try:
         for step in range(run.start_step, cfg.steps):
@@ -481,9 +478,3 @@ def write_outputs(cfg: TrainConfig, run: Run, totals: dict) -> dict[str, Any]:
     plot_loss(hist, os.path.join(cfg.out, "loss.png"), title=f"{name} "
               f"dp{cfg.dp}×tp{cfg.tp}×pp{cfg.pp}")
     return summary
-
-
-def progress_bar(cfg: TrainConfig):
-    from commpress.train.report import TrainProgress
-
-    return TrainProgress(cfg.steps)
