@@ -136,9 +136,9 @@ def _sweep(cases: list[dict]) -> None:
                  if x != y]
         what += [f"weight {n}" for n in a["weights"] if a["weights"][n] != b["weights"].get(n)]
         if what or a["weights"].keys() != b["weights"].keys():
-            differ.append(f"{case['engine'] if 'engine' in case else 'sharded'} "
-                          f"{case['policy']} seed {case['seed']} "
-                          f"{os.path.basename(case['data'])}: {', '.join(what[:4])}")
+            differ.append(f"{case.get('engine', 'sharded')} {case['policy']} seed "
+                          f"{case['seed']} {os.path.basename(case['data'])}: "
+                          f"{', '.join(what[:4])}")
     assert not differ, f"{len(differ)} of {len(cases)} cases differ:\n" + "\n".join(differ)
 
 
