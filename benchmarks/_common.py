@@ -1,16 +1,22 @@
 """Shared helpers for the benchmark scripts: run a grid of trainings, cache summaries,
-and aggregate over seeds (mean and sample standard deviation)."""
+and aggregate over seeds (mean and sample standard deviation); start an engine's ranks
+on the emulated cluster (the ``*_cluster.py`` scripts)."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
+import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
+from commpress.launch import set_parent_death_signal  # noqa: E402
 from commpress.train.config import TrainConfig, policy_slug  # noqa: E402
 from commpress.train.loop import train  # noqa: E402
 
@@ -115,3 +121,113 @@ def write_markdown(filename: str, lines: list[str]) -> str:
         f.write(text)
     print(text)
     return text
+
+
+# -- engines on the emulated cluster ---------------------------------------------------
+# The *_cluster.py scripts start their own ranks inside the nodes' namespaces (the
+# engines' own set-up, not `commpress train`): the launcher, its options and the link
+# counters live here once.
+
+NODES, RANKS_PER_NODE = 2, 2
+
+
+def add_cluster_args(ap: argparse.ArgumentParser, *, steps: int, policies: str,
+                     port: int) -> None:
+    """The options every cluster script takes, and the hidden ones of its rank processes."""
+    ap.add_argument("--steps", type=int, default=steps)
+    ap.add_argument("--bandwidth", default="50mbit", help="each node's link, both directions")
+    ap.add_argument("--policies", default=policies)
+    ap.add_argument("--port", type=int, default=port)
+    ap.add_argument("--timeout", type=float, default=3600, help="seconds per policy")
+    ap.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--policy", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+
+
+def rank_flags(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
+    """``--name=value`` for the ``names`` of ``args`` a rank process needs again."""
+    return [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in names]
+
+
+def run_ranks(cluster, script: str, policy: str, out: str, flags: list[str], port: int,
+              timeout: float, env: dict[str, str] | None = None) -> None:
+    """Run ``script --rank`` as ``NODES × RANKS_PER_NODE`` ranks inside ``cluster``'s
+    namespaces with the environment torchrun gives; wait for all. A rank that fails stops
+    the others and raises with its stderr's end; so does the timeout."""
+    world = NODES * RANKS_PER_NODE
+    procs, logs = [], []
+    for rank in range(world):
+        rank_env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world),
+                        LOCAL_RANK=str(rank % RANKS_PER_NODE),
+                        LOCAL_WORLD_SIZE=str(RANKS_PER_NODE), MASTER_ADDR=cluster.ip(0),
+                        MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="eth0",
+                        OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **(env or {}))
+        argv = ["ip", "netns", "exec", cluster.ns(rank // RANKS_PER_NODE), sys.executable,
+                os.path.abspath(script), "--rank", "--policy", policy, "--out", out, *flags]
+        # stderr to a file: a pipe nobody reads blocks a chatty rank once it is full
+        logs.append(tempfile.TemporaryFile())
+        procs.append(subprocess.Popen(argv, env=rank_env, stdout=subprocess.DEVNULL,
+                                      stderr=logs[-1], preexec_fn=set_parent_death_signal))
+    try:
+        failed = _wait_all(procs, timeout)
+        if failed is not None:
+            logs[failed].seek(0)
+            err = logs[failed].read().decode(errors="replace")[-3000:]
+            code = procs[failed].returncode
+            why = "timed out" if code is None else f"exited with {code}"
+            raise RuntimeError(f"{policy}: rank {failed} {why}:\n{err}")
+    finally:
+        for p in procs:  # a failed or timed-out run leaves no rank behind
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        for f in logs:
+            f.close()
+
+
+def rank0_result(cluster, script: str, name: str, policy: str, flags: list[str], port: int,
+                 timeout: float, env: dict[str, str] | None = None) -> dict:
+    """:func:`run_ranks` for one policy whose rank 0 writes a JSON file; that file's
+    contents (the file itself removed), with the machine's 1-minute load average before
+    and after the run under ``load_average`` (other jobs on the cores slow every step)."""
+    os.makedirs(RESULTS, exist_ok=True)
+    out = os.path.join(RESULTS, f"{name}.{policy}.rank0.json")
+    load_before = os.getloadavg()[0]
+    run_ranks(cluster, script, policy, out, flags, port, timeout, env)
+    with open(out) as f:
+        result = json.load(f)
+    os.remove(out)
+    result["load_average"] = [load_before, os.getloadavg()[0]]
+    return result
+
+
+def _wait_all(procs: list[subprocess.Popen], timeout: float) -> int | None:
+    """Wait for every process; the first one that failed (or is still running at the
+    timeout), else ``None``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        codes = [p.poll() for p in procs]
+        bad = [r for r, c in enumerate(codes) if c not in (None, 0)]
+        if bad:
+            return bad[0]
+        if all(c == 0 for c in codes):
+            return None
+        time.sleep(0.2)
+    return next((r for r, p in enumerate(procs) if p.poll() != 0), None)
+
+
+def namespace_link_bytes() -> tuple[int, int]:
+    """Bytes this node's link (``eth0`` of the rank's namespace) has sent and received so
+    far; zeros off the testbed."""
+    def read(counter: str) -> int:
+        path = f"/sys/class/net/eth0/statistics/{counter}"
+        return int(open(path).read()) if os.path.exists(path) else 0
+    return read("tx_bytes"), read("rx_bytes")
+
+
+def write_results(name: str, payload: dict, text: str) -> None:
+    """``RESULTS/name.json`` (the numbers) and ``RESULTS/name.md`` (the table), printed."""
+    os.makedirs(RESULTS, exist_ok=True)
+    with open(os.path.join(RESULTS, f"{name}.json"), "w") as f:
+        json.dump(payload, f, indent=1)
+    write_markdown(f"{name}.md", text.rstrip("\n").split("\n"))

@@ -22,17 +22,23 @@ import json
 import logging
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "src"))
-RESULTS = os.path.join(HERE, "results")
+sys.path.insert(0, HERE)
 
-from commpress.launch import set_parent_death_signal  # noqa: E402
+from _common import (  # noqa: E402
+    NODES,
+    RANKS_PER_NODE,
+    add_cluster_args,
+    namespace_link_bytes,
+    rank0_result,
+    rank_flags,
+    write_results,
+)
 
-NODES, RANKS_PER_NODE, BATCH, SEQ = 2, 2, 8, 128
+BATCH, SEQ = 8, 128
 
 
 def deepspeed_config(world: int) -> dict:
@@ -45,15 +51,6 @@ def deepspeed_config(world: int) -> dict:
                                   "reduce_bucket_size": 1 << 20,
                                   "allgather_bucket_size": 1 << 20},
             "steps_per_print": 10**9}
-
-
-def link_bytes() -> list[int]:
-    """Bytes this namespace's eth0 has sent and received so far (zeros off the testbed)."""
-    out = []
-    for counter in ("tx_bytes", "rx_bytes"):
-        path = f"/sys/class/net/eth0/statistics/{counter}"
-        out.append(int(open(path).read()) if os.path.exists(path) else 0)
-    return out
 
 
 def rank_main(args) -> None:
@@ -85,7 +82,7 @@ def rank_main(args) -> None:
     losses, times = [], []
     dist.barrier()
     commpress.reset_stats()
-    link_before = link_bytes()
+    link_before = namespace_link_bytes()
     for step in range(args.steps):
         x, y = data.batch("train", BATCH, SEQ, 0, step)
         start = time.perf_counter()
@@ -98,7 +95,7 @@ def rank_main(args) -> None:
         losses.append(mean.item() / world)
     dist.barrier()
     # each node's link during the steps: read by the first rank of each node
-    link = torch.tensor([a - b for a, b in zip(link_bytes(), link_before)])
+    link = torch.tensor([a - b for a, b in zip(namespace_link_bytes(), link_before)])
     links = [torch.zeros_like(link) for _ in range(world)]
     dist.all_gather(links, link)
     if rank == 0:
@@ -108,37 +105,6 @@ def rank_main(args) -> None:
                        "link_bytes": [{"sent": int(x[0]), "received": int(x[1])}
                                       for x in links[::RANKS_PER_NODE]]}, f)
     dist.barrier()
-
-
-def run_policy(cluster, policy: str, args, port: int) -> dict:
-    """Start the four ranks of one run in their namespaces; wait; read rank 0's result."""
-    out = os.path.join(RESULTS, f"deepspeed_cluster.{policy}.rank0.json")
-    world = NODES * RANKS_PER_NODE
-    procs = []
-    for rank in range(world):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world),
-                   LOCAL_RANK=str(rank % RANKS_PER_NODE), LOCAL_WORLD_SIZE=str(RANKS_PER_NODE),
-                   MASTER_ADDR=cluster.ip(0), MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="eth0",
-                   OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
-        argv = ["ip", "netns", "exec", cluster.ns(rank // RANKS_PER_NODE), sys.executable,
-                os.path.abspath(__file__), "--rank", "--policy", policy, "--model", args.model,
-                "--steps", str(args.steps), "--out", out]
-        procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL,
-                                      stderr=None if rank == 0 else subprocess.DEVNULL,
-                                      preexec_fn=set_parent_death_signal))
-    try:
-        codes = [p.wait(timeout=args.timeout) for p in procs]
-    finally:
-        for p in procs:  # a failed or timed-out run leaves no rank behind
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    if any(codes):
-        raise RuntimeError(f"{policy}: ranks exited with {codes}")
-    with open(out) as f:
-        result = json.load(f)
-    os.remove(out)
-    return result
 
 
 def summarize(name: str, r: dict, steps: int) -> dict:
@@ -152,7 +118,8 @@ def summarize(name: str, r: dict, steps: int) -> dict:
             "seconds_per_step": {label: {k: s[k] / steps for k in ("encode_s", "decode_s",
                                                                   "comm_s")}
                                  for label, s in sorted(r["stats"].items())},
-            "link_sent_mb_per_node_step": [x["sent"] / 1e6 / steps for x in r["link_bytes"]]}
+            "link_sent_mb_per_node_step": [x["sent"] / 1e6 / steps for x in r["link_bytes"]],
+            "load_average": r["load_average"]}
 
 
 def report(rows: list[dict], args) -> str:
@@ -160,8 +127,8 @@ def report(rows: list[dict], args) -> str:
     lines = [f"DeepSpeed ZeRO-2, {NODES} nodes × {RANKS_PER_NODE} ranks at {args.bandwidth}, "
              f"{args.model} ({base['numel'] / 1e6:.2f} M parameters), {args.steps} steps",
              "", "| policy | step s (median) | speedup | loss (last 5) | vs exact | "
-             "link MB / node / step | commpress bytes / rank / step |",
-             "|---|---|---|---|---|---|---|"]
+             "load (1 min) | link MB / node / step | commpress bytes / rank / step |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         labels = ", ".join(f"{k} {v / 1e6:.3f} MB ({r['bits_per_element'][k]:.2f} b)"
                            for k, v in r["bytes_per_rank_step"].items()) or "—"
@@ -169,40 +136,32 @@ def report(rows: list[dict], args) -> str:
                      f"{base['step_s_median'] / r['step_s_median']:.2f}x | "
                      f"{r['loss_last5']:.4f} | "
                      f"{100 * (r['loss_last5'] / base['loss_last5'] - 1):+.2f} % | "
+                     f"{r['load_average'][0]:.1f} → {r['load_average'][1]:.1f} | "
                      f"{statistics.mean(r['link_sent_mb_per_node_step']):.2f} | {labels} |")
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=30)
+    add_cluster_args(ap, steps=30, policies="exact,sdp4bit", port=29600)
     ap.add_argument("--model", default="gpt-3m")
-    ap.add_argument("--bandwidth", default="50mbit")
-    ap.add_argument("--policies", default="exact,sdp4bit")
-    ap.add_argument("--timeout", type=float, default=3600)
-    ap.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--policy", help=argparse.SUPPRESS)
-    ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.rank:
         rank_main(args)
         return
     from commpress.testbed import Cluster
 
-    os.makedirs(RESULTS, exist_ok=True)
     rows = []
     with Cluster(NODES, args.bandwidth) as cluster:
         for i, policy in enumerate(args.policies.split(",")):
             print(f"[{policy}] {args.steps} steps at {args.bandwidth}", flush=True)
-            rows.append(summarize(policy, run_policy(cluster, policy, args, 29600 + i),
-                                  args.steps))
-    with open(os.path.join(RESULTS, "deepspeed_cluster.json"), "w") as f:
-        json.dump({"bandwidth": args.bandwidth, "model": args.model, "steps": args.steps,
-                   "runs": rows}, f, indent=1)
-    text = report(rows, args)
-    with open(os.path.join(RESULTS, "deepspeed_cluster.md"), "w") as f:
-        f.write(text)
-    print(text)
+            result = rank0_result(cluster, __file__, "deepspeed_cluster", policy,
+                                  rank_flags(args, ("model", "steps")), args.port + i,
+                                  args.timeout, env={"DS_ACCELERATOR": "cpu"})
+            rows.append(summarize(policy, result, args.steps))
+    write_results("deepspeed_cluster", {"bandwidth": args.bandwidth, "model": args.model,
+                                        "steps": args.steps, "runs": rows},
+                  report(rows, args))
 
 
 if __name__ == "__main__":

@@ -15,11 +15,13 @@
 3. Speed: ``bench_codecs`` on CUDA (copy roofline, torch.compile reference, every
    codec), ``dequant_reduce_requant`` (k = 4 chunks, 8 → 4 bits) and the fused
    ``dequantize_sum`` (k = 4 int4 chunks, Hadamard 128) in GB/s; fp32 products as
-   "ieee" and "tf32x3" (``triton_quant.FP32_DOT``), with their agreement.
+   "ieee" and "tf32x3" (``KernelConfig.fp32_dot``), with their agreement.
 4. ``--tune``: every (tile, warps) candidate of the quantize, dequantize, fp8, trits
    and dequantize-reduce-requantize kernels, with registers and spills per compiled
-   kernel where Triton reports them; prints the best as the ``CONFIGS`` table of
-   ``commpress/kernels/triton_quant.py``; then the top-k select's tile sizes.
+   kernel where Triton reports them; prints the best as the ``TUNED`` table of
+   ``commpress/kernels/config.py``; then the top-k select's tile sizes.
+Every variant runs under ``override_kernels`` (the row or flat-tile family, tile and
+warps, the fp32 product precision), which restores the defaults after it.
 Every row is printed and appended to ``gpu_kernels.jsonl`` under --out as it finishes
 (a timeout keeps the finished rows); its numbers go into BENCHMARKS.md.
 """
@@ -27,7 +29,6 @@ Every row is printed and appended to ``gpu_kernels.jsonl`` under --out as it fin
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
@@ -42,8 +43,9 @@ from commpress.bench.codecs import DEFAULT_CPU, DEFAULT_CUDA, bench_codecs  # no
 from commpress.bench.timing import median_seconds  # noqa: E402
 from commpress.codecs import codec as build_codec  # noqa: E402
 from commpress.kernels import reference as ref  # noqa: E402
+from commpress.kernels import triton_int, triton_topk  # noqa: E402
 from commpress.kernels import triton_quant as tq  # noqa: E402
-from commpress.kernels import triton_topk  # noqa: E402
+from commpress.kernels.config import override_kernels, resolve  # noqa: E402
 
 CONFIGS = [(4, 128, 0), (8, 128, 0), (4, 128, 128), (8, 128, 128), (2, 128, 0), (4, 2048, 0)]
 FP8_CONFIGS = [(128, 0), (128, 128), (32, 128)]
@@ -73,7 +75,7 @@ def _check_rows_equal_flat(x: torch.Tensor, bits: int, group: int = 128, had: in
     """The row kernels give the flat-tile kernels' bytes (codes, scales, decoded values)."""
     runs = []
     for rows in (True, False):
-        with row_kernels(rows):
+        with override_kernels(row_kernels=rows):
             c, s = tq.quantize(x, bits=bits, group=group, hadamard=had)
             runs.append((c, s, tq.dequantize(c, s, x.numel(), bits=bits, group=group,
                                               hadamard=had, out_dtype=x.dtype)))
@@ -214,7 +216,7 @@ def drr_speed(numel: int, device: str = "cuda") -> dict:
     fn = lambda: tq.dequant_reduce_requant(codes, scales, bits_in=8, group_in=128,  # noqa: E731
                                            bits_out=4, group_out=128)
     t = median_seconds(fn, torch.device(device), iters=20)
-    with row_kernels(False):
+    with override_kernels(row_kernels=False):
         t_flat = median_seconds(fn, torch.device(device), iters=20)
     moved = codes.numel() + scales.numel() * 4 + chunk * (0.5 + 4 / 128)
     # TLq-HS step 5: k int4 chunks (Hadamard-128 domain) decoded, summed, rotated back
@@ -223,7 +225,7 @@ def drr_speed(numel: int, device: str = "cuda") -> dict:
     c4, s4 = torch.stack([e[0] for e in enc4]), torch.stack([e[1] for e in enc4])
     fn4 = partial(tq.dequantize_sum, c4, s4, bits=4, group=128, hadamard=128)
     t4 = median_seconds(fn4, torch.device(device), iters=20)
-    with row_kernels(False):
+    with override_kernels(row_kernels=False):
         t4_flat = median_seconds(fn4, torch.device(device), iters=20)
 
     def unfused() -> torch.Tensor:  # what ran before the fused kernel: decode, sum, rotate
@@ -242,7 +244,7 @@ def drr_speed(numel: int, device: str = "cuda") -> dict:
 
 def fp32_dot_speed(numel: int, device: str, emit) -> None:
     """fp32 operands' products ("ieee" on CUDA cores or "tf32x3" on tensor cores; see
-    ``triton_quant.FP32_DOT``): the int8 Hadamard-128 encode of fp32 gradients (what the
+    ``KernelConfig.fp32_dot``): the int8 Hadamard-128 encode of fp32 gradients (what the
     sharded optimizer's TLq-HS encodes) and the fused decode-sum, GB/s and agreement."""
     dev = torch.device(device)
     x = torch.randn(numel, device=dev)
@@ -254,8 +256,7 @@ def fp32_dot_speed(numel: int, device: str, emit) -> None:
     want = ref.dequantize_sum(c4[:, : 1 << 19], s4[:, : (1 << 20) // 128], bits=4, group=128,
                               hadamard=128)
     for precision in ("ieee", "tf32x3"):
-        tq.FP32_DOT = precision
-        try:
+        with override_kernels(fp32_dot=precision):
             t_enc = median_seconds(partial(tq.quantize, x, bits=8, group=128, hadamard=128),
                                    dev, iters=20)
             t_sum = median_seconds(partial(tq.dequantize_sum, c4, s4, bits=4, group=128,
@@ -263,8 +264,6 @@ def fp32_dot_speed(numel: int, device: str, emit) -> None:
             c, _ = tq.quantize(x[: 1 << 20], bits=8, group=128, hadamard=128)
             got = tq.dequantize_sum(c4[:, : 1 << 19], s4[:, : (1 << 20) // 128], bits=4,
                                     group=128, hadamard=128)
-        finally:
-            tq.FP32_DOT = "ieee"
         codes_equal = float((ref.unpack_codes(c, 8) == ref.unpack_codes(c_ref, 8)).double()
                             .mean())
         rel = float((got - want).abs().max() / want.abs().max())
@@ -274,16 +273,6 @@ def fp32_dot_speed(numel: int, device: str, emit) -> None:
               / t_sum / 1e9,
               "codes_equal_frac": codes_equal, "sum_max_rel_err": rel,
               "ok": codes_equal > 0.99 and rel < 1e-5})
-
-
-@contextlib.contextmanager
-def row_kernels(on: bool):
-    """The row kernels (``on``) or the flat-tile ones, for the block; then the default."""
-    tq.ROW_KERNELS = on
-    try:
-        yield
-    finally:
-        tq.ROW_KERNELS = True
 
 
 TUNE_CONFIGS = [(4, 128, 128), (8, 128, 128), (4, 128, 0), (8, 128, 0), (2, 128, 0),
@@ -338,12 +327,11 @@ def tune(numel: int, emit, device: str = "cuda") -> None:
                 for kernel, fn in kernels:
                     # Hadamard int codes: the row kernels and the flat-tile ones
                     for rows in ((True, False) if had and kernel in ("quantize", "dequantize")
-                                 else (tq.ROW_KERNELS,)):
-                        tq.CONFIGS[(kernel, bits, group, had)] = (tile, warps)
+                                 else (resolve(kernel, bits, group, had, dev).row_kernels,)):
                         row = {"tune": kernel, "bits": bits, "group": group, "hadamard": had,
                                "tile": tile, "warps": warps, "row_kernels": rows}
                         try:
-                            with row_kernels(rows):
+                            with override_kernels(tile=tile, warps=warps, row_kernels=rows):
                                 gbps = moved / median_seconds(fn, dev, iters=10) / 1e9
                         except Exception as e:  # noqa: BLE001 - a candidate that fails
                             emit({**row, "error": repr(e)[:200]})
@@ -352,11 +340,9 @@ def tune(numel: int, emit, device: str = "cuda") -> None:
                         key = (kernel, bits, group, had, rows)
                         if gbps > best.get(key, (0.0, 0, 0))[0]:
                             best[key] = (gbps, tile, warps)
-                for kernel, _ in kernels:
-                    tq.CONFIGS.pop((kernel, bits, group, had), None)
-    emit({"resources_quantize": _resources(tq._quantize_kernel),
-          "resources_dequantize": _resources(tq._dequantize_kernel)})
-    print("CONFIGS = {  # keep the faster of row_kernels True/False (ROW_KERNELS)")
+    emit({"resources_quantize": _resources(triton_int._quantize_kernel),
+          "resources_dequantize": _resources(triton_int._dequantize_kernel)})
+    print("TUNED = {  # keep the faster of row_kernels True/False (KernelConfig.row_kernels)")
     for (*key, rows), (gbps, tile, warps) in sorted(best.items()):
         print(f"    {tuple(key)!r}: ({tile}, {warps}),  # {gbps:.0f} GB/s, row_kernels={rows}")
     print("}", flush=True)
@@ -368,20 +354,14 @@ def tune_topk(x: torch.Tensor, emit) -> None:
     GB/s counts the input read once and the selection written."""
     k = x.numel() // 100
     moved = x.numel() * x.element_size() + k * (x.element_size() + 4)
-    defaults = (triton_topk.TILE_ELEMENTS, triton_topk.HISTOGRAM_TILES, triton_topk.DEFAULT_WARPS)
-    try:
-        for tile in (2048, 4096, 8192):
-            for tiles in (1, 4, 16):
-                for warps in (4, 8):
-                    (triton_topk.TILE_ELEMENTS, triton_topk.HISTOGRAM_TILES,
-                     triton_topk.DEFAULT_WARPS) = tile, tiles, warps
+    for tile in (2048, 4096, 8192):
+        for tiles in (1, 4, 16):
+            for warps in (4, 8):
+                with override_kernels(tile=tile, histogram_tiles=tiles, warps=warps):
                     t = median_seconds(partial(triton_topk.topk_select, x, k), x.device,
                                        iters=10)
-                    emit({"tune": "topk", "tile": tile, "histogram_tiles": tiles,
-                          "warps": warps, "GBps": moved / t / 1e9})
-    finally:
-        (triton_topk.TILE_ELEMENTS, triton_topk.HISTOGRAM_TILES,
-         triton_topk.DEFAULT_WARPS) = defaults
+                emit({"tune": "topk", "tile": tile, "histogram_tiles": tiles,
+                      "warps": warps, "GBps": moved / t / 1e9})
 
 
 def _bench_row(spec: str, device: str, numel: int, iters: int, with_reference: bool,

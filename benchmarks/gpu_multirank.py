@@ -43,17 +43,18 @@ from commpress.train.loop import train  # noqa: E402
 CODECS = ["none", "bf16", "int8", "int4:hadamard=128", "int2:packing=trits", "fp8"]
 
 
-def _device() -> torch.device:
+def _device(device_type: str) -> torch.device:
+    """This rank's device (``spawn(device="cuda")`` made its GPU the current one)."""
     return (torch.device("cuda", torch.cuda.current_device())
-            if os.environ.get("COMMPRESS_DEVICE") == "cuda" else torch.device("cpu"))
+            if device_type == "cuda" else torch.device("cpu"))
 
 
 def _rel(a, b) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
-def collectives(rank: int, world: int, specs: list[str]) -> list[dict]:
-    dev, rows = _device(), []
+def collectives(rank: int, world: int, specs: list[str], device_type: str) -> list[dict]:
+    dev, rows = _device(device_type), []
     topo = commpress.Topology(2)
     for spec in specs:
         g = torch.Generator().manual_seed(rank)
@@ -103,12 +104,12 @@ def _digest(model) -> str:
     return h.hexdigest()[:16]
 
 
-def replicas(rank: int, world: int, model_name: str) -> dict:
+def replicas(rank: int, world: int, model_name: str, device_type: str) -> dict:
     """Digests after every step for every preset (ShardedOptimizer), the DDP hook and FSDP2."""
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    dev = _device()
+    dev = _device(device_type)
     data = TextData(load_tokens(max_bytes=1 << 20))
     out: dict[str, list[str]] = {}
 
@@ -158,7 +159,6 @@ def main() -> None:
     path = os.path.join(args.out, "gpu_multirank.jsonl")
     # run directories (metrics, plots) outside --out: a device call returns few files
     runs = tempfile.mkdtemp(prefix="gpu_multirank_runs_")
-    env = {"COMMPRESS_DEVICE": args.device}
 
     def emit(row: dict) -> None:
         print(json.dumps(row), flush=True)
@@ -176,12 +176,13 @@ def main() -> None:
                   "ok": False})
 
     def check_collectives(spec: str) -> None:
-        for row in spawn(collectives, 4, ([spec],), ranks_per_node=2, env=env, timeout=300)[0]:
+        for row in spawn(collectives, 4, ([spec], args.device), ranks_per_node=2,
+                         device=args.device, timeout=300)[0]:
             emit({"check": "collectives", **row})
 
     def check_replicas() -> None:
-        ranks = spawn(replicas, 4, (args.check_model,), ranks_per_node=2, env=env,
-                      timeout=300)
+        ranks = spawn(replicas, 4, (args.check_model, args.device), ranks_per_node=2,
+                      device=args.device, timeout=300)
         for name in ranks[0]:
             emit({"check": "replicas", "run": name,
                   "identical_every_step": all(len({r[name][s] for r in ranks}) == 1

@@ -32,7 +32,7 @@ case $part in
   second)
     timeout 130 python benchmarks/gpu_kernels.py --out "$OUT" --tune-only \
       > "$OUT/gpu_tune.log" 2>&1
-    echo "tune exit $?"; sed -n '/^CONFIGS = {/,/^}/p' "$OUT/gpu_tune.log"
+    echo "tune exit $?"; sed -n '/^TUNED = {/,/^}/p' "$OUT/gpu_tune.log"
     # simulate's tokens/s against single-GPU train at the same global batch (target ≥ 70 %)
     # (buckets of 1 Mi elements ran faster than 16 Mi on the CPU, 47 % vs 24 % of plain
     # training for 16 ranks of sdp4bit on gpt-10m; the GPU's launch costs may reverse it)

@@ -22,20 +22,24 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path[:0] = [ROOT, os.path.join(ROOT, "src")]
+sys.path[:0] = [HERE, os.path.dirname(HERE)]
 
-from commpress.launch import set_parent_death_signal  # noqa: E402
+from _common import (  # noqa: E402
+    NODES,
+    RANKS_PER_NODE,
+    add_cluster_args,
+    rank_flags,
+    run_ranks,
+    write_results,
+)
+
 from commpress.testbed import Cluster  # noqa: E402
 
-RESULTS = os.path.join(HERE, "results")
-NODES, RANKS_PER_NODE = 2, 2
+RANK_FLAGS = ("steps", "tp", "hidden", "layers", "heads", "seq", "bucket_numel")
 
 
 def rank_main(args) -> None:
@@ -72,36 +76,11 @@ def run_policy(policy: str, args) -> dict:
     """All ranks of one policy on a fresh cluster; their numbers combined."""
     world = NODES * RANKS_PER_NODE
     out = tempfile.mkdtemp(prefix="megatron_cluster_")
-    flags = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-             if k in ("steps", "tp", "hidden", "layers", "heads", "seq", "bucket_numel")]
+    # a fresh cluster per policy: its link counters cover this run only
     with Cluster(NODES, args.bandwidth) as cluster:
-        procs = []
-        for rank in range(world):
-            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world),
-                       LOCAL_RANK=str(rank % RANKS_PER_NODE),
-                       LOCAL_WORLD_SIZE=str(RANKS_PER_NODE), MASTER_ADDR=cluster.ip(0),
-                       MASTER_PORT=str(args.port), GLOO_SOCKET_IFNAME="eth0",
-                       OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-            argv = ["ip", "netns", "exec", cluster.ns(rank // RANKS_PER_NODE), sys.executable,
-                    os.path.abspath(__file__), "--rank", "--policy", policy, "--out", out,
-                    *flags]
-            procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL,
-                                          stderr=subprocess.PIPE,
-                                          preexec_fn=set_parent_death_signal))
-        deadline = time.monotonic() + args.timeout
-        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-            if any(p.poll() not in (None, 0) for p in procs):
-                break
-            time.sleep(0.5)
+        run_ranks(cluster, __file__, policy, out, rank_flags(args, RANK_FLAGS), args.port,
+                  args.timeout)
         link = sum(sum(cluster.link_bytes(n)) for n in range(NODES)) / 2  # sent = received
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-        failed = [r for r, p in enumerate(procs) if p.returncode]
-        if failed:
-            err = procs[failed[0]].stderr.read().decode(errors="replace")[-3000:]
-            raise RuntimeError(f"{policy}: rank {failed[0]} failed:\n{err}")
     ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(world)]
     steps = len(ranks[0]["record"])
     losses = [statistics.fmean(x for r in ranks for x in r["record"][s]["losses"])
@@ -129,20 +108,13 @@ def report(res: dict, args) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--policies", default="stock,none,sdp4bit,hybrid")
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--bandwidth", default="50mbit")
+    add_cluster_args(ap, steps=20, policies="stock,none,sdp4bit,hybrid", port=29541)
     ap.add_argument("--tp", type=int, default=1, choices=(1, 2))
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--bucket-numel", type=int, default=1 << 20)
-    ap.add_argument("--port", type=int, default=29541)
-    ap.add_argument("--timeout", type=float, default=1800)
-    ap.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--policy", help=argparse.SUPPRESS)
-    ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.rank:
         rank_main(args)
@@ -151,14 +123,10 @@ def main() -> None:
     for policy in args.policies.split(","):
         print(f"[{policy}]", flush=True)
         res[policy] = run_policy(policy, args)
-    text = report(res, args)
-    print(text)
-    os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "megatron_cluster.json"), "w") as f:
-        json.dump({"args": {k: v for k, v in vars(args).items()
-                            if k not in ("rank", "policy", "out")}, "results": res}, f, indent=1)
-    with open(os.path.join(RESULTS, "megatron_cluster.md"), "w") as f:
-        f.write(text + "\n")
+    write_results("megatron_cluster",
+                  {"args": {k: v for k, v in vars(args).items()
+                            if k not in ("rank", "policy", "out")}, "results": res},
+                  report(res, args))
 
 
 if __name__ == "__main__":

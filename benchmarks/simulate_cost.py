@@ -62,8 +62,7 @@ def main() -> None:
                               batch_size=args.batch_size, device=args.device, dtype=args.dtype,
                               bucket_numel=args.bucket_numel,
                               out=f"runs/simulate_cost/{ranks}-{policy}")
-            r = spawn(measure, 1, (cfg.to_dict(),), timeout=3600,
-                      env={"COMMPRESS_DEVICE": args.device})[0]
+            r = spawn(measure, 1, (cfg.to_dict(),), timeout=3600, device=args.device)[0]
             base = base or r["tokens_per_s"]
             lines.append(f"| {ranks} | {policy} | {r['tokens_per_s']:,.0f} | "
                          f"{r['tokens_per_s'] / base:.0%} | {r['peak_MB']:,.0f} |")

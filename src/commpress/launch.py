@@ -94,7 +94,7 @@ def free_port() -> int:
 
 
 def _worker(fn, rank, world, ranks_per_node, port, pg_timeout_s, args, results, env,
-            parent_pid, backend):
+            parent_pid, backend, device):
     die_with_parent(parent_pid)
     os.environ.update(env)
     os.environ.update({
@@ -107,7 +107,7 @@ def _worker(fn, rank, world, ranks_per_node, port, pg_timeout_s, args, results, 
 
     torch.set_num_threads(RANK_THREADS)
     try:
-        if backend == "nccl" or (backend == "gloo" and env.get("COMMPRESS_DEVICE") == "cuda"):
+        if backend == "nccl" or device == "cuda":
             # ranks round-robin over the visible GPUs (several share one over Gloo)
             torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(backend, rank=rank, world_size=world,
@@ -136,13 +136,15 @@ def spawn(
     env: dict[str, str] | None = None,
     allow_errors: bool = False,
     backend: str = "gloo",
+    device: str = "cpu",
 ) -> list[Any]:
     """Run ``fn(rank, world, *args)`` on ``nprocs`` ranks; return the values by rank.
 
     ``fn`` must be importable (a module-level function). With ``allow_errors`` a failed
     rank's entry is the :class:`LaunchError` instead of raising (for fault tests).
-    ``backend="nccl"`` (or ``env={"COMMPRESS_DEVICE": "cuda"}`` with Gloo) gives rank
-    ``r`` the GPU ``r mod (visible GPUs)``; NCCL needs one GPU per rank.
+    ``backend="nccl"`` (or ``device="cuda"`` with Gloo) gives rank ``r`` the GPU
+    ``r mod (visible GPUs)`` as its current device; NCCL needs one GPU per rank. ``fn``
+    gets the device type among its ``args`` where it needs one.
     """
     if nprocs < 1:
         raise ValueError(f"nprocs={nprocs} is not allowed; allowed: >= 1")
@@ -154,8 +156,11 @@ def spawn(
     port = free_port()
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend={backend!r} is not allowed; allowed: gloo, nccl")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r} is not allowed; allowed: cpu, cuda")
     procs = [ctx.Process(target=_worker, args=(fn, r, nprocs, rpn, port, pg_timeout_s, args,
-                                               results, env or {}, os.getpid(), backend),
+                                               results, env or {}, os.getpid(), backend,
+                                               device),
                          daemon=True)
              for r in range(nprocs)]
     for p in procs:

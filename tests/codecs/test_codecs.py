@@ -8,6 +8,7 @@ import torch
 
 import commpress
 from commpress.codecs import codec, list_codecs, packet_to_bytes
+from commpress.kernels import override_kernels
 
 CPU_CODECS = [n for n in list_codecs() if n != "nvcomp"]  # nvcomp needs CUDA (tests/gpu)
 SPECS = CPU_CODECS + ["int4:hadamard=128", "int8:group=64,rounding=stochastic,seed=5",
@@ -119,7 +120,7 @@ def test_decode_into_out(spec):
 @pytest.mark.parametrize("spec", ["int4", "int8:hadamard=128", "fp8", "fp8:hadamard=32",
                                   "int2:packing=trits"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_decoders_write_into_out_without_a_temporary(spec, dtype, monkeypatch):
+def test_triton_decoders_write_into_out_without_a_temporary(spec, dtype):
     # the lean host path: a decoded bucket lands in the caller's buffer; no tensor of its
     # size is allocated on the way (counted at the dispatcher, Triton in interpreter mode)
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -134,19 +135,19 @@ def test_triton_decoders_write_into_out_without_a_temporary(spec, dtype, monkeyp
                 CountBig.big += 1
             return result
 
-    monkeypatch.setenv("COMMPRESS_KERNELS", "triton")
-    c = codec(spec)
-    x = torch.randn(4096).to(dtype)
-    packet = c.encode(x)
-    expected = c.decode(packet)
-    out = torch.full_like(x, float("nan"))
-    with CountBig():
-        assert c.decode(packet, out=out) is out
-    assert CountBig.big == 0
-    assert torch.equal(out, expected)
-    with CountBig():  # without out= the decoder allocates its result (the count works)
-        c.decode(packet)
-    assert CountBig.big >= 1
+    with override_kernels(kernels="triton"):
+        c = codec(spec)
+        x = torch.randn(4096).to(dtype)
+        packet = c.encode(x)
+        expected = c.decode(packet)
+        out = torch.full_like(x, float("nan"))
+        with CountBig():
+            assert c.decode(packet, out=out) is out
+        assert CountBig.big == 0
+        assert torch.equal(out, expected)
+        with CountBig():  # without out= the decoder allocates its result (the count works)
+            c.decode(packet)
+        assert CountBig.big >= 1
 
 
 def test_spec_string_dict_and_kwargs_agree():

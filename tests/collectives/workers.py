@@ -236,13 +236,9 @@ def awkward_inputs(rank, world):
     return out
 
 
-def async_inputs_reusable(rank, world):
+def async_inputs_reusable(rank, world, device="cpu"):
     """Every async collective: the caller overwrites and drops its input right after the
-    call; the result must be that of the original input (CUDA tensors when the launcher
-    sets COMMPRESS_DEVICE=cuda)."""
-    import os
-
-    device = "cuda" if os.environ.get("COMMPRESS_DEVICE") == "cuda" else "cpu"
+    call; the result must be that of the original input (on ``device``)."""
     out = {}
     for spec in ("none", "int8", "int4:hadamard=64"):
         x = _data(rank, 64 * world, torch.float32, seed=31).to(device)

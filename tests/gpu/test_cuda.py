@@ -12,13 +12,13 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def test_async_inputs_reusable_with_cuda_tensors_over_gloo():
-    for r in spawn(workers.async_inputs_reusable, 4, env={"COMMPRESS_DEVICE": "cuda"}):
+    for r in spawn(workers.async_inputs_reusable, 4, ("cuda",), device="cuda"):
         assert all(r.values()), [k for k, ok in r.items() if not ok]
 
 
 def test_async_inputs_reusable_over_nccl_with_one_rank():
-    for r in spawn(workers.async_inputs_reusable, 1, backend="nccl",
-                   env={"COMMPRESS_DEVICE": "cuda"}):
+    for r in spawn(workers.async_inputs_reusable, 1, ("cuda",), backend="nccl",
+                   device="cuda"):
         assert all(r.values()), [k for k, ok in r.items() if not ok]
 
 

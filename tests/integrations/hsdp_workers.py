@@ -51,9 +51,26 @@ def hsdp_training(rank, world, policy, steps, divide_factor=None):
     commpress.reset_stats()
     losses = train_steps(model, opt, data, rank, world, 0, steps)
     return {"losses": losses, "stats": commpress.stats(), "local": local_shards_hash(model),
-            "full": _full_params_hash(model),
+            "full": _full_params_hash(model), "groups": collective_groups(model, compression),
             "state_keys": (sorted(compression.codec_states()[""])
                            if compression is not None else None)}
+
+
+def collective_groups(model, compression) -> list[tuple]:
+    """The global ranks each FSDP module's weight all-gather, gradient reduce-scatter and
+    (compressed) replicate all-reduce run over, as FSDP will call them."""
+    ranks = dist.get_process_group_ranks
+    out = []
+    for name, module in model.named_modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        for param_group in module._get_fsdp_state()._fsdp_param_groups:
+            replicate = None
+            if compression is not None and compression.modules[name][1].replicate is not None:
+                replicate = ranks(compression.modules[name][1].replicate.group)
+            out.append((ranks(param_group._all_gather_process_group),
+                        ranks(param_group._reduce_scatter_process_group), replicate))
+    return out
 
 
 def hsdp_gradients(rank, world, runs):

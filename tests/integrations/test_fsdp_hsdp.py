@@ -24,11 +24,21 @@ def _replicas_identical(results):
     assert len({r["full"] for r in results}) == 1
 
 
+def _check_node_local(results):
+    # only the replicate all-reduce leaves the node: the weight all-gather and the
+    # gradient reduce-scatter stay on the shard group, the ranks of one node
+    for rank, r in enumerate(results):
+        node = list(range(rank - rank % PER_NODE, rank - rank % PER_NODE + PER_NODE))
+        replicas = list(range(rank % PER_NODE, WORLD, PER_NODE))
+        assert r["groups"] and all(g == (node, node, replicas) for g in r["groups"]), r["groups"]
+
+
 def _check_compressed(results, policy, stock_losses):
     losses = results[0]["losses"]
     assert all(abs(a - b) <= 0.02 * b for a, b in zip(losses, stock_losses)), (losses,
                                                                                  stock_losses)
     _replicas_identical(results)
+    _check_node_local(results)
     inter = results[0]["stats"]["dp.grad.inter"]
     codec = commpress.Policy.resolve(policy).codec_for("dp", "grad", "inter")
     bits = inter["wire_bytes"] * 8 / inter["elements"]

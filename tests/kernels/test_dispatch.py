@@ -10,9 +10,9 @@ from commpress.kernels import reference as ref
 
 
 @pytest.fixture
-def small_pieces(monkeypatch):
-    monkeypatch.setattr(kernels, "REFERENCE_PIECE", 1000)  # pieces of a few groups
-    monkeypatch.setenv("COMMPRESS_KERNELS", "reference")
+def small_pieces():
+    with kernels.override_kernels(kernels="reference", reference_piece=1000):  # a few groups
+        yield
 
 
 def _same(a: torch.Tensor, b: torch.Tensor, had: int = 0) -> bool:

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from commpress.kernels import reference as ref
+from commpress.kernels.config import override_kernels
 
 triton_quant = pytest.importorskip("commpress.kernels.triton_quant",
                                    reason="Triton is not installed (pip install triton)")
@@ -97,7 +98,7 @@ def test_encode_decode_match_reference(bits, group, had, dtype, stochastic, nume
                                                     (4, 16, 16), (2, 64, 64), (4, 256, 256),
                                                     (8, 512, 128), (4, 2048, 128), (2, 64, 16)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_row_kernels_equal_the_flat_tile_kernels(bits, group, had, dtype, monkeypatch):
+def test_row_kernels_equal_the_flat_tile_kernels(bits, group, had, dtype):
     """The row kernels (groups of whole Hadamard blocks) give the flat-tile kernels'
     bytes and values exactly, stochastic and fp16 scales included, a partial last tile too."""
     n = 3 * 4096 + 5 * group + 7
@@ -107,11 +108,11 @@ def test_row_kernels_equal_the_flat_tile_kernels(bits, group, had, dtype, monkey
         for sd in (torch.float32, torch.float16):
             runs = []
             for rows in (True, False):
-                monkeypatch.setattr(triton_quant, "ROW_KERNELS", rows)
-                c, s = triton_quant.quantize(x, bits=bits, group=group, hadamard=had,
-                                             scale_dtype=sd, keys=keys)
-                d = triton_quant.dequantize(c, s, n, bits=bits, group=group, hadamard=had,
-                                            out_dtype=dtype)
+                with override_kernels(row_kernels=rows):
+                    c, s = triton_quant.quantize(x, bits=bits, group=group, hadamard=had,
+                                                 scale_dtype=sd, keys=keys)
+                    d = triton_quant.dequantize(c, s, n, bits=bits, group=group,
+                                                hadamard=had, out_dtype=dtype)
                 runs.append((c, s, d))
             for a, b in zip(*runs):
                 assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
@@ -120,8 +121,7 @@ def test_row_kernels_equal_the_flat_tile_kernels(bits, group, had, dtype, monkey
 @pytest.mark.parametrize(("bits_in", "bits_out", "group", "had"),
                          [(8, 4, 128, 128), (8, 2, 64, 0), (4, 4, 32, 32), (2, 8, 256, 0),
                           (8, 4, 4096, 0)])
-def test_two_level_row_kernels_equal_the_flat_tile_kernels(bits_in, bits_out, group, had,
-                                                          monkeypatch):
+def test_two_level_row_kernels_equal_the_flat_tile_kernels(bits_in, bits_out, group, had):
     """dequantize-reduce-requantize and dequantize-sum: the same bytes either way."""
     k, chunk = 3, 2 * 4096 + 3 * group
     enc = [ref.quantize_rotated(torch.randn(chunk) * (i + 1), bits=bits_in, group=group,
@@ -131,12 +131,12 @@ def test_two_level_row_kernels_equal_the_flat_tile_kernels(bits_in, bits_out, gr
     for keys in (None, ref.stream_keys(2, 7, 1)):
         runs = []
         for rows in (True, False):
-            monkeypatch.setattr(triton_quant, "ROW_KERNELS", rows)
-            runs.append((*triton_quant.dequant_reduce_requant(
-                codes, scales, bits_in=bits_in, group_in=group, bits_out=bits_out,
-                group_out=group, scale_dtype=torch.float16, keys=keys),
-                triton_quant.dequantize_sum(codes, scales, bits=bits_in, group=group,
-                                            hadamard=had)))
+            with override_kernels(row_kernels=rows):
+                runs.append((*triton_quant.dequant_reduce_requant(
+                    codes, scales, bits_in=bits_in, group_in=group, bits_out=bits_out,
+                    group_out=group, scale_dtype=torch.float16, keys=keys),
+                    triton_quant.dequantize_sum(codes, scales, bits=bits_in, group=group,
+                                                hadamard=had)))
         for a, b in zip(*runs):
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 

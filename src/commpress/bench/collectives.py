@@ -73,12 +73,12 @@ def _calls(collective: str, spec: str, x: torch.Tensor, world: int):
 
 
 def measure(rank: int, world: int, sizes: list[int], codecs: list[str], iters: int,
-            dtype_name: str = "float32") -> list[dict]:
+            dtype_name: str = "float32", device_type: str = "cpu") -> list[dict]:
     """Rows for every (size, collective, codec) on this rank (rank 0's are reported)."""
     import commpress
 
     device = (torch.device("cuda", torch.cuda.current_device())
-              if os.environ.get("COMMPRESS_DEVICE") == "cuda" else torch.device("cpu"))
+              if device_type == "cuda" else torch.device("cpu"))
     dtype = getattr(torch, dtype_name)
     rows = []
     for numel in sizes:
@@ -122,13 +122,14 @@ def run_collectives_bench(nproc: int = 4, ranks_per_node: int | None = None,
     codecs = codecs or DEFAULT_CODECS
     backend = backend or ("nccl" if device == "cuda" else "gloo")
     if "RANK" in os.environ and dist.is_initialized():  # under torchrun
-        rows = measure(dist.get_rank(), dist.get_world_size(), sizes, codecs, iters, dtype)
+        rows = measure(dist.get_rank(), dist.get_world_size(), sizes, codecs, iters, dtype,
+                       device)
         if dist.get_rank() != 0:
             return rows
     else:
-        rows = spawn(measure, nproc, (sizes, codecs, iters, dtype),
+        rows = spawn(measure, nproc, (sizes, codecs, iters, dtype, device),
                      ranks_per_node=ranks_per_node, timeout=3600, backend=backend,
-                     env={"COMMPRESS_DEVICE": device})[0]
+                     device=device)[0]
     print_table(rows)
     if json_path:
         with open(json_path, "w") as f:

@@ -1,12 +1,12 @@
 """Kernels: group quantization (int8/int4/int2 codes, or float8 e4m3 values) with
 optional Hadamard smoothing, and top-k selection, on any device.
 
-Each entry point picks its implementation once per call site from the tensor's
-device: the Triton kernels on CUDA (when Triton is installed and the configuration
-is one they support), the torch reference elsewhere. ``COMMPRESS_KERNELS=reference``
-forces the reference everywhere (for debugging or comparison);
-``COMMPRESS_KERNELS=triton`` runs Triton on every device for every configuration it
-supports (on CPU that needs ``TRITON_INTERPRET=1``).
+Each entry point runs the implementation its :class:`~commpress.kernels.config.KernelConfig`
+names, resolved once per (kernel, bits, group, Hadamard block, device type): the Triton
+kernels on CUDA (when Triton is installed and supports the configuration), the torch
+reference elsewhere. The environment variable ``COMMPRESS_KERNELS`` and the override
+for tests and scripts (:func:`override_kernels`) are documented in
+:mod:`commpress.kernels.config`.
 """
 
 from __future__ import annotations
@@ -14,12 +14,19 @@ from __future__ import annotations
 import functools
 import importlib
 import math
-import os
 from types import ModuleType
 
 import torch
 
 from commpress.kernels import reference
+from commpress.kernels.config import (
+    KERNEL_CHOICES,
+    KERNELS_ENV,
+    KernelConfig,
+    override_kernels,
+    resolve,
+    supports,
+)
 from commpress.kernels.reference import (
     padded_numel,
     padded_unit,
@@ -27,48 +34,35 @@ from commpress.kernels.reference import (
     stream_keys,
 )
 
-KERNEL_CHOICES = ("auto", "reference", "triton")
-
 
 @functools.cache
-def _triton_module(name: str) -> ModuleType | None:
+def _triton_module(name: str) -> ModuleType:
     try:
         return importlib.import_module(f"commpress.kernels.{name}")
-    except ImportError:
-        return None
+    except ImportError as e:
+        raise ImportError(f"the Triton kernels did not import ({e}): pip install triton, or "
+                          f"{KERNELS_ENV}=reference") from e
 
 
-def _pick(device: torch.device, module: str, supported) -> ModuleType:
-    """The reference, or the Triton ``module`` when the environment and device ask for it
-    and ``supported(module)`` says it handles the call."""
-    choice = os.environ.get("COMMPRESS_KERNELS", "auto")
-    if choice not in KERNEL_CHOICES:
-        raise ValueError(
-            f"COMMPRESS_KERNELS={choice!r} is not valid; allowed: {', '.join(KERNEL_CHOICES)}"
-        )
-    if choice == "reference":
-        return reference
-    tq = _triton_module(module)
-    if choice == "triton" and tq is None:
-        raise ImportError("COMMPRESS_KERNELS=triton needs Triton: pip install triton")
-    if tq is not None and supported(tq) and (choice == "triton" or device.type == "cuda"):
-        return tq
-    return reference
+def _impl(cfg: KernelConfig, module: str = "triton_quant") -> ModuleType:
+    return reference if cfg.backend == "reference" else _triton_module(module)
 
 
 def backend_for(device: torch.device, bits: int, group: int, hadamard: int,
                 trits: bool = False) -> ModuleType:
-    """The module (reference or Triton) that runs this configuration on ``device``
+    """The module (reference or Triton) that encodes this configuration on ``device``
     (``trits``: int2 codes packed five per byte)."""
-    return _pick(device, "triton_quant", lambda tq: tq.supports(bits, group, hadamard, trits))
+    kernel = "trits_quantize" if trits else "quantize"
+    return _impl(resolve(kernel, bits, group, hadamard, device))
 
 
 def quantize(x: torch.Tensor, *, bits: int, group: int, hadamard: int = 0,
              scale_dtype: torch.dtype = torch.float32,
              keys: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Encode ``x`` to ``(codes, scales)``; see :func:`reference.quantize`."""
-    impl = backend_for(x.device, bits, group, hadamard)
-    piece = _piece(x.numel(), impl, (bits, group, hadamard))
+    cfg = resolve("quantize", bits, group, hadamard, x.device)
+    impl = _impl(cfg)
+    piece = _piece(x.numel(), impl, cfg, (bits, group, hadamard))
     if piece:
         flat = x.reshape(-1)
         parts = [reference.quantize(flat[i:i + piece], bits=bits, group=group,
@@ -84,8 +78,9 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, numel: int, *, bits: i
                out: torch.Tensor | None = None) -> torch.Tensor:
     """Decode ``(codes, scales)`` to a flat tensor of ``numel`` elements (written into
     ``out``, flat and contiguous in ``out_dtype``, if given: no allocation)."""
-    impl = backend_for(codes.device, bits, group, hadamard)
-    piece = _piece(numel, impl, (bits, group, hadamard))
+    cfg = resolve("dequantize", bits, group, hadamard, codes.device)
+    impl = _impl(cfg)
+    piece = _piece(numel, impl, cfg, (bits, group, hadamard))
     if piece:
         if out is None:
             out = torch.empty(numel, dtype=out_dtype, device=codes.device)
@@ -99,24 +94,17 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, numel: int, *, bits: i
                            out_dtype=out_dtype, out=out)
 
 
-# The reference runs long tensors in pieces of about this many elements: its several
-# passes then stay in the CPU's caches (16 Mi elements at once ran 2-4x slower). The
-# pieces are whole groups and blocks and keep their element indices for stochastic
-# rounding: without Hadamard the codes are the same bytes; with it, the rotation's
-# matrix product may round differently for another number of rows (as it may on another
-# BLAS), so a code at a rounding tie may differ. Real and played runs call with the
-# same sizes, so they still agree bit for bit.
-REFERENCE_PIECE = 1 << 20
-
-
-def _piece(numel: int, impl: ModuleType, *configs: tuple[int, int, int], rows: int = 1) -> int:
+def _piece(numel: int, impl: ModuleType, cfg: KernelConfig, *configs: tuple[int, int, int],
+           rows: int = 1) -> int:
     """The piece length per row of ``rows`` (whole groups and blocks of every
-    ``(bits, group, hadamard)`` in ``configs``) the reference runs ``numel`` elements in;
-    0: all at once (and for any other implementation)."""
-    if impl is not reference or numel <= 2 * REFERENCE_PIECE:
+    ``(bits, group, hadamard)`` in ``configs``) the reference runs ``numel`` elements in
+    (about ``cfg.reference_piece``: see ``config.REFERENCE_PIECE``); 0: all at once (and
+    for any other implementation)."""
+    piece = cfg.reference_piece
+    if impl is not reference or numel <= 2 * piece:
         return 0
     unit = math.lcm(*(padded_unit(*c) for c in configs))
-    return max(unit, REFERENCE_PIECE // rows // unit * unit)
+    return max(unit, piece // rows // unit * unit)
 
 
 def _columns(codes: torch.Tensor, scales: torch.Tensor, start: int, piece: int, bits: int,
@@ -129,7 +117,7 @@ def _columns(codes: torch.Tensor, scales: torch.Tensor, start: int, piece: int, 
 def fp8_quantize(x: torch.Tensor, *, group: int, hadamard: int = 0,
                  scale_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """Encode ``x`` as float8 e4m3 with per-group scales; see :func:`reference.fp8_quantize`."""
-    impl = backend_for(x.device, 8, group, hadamard)
+    impl = _impl(resolve("fp8_quantize", 8, group, hadamard, x.device))
     return impl.fp8_quantize(x, group=group, hadamard=hadamard, scale_dtype=scale_dtype)
 
 
@@ -137,7 +125,7 @@ def fp8_dequantize(codes: torch.Tensor, scales: torch.Tensor, numel: int, *, gro
                    hadamard: int = 0, out_dtype: torch.dtype = torch.float32,
                    out: torch.Tensor | None = None) -> torch.Tensor:
     """Decode :func:`fp8_quantize`'s ``(codes, scales)`` to ``numel`` values."""
-    impl = backend_for(codes.device, 8, group, hadamard)
+    impl = _impl(resolve("fp8_dequantize", 8, group, hadamard, codes.device))
     return impl.fp8_dequantize(codes, scales, numel, group=group, hadamard=hadamard,
                                out_dtype=out_dtype, out=out)
 
@@ -146,7 +134,7 @@ def trits_quantize(x: torch.Tensor, *, group: int, hadamard: int = 0,
                    scale_dtype: torch.dtype = torch.float32,
                    keys: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """int2's ternary codes, five per byte; see :func:`reference.trits_quantize`."""
-    impl = backend_for(x.device, 2, group, hadamard, trits=True)
+    impl = _impl(resolve("trits_quantize", 2, group, hadamard, x.device))
     return impl.trits_quantize(x, group=group, hadamard=hadamard, scale_dtype=scale_dtype,
                                keys=keys)
 
@@ -155,7 +143,7 @@ def trits_dequantize(packed: torch.Tensor, scales: torch.Tensor, numel: int, *, 
                      hadamard: int = 0, out_dtype: torch.dtype = torch.float32,
                      out: torch.Tensor | None = None) -> torch.Tensor:
     """Decode :func:`trits_quantize`'s bytes to ``numel`` values."""
-    impl = backend_for(packed.device, 2, group, hadamard, trits=True)
+    impl = _impl(resolve("trits_dequantize", 2, group, hadamard, packed.device))
     return impl.trits_dequantize(packed, scales, numel, group=group, hadamard=hadamard,
                                  out_dtype=out_dtype, out=out)
 
@@ -163,9 +151,10 @@ def trits_dequantize(packed: torch.Tensor, scales: torch.Tensor, numel: int, *, 
 def dequantize_sum(codes: torch.Tensor, scales: torch.Tensor, *, bits: int, group: int,
                    hadamard: int = 0) -> torch.Tensor:
     """Decode ``k`` chunks (rows) and sum them in fp32; see :func:`reference.dequantize_sum`."""
-    impl = backend_for(codes.device, bits, group, hadamard)
+    cfg = resolve("dequantize_sum", bits, group, hadamard, codes.device)
+    impl = _impl(cfg)
     k, chunk = codes.shape[0], codes.shape[1] * 8 // bits
-    piece = _piece(k * chunk, impl, (bits, group, hadamard), rows=k)
+    piece = _piece(k * chunk, impl, cfg, (bits, group, hadamard), rows=k)
     if piece:
         out = torch.empty(chunk, dtype=torch.float32, device=codes.device)
         for i in range(0, chunk, piece):
@@ -182,11 +171,10 @@ def dequant_reduce_requant(codes: torch.Tensor, scales: torch.Tensor, *, bits_in
                            keys: tuple[int, int] | None = None
                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum ``k`` encoded chunks and re-encode; see :func:`reference.dequant_reduce_requant`."""
-    impl = backend_for(codes.device, bits_in, group_in, 0)
-    if impl is not reference and not impl.supports(bits_out, group_out, 0):
-        impl = reference
+    cfg = resolve("dequant_reduce_requant", bits_in, group_in, 0, codes.device)
+    impl = _impl(cfg) if supports(bits_out, group_out, 0) else reference
     k, chunk = codes.shape[0], codes.shape[1] * 8 // bits_in
-    piece = _piece(k * chunk, impl, (bits_in, group_in, 0), (bits_out, group_out, 0), rows=k)
+    piece = _piece(k * chunk, impl, cfg, (bits_in, group_in, 0), (bits_out, group_out, 0), rows=k)
     if piece:
         parts = [reference.dequant_reduce_requant(
             *_columns(codes, scales, i, piece, bits_in, group_in), bits_in=bits_in,
@@ -201,22 +189,28 @@ def dequant_reduce_requant(codes: torch.Tensor, scales: torch.Tensor, *, bits_in
 def topk_select(flat: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The ``k`` largest-magnitude elements as ``(values, indices, flag)``; see
     :func:`reference.topk_select`."""
-    impl = _pick(flat.device, "triton_topk", lambda tt: tt.supports(flat.dtype, flat.numel()))
+    impl = _impl(resolve("topk", device=flat.device), "triton_topk")
+    if impl is not reference and not impl.supports(flat.dtype, flat.numel()):
+        impl = reference
     return impl.topk_select(flat, k)
 
 
 __all__ = [
+    "KERNEL_CHOICES",
+    "KernelConfig",
     "backend_for",
     "dequant_reduce_requant",
     "dequantize",
     "dequantize_sum",
     "fp8_dequantize",
     "fp8_quantize",
+    "override_kernels",
     "padded_numel",
     "padded_unit",
     "qmax_for_bits",
     "quantize",
     "reference",
+    "resolve",
     "stream_keys",
     "topk_select",
     "trits_dequantize",

@@ -25,15 +25,11 @@ import triton
 import triton.language as tl
 
 from commpress.kernels import reference
+from commpress.kernels.config import resolve
 
 DIGIT_BITS = 8
 BINS = 1 << DIGIT_BITS
-# elements per program of the compaction, and tiles per program of a histogram pass
-# (fewer programs → fewer atomic adds into the 256 bins); untuned on the GPU
-TILE_ELEMENTS = 4096
-HISTOGRAM_TILES = 4
 SCAN_BLOCK = 1024
-DEFAULT_WARPS = 4
 
 
 def supports(dtype: torch.dtype, numel: int) -> bool:
@@ -160,16 +156,20 @@ def topk_select(flat: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor,
     hist, flag = work[:-1], work[-1:].view(torch.float32)
     values = torch.empty(k, dtype=flat.dtype, device=flat.device)
     idx = torch.empty(k, dtype=torch.int32, device=flat.device)
-    per_program = TILE_ELEMENTS * HISTOGRAM_TILES
+    # cfg.tile: elements per program of the compaction; cfg.histogram_tiles: tiles per
+    # program of a histogram pass (fewer programs → fewer atomic adds into the 256 bins)
+    cfg = resolve("topk", device=flat.device)
+    tile, warps = cfg.tile, cfg.warps
+    per_program = tile * cfg.histogram_tiles
     for p in range(passes):
         _histogram_kernel[(triton.cdiv(n, per_program),)](
             flat, hist, flag, n, k, PASS=p, PASSES=passes, KEY_BITS=key_bits,
-            TILE=TILE_ELEMENTS, TILES=HISTOGRAM_TILES, num_warps=DEFAULT_WARPS)
-    tiles = triton.cdiv(n, TILE_ELEMENTS)
+            TILE=tile, TILES=cfg.histogram_tiles, num_warps=warps)
+    tiles = triton.cdiv(n, tile)
     counts = torch.empty(2 * tiles, dtype=torch.int32, device=flat.device)
     _count_kernel[(tiles,)](flat, hist, counts, n, k, tiles, PASSES=passes, KEY_BITS=key_bits,
-                            TILE=TILE_ELEMENTS, num_warps=DEFAULT_WARPS)
-    _exclusive_scan_kernel[(1,)](counts, tiles, BLOCK=SCAN_BLOCK, num_warps=DEFAULT_WARPS)
+                            TILE=tile, num_warps=warps)
+    _exclusive_scan_kernel[(1,)](counts, tiles, BLOCK=SCAN_BLOCK, num_warps=warps)
     _write_kernel[(tiles,)](flat, hist, counts, flag, values, idx, n, k, tiles, PASSES=passes,
-                            KEY_BITS=key_bits, TILE=TILE_ELEMENTS, num_warps=DEFAULT_WARPS)
+                            KEY_BITS=key_bits, TILE=tile, num_warps=warps)
     return values, idx, flag

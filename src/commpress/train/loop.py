@@ -65,7 +65,7 @@ def train(cfg: TrainConfig) -> dict[str, Any] | None:
     with run_lock.hold(cfg.out):
         results = spawn(run_rank, cfg.nproc, (cfg.to_dict(),),
                         ranks_per_node=cfg.ranks_per_node, backend=cfg.backend,
-                        env={"COMMPRESS_DEVICE": cfg.device},
+                        device=cfg.device,
                         timeout=max(600.0, 30.0 * cfg.steps), pg_timeout_s=cfg.timeout_s)
     check_progress(results[0])
     return results[0]

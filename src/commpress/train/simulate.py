@@ -73,7 +73,7 @@ def simulate(cfg: TrainConfig) -> dict[str, Any]:
             backend = ("nccl" if cfg.backend == "nccl" and cfg.tp <= torch.cuda.device_count()
                        else "gloo")
             summary = spawn(play_slice, cfg.tp, (cfg.to_dict(),), backend=backend,
-                            env={"COMMPRESS_DEVICE": cfg.device},
+                            device=cfg.device,
                             timeout=max(600.0, 30.0 * cfg.steps), pg_timeout_s=cfg.timeout_s)[0]
     check_progress(summary)
     return summary

@@ -2,6 +2,7 @@
 ``apply_fsdp_to_decoder`` on an HSDP mesh (2 nodes x 2 ranks, Gloo), then
 ``commpress.torchtitan.compress``. torchtitan must be installed: a missing engine fails."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -10,33 +11,60 @@ from tests.integrations.engines import torchtitan_workers as workers
 
 pytestmark = pytest.mark.engine
 
-WORLD, PER_NODE, STEPS = 4, 2, 5
+WORLD, PER_NODE = 4, 2
+# AdamW at lr 1e-3: the loss falls 8.2 -> 3.2 in 20 steps. At lr 3e-3 it falls 8.2 -> 3.3
+# in 5 and zeropp's int4 gradients alone (int8 weights alone: 0.3 %) move single steps of
+# that plunge by up to 5 % either way, then the runs meet again (mean of the last ten of
+# 25 steps: +0.26 %): trajectory noise, not a bias — which the gradient test checks.
+STEPS, LR = 20, 1e-3
 
 
-def test_torchtitan_llama3_hsdp_exact_equals_stock_compressed_tracks_it():
-    results = spawn(workers.titan_runs, WORLD, ([None, "none", "zeropp"], STEPS),
+def test_torchtitan_llama3_hsdp_zeropp_tracks_stock():
+    results = spawn(workers.titan_runs, WORLD, ([None, "zeropp"], STEPS, LR),
                     ranks_per_node=PER_NODE)
-    stock, exact, zeropp = ([rank[i] for rank in results] for i in range(3))
-    assert [r["losses"] for r in exact] == [r["losses"] for r in stock]
-    assert [r["local"] for r in exact] == [r["local"] for r in stock]
+    stock, zeropp = ([rank[i] for rank in results] for i in range(2))
     # tok_embeddings, 2 layers, norm, lm_head and the root
-    assert exact[0]["comm"] == ("FSDPCompression", 6)
-    calls = exact[0]["stats"]["dp.grad.inter"]["calls"]
+    assert zeropp[0]["comm"] == ("FSDPCompression", 6)
+    calls = zeropp[0]["stats"]["dp.grad.inter"]["calls"]
     assert calls == 4 * STEPS  # the modules holding parameters of their own
-    losses, base = zeropp[0]["losses"], stock[0]["losses"]
-    # AdamW at lr 3e-3 drops the loss 8.2 -> 3.3 in 5 steps: measured within 5.1 % per step
-    assert all(abs(a - b) <= 0.06 * b for a, b in zip(losses, base)), (losses, base)
-    assert losses[-1] < losses[0]
+    losses, base = np.array(zeropp[0]["losses"]), np.array(stock[0]["losses"])
+    # each step within 2 % (measured at most 0.8 %): weights gathered stale, or an update
+    # lost, would put a step's loss on the wrong side of a 0.6-per-step fall; the end of
+    # the run within the project's 1 % (measured +0.39 %, last ten steps)
+    assert np.all(np.abs(losses / base - 1) <= 0.02), (losses, base)
+    assert abs(losses[-10:].mean() / base[-10:].mean() - 1) <= 0.01, (losses, base)
     for r in range(PER_NODE):  # the two nodes' replicas of each shard agree bit for bit
-        for run in (exact, zeropp):
-            assert run[r]["local"] == run[r + PER_NODE]["local"]
+        assert zeropp[r]["local"] == zeropp[r + PER_NODE]["local"]
     inter = zeropp[0]["stats"]["dp.grad.inter"]
     assert inter["wire_bytes"] * 8 / inter["elements"] < 4.5
 
 
-def test_torchtitan_gradient_division_off_sums_across_every_rank():
-    summed, averaged = spawn(workers.titan_sum_gradients, WORLD, (),
-                             ranks_per_node=PER_NODE)[0]
+@pytest.fixture(scope="module")
+def gradients():
+    """One backward on the same batch: the exact codec with torchtitan's divide factor
+    1.0, stock FSDP averaging, the exact codec and zeropp with FSDP averaging (full
+    gradients, numpy)."""
+    runs = [("none", True), (None, False), ("none", False), ("zeropp", False)]
+    return spawn(workers.titan_gradients, WORLD, (runs,), ranks_per_node=PER_NODE)[0]
+
+
+def test_torchtitan_exact_codec_gradient_equals_stock_bit_for_bit(gradients):
+    _, stock, exact, _ = gradients
+    assert all(np.array_equal(a, b) for a, b in zip(exact, stock))
+
+
+def test_torchtitan_gradient_division_off_sums_across_every_rank(gradients):
+    summed, averaged, _, _ = gradients
     for a, b in zip(summed, averaged):
         torch.testing.assert_close(torch.from_numpy(a), torch.from_numpy(b) * WORLD,
                                    rtol=1e-5, atol=1e-7)
+
+
+def test_torchtitan_zeropp_gradient_is_the_stock_gradient_plus_int4_noise(gradients):
+    # AdamW barely sees a gradient's scale, so a loss comparison cannot catch a wrongly
+    # scaled reduction (a sum for a mean, a divide by the wrong group): the gradient's
+    # projection on the stock one must be 1 (measured 1.009); int4 codes (group 128) in
+    # the node and again across nodes leave a relative error of 0.11 (bound 0.2)
+    _, stock, _, zeropp = (np.concatenate([g.ravel() for g in run]) for run in gradients)
+    assert zeropp @ stock / (stock @ stock) == pytest.approx(1.0, abs=0.03)
+    assert np.linalg.norm(zeropp - stock) / np.linalg.norm(stock) < 0.2

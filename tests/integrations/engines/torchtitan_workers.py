@@ -44,13 +44,13 @@ def _loss(model, x, y):
     return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
 
 
-def titan_runs(rank, world, policies, steps):
+def titan_runs(rank, world, policies, steps, lr=3e-3):
     """``steps`` AdamW steps of the llama3 debug model per policy (``None``: stock)."""
     data = _data()
     out = []
     for policy in policies:
         model, comm = _llama3(world, policy)
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
         commpress.reset_stats()
         losses = []
         for step in range(steps):
@@ -66,12 +66,13 @@ def titan_runs(rank, world, policies, steps):
     return out
 
 
-def titan_sum_gradients(rank, world):
-    """torchtitan's own gradient divide factor 1.0 (compressed, exact codec) and stock
-    FSDP averaging: the full gradients of each, as numpy."""
+def titan_gradients(rank, world, runs):
+    """One backward per ``(policy, divide_by_tokens)`` in ``runs`` (policy ``None``:
+    stock) on the same batch: the full gradients of each, as numpy (tensors would travel
+    back as shared memory of an exited process)."""
     x, y = _local_batch(_data(), 0, rank, world)
     grads = []
-    for policy, divide_by_tokens in (("none", True), (None, False)):
+    for policy, divide_by_tokens in runs:
         model, _ = _llama3(world, policy, divide_by_tokens)
         _loss(model, x, y).backward()
         grads.append([p.grad.full_tensor().numpy() for p in model.parameters()])

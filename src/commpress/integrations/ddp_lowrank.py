@@ -1,0 +1,296 @@
+"""PowerSGD with quantized factors, as a DDP communication hook.
+
+PowerSGD (Vogels, Karimireddy and Jaggi, NeurIPS 2019; torch's ``powerSGD_hook``)
+sends, for each gradient matrix ``M`` (n × m), two thin factors: ``P = M Q`` (n × r),
+all-reduced and orthogonalized, then ``Q = Mᵀ P`` (m × r), all-reduced; the update is
+``P Qᵀ`` and the rest, ``M − P Qᵀ``, is fed back into the next step. Torch's hook
+all-reduces both factors as fp32 over the whole group, one DDP bucket at a time.
+
+This hook changes how the factors travel, not what they are:
+
+1. **Factors cross nodes as codes** (``factor_codec``, e.g. int8 or int4 with group
+   scales): a two-level all-reduce sums them exactly inside the node and sends the
+   node's sum once, quantized, to the other nodes. Every rank decodes the same bytes,
+   so ``P`` is orthogonalized identically everywhere and replicas stay identical.
+   PowerSGD's error feedback already subtracts the *decoded* ``P̂ Q̂ᵀ`` from ``M``, so
+   the rounding error of the factors is carried to the next step with the rank
+   truncation: no second memory is needed.
+2. **Vectors** (biases, norms; matrices too small to gain ``min_compression_rate``)
+   ride in ``P``'s all-reduce with the same error feedback (``e = v + e − v̂``).
+3. **The hook's own buckets** (:class:`~commpress.integrations.ddp.DDPHookState`: a
+   fixed layout by parameter name, one communication thread) run during backward and
+   make the state checkpointable; torch's PowerSGD must finish each DDP bucket before
+   the next on Gloo.
+
+Rejected: quantizing ``M`` itself before the low-rank step (the codes' error would
+be projected and mostly lost, and nothing would shrink on the wire) and a separate
+error-feedback memory per factor (the factors change subspace from step to step; the
+gradient-level memory already covers their error).
+
+A step whose decoded result is not finite is passed on as it is (the optimizer skips
+it) and leaves the memory and the warm-start ``Q`` untouched, so one overflow does not
+poison later steps; the decision depends only on decoded values, the same everywhere.
+"""
+
+# No ``from __future__ import annotations``: DDP compares the hook's annotations with
+# ``dist.GradBucket`` and ``torch.futures.Future[torch.Tensor]`` as objects.
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from commpress.codecs import codec as build_codec
+from commpress.collectives import Topology, hierarchical_all_reduce
+from commpress.integrations.ddp import BUCKET_NUMEL, DDPHookState, compressed_allreduce_hook
+
+LABEL = "dp.grad.lowrank"
+
+
+@dataclass(frozen=True)
+class LowRankConfig:
+    """Hyperparameters of :func:`lowrank_hook` (checkpoints must match them)."""
+
+    rank: int = 4
+    factor_codec: str = "int8"
+    start_iter: int = 2  # exact all-reduce steps first, as the trainer sets torch's PowerSGD
+    min_compression_rate: float = 2.0
+    seed: int = 0
+    alternate: bool = False  # ACP-SGD: one factor per step, one all-reduce instead of two
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.rank, int) or self.rank < 1:
+            raise ValueError(f"lowrank_hook: rank={self.rank!r} is not allowed; allowed: an "
+                             "int >= 1")
+        if not isinstance(self.start_iter, int) or self.start_iter < 0:
+            raise ValueError(f"lowrank_hook: start_iter={self.start_iter!r} is not allowed; "
+                             "allowed: an int >= 0")
+        if not self.min_compression_rate >= 1:
+            raise ValueError(f"lowrank_hook: min_compression_rate={self.min_compression_rate!r}"
+                             " is not allowed; allowed: a number >= 1")
+        build_codec(self.factor_codec)  # a bad spec fails here, naming the allowed ones
+
+
+@dataclass(frozen=True)
+class _Matrix:
+    offset: int
+    n: int
+    m: int
+    r: int
+
+
+class LowRankReducer:
+    """One hook bucket's PowerSGD: which parameters are matrices, their warm-start ``Q``
+    and the error-feedback memory. Used by :class:`DDPHookState` where a
+    :class:`~commpress.integrations.grad_path.GradPath` would be."""
+
+    def __init__(self, shapes: list[torch.Size], offsets: list[int], numel: int,
+                 config: LowRankConfig, topology: Topology, bucket_index: int) -> None:
+        # hyperparameters
+        self.config = config
+        self.topology = topology
+        self.exact = build_codec("none")
+        self.codec = build_codec(config.factor_codec)
+        self.matrices: list[_Matrix] = []
+        self.vector_slices: list[tuple[int, int]] = []  # (offset, numel)
+        for shape, offset in zip(shapes, offsets):
+            size = shape.numel()
+            if len(shape) >= 2:
+                n, m = shape[0], size // shape[0]
+                r = min(config.rank, n, m)
+                if n * m >= config.min_compression_rate * r * (n + m):
+                    self.matrices.append(_Matrix(offset, n, m, r))
+                    continue
+            self.vector_slices.append((offset, size))
+        self.numel = numel
+        # internal state
+        self.iter = 0
+        g = torch.Generator().manual_seed(config.seed * 1_000_003 + bucket_index)
+        self.qs = [torch.randn(x.m, x.r, generator=g) for x in self.matrices]
+        self.ps = [torch.zeros(x.n, x.r) for x in self.matrices]  # alternate: last P sent
+        self.error: torch.Tensor | None = None
+        self.device = torch.device("cpu")
+
+    def _sends_p(self) -> bool:
+        """Alternate scheme: whether this step sends ``P`` (else ``Q``)."""
+        return (self.iter - self.config.start_iter) % 2 == 0
+
+    def wire_elements(self) -> list[int]:
+        """Elements of each all-reduce of the next compressed step: PowerSGD ``[P and
+        vectors, Q]``; alternate ``[P and vectors]`` or ``[Q and vectors]``."""
+        vectors = sum(k for _, k in self.vector_slices)
+        n_p = sum(x.n * x.r for x in self.matrices)
+        n_q = sum(x.m * x.r for x in self.matrices)
+        if not self.config.alternate:
+            return [n_p + vectors, n_q]
+        return [(n_p if self._sends_p() else n_q) + vectors]
+
+    def _reduce(self, flat: torch.Tensor, codec, group: dist.ProcessGroup | None) -> None:
+        hierarchical_all_reduce(flat, intra=self.exact, inter=codec, topology=self.topology,
+                                group=group, op="avg", label=LABEL)
+
+    def _send(self, views: list[torch.Tensor], bases: list[torch.Tensor], left: bool,
+              vectors: torch.Tensor | None, group) -> list[torch.Tensor]:
+        """Average ``M B`` (``Mᵀ B`` when ``left``) of every matrix, with ``vectors``
+        appended, across the group; returns the averaged factors, then the vectors."""
+        sizes = [(x.m if left else x.n) * x.r for x in self.matrices]
+        extra = 0 if vectors is None else vectors.numel()
+        flat = torch.empty(sum(sizes) + extra, device=self.device)
+        parts = list(flat.split(sizes + [extra]))
+        for mv, b, out in zip(views, bases, parts):
+            torch.mm(mv.t() if left else mv, b, out=out.view(-1, b.shape[1]))
+        if vectors is not None:
+            parts[-1].copy_(vectors)
+        self._reduce(flat, self.codec, group)
+        return [out.view(-1, b.shape[1]) for out, b in zip(parts, bases)] + parts[len(bases):]
+
+    def all_reduce(self, tensor: torch.Tensor, group: dist.ProcessGroup | None, op: str = "avg",
+                   async_op: bool = False):
+        """Average ``tensor`` (the hook bucket) in place; done when it returns."""
+        assert op == "avg", op
+        if self.iter < self.config.start_iter:
+            self._reduce(tensor, self.exact, group)
+            self.iter += 1
+            return _DONE
+        # Step 1: add the memory: M = G + E
+        if self.error is None:
+            self.error = torch.zeros_like(tensor, dtype=torch.float32)
+        if self.device != tensor.device:  # the factors live where the gradients do
+            self.device = tensor.device
+            self.qs = [q.to(tensor.device) for q in self.qs]
+            self.ps = [p.to(tensor.device) for p in self.ps]
+        compensated = tensor.float() + self.error
+        views = [compensated[x.offset: x.offset + x.n * x.m].view(x.n, x.m)
+                 for x in self.matrices]
+        vectors = torch.cat([compensated[o: o + k] for o, k in self.vector_slices]
+                            or [compensated[:0]])
+        ps, qs = self.ps, self.qs
+        if not self.config.alternate:
+            # Step 2-3: P = M Q, averaged with the vectors; Step 4: orthogonalize P;
+            # Step 5: Q = Mᵀ P, averaged; the update is P Qᵀ
+            *ps, vectors = self._send(views, self.qs, False, vectors, group)
+            ps = [torch.linalg.qr(p).Q for p in ps]
+            qs = self._send(views, ps, True, None, group)[:-1]
+        elif self._sends_p():
+            # ACP-SGD (Zhang et al., ICDCS 2023): one factor per step, alternating;
+            # P = M orth(Q), averaged with the vectors; the update is P orth(Q)ᵀ
+            qs = [torch.linalg.qr(q).Q for q in self.qs]
+            *ps, vectors = self._send(views, qs, False, vectors, group)
+        else:
+            ps = [torch.linalg.qr(p).Q for p in self.ps]
+            *qs, vectors = self._send(views, ps, True, vectors, group)
+        # Step 6: the update, P Qᵀ for matrices and the averaged vectors
+        result = torch.empty_like(compensated)
+        for x, p, q in zip(self.matrices, ps, qs):
+            torch.mm(p, q.t(), out=result[x.offset: x.offset + x.n * x.m].view(x.n, x.m))
+        at = 0
+        for offset, k in self.vector_slices:
+            result[offset: offset + k] = vectors[at: at + k]
+            at += k
+        # Step 7: keep what was not sent; a non-finite result leaves the state as it was
+        if bool(torch.isfinite(result).all()):
+            self.error = compensated - result
+            self.ps, self.qs = [p.clone() for p in ps], [q.clone() for q in qs]
+        tensor.copy_(result)
+        self.iter += 1
+        return _DONE
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"iter": self.iter, "qs": [q.clone() for q in self.qs],
+                "ps": [p.clone() for p in self.ps],
+                "error": None if self.error is None else self.error.clone(),
+                "codec": self.codec.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        shapes = [tuple(q.shape) for q in self.qs]
+        if [tuple(q.shape) for q in state["qs"]] != shapes:
+            theirs = [tuple(q.shape) for q in state["qs"]]
+            raise ValueError(f"low-rank hook state has factors {theirs}; this bucket has "
+                             f"{shapes}: resume with the same model and rank")
+        self.iter = state["iter"]
+        self.qs = [q.to(self.device, copy=True) for q in state["qs"]]
+        self.ps = [p.to(self.device, copy=True) for p in state["ps"]]
+        self.error = None if state["error"] is None else state["error"].to(self.device,
+                                                                             copy=True)
+        self.codec.load_state_dict(state["codec"])
+
+
+class _Done:
+    """The handle of a reduction that finished before it was returned."""
+
+    def wait(self) -> None:
+        return None
+
+
+_DONE = _Done()
+
+
+class LowRankHookState(DDPHookState):
+    """:class:`DDPHookState` whose buckets are reduced by :class:`LowRankReducer`."""
+
+    def __init__(self, model: nn.Module, config: LowRankConfig,
+                 group: dist.ProcessGroup | None = None, topology: Topology | None = None,
+                 overlap: bool = True, bucket_numel: int = BUCKET_NUMEL) -> None:
+        super().__init__(model, "none", group, topology, label=LABEL, overlap=overlap,
+                         bucket_numel=bucket_numel)
+        self.config = config
+        module = getattr(model, "module", model)
+        shapes = {n: p.shape for n, p in module.named_parameters()}
+        for j, hb in enumerate(self.buckets):
+            hb.grad_path = LowRankReducer([shapes[n] for n in hb.names], hb.offsets,
+                                          sum(hb.numels), config, self.topology, j)
+
+    def _make_hook_group(self) -> dist.ProcessGroup:
+        # node groups are made now, with the hook group, not on the communication thread
+        group = super()._make_hook_group()
+        self.topology.resolve(group)
+        return group
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "lowrank": asdict(self.config)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if isinstance(state, dict) and state.get("lowrank") != asdict(self.config):
+            raise ValueError(f"low-rank hook checkpoint has config {state.get('lowrank')!r}; "
+                             f"this run's is {asdict(self.config)!r}")
+        super().load_state_dict(state)
+
+    def wire_elements(self) -> int:
+        """Elements all-reduced in the next compressed step, over every bucket."""
+        return sum(sum(hb.grad_path.wire_elements()) for hb in self.buckets)
+
+
+def lowrank_hook(model: nn.Module, rank: int = 4, factor_codec: str = "int8",
+                 start_iter: int = 2, min_compression_rate: float = 2.0, seed: int = 0,
+                 alternate: bool = False, group: dist.ProcessGroup | None = None,
+                 topology: Topology | None = None, overlap: bool = True,
+                 bucket_numel: int = BUCKET_NUMEL):
+    """``(state, hook)`` for ``DistributedDataParallel.register_comm_hook``: PowerSGD of
+    rank ``rank`` whose factors cross nodes as ``factor_codec`` codes.
+
+    Sends per compressed step, per node across nodes, ``2 · (nodes − 1) / nodes`` times
+    the codec's wire size of ``Σ r (n + m)`` factor elements plus the vector elements
+    (``alternate``: ``Σ r n`` and ``Σ r m`` on alternate steps, plus the vectors each step)
+    (int8 with group-128 fp32 scales: 8.25 bits each); the first ``start_iter`` steps are
+    exact all-reduces.
+
+    Args:
+        model: the DDP module (or the module it wraps).
+        rank: PowerSGD's matrix approximation rank.
+        factor_codec: codec spec of the factors across nodes ("none" sends fp32).
+        start_iter: exact steps before the low-rank ones.
+        min_compression_rate: a matrix is approximated only if it shrinks this much.
+        seed: seed of the initial ``Q`` (the same on every rank).
+        alternate: send ``P`` and ``Q`` on alternate steps (ACP-SGD): one all-reduce per
+            step and half the bytes, for a projection on one side at a time.
+        group, topology, overlap, bucket_numel: as in :func:`commpress.ddp_hook`.
+
+    Example::
+
+        model = DDP(model)
+        model.register_comm_hook(*lowrank_hook(model, rank=4, factor_codec="int8"))
+    """
+    config = LowRankConfig(rank, factor_codec, start_iter, min_compression_rate, seed, alternate)
+    state = LowRankHookState(model, config, group, topology, overlap, bucket_numel)
+    return state, compressed_allreduce_hook

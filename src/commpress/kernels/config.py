@@ -1,0 +1,268 @@
+"""How the kernels run: one frozen :class:`KernelConfig` per (kernel, bits, group,
+Hadamard block, device type), resolved once and cached.
+
+The environment is read once, at the first resolution, and nowhere else:
+
+``COMMPRESS_KERNELS``
+    ``auto`` (default): the Triton kernels on CUDA where they support the
+    configuration, the torch reference elsewhere. ``reference``: the reference
+    everywhere (debugging, comparison). ``triton``: Triton on every device for every
+    configuration it supports (on CPU that needs ``TRITON_INTERPRET=1``).
+``TRITON_INTERPRET``
+    Triton's own switch (``1``: its interpreter, on CPU). The interpreter's ``tl.dot``
+    on bf16 operands is wrong, so there every product runs as an ieee fp32 one.
+
+Tests and scripts change the choices for a block with :func:`override_kernels`; the
+block restores the previous choices on exit (nested blocks too). The override is
+process-wide, not a context variable: the DDP hook encodes on its own thread, which a
+context variable set on the caller's thread would not reach. The rejected alternative,
+module globals that scripts assign (a tile table, a row/flat switch, a product
+precision) and an environment re-read on every call, let a test that forgot to restore
+a value change every later test, and a value change in the middle of a run.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import threading
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, fields
+from types import MappingProxyType
+
+import torch
+
+KERNELS_ENV = "COMMPRESS_KERNELS"
+KERNEL_CHOICES = ("auto", "reference", "triton")
+BACKENDS = ("reference", "triton")
+# How fp32 operands multiply in tl.dot on the GPU: "ieee" (CUDA cores) or "tf32x3" (three
+# tf32 tensor-core products, about fp32's accuracy); not yet measured on the H200, which
+# ``benchmarks/gpu_kernels.py`` times both ways.
+FP32_DOTS = ("ieee", "tf32x3")
+KERNELS = ("quantize", "dequantize", "dequantize_sum", "dequant_reduce_requant",
+           "fp8_quantize", "fp8_dequantize", "trits_quantize", "trits_dequantize", "topk")
+# The tile must give tl.dot at least 16 rows; 4096 elements per program keeps the
+# interpreter quick on CPU and is the untuned start on the GPU.
+TILE_ELEMENTS = 4096
+DEFAULT_WARPS = 4
+# top-k: tiles of a histogram pass per program (fewer programs → fewer atomic adds)
+HISTOGRAM_TILES = 4
+# The reference runs long tensors in pieces of about this many elements: its several
+# passes then stay in the CPU's caches (16 Mi elements at once ran 2-4x slower). The
+# pieces are whole groups and blocks and keep their element indices for stochastic
+# rounding: without Hadamard the codes are the same bytes; with it, the rotation's
+# matrix product may round differently for another number of rows (as it may on another
+# BLAS), so a code at a rounding tie may differ. Real and played runs call with the
+# same sizes, so they still agree bit for bit.
+REFERENCE_PIECE = 1 << 20
+# (kernel, bits, group, hadamard) → (tile elements, warps), measured on the H200 with
+# ``benchmarks/gpu_kernels.py --tune``; not yet measured, so empty (defaults apply).
+TUNED: Mapping[tuple[str, int, int, int], tuple[int, int]] = MappingProxyType({})
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """How one kernel runs for one configuration and device type."""
+
+    backend: str
+    """``reference`` (torch) or ``triton``."""
+    tile: int = TILE_ELEMENTS
+    """Elements per program of the flat-tile kernels (a row kernel runs ``tile / width``
+    rows, at least 16); at least the group and the Hadamard block."""
+    warps: int = DEFAULT_WARPS
+    """Warps per program."""
+    row_kernels: bool = True
+    """The family: True runs the row kernels (a group or block per row, no reshapes; the
+    form of the 2500 GB/s prototype) where they apply, False the flat-tile kernels. Both
+    give the same bytes; the GPU measurements choose."""
+    fp32_dot: str = "ieee"
+    """How a product of fp32 operands runs on the GPU (one of :data:`FP32_DOTS`)."""
+    histogram_tiles: int = HISTOGRAM_TILES
+    """Top-k: tiles per program of a histogram pass."""
+    reference_piece: int = REFERENCE_PIECE
+    """The reference runs tensors longer than twice this in pieces of about this many
+    elements (see :data:`REFERENCE_PIECE`)."""
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend={self.backend!r} is not valid; allowed: "
+                             f"{', '.join(BACKENDS)}")
+        if self.fp32_dot not in FP32_DOTS:
+            raise ValueError(f"fp32_dot={self.fp32_dot!r} is not valid; allowed: "
+                             f"{', '.join(FP32_DOTS)}")
+        for name in ("tile", "warps", "histogram_tiles"):
+            _check_power_of_two(name, getattr(self, name))
+        _check_positive("reference_piece", self.reference_piece)
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _check_power_of_two(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1 or value & (value - 1):
+        raise ValueError(f"{name}={value!r} is not valid; allowed: a power of two >= 1")
+
+
+def _check_positive(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}={value!r} is not valid; allowed: an integer >= 1")
+
+
+@dataclass(frozen=True)
+class KernelEnvironment:
+    """The environment variables the kernels read (once)."""
+
+    kernels: str = "auto"
+    interpret: bool = False
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str]) -> KernelEnvironment:
+        choice = environ.get(KERNELS_ENV, "auto")
+        if choice not in KERNEL_CHOICES:
+            raise ValueError(f"{KERNELS_ENV}={choice!r} is not valid; allowed: "
+                             f"{', '.join(KERNEL_CHOICES)}")
+        return cls(kernels=choice, interpret=environ.get("TRITON_INTERPRET", "0") == "1")
+
+
+@functools.cache
+def environment() -> KernelEnvironment:
+    """The environment as read at the first call (a bad value raises on every call)."""
+    return KernelEnvironment.from_environ(os.environ)
+
+
+def interpreting() -> bool:
+    """Whether Triton runs in its interpreter (``TRITON_INTERPRET=1``)."""
+    return environment().interpret
+
+
+@functools.cache
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def supports(bits: int, group: int, hadamard: int, trits: bool = False) -> bool:
+    """Whether the Triton kernels handle a configuration (else the caller uses the
+    reference); ``trits``: int2 codes five per byte (groups of 16 … 256)."""
+    pow2 = lambda v: v > 0 and v & (v - 1) == 0  # noqa: E731
+    if bits not in (2, 4, 8) or not pow2(group) or group < 8 // bits:
+        return False
+    if trits and not (bits == 2 and 16 <= group <= 256):
+        return False
+    if hadamard and (not pow2(hadamard) or hadamard < 16):
+        return False
+    return max(group, hadamard) <= TILE_ELEMENTS
+
+
+class _Overrides:
+    """The active overrides, innermost last, each merged with those around it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stack: list[tuple[tuple[str, object], ...]] = [()]
+
+    def current(self) -> tuple[tuple[str, object], ...]:
+        return self._stack[-1]
+
+    @contextmanager
+    def push(self, changes: dict[str, object]) -> Iterator[None]:
+        with self._lock:
+            entry = tuple(sorted({**dict(self._stack[-1]), **changes}.items()))
+            self._stack.append(entry)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._stack.remove(entry)
+
+
+_OVERRIDES = _Overrides()
+
+
+@contextmanager
+def override_kernels(*, kernels: str | None = None, tile: int | None = None,
+                     warps: int | None = None, row_kernels: bool | None = None,
+                     fp32_dot: str | None = None, histogram_tiles: int | None = None,
+                     reference_piece: int | None = None) -> Iterator[None]:
+    """Change the kernel choices for the block (every kernel and configuration); the
+    previous ones come back on exit.
+
+    Args:
+        kernels: as ``COMMPRESS_KERNELS`` (auto, reference, triton).
+        tile, warps, histogram_tiles: launch sizes (powers of two) for every kernel.
+        row_kernels: True for the row kernels, False for the flat-tile ones.
+        fp32_dot: how fp32 operands multiply (ieee, tf32x3).
+        reference_piece: the reference's piece length (elements, >= 1).
+
+    Example::
+
+        with override_kernels(row_kernels=False):
+            codes, scales = commpress.kernels.quantize(x, bits=4, group=128, hadamard=128)
+    """
+    changes = {k: v for k, v in dict(kernels=kernels, tile=tile, warps=warps,
+                                     row_kernels=row_kernels, fp32_dot=fp32_dot,
+                                     histogram_tiles=histogram_tiles,
+                                     reference_piece=reference_piece).items()
+               if v is not None}
+    if kernels is not None and kernels not in KERNEL_CHOICES:
+        raise ValueError(f"kernels={kernels!r} is not valid; allowed: {', '.join(KERNEL_CHOICES)}")
+    if row_kernels is not None and not isinstance(row_kernels, bool):
+        raise ValueError(f"row_kernels={row_kernels!r} is not valid; allowed: True, False")
+    if fp32_dot is not None and fp32_dot not in FP32_DOTS:
+        raise ValueError(f"fp32_dot={fp32_dot!r} is not valid; allowed: {', '.join(FP32_DOTS)}")
+    for name in ("tile", "warps", "histogram_tiles"):
+        if name in changes:
+            _check_power_of_two(name, changes[name])
+    if reference_piece is not None:
+        _check_positive("reference_piece", reference_piece)
+    with _OVERRIDES.push(changes):
+        yield
+
+
+def resolve(kernel: str, bits: int = 0, group: int = 0, hadamard: int = 0,
+            device: torch.device | str = "cpu") -> KernelConfig:
+    """The :class:`KernelConfig` of ``kernel`` (one of :data:`KERNELS`) for a
+    configuration on ``device`` (cached: the same object every call, until an
+    override changes the choices)."""
+    device_type = device.type if isinstance(device, torch.device) else torch.device(device).type
+    return _resolve(kernel, bits, group, hadamard, device_type, _OVERRIDES.current())
+
+
+@functools.lru_cache(maxsize=4096)
+def _resolve(kernel: str, bits: int, group: int, hadamard: int, device_type: str,
+             overrides: tuple[tuple[str, object], ...]) -> KernelConfig:
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel={kernel!r} is not valid; allowed: {', '.join(KERNELS)}")
+    chosen = dict(overrides)
+    choice = chosen.pop("kernels", environment().kernels)
+    tile, warps = TUNED.get((kernel, bits, group, hadamard), (TILE_ELEMENTS, DEFAULT_WARPS))
+    tile, warps = chosen.pop("tile", tile), chosen.pop("warps", warps)
+    if kernel.startswith("trits"):  # tl.dot needs 16 groups per tile
+        tile = max(tile, 16 * group)
+    backend = _backend(choice, kernel, bits, group, hadamard, device_type)
+    return KernelConfig(backend=backend, tile=max(tile, group, hadamard), warps=warps,
+                        **chosen)
+
+
+def _backend(choice: str, kernel: str, bits: int, group: int, hadamard: int,
+             device_type: str) -> str:
+    """Triton when the choice and device ask for it and it supports the configuration
+    (top-k's support depends on the tensor: its dispatcher checks it per call)."""
+    if choice == "reference":
+        return "reference"
+    if not triton_available():
+        if choice == "triton":
+            raise ImportError(f"{KERNELS_ENV}=triton needs Triton: pip install triton")
+        return "reference"
+    if choice == "auto" and device_type != "cuda":
+        return "reference"
+    if kernel != "topk" and not supports(bits, group, hadamard,
+                                         trits=kernel.startswith("trits")):
+        return "reference"
+    return "triton"
+
+
+__all__ = ["FP32_DOTS", "KERNEL_CHOICES", "KERNELS", "KERNELS_ENV", "KernelConfig",
+           "KernelEnvironment", "environment", "interpreting", "override_kernels", "resolve",
+           "supports"]

@@ -1,0 +1,100 @@
+"""Per-rank DDP runs of the low-rank hook (module level: picklable)."""
+
+import copy
+import hashlib
+
+import torch
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import commpress
+from commpress.codecs import codec as build_codec
+from commpress.collectives import chunks
+from commpress.integrations.ddp_lowrank import LABEL, lowrank_hook
+from tests.integrations import workers
+
+HOOK = {"rank": 2, "factor_codec": "int8", "start_iter": 1, "bucket_numel": 25_000}
+
+
+def _build(options):
+    model = workers._model()
+    ddp = DDP(model, bucket_cap_mb=0.1)
+    state, hook = lowrank_hook(ddp, **{**HOOK, **options})
+    ddp.register_comm_hook(state, hook)
+    return model, ddp, state, torch.optim.AdamW(model.parameters(), lr=3e-3)
+
+
+def _grad_hash(model):
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.grad.contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _steps(model, ddp, opt, data, rank, world, start, count, nan_at=None):
+    """Train; per step: parameter hash, gradient hash, whether every gradient is finite."""
+    out = []
+    for step in range(start, start + count):
+        x, y = workers._local_batch(data, step, rank, world)
+        logits = ddp(x)
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+        if nan_at == (step, rank):
+            loss = loss * float("nan")
+        loss.backward()
+        finite = all(bool(torch.isfinite(p.grad).all()) for p in model.parameters())
+        grads = _grad_hash(model)
+        if finite:
+            opt.step()
+        opt.zero_grad()
+        out.append({"params": workers._hash_params(model), "grads": grads, "finite": finite,
+                    "loss": workers._global_loss(loss, world)})
+    return out
+
+
+def train(rank, world, steps, options=None, nan_at=None):
+    data = workers._data()
+    model, ddp, state, opt = _build(options or {})
+    return _steps(model, ddp, opt, data, rank, world, 0, steps, nan_at)
+
+
+def wire_bytes(rank, world, options=None, warm=0):
+    """Bytes this rank counted in one compressed step (after ``warm`` compressed steps),
+    and what the formula gives."""
+    data = workers._data()
+    options = {**HOOK, **(options or {})}
+    model, ddp, state, opt = _build(options)
+    start = options["start_iter"] + warm
+    _steps(model, ddp, opt, data, rank, world, 0, start)
+    codec = build_codec(options["factor_codec"])
+    expected = sum(codec.wire_bytes(chunks.padded_chunk(codec, k))
+                   for hb in state.buckets for k in hb.grad_path.wire_elements())
+    elements = state.wire_elements()
+    commpress.reset_stats()
+    _steps(model, ddp, opt, data, rank, world, start, 1)
+    counted = sum(s["wire_bytes"] for label, s in commpress.stats().items()
+                  if label.startswith(LABEL))
+    numel = sum(p.numel() for p in model.parameters())
+    return {"counted": counted, "expected": expected, "numel": numel, "elements": elements}
+
+
+def resume(rank, world, options=None):
+    """3 steps, a snapshot, 2 more steps; then a new DDP and hook from the snapshot runs
+    the same 2 steps. Also loads the snapshot into a hook of another rank."""
+    data = workers._data()
+    model, ddp, state, opt = _build(options or {})
+    _steps(model, ddp, opt, data, rank, world, 0, 3)
+    snapshot = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict(),
+                              "hook": state.state_dict()})
+    straight = _steps(model, ddp, opt, data, rank, world, 3, 2)
+    model2, ddp2, state2, opt2 = _build(options or {})
+    model2.load_state_dict(snapshot["model"])
+    opt2.load_state_dict(snapshot["opt"])
+    state2.load_state_dict(snapshot["hook"])
+    resumed = _steps(model2, ddp2, opt2, data, rank, world, 3, 2)
+    _, _, other, _ = _build({**(options or {}), "rank": 3})
+    try:
+        other.load_state_dict(snapshot["hook"])
+        refused = None
+    except ValueError as e:
+        refused = str(e)
+    return {"straight": straight, "resumed": resumed, "refused": refused}

@@ -1,0 +1,68 @@
+"""PowerSGD with quantized factors (``lowrank_hook``) on real Gloo ranks: two ranks on
+two nodes (one rank each), so the factors cross the "link" as int8 codes."""
+
+import pytest
+
+from commpress.integrations.ddp_lowrank import LowRankConfig
+from commpress.launch import spawn
+from tests.integrations import lowrank_workers
+
+PG_TIMEOUT_S = 30.0
+
+
+def _spawn(fn, *args):
+    return spawn(fn, 2, args, ranks_per_node=1, pg_timeout_s=PG_TIMEOUT_S, timeout=300)
+
+
+SLOW = pytest.mark.slow  # the variants; the first of each test runs by default
+
+
+@pytest.mark.parametrize("options", [{"factor_codec": "int8"},
+                                     pytest.param({"factor_codec": "int4"}, marks=SLOW),
+                                     pytest.param({"alternate": True}, marks=SLOW)])
+def test_replicas_stay_bitwise_identical_and_train(options):
+    ranks = _spawn(lowrank_workers.train, 6, options)
+    for a, b in zip(*ranks):
+        assert a["params"] == b["params"] and a["grads"] == b["grads"]
+        assert a["finite"]
+    losses = [s["loss"] for s in ranks[0]]
+    assert losses[-1] < losses[0] - 0.05, losses
+
+
+@pytest.mark.parametrize("options, warm", [({}, 0),
+                                           pytest.param({"alternate": True}, 0, marks=SLOW),
+                                           pytest.param({"alternate": True}, 1, marks=SLOW)])
+def test_bytes_per_step_match_the_factor_formula(options, warm):
+    ranks = _spawn(lowrank_workers.wire_bytes, options, warm)
+    for r in ranks:
+        # per hook bucket one int8 packet per exchange: P with the vectors, then Q (or,
+        # alternating, P or Q with the vectors)
+        assert r["counted"] == r["expected"]
+    n_pq = ranks[0]["elements"]
+    # the factors are a small fraction of the gradient, at 8.25 bits instead of 32
+    assert n_pq < ranks[0]["numel"] / 3
+    assert ranks[0]["counted"] < 0.3 * 4 * n_pq
+
+
+@pytest.mark.parametrize("options", [{}, pytest.param({"alternate": True}, marks=SLOW)])
+def test_state_dict_round_trip_resumes_bit_for_bit(options):
+    ranks = _spawn(lowrank_workers.resume, options)
+    for r in ranks:
+        assert [s["params"] for s in r["straight"]] == [s["params"] for s in r["resumed"]]
+        assert "rank" in r["refused"] and "config" in r["refused"]
+
+
+def test_a_non_finite_gradient_stays_non_finite_and_does_not_poison_the_memory():
+    ranks = _spawn(lowrank_workers.train, 5, None, (2, 1))  # rank 1's loss is NaN at step 2
+    for r in ranks:
+        assert [s["finite"] for s in r] == [True, True, False, True, True]
+    for a, b in zip(*ranks):
+        assert a["params"] == b["params"] and a["grads"] == b["grads"]
+
+
+@pytest.mark.parametrize("field, value", [("rank", 0), ("start_iter", -1),
+                                          ("min_compression_rate", 0.5),
+                                          ("factor_codec", "int7")])
+def test_bad_options_are_refused_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=field if field != "factor_codec" else "int7"):
+        LowRankConfig(**{field: value})
