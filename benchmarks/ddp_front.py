@@ -52,6 +52,7 @@ from commpress.testbed import Cluster  # noqa: E402
 RESULTS = os.path.join(HERE, "results")
 NODES, RANKS_PER_NODE = 2, 2
 WARMUP_STEPS = 2
+SAME = {True: "yes", False: "NO", None: "unchecked"}
 BATCH, SEQ, LR, EVAL_BATCHES = 8, 128, 3e-3, 8
 
 
@@ -81,6 +82,8 @@ HOOKS: dict[str, HookSpec] = {
     "lowrank-r4-fp32": HookSpec("lowrank", options={"rank": 4, "factor_codec": "none"}),
     "lowrank-r8-int4": HookSpec("lowrank", options={"rank": 8, "factor_codec": "int4"}),
     "lowrank-r16-int8": HookSpec("lowrank", options={"rank": 16, "factor_codec": "int8"}),
+    "lowrank-r16-int8-b1m": HookSpec("lowrank", options={"rank": 16, "factor_codec": "int8",
+                                                         "bucket_numel": 1 << 20}),
     # ACP-SGD: P and Q on alternate steps, one all-reduce per step
     "acp-r4-int8": HookSpec("lowrank", options={"rank": 4, "factor_codec": "int8",
                                                 "alternate": True}),
@@ -195,7 +198,7 @@ def run_one(item: dict, data, ranks_per_node: int) -> dict:
     install(ddp, spec, ranks_per_node)
     opt = replica_optimizer(module, LR, 0.1)
     commpress.reset_stats()
-    schedule = SimpleNamespace(warmup=4, steps=steps, min_lr_ratio=0.1)
+    schedule = SimpleNamespace(warmup=4, steps=item["schedule_steps"], min_lr_ratio=0.1)
     times, losses, link = [], [], None
     for step in range(steps):
         if step == WARMUP_STEPS:
@@ -378,9 +381,11 @@ def run_grid(args) -> dict:
 def run_length(args, hook: str, loss_run: bool) -> dict:
     """Steps and evaluation of one run: the loss link trains ``--loss-steps`` and
     evaluates; other links, and the compute floor everywhere, time the short run."""
+    # every run follows the loss run's learning-rate schedule: a timing run is its prefix
     if loss_run and HOOKS[hook].kind != "local":
-        return {"steps": args.loss_steps, "evaluate": True}
-    return {"steps": WARMUP_STEPS + args.time_steps, "evaluate": False}
+        return {"steps": args.loss_steps, "evaluate": True, "schedule_steps": args.loss_steps}
+    return {"steps": WARMUP_STEPS + args.time_steps, "evaluate": False,
+            "schedule_steps": args.loss_steps}
 
 
 # -- the report ----------------------------------------------------------------------------
@@ -398,8 +403,10 @@ def summarize(cache: dict, links: list[str], models: list[str], hooks: list[str]
                 if not runs or not base:
                     continue
                 vals = [b["val_loss"] for b in base.values() if b["val_loss"] is not None]
-                same = all(base[r["seed"]]["train_losses"][:len(r["train_losses"])]
-                           == r["train_losses"] for r in runs if r["seed"] in base)
+                # runs cached before timing runs shared the loss run's schedule: unchecked
+                checked = [r for r in runs if r["seed"] in base and "schedule_steps" in r]
+                same = (all(base[r["seed"]]["train_losses"][:len(r["train_losses"])]
+                            == r["train_losses"] for r in checked) if checked else None)
                 mbs = [r["link_mb_per_step"] for r in runs if r["link_mb_per_step"] is not None]
                 out[(m, link, h)] = {
                     "step_s": statistics.median(r["step_s"] for r in runs),
@@ -435,7 +442,7 @@ def report(summary: dict, links: list[str], models: list[str], hooks: list[str],
                         else f"{s['loss']:.4f} ± {s['loss_std']:.4f}")
                 lines.append(f"| {m} ({s['params'] / 1e6:.2f} M) | {link} | {h} | "
                              f"{s['step_s']:.3f} | {speed} | {loss} | {s['mb']:.2f} | "
-                             f"{s['load']:.1f} | {'yes' if s['same_bits'] else 'NO'}"
+                             f"{s['load']:.1f} | {SAME[s['same_bits']]}"
                              f"{'' if s['identical'] else ', replicas differ'} |")
     lines += ["", *front_verdicts(summary, links, models, hooks)]
     text = "\n".join(lines) + "\n"
@@ -488,6 +495,7 @@ def plot(summary: dict, links: list[str], models: list[str], hooks: list[str], p
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, axes = plt.subplots(len(models), len(links), figsize=(5.5 * len(links),
                              4 * len(models)), squeeze=False)
@@ -498,7 +506,9 @@ def plot(summary: dict, links: list[str], models: list[str], hooks: list[str], p
                 s = summary.get((m, link, h))
                 if s is None or HOOKS[h].kind == "local":
                     if s is not None:
-                        ax.axvline(s["step_s"], color="grey", ls=":", label="compute only")
+                        ax.axvline(s["step_s"], color="grey", ls=":")
+                        ax.annotate("compute only", (s["step_s"], 0.02), rotation=90,
+                                    xycoords=("data", "axes fraction"), fontsize=6)
                     continue
                 peer = HOOKS[h].kind in ("powersgd", "allreduce")
                 ax.errorbar(s["step_s"], s["loss"], yerr=s["loss_std"], ls="none",
@@ -508,6 +518,8 @@ def plot(summary: dict, links: list[str], models: list[str], hooks: list[str], p
                 ax.annotate(h, (s["step_s"], s["loss"]), fontsize=6, xytext=(3, 3),
                             textcoords="offset points")
             ax.set_xscale("log")
+            ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+            ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
             ax.set(xlabel="step time (s, log)", ylabel="validation loss",
                    title=f"{m} @ {link}")
             ax.grid(alpha=0.3)

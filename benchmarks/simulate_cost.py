@@ -23,10 +23,10 @@ from commpress.launch import spawn
 
 
 def measure(rank: int, world: int, cfg_dict: dict) -> dict:
-    from commpress.train.simulate import PlayedRun
+    from commpress.train.run import Run
 
     cfg = TrainConfig(**cfg_dict).resolved()
-    run = PlayedRun(cfg)
+    run = Run(cfg, played=True)
     times = []
     for step in range(cfg.steps):
         t0 = time.perf_counter()

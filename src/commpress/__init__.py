@@ -42,6 +42,7 @@ from commpress.integrations import (
     ShardedOptimizer,
     ddp_hook,
     fsdp,
+    lowrank_hook,
 )
 from commpress.policy import Policy, Rule, list_presets
 
@@ -69,6 +70,7 @@ __all__ = [
     "Rule",
     "ShardedOptimizer",
     "ddp_hook",
+    "lowrank_hook",
     "fsdp",
     "list_presets",
     "CollectiveMismatchError",

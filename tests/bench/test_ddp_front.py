@@ -16,13 +16,15 @@ def test_smallest_grid_writes_its_table_and_plot(tmp_path):
     hooks = "allreduce,powersgd-r1,acp-r4-int8,compute-only"
     proc = subprocess.run(
         [sys.executable, SCRIPT, "--local", "--links", "50mbit,1gbit", "--seeds", "0",
-         "--models", "gpt-tiny,torchnn-tiny", "--hooks", hooks, "--loss-steps", "5",
-         "--time-steps", "2", "--results", str(tmp_path), "--port", "29583"],
+         "--models", "gpt-tiny,torchnn-tiny", "--hooks", hooks, "--loss-steps", "8",
+         "--time-steps", "4", "--results", str(tmp_path), "--port", "29583"],
         capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    table = (tmp_path / "ddp_front.md").read_text()
+    table, verdicts = (tmp_path / "ddp_front.md").read_text().split("For each PowerSGD rank")
     rows = [line for line in table.splitlines() if line.startswith("| gpt") or
             line.startswith("| torchnn")]
+    # one verdict per (model, link) for its one PowerSGD rank
+    assert sum(line.startswith("| gpt") for line in verdicts.splitlines()) == 2
     assert len(rows) == 2 * 2 * 4  # models × links × hooks
     # the timing runs reproduce the loss runs' first steps bit for bit, and the
     # data-parallel hooks keep replicas identical (compute-only alone lets them drift)

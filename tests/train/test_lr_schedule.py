@@ -6,7 +6,7 @@ import torch
 
 from commpress.launch import spawn
 from commpress.train.config import TrainConfig
-from commpress.train.loop import _Run, lr_at
+from commpress.train.run import Run, lr_at
 
 TINY = dict(model="gpt-tiny", steps=6, batch_size=8, seq_len=32, micro_batches=2, warmup=3,
             eval_every=0, max_data_bytes=300_000, progress=False, bucket_numel=20_000,
@@ -18,16 +18,17 @@ def lrs_of_a_run(rank, world, engine, trained_steps):
     every later step would start from."""
     cfg = TrainConfig(policy="none", dp=1, tp=1, pp=1, engine=engine, out="unused",
                       **TINY).resolved(world)
-    run = _Run(cfg)
-    inner = run.ddp.opt if run.ddp is not None else run.opt.optimizer
-    assert isinstance(run.lr_schedule, torch.optim.lr_scheduler.LambdaLR)
+    run = Run(cfg)
+    inner = run.opts[0].opt if engine == "ddp" else run.opts[0].optimizer
+    (schedule,) = run.lr_schedules
+    assert isinstance(schedule, torch.optim.lr_scheduler.LambdaLR)
     trained = []
     for step in range(trained_steps):
         trained.append({g["lr"] for g in inner.param_groups})
         run.train_step(step)
     resumed = []
     for step in range(trained_steps, cfg.steps):
-        run.lr_schedule = run.lr_schedule_at(step)
+        run.lr_schedules = run.lr_schedules_at(step)
         resumed.append({g["lr"] for g in inner.param_groups})
     return trained, resumed
 

@@ -6,7 +6,7 @@ import torch
 
 from commpress.parallel.tensor import is_tp_sharded
 from commpress.train.config import TrainConfig
-from commpress.train.loop import _Run
+from commpress.train.run import Run
 
 
 def _digest(tensors):
@@ -23,17 +23,18 @@ def replicated_digests(rank, world, base, policies, replication_key=None):
     out = {}
     for policy in policies:
         cfg = TrainConfig(**dict(base, policy=policy)).resolved(world)
-        run = _Run(cfg)
+        run = Run(cfg)
         if replication_key is not None:  # the old bucketing, to show the test can fail
             from commpress.integrations.sharded_optimizer import ShardedOptimizer
 
-            for hook in run.opt._hooks:
+            kept = run.opts[0]
+            for hook in kept._hooks:
                 hook.remove()
-            run.opt = ShardedOptimizer(
+            run.opts = [ShardedOptimizer(
                 run.stage, torch.optim.AdamW, run.policy, group=run.mesh.dp_group,
-                topology=run.opt.topology, bucket_numel=cfg.bucket_numel,
-                norm_group=run.opt.norm_group, norm_weights=run.opt.norm_weights, lr=cfg.lr,
-                replication_key=replication_key)
+                topology=kept.topology, bucket_numel=cfg.bucket_numel,
+                norm_group=kept.norm_group, norm_weights=kept.norm_weights, lr=cfg.lr,
+                replication_key=replication_key)]
         replicated = [p for p in run.stage.parameters() if not is_tp_sharded(p)]
         digests = []
         for step in range(cfg.steps):
@@ -49,11 +50,9 @@ def played_weights(rank, world, cfg_dict):
     every rank of `train` runs); digests of the final weights by name."""
     import torch.distributed as dist
 
-    from commpress.train.simulate import PlayedRun
-
     cfg = TrainConfig(**cfg_dict).resolved()
     # tensor parallelism: one process per slice (this one: slice `rank`)
-    run = PlayedRun(cfg, dist.group.WORLD if cfg.tp > 1 else None)
+    run = Run(cfg, played=True, tp_group=dist.group.WORLD if cfg.tp > 1 else None)
     losses = [run.train_step(step) for step in range(cfg.steps)]
     key = (lambda s, n: (s, rank, n)) if cfg.tp > 1 else (lambda s, n: (s, n))
     return {key(s, n): _digest([t]) for s, stage in enumerate(run.stages)

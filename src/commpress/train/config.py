@@ -144,6 +144,16 @@ class TrainConfig:
         return dataclasses.replace(self, dp=dp, nproc=world, micro_batches=micro, out=out,
                                    device=device, backend=backend)
 
+    def node_size(self, local_world: int | None = None) -> int:
+        """Ranks that share a node (of a resolved config): ``ranks_per_node``, else the
+        launcher's ``local_world`` (its LOCAL_WORLD_SIZE), else every rank."""
+        return self.ranks_per_node or local_world or self.nproc
+
+    def dp_ranks_per_node(self, local_world: int | None = None) -> int:
+        """Data-parallel ranks per node: tensor-parallel slices, then stages, sit innermost
+        (the mesh's order), so a node holds ``node_size / (tp · pp)`` of them."""
+        return max(1, self.node_size(local_world) // (self.tp * self.pp))
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 

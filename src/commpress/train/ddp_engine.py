@@ -1,6 +1,6 @@
 """Data parallelism through torch's DDP, for comparing commpress with the hooks users
 would otherwise pick: plain all-reduce, ``fp16_compress_hook``, PowerSGD, or
-commpress's own hook (:func:`commpress.ddp_hook`).
+commpress's own hook (:func:`commpress.ddp_hook`) — real, or played for ``simulate``.
 
 The optimizer is torch's AdamW on the full replica; gradients are clipped with
 ``clip_grad_norm_`` and a non-finite norm skips the step (or raises), as in
@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import logging
 import math
-from contextlib import nullcontext
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 import torch.distributed as dist
@@ -22,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from commpress.collectives.byte_stats import record
 from commpress.collectives.topology import Topology
 from commpress.integrations.ddp import ddp_hook
+from commpress.integrations.played_ddp import PlayedDDPHook
 from commpress.integrations.sharded_optimizer import NonFiniteGradientError
 
 log = logging.getLogger(__name__)
@@ -99,39 +101,55 @@ def step_replica(module: nn.Module, opt: torch.optim.Optimizer, max_grad_norm: f
     return True
 
 
+def ddp_forward_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor, micro: int,
+                         no_sync: Callable[[], AbstractContextManager] | None = None) -> float:
+    """One rank's micro-batches, each backward right after its forward (the gradients add
+    up in ``p.grad`` in that order); ``no_sync`` (DDP's) wraps all but the last, so the
+    hook all-reduces once. Returns the batch's mean loss."""
+    total = 0.0
+    for i, (xm, ym) in enumerate(zip(x.chunk(micro), y.chunk(micro))):
+        with no_sync() if (no_sync is not None and i < micro - 1) else nullcontext():
+            logits = model(xm)
+            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), ym.reshape(-1))
+            (loss / micro).backward()
+        total += loss.item()
+    return total / micro
+
+
 class DDPEngine:
-    """Forward/backward/step of one data-parallel replica under torch DDP."""
+    """Forward/backward/step of a data-parallel replica under torch DDP: a real rank's (DDP
+    over ``group`` with the named hook), or, with ``played``, every rank's in turn, the
+    hook's all-reduces played by :class:`PlayedDDPHook` (:meth:`take` after each rank)."""
 
     def __init__(self, module: nn.Module, group, policy, hook: str, topology: Topology,
                  lr: float, weight_decay: float, max_grad_norm: float | None,
-                 nonfinite: str) -> None:
-        self.module = module
-        self.model = DDP(module, process_group=group, bucket_cap_mb=4)
-        self.hook_state = install_hook(self.model, hook, policy, group, topology)
+                 nonfinite: str, played: PlayedDDPHook | None = None) -> None:
+        self.module, self.played = module, played
+        if played is None:
+            self.model = DDP(module, process_group=group, bucket_cap_mb=4)
+            self.hook_state = install_hook(self.model, hook, policy, group, topology)
+        else:
+            self.model, self.hook_state = module, played
         self.opt = replica_optimizer(module, lr, weight_decay)
         self.max_grad_norm = max_grad_norm
         self.nonfinite = nonfinite
         self.skipped_steps = 0
         self.steps = 0
 
-    @property
-    def param_groups(self):
-        return self.opt.param_groups
-
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor, micro: int) -> float:
-        total = 0.0
-        for i, (xm, ym) in enumerate(zip(x.chunk(micro), y.chunk(micro))):
-            ctx = self.model.no_sync() if i < micro - 1 else nullcontext()
-            with ctx:
-                logits = self.model(xm)
-                loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), ym.reshape(-1))
-                (loss / micro).backward()
-            total += loss.item()
-        return total / micro
+        return ddp_forward_backward(self.model, x, y, micro,
+                                    self.model.no_sync if self.played is None else None)
+
+    def take(self, rank: int) -> None:
+        """Played: rank ``rank``'s gradients into the hook's all-reduces."""
+        self.played.take(rank)
 
     def step(self) -> bool:
+        if self.played is not None:
+            self.played.finish()
+        what = "simulated DDP step" if self.played is not None else "DDP step"
         stepped = step_replica(self.module, self.opt, self.max_grad_norm, self.nonfinite,
-                               f"DDP step {self.steps}")
+                               f"{what} {self.steps}")
         self.steps += 1
         self.skipped_steps += not stepped
         return stepped

@@ -38,7 +38,7 @@ VOCAB_AT_LEAST = 256  # the byte tokenizer; a .bin corpus may have more
 def simulate_needs(cfg: TrainConfig) -> dict[str, int]:
     """Bytes a resolved ``simulate`` of ``cfg`` holds at least, by part."""
     ranks = cfg.dp
-    rpn = max(1, (cfg.ranks_per_node or cfg.nproc) // (cfg.pp * cfg.tp))
+    rpn = cfg.dp_ranks_per_node()
     policy = Policy.resolve(cfg.policy)
     numels = _bucket_numels(cfg, policy, ranks, rpn)
     path = GradPath(policy, Topology(rpn))
@@ -54,7 +54,7 @@ def train_needs(cfg: TrainConfig, local_ranks: int) -> dict[str, int]:
     """Bytes the ``local_ranks`` ranks of a resolved ``train`` of ``cfg`` on this machine
     hold at least, by part (every rank draws the global batch, then keeps its rows)."""
     policy = Policy.resolve(cfg.policy)
-    rpn = max(1, (cfg.ranks_per_node or cfg.nproc) // (cfg.pp * cfg.tp))
+    rpn = cfg.dp_ranks_per_node()
     numels = _bucket_numels(cfg, policy, cfg.dp, rpn)
     per_rank = {"global batch": _batch_bytes(cfg),
                 "logits": _logits_bytes(cfg, cfg.batch_size // (cfg.dp * cfg.micro_batches)),
