@@ -136,6 +136,8 @@ def _start(r: Request) -> Any:
                 return all_gather_single(r.out, r.row, group, async_op=True)
             return Gather(r.row, r.fixed, group)
         if r.scatter:
+            if r.out is None:  # a level's partial result: the caller gave no buffer
+                r.out = r.x.new_empty(r.x.numel() // r.peers.size)
             return reduce_scatter_single(r.out, r.x, r.op, group, async_op=True)
         return dist.all_reduce(r.x, op=REDUCE_OPS[r.op], group=group, async_op=True)
 
