@@ -39,10 +39,7 @@ def real_runs(rank: int, world: int, cases: list[dict]) -> list[dict] | None:
         masters = [None] * world
         dist.all_gather_object(masters, mine)
         out.append(_result(run, losses, masters))
-        groups = {run.mesh.dp_group, run.mesh.tp_group, run.mesh.pp_group}
-        del run
-        for group in groups:  # hundreds of cases: their groups must not pile up
-            dist.destroy_process_group(group)
+        run.release()  # hundreds of cases: their groups must not pile up
     return out if rank == 0 else None
 
 

@@ -74,3 +74,21 @@ def compare_under_a_launcher(rank, world, out):
                       eval_batches=1, progress=False, max_data_bytes=200_000)
     result = compare(["none", "int2ef"], cfg, out_dir=out)
     return sorted(result)
+
+
+def groups_after_runs(rank, world, policies, out):
+    """The process groups registered in this process after each of ``policies`` (a DDP
+    run, then sharded ones) ran one after another in one group."""
+    import torch.distributed as dist
+
+    from commpress.train.loop import run_rank
+
+    counts = []
+    for i, policy in enumerate(policies):
+        cfg = TrainConfig(model="gpt-tiny", steps=2, batch_size=8, seq_len=16, eval_every=0,
+                          eval_batches=1, progress=False, max_data_bytes=100_000,
+                          policy=policy, ranks_per_node=2, nproc=world,
+                          engine="ddp" if i == 0 else "sharded", out=f"{out}/{policy}")
+        run_rank(rank, world, cfg.resolved(world).to_dict())
+        counts.append(len(dist.distributed_c10d._world.pg_map))
+    return counts

@@ -149,11 +149,11 @@ class GroupContext:
         """The group that carries headers as CPU tensors (a Gloo side group on NCCL)."""
         with self._lock:
             if self._control is None:
-                # every member reaches its first collective on the group: creating the
-                # side group here cannot wait for a rank that never comes
-                self._control = dist.new_group(list(self.ranks), backend="gloo",
-                                               timeout=group_timeout(self._group_ref()),
-                                               use_local_synchronization=True)
+                self._control = _shared(("control", self.ranks), lambda: dist.new_group(
+                    # every member reaches its first collective on the group: creating
+                    # the side group here cannot wait for a rank that never comes
+                    list(self.ranks), backend="gloo", timeout=group_timeout(self._group_ref()),
+                    use_local_synchronization=True))
             return self._control
 
     def _wait(self, work, seq: int, collective: str, label: object) -> None:
@@ -182,7 +182,7 @@ class GroupContext:
         """The two levels of ``group`` for ``ranks_per_node`` (sub-groups made once)."""
         with self._lock:
             levels = self._levels.get(ranks_per_node)
-            if levels is None or not _alive(levels):
+            if levels is None or not _alive(levels.intra, levels.inter):
                 levels = _make_levels(group, self.ranks, self.rank, ranks_per_node)
                 self._levels[ranks_per_node] = levels
             return levels
@@ -255,6 +255,21 @@ def context(group: dist.ProcessGroup) -> GroupContext:
         return ctx
 
 
+def release(group: dist.ProcessGroup) -> None:
+    """Destroy ``group`` and drop its context. Each process group holds backend threads
+    and sockets until it is destroyed: a process that runs many jobs one after another
+    (``compare``'s policies, a sweep of runs) must release each job's groups. The
+    sub-groups commpress makes (node levels, control groups) are kept by their ranks and
+    reused by the next group of the same ranks — they are made with local
+    synchronization, whose rendezvous names repeat, so a destroyed one could not be made
+    again. Local: every member calls it after its last collective on ``group``. The
+    default group is left."""
+    with _REGISTRY_LOCK:
+        _CONTEXTS.pop(group, None)
+    if group is not dist.group.WORLD and _alive(group):
+        dist.destroy_process_group(group)
+
+
 def live_contexts() -> list[GroupContext]:
     with _REGISTRY_LOCK:
         return list(_CONTEXTS.values())
@@ -263,10 +278,23 @@ def live_contexts() -> list[GroupContext]:
 # -- node levels --------------------------------------------------------------------
 
 
-def _alive(levels: Levels) -> bool:
-    """Whether the sub-groups are still registered (not destroyed by the user)."""
+def _alive(*groups: dist.ProcessGroup | None) -> bool:
+    """Whether the groups are still registered (not destroyed by the user)."""
     registered = dist.distributed_c10d._world.pg_map
-    return all(g is None or g in registered for g in (levels.intra, levels.inter))
+    return all(g is None or g in registered for g in groups)
+
+
+_SHARED: dict[tuple, dist.ProcessGroup] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def _shared(key: tuple, make: Callable[[], dist.ProcessGroup]) -> dist.ProcessGroup:
+    """The live sub-group ``key`` names (its kind and ranks), made at its first use."""
+    with _SHARED_LOCK:
+        group = _SHARED.get(key)
+        if group is None or not _alive(group):
+            group = _SHARED[key] = make()
+        return group
 
 
 def _make_levels(group: dist.ProcessGroup, ranks: tuple[int, ...], me: int,
@@ -280,10 +308,12 @@ def _make_levels(group: dist.ProcessGroup, ranks: tuple[int, ...], me: int,
         # different times and must not wait for each other.
         node, local = me // rpn, me % rpn
         timeout = group_timeout(group)  # torch's default for a new group is 30 min
-        intra = dist.new_group([ranks[node * rpn + i] for i in range(rpn)], timeout=timeout,
-                               use_local_synchronization=True)
-        inter = dist.new_group([ranks[n * rpn + local] for n in range(nodes)], timeout=timeout,
-                               use_local_synchronization=True)
+        intra_ranks = [ranks[node * rpn + i] for i in range(rpn)]
+        inter_ranks = [ranks[n * rpn + local] for n in range(nodes)]
+        intra = _shared(("ranks", tuple(intra_ranks)), lambda: dist.new_group(
+            intra_ranks, timeout=timeout, use_local_synchronization=True))
+        inter = _shared(("ranks", tuple(inter_ranks)), lambda: dist.new_group(
+            inter_ranks, timeout=timeout, use_local_synchronization=True))
     elif rpn > 1:
         intra = group
     elif nodes > 1:

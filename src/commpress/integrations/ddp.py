@@ -56,6 +56,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from commpress.codecs import codec as build_codec
 from commpress.collectives import Topology, context
+from commpress.collectives.agreement import release
 from commpress.collectives.comm import group_timeout
 from commpress.integrations.grad_path import GradPath
 from commpress.policy import Policy, list_presets
@@ -79,6 +80,11 @@ class _CommThread:
         self._thread = threading.Thread(target=self._loop, name="commpress-ddp", daemon=True)
         self._thread.start()
 
+    def stop(self) -> None:
+        """End the thread after the jobs already submitted."""
+        self._queue.put(None)
+        self._thread.join()
+
     def submit(self, start: Callable[[], Callable[[], None]],
                done: Callable[[BaseException | None], None], last: bool) -> None:
         self._queue.put((start, done, last))
@@ -95,7 +101,10 @@ class _CommThread:
     def _loop(self) -> None:
         pending = None  # (finish, done) of the previous bucket
         while True:
-            start, done, last = self._queue.get()
+            job = self._queue.get()
+            if job is None:
+                return
+            start, done, last = job
             finish = None
             try:
                 finish = start()
@@ -203,6 +212,17 @@ class DDPHookState:
     def __setstate__(self, d: dict[str, Any]) -> None:
         self.__dict__.update(d)
         self._lock = threading.Lock()
+
+    def release(self) -> None:
+        """Stop the communication thread and destroy the hook's process group (with the
+        sub-groups made for it), after the last step: a process that trains one model
+        after another must not keep every earlier hook's threads and sockets."""
+        if self._thread is not None:
+            self._thread.stop()
+            self._thread = None
+        if self.hook_group is not None:
+            release(self.hook_group)
+            self.hook_group = None
 
     def _make_hook_group(self) -> dist.ProcessGroup:
         """A group of the DDP group's ranks for the hook's collectives alone; its control

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from commpress.collectives.agreement import release
 from commpress.collectives.comm import group_timeout
 
 
@@ -60,6 +61,12 @@ class Mesh:
     @property
     def last_stage(self) -> bool:
         return self.pp_idx == self.shape.pp - 1
+
+    def release(self) -> None:
+        """Destroy this rank's dp, tp and pp groups (and commpress's sub-groups of them)
+        after the run's last collective."""
+        for group in {id(g): g for g in (self.dp_group, self.tp_group, self.pp_group)}.values():
+            release(group)
 
 
 def build_mesh(shape: MeshShape) -> Mesh:

@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from commpress.collectives.byte_stats import record
 from commpress.collectives.topology import Topology
-from commpress.integrations.ddp import ddp_hook
+from commpress.integrations.ddp import DDPHookState, ddp_hook
 from commpress.integrations.played_ddp import PlayedDDPHook
 from commpress.integrations.sharded_optimizer import NonFiniteGradientError
 
@@ -153,6 +153,11 @@ class DDPEngine:
         self.steps += 1
         self.skipped_steps += not stepped
         return stepped
+
+    def release(self) -> None:
+        """The commpress hook's thread and process group, after the last step."""
+        if isinstance(self.hook_state, DDPHookState):
+            self.hook_state.release()
 
     def state_dict(self) -> dict:
         state = {"optimizer": self.opt.state_dict(), "steps": self.steps,

@@ -38,7 +38,9 @@ def run_rank(rank: int, world: int, cfg_dict: dict[str, Any]) -> dict[str, Any] 
     """Train on this rank (process group already initialized); rank 0 returns the summary."""
     cfg = TrainConfig(**cfg_dict)
     run = Run(cfg, local_world=int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-    return run_steps(run, writer=rank == 0)
+    summary = run_steps(run, writer=rank == 0)
+    run.release()
+    return summary
 
 
 def train(cfg: TrainConfig) -> dict[str, Any] | None:

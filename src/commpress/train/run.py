@@ -351,6 +351,15 @@ class Run:
         self.lr_schedules = self.lr_schedules_at(self.start_step)
         self.history = list(state["history"])
 
+    def release(self) -> None:
+        """A real run's process groups and the DDP hook's thread, after its last
+        collective (``compare`` runs one policy after another in one process)."""
+        if self.played:
+            return
+        if self.cfg.engine == "ddp":
+            self.opts[0].release()
+        self.mesh.release()
+
     # -- counters ----------------------------------------------------------------------
     def wire_bytes(self) -> dict[str, float]:
         """This rank's bytes sent so far, by label (a played run records none per step)."""
