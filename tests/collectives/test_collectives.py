@@ -62,6 +62,7 @@ def test_all_reduce_and_all_gather_are_bitwise_identical_on_all_ranks(errors_by_
                 assert len({r[key][2] for r in ranks}) == 1, key
 
 
+@pytest.mark.slow
 def test_two_level_reduce_scatter_error_and_wire_bytes():
     numel = 4096 * 3 + 128  # per rank; a multiple of 128 (no padding in the byte formula)
     ranks = spawn(workers.hierarchical, 8, (4, numel), ranks_per_node=4)
@@ -139,6 +140,7 @@ def test_two_level_all_reduce_sends_node_sums_once(world, rpn):
         assert s["h.intra"]["wire_bytes"] == (rpn - 1) * chunk * 4
 
 
+@pytest.mark.slow
 def test_mismatched_shapes_raise_on_every_rank_not_hang():
     messages = spawn(workers.mismatched_shapes, 3, timeout=60)
     for m in messages:

@@ -48,6 +48,7 @@ def test_ddp_hook_int2ef_pipelined_equals_in_order_and_tracks_uncompressed():
     assert _close(losses, plain[0]["losses"], 0.12)
 
 
+@pytest.mark.slow
 def test_fsdp2_compressed_collectives_track_uncompressed_training():
     steps = 6
     plain = spawn(workers.fsdp_training, 2, (None, steps))

@@ -34,6 +34,7 @@ def _assert_replicas_identical(ranks, groups=None):
 UNUSED_AND_SKIPPING = {"find_unused": True, "schedule": "varying"}
 
 
+@pytest.mark.slow
 def test_exact_codec_with_a_rank_skipping_a_block_is_plain_ddp():
     plain = _run(None, **UNUSED_AND_SKIPPING)
     hooked = _run("none", **UNUSED_AND_SKIPPING)
@@ -83,6 +84,7 @@ def test_a_mismatch_inside_the_hook_raises_the_mismatch_on_every_rank():
         assert "Unable to cast" not in r["error"]
 
 
+@pytest.mark.slow
 def test_a_rank_late_past_the_ddp_groups_timeout_is_named():
     # the hook's group keeps the DDP group's 4 s timeout (not torch's 30 min default)
     ranks = spawn(ddp_workers.hook_error, 2, ("late",), pg_timeout_s=4.0, timeout=120)

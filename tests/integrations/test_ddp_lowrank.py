@@ -44,6 +44,7 @@ def test_bytes_per_step_match_the_factor_formula(options, warm):
     assert ranks[0]["counted"] < 0.3 * 4 * n_pq
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("options", [{}, pytest.param({"alternate": True}, marks=SLOW)])
 def test_state_dict_round_trip_resumes_bit_for_bit(options):
     ranks = _spawn(lowrank_workers.resume, options)
@@ -52,6 +53,7 @@ def test_state_dict_round_trip_resumes_bit_for_bit(options):
         assert "rank" in r["refused"] and "config" in r["refused"]
 
 
+@pytest.mark.slow
 def test_a_non_finite_gradient_stays_non_finite_and_does_not_poison_the_memory():
     ranks = _spawn(lowrank_workers.train, 5, None, (2, 1))  # rank 1's loss is NaN at step 2
     for r in ranks:

@@ -79,6 +79,7 @@ def test_hsdp_gradient_averaging_matches_stock_for_every_divide_factor():
         torch.testing.assert_close(a, b * WORLD / 6.0, rtol=1e-5, atol=1e-8)
 
 
+@pytest.mark.slow
 def test_hsdp_layouts_not_covered_are_refused_by_name():
     errors = spawn(hsdp_workers.hsdp_refusals, WORLD, (["shard_size_1", "no_all_reduce"],),
                    ranks_per_node=PER_NODE)[0]

@@ -50,6 +50,7 @@ def test_sdp4bit_wire_bits_per_element(every_policy):
     assert 8 * exact["dp.grad"]["wire_bytes"] / exact["dp.grad"]["elements"] == 32
 
 
+@pytest.mark.slow
 def test_bf16_model_replicas_stay_identical():
     ranks = spawn(workers.every_policy_bitwise_identical, 2, (["sdp4bit", "none"], 3, "bfloat16"),
                   timeout=300)
@@ -168,6 +169,7 @@ def test_a_torch_lr_scheduler_drives_two_ranks_like_one_adamw():
     torch.testing.assert_close(weights[0], weights[2], rtol=0, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("broadcast_buffers", [True, False])
 def test_batchnorm_buffers_stay_identical_after_every_step(broadcast_buffers):
     steps = 3

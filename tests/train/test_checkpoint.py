@@ -133,6 +133,7 @@ SLOW = pytest.mark.slow
                  marks=SLOW),
     pytest.param(dict(max_data_bytes=100_000), "has data=", marks=SLOW),
 ])
+@pytest.mark.slow
 def test_a_checkpoint_of_another_run_is_refused(saved_run, tmp_path, change, needle):
     cfg = dict(TINY, steps=4, out=str(tmp_path), resume=saved_run)
     cfg.update(change)

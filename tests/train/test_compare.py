@@ -2,9 +2,12 @@
 
 import json
 
+import pytest
+
 from commpress.cli import main
 
 
+@pytest.mark.slow
 def test_compare_cli_writes_table_plots_and_json(tmp_path, capsys):
     out, js = tmp_path / "cmp", tmp_path / "cmp.json"
     code = main(["compare", "--policies", "none,naive", "--model", "gpt-tiny", "--seq-len", "32",

@@ -78,6 +78,7 @@ pp:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("tp", "pp"), [(1, 2), pytest.param(2, 1, marks=pytest.mark.slow)])
 def test_evaluation_does_not_change_training(tmp_path, tp, pp):
     """The training losses are the same bits whether or not the run evaluates between

@@ -29,6 +29,7 @@ def torchrun(nproc: int, args: list[str], timeout: float = 300) -> subprocess.Co
                           capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_sub_groups_wait_no_longer_than_the_launch_timeout():
     # torch gives a new group its backend's default timeout (30 min on Gloo); the mesh's
     # and the node levels' groups must fail as soon as the default group would

@@ -255,6 +255,7 @@ def test_simulate_resumes_bitwise(tmp_path, policy, layout):
     assert summary["steps"] == 6 and summary["final_val_loss"] is not None
 
 
+@pytest.mark.slow
 def test_simulate_refuses_a_checkpoint_of_another_run(tmp_path):
     from commpress.train.simulate import simulate
 

@@ -23,6 +23,7 @@ def _check(ranks, policies):
                 assert len({d[step] for d in digests}) == 1, (policy, stage, step)
 
 
+@pytest.mark.slow
 def test_dp2_tp2_every_preset():
     policies = commpress.list_presets()
     ranks = spawn(workers.replicated_digests, 4, (dict(BASE, dp=2, tp=2), policies),
