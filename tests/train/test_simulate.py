@@ -48,8 +48,9 @@ def _check(policy, real, played, real_losses, played_losses):
         assert a == pytest.approx(b, rel=1e-5)
 
 
-@pytest.mark.parametrize("policy", [FAST[0], *(pytest.param(p, marks=pytest.mark.slow)
-                                                for p in FAST[1:])])
+# the default selection's 4-rank cases are test_simulate_equals_train_on_a_few_cases
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", FAST)
 def test_simulate_equals_a_real_4_rank_run(tmp_path, policy):
     _check(policy, *_compare(tmp_path, policy, 8))
 
@@ -66,8 +67,8 @@ DDP_FAST = ["int2ef"]
 DDP_SLOW = ["sdp4bit", "naive", "hybrid", "none"]
 
 
-@pytest.mark.parametrize("policy", [*DDP_FAST, *(pytest.param(p, marks=pytest.mark.slow)
-                                                 for p in DDP_SLOW)])
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", [*DDP_FAST, *DDP_SLOW])
 def test_simulate_equals_a_real_4_rank_ddp_run(tmp_path, policy):
     _check(policy, *_compare(tmp_path, policy, 8 if policy in DDP_FAST else 20, engine="ddp",
                              micro_batches=2))
