@@ -118,8 +118,9 @@ def _calls(fn) -> set[str]:
     return names
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="a kernel runs as a Python call only in the Triton "
-                    "interpreter, which the test setup turns on")
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="a kernel runs as a Python call only in the Triton interpreter, "
+                    "which the test setup turns on")
 def test_the_one_switch_picks_the_kernel_family():
     pytest.importorskip("triton")
     x = torch.randn(4096)
