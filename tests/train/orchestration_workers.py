@@ -1,5 +1,6 @@
 """Rank functions for the run-orchestration tests (importable by spawned ranks)."""
 
+import os
 import time
 from datetime import timedelta
 
@@ -38,10 +39,17 @@ def wait_in_sub_groups(rank, world):
 def compare_as_a_launched_rank(rank, world, out, policies):
     """`compare` in a process that a launcher started with no process group yet (as
     torchrun starts it: RANK, WORLD_SIZE, MASTER_* set)."""
+    from commpress.launch import free_port
     from commpress.train.compare import compare
     from commpress.train.config import TrainConfig
 
-    dist.destroy_process_group()  # the spawn made one; torchrun does not
+    # the spawn made a group; torchrun does not. A fresh port: a rank that re-joined on the
+    # spawn's port could reach rank 0's old store before rank 0 tore it down
+    port = [free_port() if rank == 0 else None]
+    dist.broadcast_object_list(port, src=0)
+    dist.barrier()
+    dist.destroy_process_group()
+    os.environ["MASTER_PORT"] = str(port[0])
     cfg = TrainConfig(model="gpt-tiny", steps=2, batch_size=4, seq_len=32, eval_every=0,
                       eval_batches=1, progress=False, max_data_bytes=200_000, timeout_s=30)
     return sorted(compare(policies, cfg, out_dir=out))

@@ -267,6 +267,8 @@ def release(group: dist.ProcessGroup) -> None:
     with _REGISTRY_LOCK:
         _CONTEXTS.pop(group, None)
     if group is not dist.group.WORLD and _alive(group):
+        # no member may still be sending on it (a held send, a peer's last receive)
+        dist.barrier(group=group)
         dist.destroy_process_group(group)
 
 
