@@ -115,3 +115,38 @@ def _refusal(rank, world, case):
 def hsdp_runs(rank, world, policies, steps):
     """:func:`hsdp_training` for each policy in turn, in one process group."""
     return [hsdp_training(rank, world, policy, steps) for policy in policies]
+
+
+def hsdp_overlap(rank, world, policy):
+    """Gradients of two backward passes (the second accumulating into the first's) with
+    the replicate all-reduce overlapping backward where FSDP allows it, and with it
+    forced to finish in place; how many all-reduces each pass left in flight."""
+    from commpress.integrations import fsdp
+
+    x, y = _local_batch(_data(), 0, rank, world)
+    started = []
+    add = fsdp.InFlight.add
+
+    def counted(self, handle):
+        started.append(len(self.handles) + 1)  # in flight once this one is added
+        add(self, handle)
+
+    out = {}
+    for mode in ("overlap", "in place"):
+        fsdp.InFlight.add = counted
+        real = fsdp._untouched_until_step
+        if mode == "in place":
+            fsdp._untouched_until_step = lambda *args: False
+        try:
+            model, _ = hsdp_model(world, policy)
+            grads, in_flight = [], []
+            for _ in range(2):  # the second pass accumulates into .grad
+                started.clear()
+                _, loss = model(x, y)
+                loss.backward()
+                in_flight.append(max(started, default=0))
+                grads.append([p.grad.full_tensor().numpy().copy() for p in model.parameters()])
+        finally:
+            fsdp.InFlight.add, fsdp._untouched_until_step = add, real
+        out[mode] = {"grads": grads, "in_flight": in_flight}
+    return out

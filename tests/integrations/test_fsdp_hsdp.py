@@ -88,3 +88,17 @@ def test_hsdp_layouts_not_covered_are_refused_by_name():
     assert "mesh (4, 1)" in shard1
     assert no_all_reduce.startswith("RuntimeError")
     assert "set_requires_all_reduce(False)" in no_all_reduce
+
+
+def test_hsdp_replicate_all_reduce_overlaps_backward_with_the_same_bits():
+    # on CPU the replicate all-reduces of a backward pass run while it goes on and finish
+    # at its end; a pass that accumulates into .grad finishes each one in place
+    out = spawn(hsdp_workers.hsdp_overlap, WORLD, ("zeropp",), ranks_per_node=PER_NODE)
+    for rank in out:
+        overlap, in_place = rank["overlap"], rank["in place"]
+        assert overlap["in_flight"] == [3, 0]  # 3 FSDP modules in flight, then none
+        assert in_place["in_flight"] == [0, 0]
+        for a, b in zip(overlap["grads"], in_place["grads"]):
+            assert all((ga == gb).all() for ga, gb in zip(a, b))
+    assert all((a == b).all() for a, b in zip(out[0]["overlap"]["grads"][1],
+                                              out[1]["overlap"]["grads"][1]))

@@ -8,7 +8,7 @@ no persistent copy to take differences against: a ``delta`` (qWD) rule cannot ap
 here and the weights are gathered exactly instead (logged) — use
 :class:`~commpress.ShardedOptimizer` for qWD.
 
-Both run synchronously inside FSDP's communication streams and return ``None``.
+Both run inside FSDP's communication streams and return ``None``.
 
 HSDP (``fully_shard(mesh=...)`` on a 2-D ``(replicate, shard)`` mesh): torch 2.13 has
 no custom-comm seam for the gradient all-reduce across replicas — ``foreach_reduce``
@@ -16,7 +16,9 @@ calls ``dist.all_reduce`` on the replicate group itself. ``compress`` therefore 
 each HSDP parameter group's FSDP machinery a shard-only view of its mesh (FSDP then
 reduce-scatters over the shard group and all-reduces nothing) and runs the replicate
 all-reduce inside its reduce-scatter, through the policy's inter-node ``dp.grad``
-codec (label ``dp.grad.inter``). Parameters keep their 2-D DTensor placements. Not
+codec (label ``dp.grad.inter``); on CPU its transfer overlaps the rest of backward and
+finishes when backward ends (where FSDP leaves the gradients untouched until the optimizer
+step). Parameters keep their 2-D DTensor placements. Not
 covered, refused by name: a shard dimension of size 1 (that is DDP: use
 :func:`commpress.ddp_hook`), and ``set_requires_all_reduce(False)`` (deferred
 replicate all-reduce for gradient accumulation).
@@ -110,10 +112,11 @@ class ReplicateAllReduce:
     """
 
     def __init__(self, codec, group: dist.ProcessGroup, param_group: Any,
-                 label: str = "dp.grad.inter") -> None:
+                 in_flight: InFlight, label: str = "dp.grad.inter") -> None:
         self.codec = codec
         self.group = group
         self.param_group = param_group
+        self.in_flight = in_flight
         self.label = label
 
     def check(self) -> None:
@@ -124,8 +127,69 @@ class ReplicateAllReduce:
                 "set_requires_gradient_sync(False) for gradient accumulation instead")
 
     def __call__(self, tensor: torch.Tensor) -> None:
+        """All-reduce ``tensor`` (the reduce-scatter's output, which FSDP then hands out as
+        the sharded gradients). On CPU, when FSDP leaves that output untouched until the
+        optimizer step, the transfer runs while backward goes on and finishes at its end
+        (:class:`InFlight`); otherwise it finishes here."""
         op = "avg" if self.param_group.gradient_divide_factor is None else "sum"
-        all_reduce(tensor, self.codec, group=self.group, op=op, label=self.label)
+        later = _untouched_until_step(self.param_group, tensor)
+        handle = all_reduce(tensor, self.codec, group=self.group, op=op, label=self.label,
+                            async_op=later)
+        if later:
+            self.in_flight.add(handle)
+
+
+def _untouched_until_step(param_group: Any, output: torch.Tensor) -> bool:
+    """Whether FSDP's ``foreach_reduce`` only views ``output`` as the new sharded gradients
+    after the reduce-scatter (torch 2.13): no post-divide (fp16 reduce, forced sum), no
+    cast to another dtype, no gradient accumulated into, no CPU offload copy, no
+    all-reduce or post-accumulate-grad hook that reads it at once. Only on CPU: on CUDA
+    FSDP's streams already overlap the reduction with backward."""
+    if output.device.type != "cpu" or output.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if (param_group.force_sum_reduction_for_comms or param_group._all_reduce_hook is not None
+            or param_group._orig_dtype != output.dtype):
+        return False
+    return not any(p.offload_to_cpu or p.sharded_param.grad is not None
+                   or getattr(p.sharded_param, "_post_accumulate_grad_hooks", None)
+                   for p in param_group.fsdp_params)
+
+
+class InFlight:
+    """Replicate all-reduces started during a backward pass, finished at its end.
+
+    The first one queues an autograd final callback that waits for all of them (and
+    for any started by FSDP's own final callback, which runs earlier and may start the
+    root module's); outside a backward pass a handle is finished at once. The decode
+    and the codec's state update happen in ``wait``, in the order started, so every
+    replica decodes the same bytes and ends with the same gradients.
+    """
+
+    def __init__(self) -> None:
+        self.handles: list = []
+        self.queued = False
+
+    def add(self, handle) -> None:
+        self.handles.append(handle)
+        if self.queued:
+            return
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+            self.queued = True
+        except RuntimeError:  # not inside a backward pass
+            self.finish()
+
+    def finish(self) -> None:
+        self.queued = False
+        handles, self.handles = self.handles, []
+        errors = []
+        for handle in handles:  # every one, so no transfer is left running
+            try:
+                handle.wait()
+            except Exception as e:  # noqa: BLE001 - re-raised below, the first one
+                errors.append(e)
+        if errors:
+            raise errors[0]
 
 
 @dataclass
@@ -289,13 +353,14 @@ def compress(model: nn.Module, policy: str | dict | Policy = "sdp4bit",
         log.warning("commpress.fsdp: policy %s asks for weight differences (qWD) on dp.param, "
                     "which FSDP2 cannot keep; weights are all-gathered exactly", policy.name)
     modules: dict[str, tuple[CompressedAllGather, CompressedReduceScatter]] = {}
+    in_flight = InFlight()
     for name, module in model.named_modules():
         if not isinstance(module, FSDPModule):
             continue
         param_codec = Rule().build() if param_rule.delta else param_rule.build()
         gather = CompressedAllGather(param_codec)
         scatter = CompressedReduceScatter(GradPath(policy, topology),
-                                          _replicate_all_reduce(module, policy))
+                                          _replicate_all_reduce(module, policy, in_flight))
         module.set_custom_all_gather(gather)
         module.set_custom_reduce_scatter(scatter)
         modules[name] = (gather, scatter)
@@ -310,11 +375,13 @@ def compress(model: nn.Module, policy: str | dict | Policy = "sdp4bit",
     return FSDPCompression(policy, modules, device)
 
 
-def _replicate_all_reduce(module: FSDPModule, policy: Policy) -> ReplicateAllReduce | None:
+def _replicate_all_reduce(module: FSDPModule, policy: Policy,
+                          in_flight: InFlight) -> ReplicateAllReduce | None:
     param_groups = module._get_fsdp_state()._fsdp_param_groups
     if len(param_groups) != 1:  # none: no parameters; several: set_custom_* refuses
         return None
     group = _take_replicate_all_reduce(param_groups[0])
     if group is None:
         return None
-    return ReplicateAllReduce(policy.codec_for("dp", "grad", "inter"), group, param_groups[0])
+    return ReplicateAllReduce(policy.codec_for("dp", "grad", "inter"), group, param_groups[0],
+                              in_flight)
