@@ -45,6 +45,7 @@ from commpress.integrations import (
     lowrank_hook,
 )
 from commpress.policy import Policy, Rule, list_presets
+from commpress.validate import InputError
 
 __version__ = "0.1.0"
 
@@ -65,6 +66,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "DDPHookState",
+    "InputError",
     "NonFiniteGradientError",
     "Policy",
     "Rule",

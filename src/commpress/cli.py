@@ -11,6 +11,7 @@ import torch
 from commpress.launch import LaunchError
 from commpress.testbed.netns import TestbedError
 from commpress.train.errors import RunFailedError
+from commpress.validate import InputError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -68,7 +69,7 @@ def _element_counts(flag: str, text: str) -> list[int]:
         except ValueError:
             value = math.nan
         if not (math.isfinite(value) and value >= 1 and value == int(value)):
-            raise ValueError(f"{flag} {text!r} is not allowed: {item.strip()!r} is not a "
+            raise InputError(f"{flag} {text!r} is not allowed: {item.strip()!r} is not a "
                              "positive whole number; allowed: element counts such as "
                              "65536,1048576")
         counts.append(int(value))
@@ -172,7 +173,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
     refuse_launcher()  # before a comparison would make the launcher's process group
     if args.ranks < 1:
-        raise ValueError(f"--ranks {args.ranks} is not allowed; allowed: an integer >= 1")
+        raise InputError(f"--ranks {args.ranks} is not allowed; allowed: an integer >= 1")
     world = args.ranks * args.pp * args.tp
     if args.policies:
         policies = [p.strip() for p in args.policies.split(",") if p.strip()]
@@ -383,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.fn(args)
-    except (TestbedError, ValueError) as e:  # bad input: a message, no traceback
+    except (TestbedError, InputError) as e:  # bad input: a message, no traceback
         _print_error(str(e))
         return 2
     except RunFailedError as e:  # the run ended but trained nothing: one line, no traceback

@@ -19,6 +19,8 @@ import os
 import stat
 from typing import BinaryIO
 
+from commpress.validate import InputError
+
 _KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
           (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a directory"),
           (stat.S_ISSOCK, "a socket"))
@@ -29,7 +31,7 @@ def _kind(mode: int) -> str:
 
 
 def open_regular(path: str, what: str,
-                 error: type[ValueError] = ValueError) -> tuple[BinaryIO, int]:
+                 error: type[InputError] = InputError) -> tuple[BinaryIO, int]:
     """Open ``path`` for binary reading if it is a regular file (symlinks followed);
     return the file and its size.
 
@@ -56,7 +58,7 @@ def open_regular(path: str, what: str,
 
 
 def read_regular(path: str, max_bytes: int, what: str,
-                 error: type[ValueError] = ValueError) -> bytes:
+                 error: type[InputError] = InputError) -> bytes:
     """The bytes of regular file ``path``, refused before reading if it holds more than
     ``max_bytes`` (and never more than ``max_bytes`` read, should it grow meanwhile)."""
     f, size = open_regular(path, what, error)

@@ -30,10 +30,13 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
+from commpress.validate import InputError
+
 
 class LaunchError(RuntimeError):
     """A rank failed, died, or the launch timed out. ``bad_input`` is True when the rank
-    refused its input (a ValueError: a bad option, file or checkpoint), not crashed."""
+    refused its input (an :class:`InputError`: a bad option, file or checkpoint), not
+    crashed."""
 
     def __init__(self, message: str, bad_input: bool = False) -> None:
         super().__init__(message)
@@ -115,7 +118,7 @@ def _worker(fn, rank, world, ranks_per_node, port, pg_timeout_s, args, results, 
         value = fn(rank, world, *args)
         results.put((rank, "ok", value))
     except BaseException as e:  # noqa: BLE001 - reported to the parent with its traceback
-        kind = "bad_input" if isinstance(e, ValueError) else "error"
+        kind = "bad_input" if isinstance(e, InputError) else "error"
         results.put((rank, kind, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     finally:
         if dist.is_initialized():
@@ -147,17 +150,17 @@ def spawn(
     gets the device type among its ``args`` where it needs one.
     """
     if nprocs < 1:
-        raise ValueError(f"nprocs={nprocs} is not allowed; allowed: >= 1")
+        raise InputError(f"nprocs={nprocs} is not allowed; allowed: >= 1")
     rpn = ranks_per_node or nprocs
     if nprocs % rpn:
-        raise ValueError(f"nprocs={nprocs} is not divisible by ranks_per_node={rpn}")
+        raise InputError(f"nprocs={nprocs} is not divisible by ranks_per_node={rpn}")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
     if backend not in ("gloo", "nccl"):
-        raise ValueError(f"backend={backend!r} is not allowed; allowed: gloo, nccl")
+        raise InputError(f"backend={backend!r} is not allowed; allowed: gloo, nccl")
     if device not in ("cpu", "cuda"):
-        raise ValueError(f"device={device!r} is not allowed; allowed: cpu, cuda")
+        raise InputError(f"device={device!r} is not allowed; allowed: cpu, cuda")
     procs = [ctx.Process(target=_worker, args=(fn, r, nprocs, rpn, port, pg_timeout_s, args,
                                                results, env or {}, os.getpid(), backend,
                                                device),

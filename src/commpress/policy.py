@@ -43,6 +43,7 @@ import yaml
 
 from commpress.codecs import Codec, ErrorFeedback, codec
 from commpress.files import read_regular
+from commpress.validate import InputError
 
 AXES: dict[str, tuple[str, ...]] = {"dp": ("grad", "param"), "tp": ("act", "act_grad"),
                                     "pp": ("act", "act_grad")}
@@ -85,12 +86,12 @@ class Policy:
         for key, rule in self.rules.items():
             _check_key(key)
             if rule.delta and not key.startswith("dp.param"):
-                raise ValueError(f"policy {self.name!r}: {key}.delta=true is not allowed; "
+                raise InputError(f"policy {self.name!r}: {key}.delta=true is not allowed; "
                                  "delta (weight differences, qWD) applies to dp.param only")
             try:
                 codec(rule.codec)
             except ValueError as e:
-                raise ValueError(f"policy {self.name!r}: {key}.codec: {e}") from None
+                raise InputError(f"policy {self.name!r}: {key}.codec: {e}") from None
 
     # -- lookups ----------------------------------------------------------------
     def rule(self, axis: str, kind: str, level: str | None = None) -> Rule:
@@ -114,36 +115,36 @@ class Policy:
     def preset(cls, name: str) -> Policy:
         """A named preset; the error lists them all."""
         if name not in PRESETS:
-            raise ValueError(f"unknown policy preset {name!r}; allowed: {', '.join(PRESETS)}")
+            raise InputError(f"unknown policy preset {name!r}; allowed: {', '.join(PRESETS)}")
         return cls.from_dict({"name": name, **PRESETS[name]})
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Policy:
         if not isinstance(d, dict):
-            raise ValueError(f"a policy must be a mapping; got {type(d).__name__}")
+            raise InputError(f"a policy must be a mapping; got {type(d).__name__}")
         name = str(d.get("name", "custom"))
         rules: dict[str, Rule] = {}
         for axis, kinds in d.items():
             if axis == "name":
                 continue
             if axis not in AXES:
-                raise ValueError(f"policy {name!r}: unknown axis {axis!r}; allowed: "
+                raise InputError(f"policy {name!r}: unknown axis {axis!r}; allowed: "
                                  f"name, {', '.join(AXES)}")
             if not isinstance(kinds, dict):
-                raise ValueError(f"policy {name!r}: {axis} must map kinds "
+                raise InputError(f"policy {name!r}: {axis} must map kinds "
                                  f"({', '.join(AXES[axis])}) to codecs; got {kinds!r}")
             for kind, value in kinds.items():
                 if kind not in AXES[axis]:
-                    raise ValueError(f"policy {name!r}: unknown kind {axis}.{kind}; allowed: "
+                    raise InputError(f"policy {name!r}: unknown kind {axis}.{kind}; allowed: "
                                      f"{', '.join(f'{axis}.{k}' for k in AXES[axis])}")
                 key = f"{axis}.{kind}"
                 if isinstance(value, dict) and set(value) & set(LEVELS):
                     extra = set(value) - set(LEVELS)
                     if extra:
-                        raise ValueError(f"policy {name!r}: {key} mixes levels with "
+                        raise InputError(f"policy {name!r}: {key} mixes levels with "
                                          f"{sorted(extra)}; allowed keys: intra, inter")
                     if axis != "dp" or kind != "grad":
-                        raise ValueError(f"policy {name!r}: levels (intra/inter) are allowed "
+                        raise InputError(f"policy {name!r}: levels (intra/inter) are allowed "
                                          f"for dp.grad only; got {key}")
                     for level, leaf in value.items():
                         rules[f"{key}.{level}"] = _rule(name, f"{key}.{level}", leaf)
@@ -161,9 +162,9 @@ class Policy:
         """
         path = os.fspath(path)
         if not os.path.exists(path):
-            raise ValueError(f"policy file {path!r} does not exist")
+            raise InputError(f"policy file {path!r} does not exist")
         if not path.endswith((".toml", ".yaml", ".yml")):
-            raise ValueError(f"policy file {path!r}: unknown extension; allowed: .yaml, .yml, "
+            raise InputError(f"policy file {path!r}: unknown extension; allowed: .yaml, .yml, "
                              ".toml")
         raw = read_regular(path, MAX_POLICY_BYTES, "policy file")  # a FIFO would block
         try:
@@ -172,9 +173,9 @@ class Policy:
             else:
                 d = yaml.load(raw, Loader=_NoAliasLoader)  # noqa: S506 - safe, without aliases
         except (yaml.YAMLError, tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"policy file {path!r} is malformed: {e}") from None
+            raise InputError(f"policy file {path!r} is malformed: {e}") from None
         except RecursionError:
-            raise ValueError(f"policy file {path!r} is nested too deeply; a policy has at "
+            raise InputError(f"policy file {path!r} is nested too deeply; a policy has at "
                              "most three levels (axis, kind, level)") from None
         d = d or {}
         if isinstance(d, dict):
@@ -239,7 +240,7 @@ def _check_key(key: str) -> None:
           and (len(parts) == 2 or (parts[2] in LEVELS and parts[:2] == ["dp", "grad"])))
     if not ok:
         allowed = [f"{a}.{k}" for a, ks in AXES.items() for k in ks]
-        raise ValueError(f"unknown policy key {key!r}; allowed: {', '.join(allowed)}, "
+        raise InputError(f"unknown policy key {key!r}; allowed: {', '.join(allowed)}, "
                          "dp.grad.intra, dp.grad.inter")
 
 
@@ -249,17 +250,17 @@ def _rule(policy: str, key: str, value: Any) -> Rule:
     if isinstance(value, dict):
         extra = set(value) - set(RULE_FIELDS)
         if extra:
-            raise ValueError(f"policy {policy!r}: {key} has unknown field(s) {sorted(extra)}; "
+            raise InputError(f"policy {policy!r}: {key} has unknown field(s) {sorted(extra)}; "
                              f"allowed: {', '.join(RULE_FIELDS)}")
         for flag in ("error_feedback", "delta"):
             if flag in value and not isinstance(value[flag], bool):
-                raise ValueError(f"policy {policy!r}: {key}.{flag}={value[flag]!r} is not "
+                raise InputError(f"policy {policy!r}: {key}.{flag}={value[flag]!r} is not "
                                  "allowed; allowed: true, false")
         if not isinstance(value.get("codec", "none"), str):
-            raise ValueError(f"policy {policy!r}: {key}.codec={value['codec']!r} must be a "
+            raise InputError(f"policy {policy!r}: {key}.codec={value['codec']!r} must be a "
                              "codec spec string such as 'int4:group=128'")
         return Rule(**value)
-    raise ValueError(f"policy {policy!r}: {key}={value!r} is not allowed; allowed: a codec spec "
+    raise InputError(f"policy {policy!r}: {key}={value!r} is not allowed; allowed: a codec spec "
                      "string or a mapping with codec, error_feedback, delta")
 
 

@@ -1,6 +1,7 @@
-"""Checks of numeric arguments, shared by the configs, the CLI and the public API.
+"""Checks of user input, shared by the configs, the CLI and the public API.
 
-A bad number gets one ``ValueError`` naming the argument, the value and the allowed
+:class:`InputError` is what commpress raises for input it refuses. A bad number gets one
+naming the argument, the value and the allowed
 range. NaN and ±Inf are never in range: ``float("nan")`` passes every comparison-based
 check (``nan < 0`` is False), and a NaN learning rate turns every weight to NaN at the
 first step while the run goes on, skipping every later step.
@@ -12,9 +13,19 @@ import math
 import numbers
 
 
+class InputError(ValueError):
+    """Input that commpress refuses (an option, a config field, a file, a checkpoint); the
+    message names the field, the value and what is allowed.
+
+    The CLI prints it as one line and exits with code 2; any other exception, a
+    ``ValueError`` from a bug included, keeps its traceback. A subclass of ``ValueError``,
+    so ``except ValueError`` still catches it.
+    """
+
+
 def check_int(name: str, value: object, *, ge: int | None = None, le: int | None = None,
               optional: bool = False) -> None:
-    """Raise ``ValueError`` unless ``value`` is an integer (not a bool) in ``[ge, le]``
+    """Raise :class:`InputError` unless ``value`` is an integer (not a bool) in ``[ge, le]``
     (or None when ``optional``).
 
     Example::
@@ -26,14 +37,14 @@ def check_int(name: str, value: object, *, ge: int | None = None, le: int | None
     ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
     if ok and (ge is None or value >= ge) and (le is None or value <= le):
         return
-    raise ValueError(f"{name}={value!r} is not allowed; allowed: "
+    raise InputError(f"{name}={value!r} is not allowed; allowed: "
                      f"{_allowed('an integer', _range(ge=ge, le=le), optional)}")
 
 
 def check_float(name: str, value: object, *, gt: float | None = None, ge: float | None = None,
                 lt: float | None = None, le: float | None = None,
                 optional: bool = False) -> None:
-    """Raise ``ValueError`` unless ``value`` is a finite real number within the bounds
+    """Raise :class:`InputError` unless ``value`` is a finite real number within the bounds
     (``gt``/``ge`` below, ``lt``/``le`` above), or None when ``optional``.
 
     Example::
@@ -48,7 +59,7 @@ def check_float(name: str, value: object, *, gt: float | None = None, ge: float 
           and (lt is None or value < lt) and (le is None or value <= le))
     if ok:
         return
-    raise ValueError(f"{name}={value!r} is not allowed; allowed: "
+    raise InputError(f"{name}={value!r} is not allowed; allowed: "
                      f"{_allowed('a finite number', _range(gt=gt, ge=ge, lt=lt, le=le), optional)}")
 
 

@@ -84,7 +84,7 @@ def test_hsdp_layouts_not_covered_are_refused_by_name():
     errors = spawn(hsdp_workers.hsdp_refusals, WORLD, (["shard_size_1", "no_all_reduce"],),
                    ranks_per_node=PER_NODE)[0]
     shard1, no_all_reduce = errors["shard_size_1"], errors["no_all_reduce"]
-    assert shard1.startswith("ValueError") and "shard dimension of size 1" in shard1
+    assert shard1.startswith("InputError") and "shard dimension of size 1" in shard1
     assert "mesh (4, 1)" in shard1
     assert no_all_reduce.startswith("RuntimeError")
     assert "set_requires_all_reduce(False)" in no_all_reduce

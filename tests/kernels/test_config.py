@@ -169,5 +169,5 @@ kernels.quantize(torch.randn(256), bits=8, group=128)
 """
     proc = _python(code, COMMPRESS_KERNELS="fast")
     assert proc.returncode != 0
-    assert ("ValueError: COMMPRESS_KERNELS='fast' is not valid; allowed: auto, reference, "
+    assert ("InputError: COMMPRESS_KERNELS='fast' is not valid; allowed: auto, reference, "
             "triton") in proc.stderr

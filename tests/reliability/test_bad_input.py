@@ -4,8 +4,9 @@ import math
 
 import pytest
 
+from commpress import InputError
 from commpress.cli import main
-from commpress.launch import spawn
+from commpress.launch import LaunchError, spawn
 from commpress.train.config import TrainConfig
 from tests.reliability import workers
 
@@ -16,7 +17,7 @@ from tests.reliability import workers
     (dict(nproc=4, batch_size=6), "batch_size=6 is not divisible by dp × micro_batches"),
 ])
 def test_layout_errors(kwargs, needle):
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(InputError) as info:
         TrainConfig(**kwargs).resolved()
     assert needle in str(info.value)
 
@@ -29,7 +30,7 @@ def test_layout_errors(kwargs, needle):
     (dict(nonfinite="ignore"), "nonfinite='ignore' is not allowed; allowed: skip, raise"),
 ])
 def test_config_errors(kwargs, needle):
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(InputError) as info:
         TrainConfig(**kwargs)
     assert needle in str(info.value)
 
@@ -41,6 +42,31 @@ def test_cli_reports_bad_input_without_traceback(capsys):
                  "--no-progress"]) == 2
     err = " ".join(capsys.readouterr().err.split())
     assert "data='/no/such/corpus' does not exist" in err and "Traceback" not in err
+
+
+def test_input_error_is_a_value_error():
+    # callers that catch ValueError keep working
+    assert issubclass(InputError, ValueError)
+
+
+def test_a_bug_keeps_its_traceback_in_the_cli(monkeypatch):
+    # only InputError is bad input; a ValueError from a bug propagates with its traceback
+    import commpress.plan.cost
+
+    def broken(*args, **kwargs):
+        raise ValueError("an internal invariant broke")
+
+    monkeypatch.setattr(commpress.plan.cost, "plan", broken)
+    with pytest.raises(ValueError, match="an internal invariant broke"):
+        main(["plan", "--model", "gpt-1m", "--gpus", "8"])
+
+
+@pytest.mark.parametrize(("kind", "bad_input"), [("input", True), ("bug", False)])
+def test_a_rank_bug_is_not_reported_as_bad_input(kind, bad_input):
+    with pytest.raises(LaunchError) as info:
+        spawn(workers.raises, 2, (kind,), timeout=60)
+    assert info.value.bad_input is bad_input
+    assert ("Traceback" in str(info.value)) and "rank 1 failed" in str(info.value)
 
 
 def test_dtype_mismatch_across_ranks():

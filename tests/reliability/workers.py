@@ -116,3 +116,11 @@ def mismatched_dtype(rank, world):
     except commpress.CollectiveMismatchError as e:
         return str(e)
     return "no error"
+
+
+def raises(rank, world, kind):
+    """Rank 1 raises ``kind`` ("input": an InputError, "bug": a plain ValueError)."""
+    if rank == 1:
+        raise commpress.InputError("batch_size=3 is not allowed") if kind == "input" else \
+            ValueError("an internal invariant broke")
+    return rank

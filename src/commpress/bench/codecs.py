@@ -18,7 +18,7 @@ import torch
 from commpress.bench.timing import median_seconds
 from commpress.codecs import codec as build_codec
 from commpress.kernels import reference
-from commpress.validate import check_int
+from commpress.validate import InputError, check_int
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ def bench_codecs(specs: list[str] | None = None, *, device: str = "cpu", numel: 
             bits_per_elem=8.0 * wire / numel,
         ))
     if not rows:
-        raise ValueError(f"no codec could run on {device}: {'; '.join(skipped)}")
+        raise InputError(f"no codec could run on {device}: {'; '.join(skipped)}")
     for line in skipped:
         log.warning("bench codecs: skipped %s", line)
     return rows

@@ -23,6 +23,7 @@ from typing import Any, ClassVar
 import torch
 
 from commpress.kernels.reference import saturate, sum_rows
+from commpress.validate import InputError
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -155,7 +156,7 @@ class Codec:
             tensors.append(part.view(dt))
             offset += nbytes
         if offset != buf.numel():
-            raise ValueError(
+            raise InputError(
                 f"{self.spec()}: got {buf.numel()} bytes for {numel} elements, expected {offset}"
             )
         return Packet(tuple(tensors), numel, tuple(shape), dtype)
@@ -163,7 +164,7 @@ class Codec:
     def check_input(self, x: torch.Tensor) -> None:
         if x.dtype not in self.supported_dtypes:
             allowed = ", ".join(str(d).removeprefix("torch.") for d in self.supported_dtypes)
-            raise ValueError(
+            raise InputError(
                 f"codec {self.name!r} does not support dtype "
                 f"{str(x.dtype).removeprefix('torch.')}; allowed: {allowed}"
             )
@@ -183,7 +184,7 @@ class Codec:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state:
-            raise ValueError(f"codec {self.name!r} has no state; got keys {sorted(state)}")
+            raise InputError(f"codec {self.name!r} has no state; got keys {sorted(state)}")
 
     def __repr__(self) -> str:
         return f"codec({self.spec()!r})"
@@ -214,9 +215,9 @@ _REGISTRY: dict[str, type[Codec]] = {}
 def register_codec(cls: type[Codec]) -> type[Codec]:
     """Class decorator: add a codec under ``cls.name``; a duplicate name is an error."""
     if not cls.name:
-        raise ValueError(f"{cls.__name__} needs a non-empty class attribute 'name'")
+        raise InputError(f"{cls.__name__} needs a non-empty class attribute 'name'")
     if cls.name in _REGISTRY:
-        raise ValueError(f"codec name {cls.name!r} is already registered by "
+        raise InputError(f"codec name {cls.name!r} is already registered by "
                          f"{_REGISTRY[cls.name].__name__}")
     _REGISTRY[cls.name] = cls
     return cls
@@ -238,7 +239,7 @@ def _lookup(name: str) -> type[Codec]:
     try:
         return _REGISTRY[name]
     except KeyError:
-        raise ValueError(
+        raise InputError(
             f"unknown codec {name!r}; allowed: {', '.join(list_codecs())}"
         ) from None
 
@@ -250,7 +251,7 @@ def parse_spec(spec: str) -> dict[str, Any]:
     for item in filter(None, (s.strip() for s in rest.split(","))):
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
-            raise ValueError(
+            raise InputError(
                 f"codec spec {spec!r}: option {item!r} is not of the form key=value"
             )
         out[key.strip()] = value.strip()
@@ -277,10 +278,10 @@ def codec(spec: str | dict[str, Any] | Codec, **options: Any) -> Codec:
     elif isinstance(spec, dict):
         d = dict(spec)
     else:
-        raise ValueError(f"codec spec must be a str, dict or Codec; got {type(spec).__name__}")
+        raise InputError(f"codec spec must be a str, dict or Codec; got {type(spec).__name__}")
     d.update(options)
     if "name" not in d:
-        raise ValueError(f"codec dict {spec!r} has no 'name'; allowed names: "
+        raise InputError(f"codec dict {spec!r} has no 'name'; allowed names: "
                          f"{', '.join(list_codecs())}")
     name = d.pop("name")
     cls = _lookup(str(name))
@@ -290,7 +291,7 @@ def codec(spec: str | dict[str, Any] | Codec, **options: Any) -> Codec:
     for key, value in d.items():
         if key not in fields:
             allowed = ", ".join(fields) or "(none)"
-            raise ValueError(f"codec {name!r} has no option {key!r}; allowed: {allowed}")
+            raise InputError(f"codec {name!r} has no option {key!r}; allowed: {allowed}")
         kwargs[key] = _coerce(name, key, value, hints[key])
     return cls(**kwargs)
 
@@ -301,33 +302,33 @@ def _coerce(codec_name: str, key: str, value: Any, hint: Any) -> Any:
     if origin is typing.Literal:
         allowed = typing.get_args(hint)
         if value not in allowed:
-            raise ValueError(f"codec {codec_name!r}: {key}={value!r} is not allowed; "
+            raise InputError(f"codec {codec_name!r}: {key}={value!r} is not allowed; "
                              f"allowed: {', '.join(map(str, allowed))}")
         return value
     try:
         if hint is bool:
             if isinstance(value, str):
                 if value.lower() not in ("true", "false", "1", "0"):
-                    raise ValueError(value)
+                    raise InputError(value)
                 return value.lower() in ("true", "1")
             return bool(value)
         if hint is int:
             if isinstance(value, float) and not value.is_integer():
-                raise ValueError(value)
+                raise InputError(value)
             return int(value)
         if hint is float:
             return float(value)
         if hint is str:
             return str(value)
     except (TypeError, ValueError):
-        raise ValueError(f"codec {codec_name!r}: {key}={value!r} is not a valid "
+        raise InputError(f"codec {codec_name!r}: {key}={value!r} is not a valid "
                          f"{getattr(hint, '__name__', hint)}") from None
     return value
 
 
-def option_error(codec_name: str, key: str, value: Any, allowed: str) -> ValueError:
+def option_error(codec_name: str, key: str, value: Any, allowed: str) -> InputError:
     """A uniform message for a bad option value."""
-    return ValueError(f"codec {codec_name!r}: {key}={value!r} is not allowed; {allowed}")
+    return InputError(f"codec {codec_name!r}: {key}={value!r} is not allowed; {allowed}")
 
 
 __all__ = [

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from commpress.codecs.base import Codec, Packet
+from commpress.validate import InputError
 
 
 class Delta:
@@ -48,7 +49,7 @@ class Delta:
     def difference(x: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
         """``Δ = x − reference`` in fp32: what qWD encodes."""
         if x.shape != reference.shape:
-            raise ValueError(f"Delta: x shape {tuple(x.shape)} != reference shape "
+            raise InputError(f"Delta: x shape {tuple(x.shape)} != reference shape "
                              f"{tuple(reference.shape)}")
         return x.float() - reference.float()
 

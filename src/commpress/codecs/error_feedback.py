@@ -20,6 +20,7 @@ import torch
 
 from commpress.codecs.base import Codec, Packet
 from commpress.kernels.reference import saturate
+from commpress.validate import InputError
 
 
 class ErrorFeedback:
@@ -39,7 +40,7 @@ class ErrorFeedback:
 
     def __init__(self, codec: Codec) -> None:
         if isinstance(codec, ErrorFeedback):
-            raise ValueError(f"ErrorFeedback({codec!r}): wrap a plain codec once")
+            raise InputError(f"ErrorFeedback({codec!r}): wrap a plain codec once")
         self.codec = codec
         # internal state: residual per key, fp32, same shape as the input
         self.residuals: dict[str, torch.Tensor] = {}
@@ -52,7 +53,7 @@ class ErrorFeedback:
         saturated to its range."""
         old = self.residuals.get(key)
         if old is not None and old.shape != x.shape:
-            raise ValueError(f"ErrorFeedback key {key!r}: shape {tuple(x.shape)} differs "
+            raise InputError(f"ErrorFeedback key {key!r}: shape {tuple(x.shape)} differs "
                              f"from the residual's {tuple(old.shape)}")
         compensated = x.float() + old if old is not None else x.float().clone()
         # the cast to x's dtype is part of what is lost: the residual includes it

@@ -17,6 +17,7 @@ from typing import ClassVar, Literal
 import torch
 
 from commpress.codecs.base import Codec, Packet, finish_decode, register_codec
+from commpress.validate import InputError
 
 INSTALL_HINT = ("the nvcomp codec needs NVIDIA nvCOMP: pip install 'commpress[nvcomp]' "
                 "(nvidia-nvcomp-cu13) and a CUDA device")
@@ -56,7 +57,7 @@ class NvComp(Codec):
     def encode(self, x: torch.Tensor, *, rng_stream: int = 0) -> Packet:
         self.check_input(x)
         if not x.is_cuda:
-            raise ValueError(f"codec 'nvcomp' needs a CUDA tensor; got device {x.device}. "
+            raise InputError(f"codec 'nvcomp' needs a CUDA tensor; got device {x.device}. "
                              "Use 'zfp' or an int codec on CPU.")
         raw = x.reshape(-1).contiguous().view(torch.uint8)
         if raw.numel() == 0:

@@ -24,6 +24,7 @@ from commpress.collectives.agreement import GroupContext, context
 from commpress.collectives.byte_stats import Stats
 from commpress.collectives.comm import check_op, describe, resolve_group
 from commpress.collectives.handle import Handle
+from commpress.validate import InputError
 
 AnyCodec = Codec | ErrorFeedback
 
@@ -45,7 +46,7 @@ def check_float(name: str, t: torch.Tensor) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
     if not t.is_floating_point():
-        raise ValueError(f"{name} must be a floating-point tensor; got dtype {t.dtype}")
+        raise InputError(f"{name} must be a floating-point tensor; got dtype {t.dtype}")
 
 
 @dataclass

@@ -9,6 +9,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from commpress.validate import InputError
+
 ReduceOpName = str  # "avg" | "sum"
 REDUCE_OPS = {"avg": dist.ReduceOp.AVG, "sum": dist.ReduceOp.SUM}
 
@@ -34,7 +36,7 @@ def group_timeout(group: dist.ProcessGroup | None = None) -> timedelta | None:
 
 def check_op(op: str) -> None:
     if op not in REDUCE_OPS:
-        raise ValueError(f"op={op!r} is not allowed; allowed: {', '.join(REDUCE_OPS)}")
+        raise InputError(f"op={op!r} is not allowed; allowed: {', '.join(REDUCE_OPS)}")
 
 
 def all_gather_single(output: torch.Tensor, input: torch.Tensor, group, async_op: bool = False):
@@ -111,7 +113,7 @@ def check_sizes(collective: str, full: torch.Tensor, part: torch.Tensor, world: 
                 full_name: str, part_name: str) -> None:
     """``full`` must hold ``world × part.numel()`` elements of ``part``'s dtype."""
     if full.numel() != world * part.numel() or full.dtype != part.dtype:
-        raise ValueError(f"{collective}: {full_name} must have world_size ({world}) × "
+        raise InputError(f"{collective}: {full_name} must have world_size ({world}) × "
                          f"{part_name}.numel() ({part.numel()}) elements and {part_name}'s "
                          f"dtype; got {full.numel()} elements of {full.dtype} for {part.dtype}")
 

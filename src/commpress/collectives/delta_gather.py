@@ -31,6 +31,7 @@ from commpress.collectives.handle import Handle
 from commpress.collectives.hierarchical import EXACT, begin_two_level, level_peers
 from commpress.collectives.topology import Topology
 from commpress.collectives.transport import Peers, Steps, run
+from commpress.validate import InputError
 
 
 def delta_all_gather(
@@ -63,7 +64,7 @@ def delta_all_gather(
         commpress.delta_all_gather(model_weights, master_shard, codec="int4:group=2048")
     """
     if not weights.is_contiguous():
-        raise ValueError("delta_all_gather: weights must be contiguous (the flat replica "
+        raise InputError("delta_all_gather: weights must be contiguous (the flat replica "
                          "every rank holds)")
     call, levels, single = begin_two_level(
         "delta_all_gather", group, label, EXACT, codec, topology,
@@ -81,7 +82,7 @@ def delta_all_gather(
 
 def _check_sizes(weights: torch.Tensor, shard: torch.Tensor, world: int) -> None:
     if weights.numel() != world * shard.numel():
-        raise ValueError(f"delta_all_gather: weights must have world_size ({world}) × "
+        raise InputError(f"delta_all_gather: weights must have world_size ({world}) × "
                          f"shard.numel() ({shard.numel()}) elements; got {weights.numel()}")
 
 

@@ -63,7 +63,7 @@ from commpress.collectives.byte_stats import Stats, count_sent
 from commpress.collectives.call import AnyCodec, check_float, resolve_codec
 from commpress.collectives.comm import resolve_group
 from commpress.collectives.handle import Handle
-from commpress.validate import check_int
+from commpress.validate import InputError, check_int
 
 MAGIC = 0x636F6D6D70726573  # "commpres"
 # magic, kind, sequence number, payload bytes, descriptor bytes, descriptor digest (2)
@@ -205,7 +205,7 @@ def _check_tag(tag: int) -> None:
 
 def _check_peer(ctx: GroupContext, peer: int, name: str) -> None:
     if not isinstance(peer, int) or not 0 <= peer < ctx.world or peer == ctx.rank:
-        raise ValueError(f"{name}={peer!r} is not allowed; allowed: another rank of the group "
+        raise InputError(f"{name}={peer!r} is not allowed; allowed: another rank of the group "
                          f"(0 … {ctx.world - 1}, not this rank {ctx.rank})")
 
 
@@ -357,7 +357,7 @@ class P2POp:
 
     def __post_init__(self) -> None:
         if self.op not in ("send", "recv"):
-            raise ValueError(f"P2POp: op={self.op!r} is not allowed; allowed: send, recv")
+            raise InputError(f"P2POp: op={self.op!r} is not allowed; allowed: send, recv")
 
 
 def batch_isend_irecv(ops: list[P2POp]) -> list[Handle]:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from commpress.collectives.agreement import Levels, context
+from commpress.validate import InputError
 
 
 def levels_used(two_level: bool, world: int, ranks_per_node: int) -> tuple[str, ...]:
@@ -24,7 +25,7 @@ def levels_used(two_level: bool, world: int, ranks_per_node: int) -> tuple[str, 
     (``inter``). The one place this is decided: the two-level collectives, the played
     ones and the cost model all ask here."""
     if world < 1 or ranks_per_node < 1 or world % ranks_per_node:
-        raise ValueError(f"ranks={world}, ranks_per_node={ranks_per_node} is not allowed; "
+        raise InputError(f"ranks={world}, ranks_per_node={ranks_per_node} is not allowed; "
                          "allowed: positive, ranks a multiple of ranks_per_node")
     if not two_level:
         return ("single",)
@@ -49,7 +50,7 @@ class Topology:
     def __post_init__(self) -> None:
         if self.ranks_per_node is not None and (
                 not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1):
-            raise ValueError(f"Topology: ranks_per_node={self.ranks_per_node!r} is not allowed; "
+            raise InputError(f"Topology: ranks_per_node={self.ranks_per_node!r} is not allowed; "
                              "allowed: a positive integer dividing the world size")
 
     def ranks_per_node_in(self, world: int) -> int:
@@ -59,7 +60,7 @@ class Topology:
             rpn = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         rpn = min(rpn, world)
         if world % rpn:
-            raise ValueError(f"Topology: world size {world} is not divisible by "
+            raise InputError(f"Topology: world size {world} is not divisible by "
                              f"ranks_per_node={rpn}; allowed: a divisor of {world}")
         return rpn
 

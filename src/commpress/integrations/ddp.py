@@ -60,6 +60,7 @@ from commpress.collectives.agreement import release
 from commpress.collectives.comm import group_timeout
 from commpress.integrations.grad_path import GradPath
 from commpress.policy import Policy, list_presets
+from commpress.validate import InputError
 
 STATE_FORMAT = "commpress.DDPHookState/2"
 BUCKET_NUMEL = 1 << 22  # elements per hook bucket, by default
@@ -160,7 +161,7 @@ class DDPHookState:
                             f"DDP module); got {type(model).__name__} — call "
                             "commpress.ddp_hook(model, policy)")
         if not isinstance(bucket_numel, int) or bucket_numel < 1:
-            raise ValueError(f"ddp_hook: bucket_numel={bucket_numel!r} is not allowed; "
+            raise InputError(f"ddp_hook: bucket_numel={bucket_numel!r} is not allowed; "
                              "allowed: an int >= 1")
         module = getattr(model, "module", model)
         # hyperparameters
@@ -191,12 +192,12 @@ class DDPHookState:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
-            raise ValueError(f"not a DDP hook state (expected format {STATE_FORMAT!r})")
+            raise InputError(f"not a DDP hook state (expected format {STATE_FORMAT!r})")
         if state["policy"] != self.policy.to_dict():
-            raise ValueError(f"DDP hook checkpoint policy {state['policy']!r} does not match "
+            raise InputError(f"DDP hook checkpoint policy {state['policy']!r} does not match "
                              f"this run's {self.policy.to_dict()!r}")
         if state["layout"] != [b.names for b in self.buckets]:
-            raise ValueError("DDP hook checkpoint was saved for another model or bucket_numel "
+            raise InputError("DDP hook checkpoint was saved for another model or bucket_numel "
                              "(its bucket layout differs); resume with the same model and "
                              "bucket_numel")
         for b, codecs in zip(self.buckets, state["codecs"]):
@@ -369,7 +370,7 @@ def grad_policy(spec: str | dict | Policy) -> Policy:
     try:
         build_codec(spec)
     except ValueError as e:
-        raise ValueError(f"ddp_hook: policy={spec!r} is neither a policy preset (allowed: "
+        raise InputError(f"ddp_hook: policy={spec!r} is neither a policy preset (allowed: "
                          f"{', '.join(list_presets())}, a policy file or dict) nor a codec "
                          f"spec: {e}") from None
     return Policy.from_dict({"name": spec, "dp": {"grad": spec}})
@@ -382,7 +383,7 @@ def _ddp_group(model: nn.Module, group: dist.ProcessGroup | None) -> dist.Proces
         return group if group is not None else ddp_group
     ours, theirs = dist.get_process_group_ranks(group), dist.get_process_group_ranks(ddp_group)
     if ours != theirs:
-        raise ValueError(f"ddp_hook: group has ranks {ours} but the DDP module reduces over "
+        raise InputError(f"ddp_hook: group has ranks {ours} but the DDP module reduces over "
                          f"ranks {theirs}; allowed: the DDP module's process_group (or None)")
     return group
 

@@ -44,6 +44,7 @@ import torch.nn as nn
 from commpress.codecs import codec as build_codec
 from commpress.collectives import Topology, hierarchical_all_reduce
 from commpress.integrations.ddp import BUCKET_NUMEL, DDPHookState, compressed_allreduce_hook
+from commpress.validate import InputError
 
 LABEL = "dp.grad.lowrank"
 
@@ -61,13 +62,13 @@ class LowRankConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.rank, int) or self.rank < 1:
-            raise ValueError(f"lowrank_hook: rank={self.rank!r} is not allowed; allowed: an "
+            raise InputError(f"lowrank_hook: rank={self.rank!r} is not allowed; allowed: an "
                              "int >= 1")
         if not isinstance(self.start_iter, int) or self.start_iter < 0:
-            raise ValueError(f"lowrank_hook: start_iter={self.start_iter!r} is not allowed; "
+            raise InputError(f"lowrank_hook: start_iter={self.start_iter!r} is not allowed; "
                              "allowed: an int >= 0")
         if not self.min_compression_rate >= 1:
-            raise ValueError(f"lowrank_hook: min_compression_rate={self.min_compression_rate!r}"
+            raise InputError(f"lowrank_hook: min_compression_rate={self.min_compression_rate!r}"
                              " is not allowed; allowed: a number >= 1")
         build_codec(self.factor_codec)  # a bad spec fails here, naming the allowed ones
 
@@ -206,7 +207,7 @@ class LowRankReducer:
         shapes = [tuple(q.shape) for q in self.qs]
         if [tuple(q.shape) for q in state["qs"]] != shapes:
             theirs = [tuple(q.shape) for q in state["qs"]]
-            raise ValueError(f"low-rank hook state has factors {theirs}; this bucket has "
+            raise InputError(f"low-rank hook state has factors {theirs}; this bucket has "
                              f"{shapes}: resume with the same model and rank")
         self.iter = state["iter"]
         self.qs = [q.to(self.device, copy=True) for q in state["qs"]]
@@ -252,7 +253,7 @@ class LowRankHookState(DDPHookState):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if isinstance(state, dict) and state.get("lowrank") != asdict(self.config):
-            raise ValueError(f"low-rank hook checkpoint has config {state.get('lowrank')!r}; "
+            raise InputError(f"low-rank hook checkpoint has config {state.get('lowrank')!r}; "
                              f"this run's is {asdict(self.config)!r}")
         super().load_state_dict(state)
 

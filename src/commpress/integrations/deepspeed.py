@@ -62,6 +62,7 @@ from commpress.collectives.parts import reduce_scatter_parts
 from commpress.integrations.grad_path import GradPath
 from commpress.integrations.sharded_optimizer import gather_weights
 from commpress.policy import Policy
+from commpress.validate import InputError
 
 try:
     import deepspeed
@@ -240,7 +241,7 @@ class DeepSpeedCompression:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore codec state saved by the same data-parallel rank of the same run."""
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
-            raise ValueError(f"not a commpress.deepspeed state (expected format "
+            raise InputError(f"not a commpress.deepspeed state (expected format "
                              f"{STATE_FORMAT!r})")
         for key, mine in (("policy", self.policy.to_dict()),
                           ("world_size", dist.get_world_size(self.group)),
@@ -248,7 +249,7 @@ class DeepSpeedCompression:
                           ("param_codecs", len(self.param_codecs))):
             saved = state[key] if key != "param_codecs" else len(state[key])
             if saved != mine:
-                raise ValueError(f"commpress.deepspeed checkpoint {key} {saved!r} does not "
+                raise InputError(f"commpress.deepspeed checkpoint {key} {saved!r} does not "
                                  f"match this run's {mine!r}; resume with the same policy, "
                                  "data-parallel size and parameter groups")
         for codec, saved in zip(self.param_codecs, state["param_codecs"]):
@@ -284,7 +285,7 @@ class DeepSpeedCompression:
             return load_path, client_state
         path = self.state_path(os.path.dirname(load_path))
         if not os.path.exists(path):
-            raise ValueError(f"commpress.deepspeed: {path} is missing: the checkpoint was "
+            raise InputError(f"commpress.deepspeed: {path} is missing: the checkpoint was "
                              "saved without commpress's codec state; save it with a "
                              "compressed engine, or load with load_module_only=True")
         self.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
@@ -369,7 +370,7 @@ def _check_engine(engine: Any) -> None:
         raise TypeError(f"commpress.deepspeed.compress: engine must be the DeepSpeedEngine "
                         f"deepspeed.initialize returns; got {type(engine).__name__}")
     if getattr(engine, "commpress", None) is not None:
-        raise ValueError("commpress.deepspeed.compress: this engine is compressed already; "
+        raise InputError("commpress.deepspeed.compress: this engine is compressed already; "
                          "call engine.commpress.undo() first")
     stage = engine.zero_optimization_stage()
     if stage not in STAGES:
@@ -377,14 +378,14 @@ def _check_engine(engine: Any) -> None:
                 "DeepSpeed's partition_parameters; for compressed fully sharded training use "
                 "FSDP2 with commpress.fsdp.compress" if stage == 3 else
                 " Without ZeRO, DeepSpeed all-reduces gradients: use ZeRO stage 1 or 2")
-        raise ValueError(f"commpress.deepspeed.compress: zero_optimization.stage={stage} is "
+        raise InputError(f"commpress.deepspeed.compress: zero_optimization.stage={stage} is "
                          f"not allowed; allowed: {', '.join(map(str, STAGES))}.{hint}")
     zeropp = [name for name in ("zero_quantized_weights", "zero_quantized_gradients")
               if getattr(engine, name)()]
     if engine.zero_hpz_partition_size() > 1:
         zeropp.append("zero_hpz_partition_size")
     if zeropp:
-        raise ValueError(f"commpress.deepspeed.compress: ZeRO++'s own quantized paths "
+        raise InputError(f"commpress.deepspeed.compress: ZeRO++'s own quantized paths "
                          f"({', '.join(zeropp)}) are not allowed with commpress; turn them "
                          "off (commpress's policy compresses the same collectives)")
     opt = engine.optimizer
@@ -392,7 +393,7 @@ def _check_engine(engine: Any) -> None:
         why = (" (DeepSpeed's choice at ZeRO-1 for bf16 weights with fp32 gradient "
                "accumulation: use ZeRO-2, or data_types.grad_accum_dtype bf16)"
                if type(opt).__name__ == "BF16_Optimizer" else "")
-        raise ValueError(f"commpress.deepspeed.compress: the engine's optimizer is "
+        raise InputError(f"commpress.deepspeed.compress: the engine's optimizer is "
                          f"{type(opt).__name__}{why}; allowed: DeepSpeedZeroOptimizer")
     missing = [n for n in PATCHED if not hasattr(opt, n)]
     if missing or not hasattr(stage_1_and_2, "all_gather_dp_groups"):
@@ -410,10 +411,10 @@ def _check_engine(engine: Any) -> None:
             ("optimizer", type(opt.optimizer).__name__.startswith("Muon"),
              "Muon's split matrices are all-reduced; not covered")):
         if bad:
-            raise ValueError(f"commpress.deepspeed.compress: {field} as configured is not "
+            raise InputError(f"commpress.deepspeed.compress: {field} as configured is not "
                              f"allowed: {fix}")
     if any(g is not opt.dp_process_group for g in opt.real_dp_process_group):
-        raise ValueError("commpress.deepspeed.compress: parameter groups reduce over other "
+        raise InputError("commpress.deepspeed.compress: parameter groups reduce over other "
                          "groups than the data-parallel group; not covered")
     if deepspeed.__version__ != TESTED_VERSION:
         log.warning("commpress.deepspeed is written for DeepSpeed %s; this is %s",

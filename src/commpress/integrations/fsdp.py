@@ -48,6 +48,7 @@ from commpress.collectives import Topology, all_gather, all_reduce
 from commpress.collectives.comm import all_gather_single
 from commpress.integrations.grad_path import GradPath
 from commpress.policy import Policy, Rule
+from commpress.validate import InputError
 
 log = logging.getLogger(__name__)
 
@@ -209,7 +210,7 @@ def _take_replicate_all_reduce(param_group: Any) -> dist.ProcessGroup | None:
     if not isinstance(mesh_info, HSDPMeshInfo):
         return None
     if mesh_info.shard_mesh_size == 1:
-        raise ValueError(
+        raise InputError(
             "commpress.fsdp.compress: HSDP mesh with a shard dimension of size 1 "
             f"(mesh {tuple(mesh_info.mesh.shape)}) is replication only and FSDP calls no "
             "reduce-scatter to compress; allowed: a shard dimension of size >= 2 (for pure "
@@ -234,7 +235,7 @@ def _op_name(op, input_tensor: torch.Tensor) -> str:
     if factor is not None:
         input_tensor.mul_(factor)
         return "sum"
-    raise ValueError(f"commpress FSDP reduce-scatter: op {op!r} is not supported; "
+    raise InputError(f"commpress FSDP reduce-scatter: op {op!r} is not supported; "
                      "allowed: AVG, SUM, PREMUL_SUM")
 
 
@@ -294,14 +295,14 @@ class FSDPCompression:
         """Restore the codec state; another policy, world size or set of FSDP modules is
         refused with the difference named."""
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
-            raise ValueError(f"not a commpress FSDP codec state (expected format "
+            raise InputError(f"not a commpress FSDP codec state (expected format "
                              f"{STATE_FORMAT!r})")
         _check_same("world_size", state["world_size"], self.world)
         _check_module_names(state["modules"], list(self.modules))
         key = f"rank{self.rank}"
         if key not in state:
             saved = sorted(k for k in state if k.startswith("rank"))
-            raise ValueError(f"FSDP codec checkpoint holds the state of {saved}, not this "
+            raise InputError(f"FSDP codec checkpoint holds the state of {saved}, not this "
                              f"rank's ({key!r}); load each rank's own state")
         entry = torch.load(io.BytesIO(state[key]), map_location=self.device, weights_only=True)
         _check_same("policy", entry["policy"], self.policy.to_dict())
@@ -319,7 +320,7 @@ class FSDPCompression:
 
 def _check_same(key: str, saved: Any, mine: Any) -> None:
     if saved != mine:
-        raise ValueError(f"FSDP codec checkpoint {key} {saved!r} does not match this run's "
+        raise InputError(f"FSDP codec checkpoint {key} {saved!r} does not match this run's "
                          f"{mine!r}; resume with the same {key}")
 
 
@@ -328,7 +329,7 @@ def _check_module_names(saved: list[str], mine: list[str]) -> None:
         return
     missing = [n for n in mine if n not in saved]
     extra = [n for n in saved if n not in mine]
-    raise ValueError(f"FSDP codec checkpoint was saved for other FSDP modules: this model's "
+    raise InputError(f"FSDP codec checkpoint was saved for other FSDP modules: this model's "
                      f"{missing} are not in it, its {extra} are not in this model (names "
                      "as model.named_modules() gives them); shard the model the same way "
                      "(the same fully_shard calls) before loading")
@@ -365,7 +366,7 @@ def compress(model: nn.Module, policy: str | dict | Policy = "sdp4bit",
         module.set_custom_reduce_scatter(scatter)
         modules[name] = (gather, scatter)
     if not modules:
-        raise ValueError("commpress.fsdp.compress: no FSDPModule found; call fully_shard first")
+        raise InputError("commpress.fsdp.compress: no FSDPModule found; call fully_shard first")
     device = next(model.parameters()).device
     hsdp = sum(scatter.replicate is not None for _, scatter in modules.values())
     if hsdp:

@@ -34,6 +34,7 @@ from commpress.collectives.hierarchical import (
 from commpress.collectives.topology import levels_used
 from commpress.collectives.transport import Peers, Steps
 from commpress.policy import Policy
+from commpress.validate import InputError
 
 
 class GradPath:
@@ -103,7 +104,7 @@ class GradPath:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if set(state) != set(self.codecs):
-            raise ValueError(f"gradient codec state has levels {sorted(state)}; this policy "
+            raise InputError(f"gradient codec state has levels {sorted(state)}; this policy "
                              f"has {sorted(self.codecs)}")
         for k, c in self.codecs.items():
             c.load_state_dict(state[k])

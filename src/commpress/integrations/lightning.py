@@ -26,6 +26,7 @@ import torch
 from commpress.collectives import Topology
 from commpress.integrations.ddp import BUCKET_NUMEL, DDPHookState, ddp_hook
 from commpress.policy import Policy
+from commpress.validate import InputError
 
 try:
     from lightning.pytorch.strategies import DDPStrategy
@@ -60,7 +61,7 @@ class CommpressDDPStrategy(DDPStrategy):
                  bucket_numel: int = BUCKET_NUMEL, **kwargs: Any) -> None:
         for taken in ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper"):
             if kwargs.get(taken) is not None:
-                raise ValueError(f"CommpressDDPStrategy: {taken} is not allowed: the strategy "
+                raise InputError(f"CommpressDDPStrategy: {taken} is not allowed: the strategy "
                                  "registers commpress's hook; choose its codecs with policy")
         super().__init__(**kwargs)
         self.policy = policy
@@ -97,7 +98,7 @@ class CommpressDDPStrategy(DDPStrategy):
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         path = self.hook_state_path(checkpoint_path)
         if not os.path.exists(path):
-            raise ValueError(f"CommpressDDPStrategy: {path} is missing: the checkpoint was "
+            raise InputError(f"CommpressDDPStrategy: {path} is missing: the checkpoint was "
                              "saved without commpress's hook state (by another strategy, or "
                              "with another number of ranks)")
         state = torch.load(path, map_location="cpu", weights_only=True)

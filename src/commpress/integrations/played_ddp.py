@@ -26,6 +26,7 @@ from commpress.collectives.topology import levels_used
 from commpress.integrations.ddp import BUCKET_NUMEL, grad_policy, hook_layout
 from commpress.integrations.grad_path import GradPath
 from commpress.policy import Policy
+from commpress.validate import InputError
 
 
 class PlayedDDPHook:
@@ -60,7 +61,7 @@ class PlayedDDPHook:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["ranks"] != self.world or len(state["paths"]) != len(self.paths):
-            raise ValueError(f"DDP hook state of {state['ranks']} ranks and "
+            raise InputError(f"DDP hook state of {state['ranks']} ranks and "
                              f"{len(state['paths'])} buckets does not match this run's "
                              f"{self.world} ranks and {len(self.paths)} buckets")
         for row, states in zip(self.paths, state["paths"]):

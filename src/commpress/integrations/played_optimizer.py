@@ -40,6 +40,7 @@ from commpress.integrations.sharded_optimizer import (
 )
 from commpress.integrations.weight_gather import weight_gather_steps
 from commpress.policy import Policy
+from commpress.validate import InputError
 
 STATE_FORMAT = "commpress.played_sharded_optimizer/1"
 
@@ -186,13 +187,13 @@ class PlayedShardedOptimizer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` of a run with the same ranks, policy and model."""
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
-            raise ValueError(f"not a PlayedShardedOptimizer state (expected format "
+            raise InputError(f"not a PlayedShardedOptimizer state (expected format "
                              f"{STATE_FORMAT!r})")
         for key, mine in (("ranks", self.world), ("policy", self.policy.to_dict()),
                           ("bucket_numels", [b.numel for b in self.buckets]),
                           ("bucket_names", [b.names for b in self.buckets])):
             if state[key] != mine:
-                raise ValueError(f"checkpoint {key} {state[key]!r} does not match this run's "
+                raise InputError(f"checkpoint {key} {state[key]!r} does not match this run's "
                                  f"{mine!r}; resume with the same ranks, policy and model")
         for b, master, params in zip(self.buckets, state["master"], state["params"]):
             b.master.copy_(master)

@@ -51,7 +51,7 @@ from commpress.integrations.replica_sync import broadcast_buffers, sync_initial_
 from commpress.integrations.weight_gather import gather_weights
 from commpress.kernels.reference import sum_rows
 from commpress.policy import Policy
-from commpress.validate import check_float, check_int
+from commpress.validate import InputError, check_float, check_int
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +158,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.param_rule = self.policy.rule("dp", "param")
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not named:
-            raise ValueError("ShardedOptimizer: the model has no parameters that require grad")
+            raise InputError("ShardedOptimizer: the model has no parameters that require grad")
         # gradients arrive roughly in reverse registration order during backward
         self.buckets = build_buckets(
             named[::-1], bucket_numel, decay_1d,
@@ -230,10 +230,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         are set). A non-finite norm is returned as is and ``step()`` skips or raises.
         """
         if not (isinstance(max_norm, int | float) and max_norm > 0):
-            raise ValueError(f"clip_grad_norm_: max_norm={max_norm!r} is not allowed; "
+            raise InputError(f"clip_grad_norm_: max_norm={max_norm!r} is not allowed; "
                              "allowed: a number > 0")
         if norm_type != 2.0:
-            raise ValueError(f"clip_grad_norm_: norm_type={norm_type!r} is not allowed; "
+            raise InputError(f"clip_grad_norm_: norm_type={norm_type!r} is not allowed; "
                              "allowed: 2.0 (the global norm is the 2-norm)")
         norm = self._reduce_gradients()
         self._clip_norm = max_norm if self._clip_norm is None else min(self._clip_norm,
@@ -353,7 +353,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if any(param_group is g for g in self.optimizer.param_groups):
             self.param_groups.append(param_group)
             return
-        raise ValueError(
+        raise InputError(
             "ShardedOptimizer.add_param_group is not supported: the parameters are packed "
             "into flat buckets when the optimizer is built; allowed: build it over a model "
             "holding every parameter to train (set requires_grad before), and change a "
@@ -383,13 +383,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Restore a state saved by the same rank of a run with the same world size,
         policy and model; anything else is refused with the reason."""
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
-            raise ValueError(f"not a ShardedOptimizer state (expected format {STATE_FORMAT!r})")
+            raise InputError(f"not a ShardedOptimizer state (expected format {STATE_FORMAT!r})")
         for key, mine in (("world_size", self.world), ("rank", self.rank),
                           ("policy", self.policy.to_dict()),
                           ("bucket_numels", [b.numel for b in self.buckets]),
                           ("bucket_names", [b.names for b in self.buckets])):
             if state[key] != mine:
-                raise ValueError(f"checkpoint {key} {state[key]!r} does not match this run's "
+                raise InputError(f"checkpoint {key} {state[key]!r} does not match this run's "
                                  f"{mine!r}; resharding is not supported: resume with the same "
                                  "world size, policy and model")
         for b, master, params in zip(self.buckets, state["master"], state["params"]):
@@ -463,13 +463,13 @@ def _check_arguments(model, optimizer_cls, policy, nonfinite: str, bucket_numel:
         raise TypeError(f"ShardedOptimizer: policy={policy!r} is not allowed; allowed: a preset "
                         "name, a policy file path, a dict or a commpress.Policy")
     if nonfinite not in NONFINITE_CHOICES:
-        raise ValueError(f"nonfinite={nonfinite!r} is not allowed; allowed: "
+        raise InputError(f"nonfinite={nonfinite!r} is not allowed; allowed: "
                          f"{', '.join(NONFINITE_CHOICES)}")
     if init_sync not in INIT_SYNC_CHOICES:
-        raise ValueError(f"init_sync={init_sync!r} is not allowed; allowed: "
+        raise InputError(f"init_sync={init_sync!r} is not allowed; allowed: "
                          f"{', '.join(INIT_SYNC_CHOICES)}")
     check_int("bucket_numel", bucket_numel, ge=1)
     check_float("max_grad_norm", max_grad_norm, gt=0, optional=True)
     if not isinstance(broadcast_buffers, bool):
-        raise ValueError(f"broadcast_buffers={broadcast_buffers!r} is not allowed; allowed: "
+        raise InputError(f"broadcast_buffers={broadcast_buffers!r} is not allowed; allowed: "
                          "True, False")

@@ -29,6 +29,7 @@ from commpress.collectives import Topology
 from commpress.integrations import fsdp
 from commpress.integrations.fsdp import FSDPCompression
 from commpress.policy import Policy
+from commpress.validate import InputError
 
 
 def compress(model: nn.Module | Sequence[nn.Module], policy: str | dict | Policy = "sdp4bit",
@@ -43,7 +44,7 @@ def compress(model: nn.Module | Sequence[nn.Module], policy: str | dict | Policy
         return fsdp.compress(model, policy, topology)
     parts = list(model)
     if not parts or not all(isinstance(p, nn.Module) for p in parts):
-        raise ValueError("commpress.torchtitan.compress: model must be an nn.Module or a "
+        raise InputError("commpress.torchtitan.compress: model must be an nn.Module or a "
                          f"non-empty list of them (model_parts); got {model!r}")
     return fsdp.compress(nn.ModuleList(parts), policy, topology)
 

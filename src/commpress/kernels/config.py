@@ -34,6 +34,8 @@ from types import MappingProxyType
 
 import torch
 
+from commpress.validate import InputError
+
 KERNELS_ENV = "COMMPRESS_KERNELS"
 KERNEL_CHOICES = ("auto", "reference", "triton")
 BACKENDS = ("reference", "triton")
@@ -87,10 +89,10 @@ class KernelConfig:
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
-            raise ValueError(f"backend={self.backend!r} is not valid; allowed: "
+            raise InputError(f"backend={self.backend!r} is not valid; allowed: "
                              f"{', '.join(BACKENDS)}")
         if self.fp32_dot not in FP32_DOTS:
-            raise ValueError(f"fp32_dot={self.fp32_dot!r} is not valid; allowed: "
+            raise InputError(f"fp32_dot={self.fp32_dot!r} is not valid; allowed: "
                              f"{', '.join(FP32_DOTS)}")
         for name in ("tile", "warps", "histogram_tiles"):
             _check_power_of_two(name, getattr(self, name))
@@ -102,12 +104,12 @@ class KernelConfig:
 
 def _check_power_of_two(name: str, value: object) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1 or value & (value - 1):
-        raise ValueError(f"{name}={value!r} is not valid; allowed: a power of two >= 1")
+        raise InputError(f"{name}={value!r} is not valid; allowed: a power of two >= 1")
 
 
 def _check_positive(name: str, value: object) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name}={value!r} is not valid; allowed: an integer >= 1")
+        raise InputError(f"{name}={value!r} is not valid; allowed: an integer >= 1")
 
 
 @dataclass(frozen=True)
@@ -121,7 +123,7 @@ class KernelEnvironment:
     def from_environ(cls, environ: Mapping[str, str]) -> KernelEnvironment:
         choice = environ.get(KERNELS_ENV, "auto")
         if choice not in KERNEL_CHOICES:
-            raise ValueError(f"{KERNELS_ENV}={choice!r} is not valid; allowed: "
+            raise InputError(f"{KERNELS_ENV}={choice!r} is not valid; allowed: "
                              f"{', '.join(KERNEL_CHOICES)}")
         return cls(kernels=choice, interpret=environ.get("TRITON_INTERPRET", "0") == "1")
 
@@ -206,11 +208,11 @@ def override_kernels(*, kernels: str | None = None, tile: int | None = None,
                                      reference_piece=reference_piece).items()
                if v is not None}
     if kernels is not None and kernels not in KERNEL_CHOICES:
-        raise ValueError(f"kernels={kernels!r} is not valid; allowed: {', '.join(KERNEL_CHOICES)}")
+        raise InputError(f"kernels={kernels!r} is not valid; allowed: {', '.join(KERNEL_CHOICES)}")
     if row_kernels is not None and not isinstance(row_kernels, bool):
-        raise ValueError(f"row_kernels={row_kernels!r} is not valid; allowed: True, False")
+        raise InputError(f"row_kernels={row_kernels!r} is not valid; allowed: True, False")
     if fp32_dot is not None and fp32_dot not in FP32_DOTS:
-        raise ValueError(f"fp32_dot={fp32_dot!r} is not valid; allowed: {', '.join(FP32_DOTS)}")
+        raise InputError(f"fp32_dot={fp32_dot!r} is not valid; allowed: {', '.join(FP32_DOTS)}")
     for name in ("tile", "warps", "histogram_tiles"):
         if name in changes:
             _check_power_of_two(name, changes[name])
@@ -233,7 +235,7 @@ def resolve(kernel: str, bits: int = 0, group: int = 0, hadamard: int = 0,
 def _resolve(kernel: str, bits: int, group: int, hadamard: int, device_type: str,
              overrides: tuple[tuple[str, object], ...]) -> KernelConfig:
     if kernel not in KERNELS:
-        raise ValueError(f"kernel={kernel!r} is not valid; allowed: {', '.join(KERNELS)}")
+        raise InputError(f"kernel={kernel!r} is not valid; allowed: {', '.join(KERNELS)}")
     chosen = dict(overrides)
     choice = chosen.pop("kernels", environment().kernels)
     tile, warps = TUNED.get((kernel, bits, group, hadamard), (TILE_ELEMENTS, DEFAULT_WARPS))

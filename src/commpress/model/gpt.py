@@ -18,6 +18,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from commpress.validate import InputError
+
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -33,10 +35,10 @@ class GPTConfig:
     def __post_init__(self) -> None:
         for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
             if getattr(self, name) < 1:
-                raise ValueError(f"GPTConfig.{name}={getattr(self, name)} is not allowed; "
+                raise InputError(f"GPTConfig.{name}={getattr(self, name)} is not allowed; "
                                  "allowed: a positive integer")
         if self.n_embd % self.n_head:
-            raise ValueError(f"GPTConfig: n_embd={self.n_embd} is not divisible by "
+            raise InputError(f"GPTConfig: n_embd={self.n_embd} is not divisible by "
                              f"n_head={self.n_head}")
 
     def num_params(self) -> int:
@@ -67,7 +69,7 @@ def list_presets() -> list[str]:
 
 def config_from_preset(name: str, **overrides) -> GPTConfig:
     if name not in PRESETS:
-        raise ValueError(f"unknown model preset {name!r}; allowed: {', '.join(PRESETS)}")
+        raise InputError(f"unknown model preset {name!r}; allowed: {', '.join(PRESETS)}")
     return GPTConfig(**{**PRESETS[name].to_dict(), **overrides})
 
 
@@ -139,7 +141,7 @@ class GPT(nn.Module):
     def embed(self, idx: torch.Tensor) -> torch.Tensor:
         T = idx.shape[1]
         if T > self.cfg.block_size:
-            raise ValueError(f"sequence length {T} exceeds block_size={self.cfg.block_size}")
+            raise InputError(f"sequence length {T} exceeds block_size={self.cfg.block_size}")
         pos = torch.arange(T, device=idx.device)
         return self.wte(idx) + self.wpe(pos)  # (B, T, C)
 

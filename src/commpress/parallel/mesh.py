@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from commpress.collectives.agreement import release
 from commpress.collectives.comm import group_timeout
+from commpress.validate import InputError
 
 
 @dataclass(frozen=True)
@@ -24,7 +25,7 @@ class MeshShape:
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} is not allowed; allowed: >= 1")
+                raise InputError(f"{name}={getattr(self, name)} is not allowed; allowed: >= 1")
 
     @property
     def world(self) -> int:
@@ -32,7 +33,7 @@ class MeshShape:
 
     def check_world(self, world: int) -> None:
         if world != self.world:
-            raise ValueError(f"world size {world} is not dp × tp × pp = {self.dp} × {self.tp} × "
+            raise InputError(f"world size {world} is not dp × tp × pp = {self.dp} × {self.tp} × "
                              f"{self.pp} = {self.world}; allowed: set --dp/--tp/--pp so their "
                              f"product is the number of ranks")
 

@@ -29,12 +29,13 @@ from commpress.collectives.played import played_transfer
 from commpress.model.gpt import GPT
 from commpress.parallel.mesh import Mesh, MeshShape
 from commpress.policy import Policy
+from commpress.validate import InputError
 
 
 def stage_layers(n_layer: int, pp: int) -> list[tuple[int, int]]:
     """Balanced ``[start, end)`` block ranges, earlier stages taking the remainder."""
     if pp > n_layer:
-        raise ValueError(f"pp={pp} is larger than n_layer={n_layer}; allowed: pp <= n_layer")
+        raise InputError(f"pp={pp} is larger than n_layer={n_layer}; allowed: pp <= n_layer")
     base, extra = divmod(n_layer, pp)
     out, start = [], 0
     for s in range(pp):

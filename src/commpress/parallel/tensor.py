@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from commpress.collectives import all_reduce
 from commpress.policy import Policy
+from commpress.validate import InputError
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +124,7 @@ def apply_tp(blocks: nn.ModuleList, group: dist.ProcessGroup | None, policy: Pol
     for block in blocks:
         attn, mlp = block.attn, block.mlp
         if attn.n_head % tp:
-            raise ValueError(f"n_head={attn.n_head} is not divisible by tp={tp}; allowed: a tp "
+            raise InputError(f"n_head={attn.n_head} is not divisible by tp={tp}; allowed: a tp "
                              "that divides the number of heads")
         C = attn.proj.in_features
         heads_local = attn.n_head // tp

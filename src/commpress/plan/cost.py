@@ -55,7 +55,7 @@ from commpress.integrations.weight_gather import weight_gather_levels
 from commpress.plan.hardware import CODEC_GBps
 from commpress.plan.models import ModelShape
 from commpress.policy import Policy, Rule
-from commpress.validate import check_float, check_int
+from commpress.validate import InputError, check_float, check_int
 
 
 @dataclass(frozen=True)
@@ -78,10 +78,10 @@ class ClusterSpec:
         check_int("gpus", self.gpus, ge=1)
         check_int("gpus_per_node", self.gpus_per_node, ge=1)
         if self.gpus % self.gpus_per_node:
-            raise ValueError(f"--gpus {self.gpus} must be a positive multiple of "
+            raise InputError(f"--gpus {self.gpus} must be a positive multiple of "
                              f"--gpus-per-node {self.gpus_per_node}")
         if self.backend not in ("nccl", "gloo"):
-            raise ValueError(f"--backend {self.backend!r} is not allowed; allowed: nccl, gloo")
+            raise InputError(f"--backend {self.backend!r} is not allowed; allowed: nccl, gloo")
         for name in ("intra_GBps", "inter_GBps", "tflops"):
             check_float(name, getattr(self, name), gt=0)
         for name in ("mfu", "link_efficiency"):
@@ -118,12 +118,12 @@ class JobSpec:
                      "grad_bytes", "act_bytes"):
             check_int(name, getattr(self, name), ge=1)
         if self.zero_stage not in (0, 1, 2, 3):
-            raise ValueError(f"--zero-stage {self.zero_stage} is not allowed; allowed: 0 "
+            raise InputError(f"--zero-stage {self.zero_stage} is not allowed; allowed: 0 "
                              "(plain data parallel, DDP), 1, 2, 3")
         if self.overlap not in ("none", "dp"):
-            raise ValueError(f"--overlap {self.overlap!r} is not allowed; allowed: none, dp")
+            raise InputError(f"--overlap {self.overlap!r} is not allowed; allowed: none, dp")
         if self.global_batch % (self.dp * self.micro_batch):
-            raise ValueError(f"--global-batch {self.global_batch} is not divisible by dp × "
+            raise InputError(f"--global-batch {self.global_batch} is not divisible by dp × "
                              f"micro-batch = {self.dp} × {self.micro_batch}")
 
     @property
@@ -243,14 +243,14 @@ def load_codec_throughput(path: str, device: str) -> dict[str, tuple[float, floa
     try:
         rows = json.loads(read_regular(path, 64 << 20, "--codec-throughput"))
     except (OSError, ValueError) as e:
-        raise ValueError(f"--codec-throughput {path!r} cannot be read: {e}") from None
+        raise InputError(f"--codec-throughput {path!r} cannot be read: {e}") from None
     if not isinstance(rows, list) or not all(isinstance(r, dict) and "codec" in r
                                              for r in rows):
-        raise ValueError(f"--codec-throughput {path!r} is not the JSON of 'commpress bench "
+        raise InputError(f"--codec-throughput {path!r} is not the JSON of 'commpress bench "
                          "codecs --json'")
     measured = {"cuda": "gpu"}.get(rows[0].get("device"), rows[0].get("device")) if rows else None
     if measured != device:
-        raise ValueError(f"--codec-throughput {path!r} was measured on {measured}, but the plan "
+        raise InputError(f"--codec-throughput {path!r} was measured on {measured}, but the plan "
                          f"is for --device {device}; allowed: a measurement of the same kind "
                          f"(or --device {measured})")
     return {r["codec"]: (r["encode_GBps"], r["decode_GBps"]) for r in rows
@@ -281,7 +281,7 @@ def _layout(c: ClusterSpec, j: JobSpec) -> tuple[int, int]:
 def plan_policy(c: ClusterSpec, j: JobSpec, policy: Policy) -> dict[str, Any]:
     """Step time breakdown of one policy."""
     if j.dp * j.tp * j.pp != c.gpus:
-        raise ValueError(f"dp × tp × pp = {j.dp} × {j.tp} × {j.pp} must equal --gpus {c.gpus}")
+        raise InputError(f"dp × tp × pp = {j.dp} × {j.tp} × {j.pp} must equal --gpus {c.gpus}")
     G, P = c.gpus_per_node, j.model.params
     m = j.micro_batches
     tokens = j.global_batch * j.seq

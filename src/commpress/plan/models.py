@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from commpress.validate import InputError
+
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -54,9 +56,9 @@ def model_from_arg(arg: str) -> ModelShape:
     try:
         n = float(text[:-1] if scale != 1.0 else text) * scale
         if not (math.isfinite(n) and n >= 1):  # nan, inf, 0 and negatives have no shape
-            raise ValueError(arg)
+            raise InputError(arg)
     except ValueError:
-        raise ValueError(f"--model {arg!r} is not a preset or a parameter count; allowed: "
+        raise InputError(f"--model {arg!r} is not a preset or a parameter count; allowed: "
                          f"{', '.join(MODELS)}, or a positive number such as 6.7e9 or "
                          "1.3B") from None
     # a GPT-like shape for that count: h from 12·L·h² with L ≈ h / 128

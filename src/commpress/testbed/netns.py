@@ -19,7 +19,7 @@ import signal
 import subprocess
 from dataclasses import dataclass, field
 
-from commpress.validate import check_int
+from commpress.validate import InputError, check_int
 
 RATE_RE = re.compile(r"^\d+(\.\d+)?(bit|kbit|mbit|gbit)$")
 DELAY_RE = re.compile(r"^\d+(\.\d+)?(us|ms|s)$")
@@ -54,7 +54,7 @@ def rate_bits(rate: str) -> float:
         scale = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9}[m.group(2)]
         bits = float(rate[: -len(m.group(2))]) * scale
     if not bits > 0:  # 0mbit: a link that never sends
-        raise ValueError(f"bandwidth {rate!r} is not allowed; allowed: a positive number with "
+        raise InputError(f"bandwidth {rate!r} is not allowed; allowed: a positive number with "
                          "bit, kbit, mbit or gbit, e.g. 50mbit")
     return bits
 
@@ -73,7 +73,7 @@ class Cluster:
         check_int("nodes", self.nodes, ge=1, le=64)
         rate_bits(self.bandwidth)
         if self.latency is not None and not DELAY_RE.match(self.latency):
-            raise ValueError(f"latency {self.latency!r} is not allowed; allowed: e.g. 1ms, 500us")
+            raise InputError(f"latency {self.latency!r} is not allowed; allowed: e.g. 1ms, 500us")
         self.tag = f"cp{self.net_id}"
 
     def ns(self, node: int) -> str:

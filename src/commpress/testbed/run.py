@@ -17,7 +17,7 @@ import time
 
 from commpress.launch import set_parent_death_signal
 from commpress.testbed.netns import Cluster
-from commpress.validate import check_float, check_int
+from commpress.validate import InputError, check_float, check_int
 
 
 def run_on_testbed(nodes: int, ranks_per_node: int, command: list[str], bandwidth: str = "50mbit",
@@ -29,7 +29,7 @@ def run_on_testbed(nodes: int, ranks_per_node: int, command: list[str], bandwidt
     run: set-up, steps, evaluation), and writes them to ``link_stats`` as JSON if given.
     """
     if not command or command[0] not in ("train", "compare"):
-        raise ValueError(f"testbed command {command[:1]!r} is not allowed; allowed: train …, "
+        raise InputError(f"testbed command {command[:1]!r} is not allowed; allowed: train …, "
                          "compare …")
     check_int("ranks_per_node", ranks_per_node, ge=1)
     check_int("port", port, ge=1, le=65535)

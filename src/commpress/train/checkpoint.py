@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from commpress.files import open_regular, read_regular
+from commpress.validate import InputError
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +56,7 @@ _RANK_NAME = re.compile(r"rank\d{5,}\.pt")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(InputError):
     """A checkpoint is missing, corrupt, belongs to another run, or cannot be written."""
 
 

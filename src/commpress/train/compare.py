@@ -20,6 +20,7 @@ from commpress.train.config import TrainConfig, policy_slug
 from commpress.train.errors import RunFailedError
 from commpress.train.loop import launched, launched_group, train
 from commpress.train.report import compare_table, plot_compare
+from commpress.validate import InputError
 
 
 def read_history(run_dir: str) -> list[dict[str, Any]]:
@@ -37,7 +38,7 @@ def compare(policies: list[str], base: TrainConfig, out_dir: str | None = None,
     Raises :class:`RunFailedError` after the report if a policy trained nothing.
     """
     if not policies:
-        raise ValueError("--policies is empty; give a comma-separated list such as none,hybrid")
+        raise InputError("--policies is empty; give a comma-separated list such as none,hybrid")
     out_dir = out_dir or base.out or f"runs/compare-s{base.seed}"
     runs = policy_runs(policies, base, out_dir)
     reporter = int(os.environ.get("RANK", "0")) == 0
@@ -89,7 +90,7 @@ def policy_runs(policies: list[str], base: TrainConfig,
         runs.append((name, cfg, finished))
     if base.resume and all(cfg.resume is None for _, cfg, _ in runs):
         dirs = ", ".join(os.path.join(base.resume, policy_slug(n)) for n in policies)
-        raise ValueError(f"--resume {base.resume!r} holds no checkpoint of these policies "
+        raise InputError(f"--resume {base.resume!r} holds no checkpoint of these policies "
                          f"(looked in {dirs}); allowed: the output directory of an earlier "
                          "comparison with --checkpoint-every, which keeps one run per policy")
     return runs
@@ -122,6 +123,6 @@ def _finished_summary(run_dir: str, cfg: TrainConfig) -> dict[str, Any] | None:
     mine = cfg.resolved(int(os.environ["WORLD_SIZE"]) if launched() else None).to_dict()
     for key, value in mine.items():
         if key not in NOT_COMPARED and saved.get(key) != value:
-            raise ValueError(f"--resume: {run_dir!r} finished with {key}={saved.get(key)!r}, "
+            raise InputError(f"--resume: {run_dir!r} finished with {key}={saved.get(key)!r}, "
                              f"this comparison has {key}={value!r}; resume with the same value")
     return summary

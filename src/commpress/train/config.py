@@ -10,7 +10,7 @@ import torch
 
 from commpress.model.gpt import PRESETS as MODEL_PRESETS
 from commpress.policy import Policy
-from commpress.validate import check_float, check_int
+from commpress.validate import InputError, check_float, check_int
 
 MAX_SEED = 2**32 - 1
 MAX_TIMEOUT_S = 1_000_000  # about 11.6 days: longer than any wait worth waiting for
@@ -69,36 +69,36 @@ class TrainConfig:
     def __post_init__(self) -> None:
         Policy.resolve(self.policy)  # an unknown preset or a bad file fails here
         if self.model not in MODEL_PRESETS:
-            raise ValueError(f"model={self.model!r} is not allowed; allowed: "
+            raise InputError(f"model={self.model!r} is not allowed; allowed: "
                              f"{', '.join(MODEL_PRESETS)}")
         self._check_numbers()
         if self.dtype not in ("fp32", "bf16", "fp16"):
-            raise ValueError(f"dtype={self.dtype!r} is not allowed; allowed: fp32, bf16, fp16")
+            raise InputError(f"dtype={self.dtype!r} is not allowed; allowed: fp32, bf16, fp16")
         if self.engine not in ("sharded", "ddp"):
-            raise ValueError(f"engine={self.engine!r} is not allowed; allowed: sharded, ddp")
+            raise InputError(f"engine={self.engine!r} is not allowed; allowed: sharded, ddp")
         if self.engine == "ddp" and (self.tp > 1 or self.pp > 1):
-            raise ValueError(f"engine=ddp runs data parallelism only; got tp={self.tp}, "
+            raise InputError(f"engine=ddp runs data parallelism only; got tp={self.tp}, "
                              f"pp={self.pp}: use engine=sharded for tp/pp")
         hook = self.ddp_hook
         rank = hook.removeprefix("powersgd:")
         if hook not in ("allreduce", "fp16", "commpress") and not (
                 hook.startswith("powersgd:") and rank.isdecimal() and int(rank) >= 1):
-            raise ValueError(f"ddp_hook={hook!r} is not allowed; allowed: allreduce, fp16, "
+            raise InputError(f"ddp_hook={hook!r} is not allowed; allowed: allreduce, fp16, "
                              "powersgd:RANK with RANK >= 1 (e.g. powersgd:4), commpress")
         if self.nonfinite not in ("skip", "raise"):
-            raise ValueError(f"nonfinite={self.nonfinite!r} is not allowed; allowed: skip, raise")
+            raise InputError(f"nonfinite={self.nonfinite!r} is not allowed; allowed: skip, raise")
         if self.seq_len > MODEL_PRESETS[self.model].block_size:
-            raise ValueError(f"seq_len={self.seq_len} exceeds model {self.model!r} block_size "
+            raise InputError(f"seq_len={self.seq_len} exceeds model {self.model!r} block_size "
                              f"{MODEL_PRESETS[self.model].block_size}")
         if self.data is not None and not os.path.exists(self.data):
-            raise ValueError(f"data={self.data!r} does not exist; allowed: a text file, a folder "
+            raise InputError(f"data={self.data!r} does not exist; allowed: a text file, a folder "
                              "of text files, or a uint16 .bin file")
         if self.device not in (None, "cpu", "cuda"):
-            raise ValueError(f"device={self.device!r} is not allowed; allowed: cpu, cuda")
+            raise InputError(f"device={self.device!r} is not allowed; allowed: cpu, cuda")
         if self.backend not in (None, "gloo", "nccl"):
-            raise ValueError(f"backend={self.backend!r} is not allowed; allowed: gloo, nccl")
+            raise InputError(f"backend={self.backend!r} is not allowed; allowed: gloo, nccl")
         if self.backend == "nccl" and self.device == "cpu":
-            raise ValueError("backend=nccl needs device=cuda; allowed with device=cpu: gloo")
+            raise InputError("backend=nccl needs device=cuda; allowed with device=cpu: gloo")
 
     def _check_numbers(self) -> None:
         """Every numeric field finite and in range, before anything else reads it."""
@@ -124,23 +124,23 @@ class TrainConfig:
         world = world or self.nproc or (self.dp * mp if self.dp else 4 if mp == 1 else mp)
         dp = self.dp or max(1, world // mp)
         if dp * mp != world:
-            raise ValueError(f"world size {world} is not dp × tp × pp = {dp} × {self.tp} × "
+            raise InputError(f"world size {world} is not dp × tp × pp = {dp} × {self.tp} × "
                              f"{self.pp}; allowed: a world size equal to their product")
         rpn = self.ranks_per_node
         if rpn is not None and world % rpn:
-            raise ValueError(f"world size {world} is not divisible by ranks_per_node={rpn}")
+            raise InputError(f"world size {world} is not divisible by ranks_per_node={rpn}")
         micro = self.micro_batches or self.pp
         if self.batch_size % (dp * micro):
-            raise ValueError(f"batch_size={self.batch_size} is not divisible by dp × "
+            raise InputError(f"batch_size={self.batch_size} is not divisible by dp × "
                              f"micro_batches = {dp} × {micro}")
         layout = f"dp{dp}tp{self.tp}pp{self.pp}"
         out = self.out or f"runs/{policy_slug(self.policy)}-{layout}-s{self.seed}"
         device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
         if device == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device=cuda, but no GPU is visible; allowed here: device=cpu")
+            raise InputError("device=cuda, but no GPU is visible; allowed here: device=cpu")
         backend = self.backend or ("nccl" if device == "cuda" else "gloo")
         if backend == "nccl" and device != "cuda":
-            raise ValueError("backend=nccl needs device=cuda; allowed with device=cpu: gloo")
+            raise InputError("backend=nccl needs device=cuda; allowed with device=cpu: gloo")
         return dataclasses.replace(self, dp=dp, nproc=world, micro_batches=micro, out=out,
                                    device=device, backend=backend)
 

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from commpress.files import open_regular
+from commpress.validate import InputError
 
 TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst")
 
@@ -39,16 +40,16 @@ def load_tokens(path: str | None = None, max_bytes: int | None = 4 << 20) -> tor
     if path is None:
         files = _stdlib_files()
         if not files:
-            raise ValueError("no default corpus: the Python standard library sources were not "
+            raise InputError("no default corpus: the Python standard library sources were not "
                              "found; pass --data PATH")
     elif not os.path.exists(path):
-        raise ValueError(f"data path {path!r} does not exist; allowed: a text file, a folder "
+        raise InputError(f"data path {path!r} does not exist; allowed: a text file, a folder "
                          f"of {', '.join(TEXT_SUFFIXES)} files, or a uint16 .bin file")
     elif os.path.isdir(path):
         files = sorted(f for f in glob.glob(os.path.join(path, "**", "*"), recursive=True)
                        if f.endswith(TEXT_SUFFIXES) and os.path.isfile(f))
         if not files:
-            raise ValueError(f"data folder {path!r} holds no {', '.join(TEXT_SUFFIXES)} files")
+            raise InputError(f"data folder {path!r} holds no {', '.join(TEXT_SUFFIXES)} files")
     elif path.endswith(".bin"):
         # read at most max_bytes: a multi-GB corpus costs only what is used
         raw = _read_prefix(path, max_bytes, "--data")
@@ -67,7 +68,7 @@ def load_tokens(path: str | None = None, max_bytes: int | None = 4 << 20) -> tor
             break
     raw = b"".join(chunks)
     if not raw:
-        raise ValueError(f"the corpus {path or 'the standard library'!r} is empty")
+        raise InputError(f"the corpus {path or 'the standard library'!r} is empty")
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(torch.int64)
 
 
@@ -81,7 +82,7 @@ def _read_prefix(path: str, max_bytes: int | None, what: str) -> bytes:
 
 def _check_nonempty(tokens: torch.Tensor, where: str) -> None:
     if tokens.numel() == 0:
-        raise ValueError(f"the corpus {where!r} is empty")
+        raise InputError(f"the corpus {where!r} is empty")
 
 
 @dataclass
@@ -93,7 +94,7 @@ class TextData:
 
     def __post_init__(self) -> None:
         if not 0.0 < self.val_fraction < 1.0:
-            raise ValueError(f"val_fraction={self.val_fraction} is not allowed; allowed: (0, 1)")
+            raise InputError(f"val_fraction={self.val_fraction} is not allowed; allowed: (0, 1)")
         n_val = max(2, int(len(self.tokens) * self.val_fraction))
         self.train = self.tokens[:-n_val]
         self.val = self.tokens[-n_val:]
@@ -105,7 +106,7 @@ class TextData:
     def check_seq_len(self, seq_len: int) -> None:
         shortest = min(len(self.train), len(self.val))
         if seq_len + 1 > shortest:
-            raise ValueError(f"sequence length {seq_len} is longer than the data allows: the "
+            raise InputError(f"sequence length {seq_len} is longer than the data allows: the "
                              f"smaller split has {shortest} tokens; allowed: seq_len <= "
                              f"{shortest - 1} (use more data or a shorter --seq-len)")
 
@@ -114,7 +115,7 @@ class TextData:
         """The global batch ``(x, y)`` of ``batch_size`` sequences for (seed, step)."""
         stream = {"train": self.train, "val": self.val}.get(split)
         if stream is None:
-            raise ValueError(f"split={split!r} is not allowed; allowed: train, val")
+            raise InputError(f"split={split!r} is not allowed; allowed: train, val")
         self.check_seq_len(seq_len)
         g = torch.Generator().manual_seed(seed * 1_000_003 + step * 2 + (split == "val"))
         starts = torch.randint(0, len(stream) - seq_len - 1, (batch_size,), generator=g)

@@ -32,6 +32,7 @@ from commpress.train.config import TrainConfig
 from commpress.train.errors import RunFailedError
 from commpress.train.memory import check_fits, train_needs
 from commpress.train.run import Run, run_steps
+from commpress.validate import InputError
 
 
 def run_rank(rank: int, world: int, cfg_dict: dict[str, Any]) -> dict[str, Any] | None:
@@ -59,7 +60,7 @@ def train(cfg: TrainConfig) -> dict[str, Any] | None:
 
     cfg = cfg.resolved()
     if cfg.backend == "nccl" and cfg.nproc > torch.cuda.device_count():
-        raise ValueError(f"backend=nccl runs one rank per GPU: nproc={cfg.nproc} > "
+        raise InputError(f"backend=nccl runs one rank per GPU: nproc={cfg.nproc} > "
                          f"{torch.cuda.device_count()} visible GPUs; allowed: --backend gloo "
                          "(ranks share GPUs) or fewer ranks")
     check_resume_steps(cfg)
@@ -108,7 +109,7 @@ def check_resume_steps(cfg: TrainConfig) -> None:
     directory, _ = checkpoint.find(cfg.resume)
     step = checkpoint.read_manifest(directory)["step"]
     if step >= cfg.steps:
-        raise ValueError(f"--steps {cfg.steps} does not go past the checkpoint's step {step} "
+        raise InputError(f"--steps {cfg.steps} does not go past the checkpoint's step {step} "
                          f"({directory}): nothing would be trained; allowed: --steps > {step}")
 
 

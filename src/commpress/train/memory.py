@@ -27,6 +27,7 @@ from commpress.integrations.grad_path import GradPath
 from commpress.model.gpt import GPT, config_from_preset
 from commpress.policy import Policy
 from commpress.train.config import TrainConfig
+from commpress.validate import InputError
 
 # one rank's codec objects for one bucket (its GradPath and weight codec): 13 KB
 # measured on CPython 3.11 with hybrid, sdp4bit, int2ef and none; counted as 8 KB
@@ -64,13 +65,13 @@ def train_needs(cfg: TrainConfig, local_ranks: int) -> dict[str, int]:
 
 
 def check_fits(needs: dict[str, int], device: str, sizes: str) -> None:
-    """Raise ValueError naming ``sizes`` (the fields that set them) and the bound if
+    """Raise :class:`InputError` naming ``sizes`` (the fields that set them) and the bound if
     ``needs`` exceeds the memory available on ``device``."""
     total, available = sum(needs.values()), available_bytes(device)
     if available is None or total <= available:
         return
     parts = ", ".join(f"{part} {_gb(b)}" for part, b in needs.items() if b)
-    raise ValueError(f"{sizes} needs at least {_gb(total)} of memory ({parts}); {device} has "
+    raise InputError(f"{sizes} needs at least {_gb(total)} of memory ({parts}); {device} has "
                      f"{_gb(available)} available; allowed: sizes whose total fits (fewer "
                      "ranks, a smaller batch, sequence or model)")
 

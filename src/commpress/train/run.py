@@ -59,6 +59,7 @@ from commpress.train import checkpoint
 from commpress.train.config import TrainConfig
 from commpress.train.data import TextData, load_tokens
 from commpress.train.ddp_engine import DDPEngine
+from commpress.validate import InputError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # one-level collectives report under the axis label, two-level ones under label.intra/.inter
@@ -121,7 +122,7 @@ class Run:
         # Step 1: which ranks this process is (or plays), and its groups
         if played:
             if cfg.tp > 1 and (tp_group is None or dist.get_world_size(tp_group) != cfg.tp):
-                raise ValueError(f"tp={cfg.tp} needs a process group of {cfg.tp} ranks, one "
+                raise InputError(f"tp={cfg.tp} needs a process group of {cfg.tp} ranks, one "
                                  "per tensor-parallel slice; allowed: as simulate() starts them")
             self.tp_group = tp_group if cfg.tp > 1 else None
             self.tp_idx = dist.get_rank(tp_group) if cfg.tp > 1 else 0

@@ -13,8 +13,10 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from commpress.validate import InputError
 
-class RunDirectoryBusy(ValueError):
+
+class RunDirectoryBusy(InputError):
     """Another live run holds this run directory."""
 
 

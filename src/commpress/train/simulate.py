@@ -46,6 +46,7 @@ from commpress.train.config import TrainConfig
 from commpress.train.loop import check_progress, check_resume_steps
 from commpress.train.memory import check_fits, simulate_needs
 from commpress.train.run import Run, run_steps
+from commpress.validate import InputError
 
 
 def simulate(cfg: TrainConfig) -> dict[str, Any]:
@@ -54,7 +55,7 @@ def simulate(cfg: TrainConfig) -> dict[str, Any]:
     :class:`RunFailedError` if every step it ran was skipped."""
     refuse_launcher()
     if cfg.engine == "ddp" and cfg.ddp_hook != "commpress":
-        raise ValueError(f"simulate plays DDP with the commpress hook only; got "
+        raise InputError(f"simulate plays DDP with the commpress hook only; got "
                          f"ddp_hook={cfg.ddp_hook!r}; allowed: commpress")
     cfg = cfg.resolved()
     check_resume_steps(cfg)
@@ -84,7 +85,7 @@ def refuse_launcher() -> None:
     process, so each of torchrun's copies would write the same run directory."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
-        raise ValueError(f"simulate plays all ranks in one process, but this is one of "
+        raise InputError(f"simulate plays all ranks in one process, but this is one of "
                          f"WORLD_SIZE={world} processes a launcher (torchrun?) started, whose "
                          "copies would collide on --out; allowed: run 'commpress simulate' "
                          "without a launcher (--ranks sets the ranks it plays)")

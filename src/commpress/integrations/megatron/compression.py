@@ -20,6 +20,7 @@ from commpress.integrations.megatron.layout import identical_mask
 from commpress.integrations.megatron.model_parallel import ActivationComm
 from commpress.integrations.megatron.seams import REGISTRY, acquire, release
 from commpress.policy import Policy
+from commpress.validate import InputError
 
 log = logging.getLogger(__name__)
 
@@ -89,13 +90,13 @@ class MegatronCompression:
         """Restore a state saved by this rank of a run with the same policy, world size and
         model; anything else is refused with the difference named."""
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
-            raise ValueError(f"not a commpress Megatron codec state (expected format "
+            raise InputError(f"not a commpress Megatron codec state (expected format "
                              f"{STATE_FORMAT!r})")
         for key, mine in (("policy", self.policy.to_dict()), ("world_size", self.world),
                           ("rank", self.rank), ("buckets", sorted(self.buckets))):
             saved = sorted(state[key]) if key == "buckets" else state[key]
             if saved != mine:
-                raise ValueError(f"Megatron codec checkpoint {key} {saved!r} does not match this "
+                raise InputError(f"Megatron codec checkpoint {key} {saved!r} does not match this "
                                  f"run's {mine!r}; resume with the same {key} (each rank loads "
                                  "its own state)")
         for key, comm in self.buckets.items():
@@ -103,7 +104,7 @@ class MegatronCompression:
         for axis in ("tp", "pp"):
             comm = getattr(self, axis)
             if (state[axis] is None) != (comm is None):
-                raise ValueError(f"Megatron codec checkpoint was saved with another {axis} size; "
+                raise InputError(f"Megatron codec checkpoint was saved with another {axis} size; "
                                  "resume with the same parallel layout")
             if comm is not None:
                 comm.load_state_dict(state[axis])
@@ -145,7 +146,7 @@ def apply(model: Any, optimizer: Any = None, policy: str | dict | Policy = "sdp4
     _check_config(chunks, optimizer, policy)
     rpn = ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
     if not isinstance(rpn, int) or rpn < 1:
-        raise ValueError(f"commpress.megatron.apply: ranks_per_node={rpn!r} is not allowed; "
+        raise InputError(f"commpress.megatron.apply: ranks_per_node={rpn!r} is not allowed; "
                          "allowed: a positive integer")
     config = chunks[0].config
     # Step 1: data parallelism, bucket by bucket (Megatron's buckets, as they are)
@@ -187,15 +188,15 @@ def _chunks(model: Any) -> list[DistributedDataParallel]:
                             f"DistributedDataParallel (or a list of them); got {type(c).__name__}"
                             " — wrap the model first (Megatron FSDP is not covered)")
     if not chunks:
-        raise ValueError("commpress.megatron.apply: model is an empty list")
+        raise InputError("commpress.megatron.apply: model is an empty list")
     if isinstance(chunks[0].pp_group, list):
-        raise ValueError("commpress.megatron.apply: a model with several pipeline groups is not "
+        raise InputError("commpress.megatron.apply: a model with several pipeline groups is not "
                          "covered")
     return chunks
 
 
-def _refuse(what: str, fix: str) -> ValueError:
-    return ValueError(f"commpress.megatron.apply: {what} is not covered; {fix}")
+def _refuse(what: str, fix: str) -> InputError:
+    return InputError(f"commpress.megatron.apply: {what} is not covered; {fix}")
 
 
 def _check_config(chunks: list[DistributedDataParallel], optimizer: Any, policy: Policy) -> None:
@@ -221,7 +222,7 @@ def _check_config(chunks: list[DistributedDataParallel], optimizer: Any, policy:
             if buffer.param_dtype == torch.uint8:
                 raise _refuse("fp8 parameters", "train in bf16 or fp16")
             if distopt and param_lossy and buffer.param_dtype == torch.float32:
-                raise ValueError(
+                raise InputError(
                     f"commpress.megatron.apply: dp.param={policy.rule('dp', 'param').codec!r} "
                     "would overwrite the distributed optimizer's fp32 master weights: for fp32 "
                     "parameters they are the model's own; train in bf16 or fp16 "
@@ -257,7 +258,7 @@ def _check_optimizer(chunks: list[DistributedDataParallel], optimizer: Any) -> N
     parts = getattr(optimizer, "chained_optimizers", [optimizer])
     covered = {id(m) for o in parts for m in getattr(o, "model_chunks", [])}
     if covered and not covered & {id(c) for c in chunks}:
-        raise ValueError("commpress.megatron.apply: the optimizer was not built for this model "
+        raise InputError("commpress.megatron.apply: the optimizer was not built for this model "
                          "(its model_chunks hold other modules); pass the model and the "
                          "optimizer get_megatron_optimizer built for it")
 
@@ -287,7 +288,7 @@ def _bucket_comms(chunks: list[DistributedDataParallel], policy: Policy,
             topology = dp_topology(group, ranks_per_node)
             if topology is None:
                 if needs_nodes:
-                    raise ValueError(
+                    raise InputError(
                         f"commpress.megatron.apply: the data-parallel group of ranks "
                         f"{dist.get_process_group_ranks(group)} spreads unevenly over nodes of "
                         f"{ranks_per_node} ranks; allowed: the same number of its ranks on "
@@ -344,10 +345,10 @@ def _check_replicas(buffer: Any, group: dist.ProcessGroup) -> None:
 def _check_free(buckets: dict[str, BucketComm], tp: ActivationComm | None,
                 pp: ActivationComm | None) -> None:
     if any(id(c.bucket.grad_data) in REGISTRY.buckets for c in buckets.values()):
-        raise ValueError("commpress.megatron.apply: this model already has a policy applied; "
+        raise InputError("commpress.megatron.apply: this model already has a policy applied; "
                          "call .remove() on its handle first")
     for axis, comm, live in (("tensor", tp, REGISTRY.tp), ("pipeline", pp, REGISTRY.pp)):
         if comm is not None and comm.group in live:
-            raise ValueError(f"commpress.megatron.apply: another model on the same "
+            raise InputError(f"commpress.megatron.apply: another model on the same "
                              f"{axis}-parallel group already has a policy applied; apply one "
                              "policy to all model chunks at once (pass the list)")

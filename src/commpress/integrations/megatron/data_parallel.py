@@ -43,6 +43,7 @@ from commpress.integrations.megatron.layout import Layout
 from commpress.integrations.megatron.seams import REGISTRY, ModuleView, Swap, broken_swaps
 from commpress.integrations.sharded_optimizer import gather_weights
 from commpress.policy import Policy
+from commpress.validate import InputError
 
 
 class BucketComm:
@@ -171,13 +172,13 @@ class BucketComm:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["names"] != self.names:
-            raise ValueError(f"Megatron codec checkpoint: bucket {self.key} held {state['names']}"
+            raise InputError(f"Megatron codec checkpoint: bucket {self.key} held {state['names']}"
                              f", this model's holds {self.names}; resume with the same model, "
                              "bucket size and parallel layout")
         self.grad_path.load_state_dict(state["grad"])
         self.param_codec.load_state_dict(state["param"])
         if (state["reference"] is None) != (self.reference is None):
-            raise ValueError(f"Megatron codec checkpoint: bucket {self.key} was saved "
+            raise InputError(f"Megatron codec checkpoint: bucket {self.key} was saved "
                              f"{'with' if state['reference'] is not None else 'without'} qWD "
                              "weight references; resume with the same policy")
         if self.reference is not None:
@@ -190,7 +191,7 @@ def op_name(op: Any) -> str:
         return "sum"
     if op == dist.ReduceOp.AVG:
         return "avg"
-    raise ValueError(f"commpress.megatron: gradient reduce op {op!r} is not supported; "
+    raise InputError(f"commpress.megatron: gradient reduce op {op!r} is not supported; "
                      "allowed: SUM, AVG")
 
 

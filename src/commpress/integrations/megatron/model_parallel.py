@@ -36,6 +36,7 @@ from megatron.core.tensor_parallel import layers, mappings
 from commpress.collectives import P2POp, all_gather, all_reduce, batch_isend_irecv, reduce_scatter
 from commpress.integrations.megatron.seams import REGISTRY, Swap
 from commpress.policy import Policy
+from commpress.validate import InputError
 
 KINDS = ("act", "act_grad")
 
@@ -111,7 +112,7 @@ def _scatter(swap: Swap, kind: str | None):
         if found is None:
             return swap.original(output, input, op=op, group=group, async_op=async_op)
         if op != dist.ReduceOp.SUM:
-            raise ValueError(f"commpress.megatron: tensor-parallel reduce-scatter op {op!r} is "
+            raise InputError(f"commpress.megatron: tensor-parallel reduce-scatter op {op!r} is "
                              "not supported; allowed: SUM")
         result = reduce_scatter(output, input.contiguous(), found[0], group=group, op="sum",
                                 label=found[1], async_op=async_op)
