@@ -58,7 +58,7 @@ def test_a_bug_keeps_its_traceback_in_the_cli(monkeypatch):
 
     monkeypatch.setattr(commpress.plan.cost, "plan", broken)
     with pytest.raises(ValueError, match="an internal invariant broke"):
-        main(["plan", "--model", "gpt-1m", "--gpus", "8"])
+        main(["plan", "--model", "gpt-125m", "--gpus", "8"])
 
 
 @pytest.mark.parametrize(("kind", "bad_input"), [("input", True), ("bug", False)])
