@@ -201,6 +201,22 @@ def rank0_result(cluster, script: str, name: str, policy: str, flags: list[str],
     return result
 
 
+def run_policies(script: str, name: str, args: argparse.Namespace, flags: list[str],
+                 summarize, env: dict[str, str] | None = None) -> list[dict]:
+    """Each of ``args.policies`` in turn on one emulated cluster (:func:`rank0_result`,
+    ports from ``args.port`` up); ``summarize(policy, result, args.steps)`` of each."""
+    from commpress.testbed import Cluster
+
+    rows = []
+    with Cluster(NODES, args.bandwidth) as cluster:
+        for i, policy in enumerate(args.policies.split(",")):
+            print(f"[{policy}] {args.steps} steps at {args.bandwidth}", flush=True)
+            result = rank0_result(cluster, script, name, policy, flags, args.port + i,
+                                  args.timeout, env)
+            rows.append(summarize(policy, result, args.steps))
+    return rows
+
+
 def _wait_all(procs: list[subprocess.Popen], timeout: float) -> int | None:
     """Wait for every process; the first one that failed (or is still running at the
     timeout), else ``None``."""

@@ -33,8 +33,8 @@ from _common import (  # noqa: E402
     RANKS_PER_NODE,
     add_cluster_args,
     namespace_link_bytes,
-    rank0_result,
     rank_flags,
+    run_policies,
     write_results,
 )
 
@@ -149,16 +149,8 @@ def main() -> None:
     if args.rank:
         rank_main(args)
         return
-    from commpress.testbed import Cluster
-
-    rows = []
-    with Cluster(NODES, args.bandwidth) as cluster:
-        for i, policy in enumerate(args.policies.split(",")):
-            print(f"[{policy}] {args.steps} steps at {args.bandwidth}", flush=True)
-            result = rank0_result(cluster, __file__, "deepspeed_cluster", policy,
-                                  rank_flags(args, ("model", "steps")), args.port + i,
-                                  args.timeout, env={"DS_ACCELERATOR": "cpu"})
-            rows.append(summarize(policy, result, args.steps))
+    rows = run_policies(__file__, "deepspeed_cluster", args, rank_flags(args, ("model", "steps")),
+                        summarize, env={"DS_ACCELERATOR": "cpu"})
     write_results("deepspeed_cluster", {"bandwidth": args.bandwidth, "model": args.model,
                                         "steps": args.steps, "runs": rows},
                   report(rows, args))

@@ -37,8 +37,8 @@ from _common import (  # noqa: E402
     RANKS_PER_NODE,
     add_cluster_args,
     namespace_link_bytes,
-    rank0_result,
     rank_flags,
+    run_policies,
     write_results,
 )
 
@@ -174,15 +174,7 @@ def main() -> None:
     if args.rank:
         rank_main(args)
         return
-    from commpress.testbed import Cluster
-
-    rows = []
-    with Cluster(NODES, args.bandwidth) as cluster:
-        for i, policy in enumerate(args.policies.split(",")):
-            print(f"[{policy}] {args.steps} steps at {args.bandwidth}", flush=True)
-            result = rank0_result(cluster, __file__, "hsdp_cluster", policy,
-                                  rank_flags(args, RANK_FLAGS), args.port + i, args.timeout)
-            rows.append(summarize(policy, result, args.steps))
+    rows = run_policies(__file__, "hsdp_cluster", args, rank_flags(args, RANK_FLAGS), summarize)
     write_results("hsdp_cluster", {"bandwidth": args.bandwidth, "model": args.model,
                                    "steps": args.steps, "batch": args.batch, "seq": args.seq,
                                    "runs": rows}, report(rows, args))
