@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import importlib
 import resource
 import subprocess
 import sys
@@ -35,10 +34,9 @@ def _local(spec: str, n: int, numel: int) -> tuple[list[torch.Tensor], torch.Ten
     from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    import commpress.collectives.compressed_all_reduce as ar
     from commpress.collectives.byte_stats import Stats
     from commpress.collectives.call import resolve_codec
-
-    ar = importlib.import_module("commpress.collectives.all_reduce")
 
     def copy_into(out, values):  # data_ptr() is not defined for a LocalTensor
         out.view(values.shape).copy_(values)
@@ -53,11 +51,10 @@ def _local(spec: str, n: int, numel: int) -> tuple[list[torch.Tensor], torch.Ten
 
 
 def _played(spec: str, n: int, numel: int) -> list[torch.Tensor]:
+    import commpress.collectives.compressed_all_reduce as ar
     from commpress.collectives.byte_stats import Stats
     from commpress.collectives.call import resolve_codec
     from commpress.collectives.played import Played, played_peers
-
-    ar = importlib.import_module("commpress.collectives.all_reduce")
     codecs = {r: resolve_codec(spec) for r in range(n)}
     played = Played(n, lambda r, x: ar.all_reduce_steps(x, codecs[r], played_peers(r, n, n)[0],
                                                        Stats(), "x", "avg"))

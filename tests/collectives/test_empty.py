@@ -60,12 +60,12 @@ def test_two_level_collectives_on_empty_tensors():
 @pytest.mark.parametrize("spec", SPECS)
 def test_played_collectives_on_empty_tensors(spec):
     """The collectives `simulate` plays in one process take empty tensors as the real ones."""
-    from commpress.collectives.all_gather import all_gather_steps
-    from commpress.collectives.all_reduce import all_reduce_steps
     from commpress.collectives.byte_stats import Stats
+    from commpress.collectives.compressed_all_gather import all_gather_steps
+    from commpress.collectives.compressed_all_reduce import all_reduce_steps
+    from commpress.collectives.compressed_reduce_scatter import reduce_scatter_steps
     from commpress.collectives.delta_gather import delta_gather_steps
     from commpress.collectives.played import Played, played_peers, played_transfer
-    from commpress.collectives.reduce_scatter import reduce_scatter_steps
 
     codecs = [codec(spec) for _ in range(2)]
     empties = [torch.empty(0), torch.empty(0)]

@@ -24,9 +24,10 @@ from commpress.collectives.agreement import (
     GroupContext,
     context,
 )
-from commpress.collectives.all_gather import all_gather
-from commpress.collectives.all_reduce import all_reduce
 from commpress.collectives.byte_stats import reset_stats, stats
+from commpress.collectives.compressed_all_gather import all_gather
+from commpress.collectives.compressed_all_reduce import all_reduce
+from commpress.collectives.compressed_reduce_scatter import reduce_scatter
 from commpress.collectives.delta_gather import delta_all_gather
 from commpress.collectives.handle import Handle
 from commpress.collectives.hierarchical import (
@@ -35,7 +36,6 @@ from commpress.collectives.hierarchical import (
     hierarchical_reduce_scatter,
 )
 from commpress.collectives.p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
-from commpress.collectives.reduce_scatter import reduce_scatter
 from commpress.collectives.topology import Topology
 
 __all__ = [

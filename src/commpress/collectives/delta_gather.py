@@ -24,9 +24,9 @@ import torch
 import torch.distributed as dist
 
 from commpress.codecs import Delta
-from commpress.collectives.all_gather import all_gather_steps
 from commpress.collectives.byte_stats import Stats
 from commpress.collectives.call import AnyCodec, end
+from commpress.collectives.compressed_all_gather import all_gather_steps
 from commpress.collectives.handle import Handle
 from commpress.collectives.hierarchical import EXACT, begin_two_level, level_peers
 from commpress.collectives.topology import Topology

@@ -47,8 +47,6 @@ import torch.distributed as dist
 from commpress.codecs.error_feedback import split
 from commpress.collectives import chunks
 from commpress.collectives.agreement import Levels
-from commpress.collectives.all_gather import all_gather_steps, run_all_gather
-from commpress.collectives.all_reduce import all_reduce_steps
 from commpress.collectives.byte_stats import Stats, count_sent
 from commpress.collectives.call import AnyCodec, Call, begin, end, is_exact, resolve_codec
 from commpress.collectives.comm import (
@@ -58,12 +56,14 @@ from commpress.collectives.comm import (
     writable_flat,
     write_back,
 )
-from commpress.collectives.handle import Handle
-from commpress.collectives.reduce_scatter import (
+from commpress.collectives.compressed_all_gather import all_gather_steps, run_all_gather
+from commpress.collectives.compressed_all_reduce import all_reduce_steps
+from commpress.collectives.compressed_reduce_scatter import (
     exchange_and_sum,
     reduce_scatter_steps,
     send_rows,
 )
+from commpress.collectives.handle import Handle
 from commpress.collectives.topology import Topology, level_label, levels_used
 from commpress.collectives.transport import AllToAll, Peers, Steps, run
 

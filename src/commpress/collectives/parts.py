@@ -7,7 +7,7 @@ covers some ranks' ranges and not others) has parts of any length per rank, zero
 included. Padding them to the longest would send the longest part to every rank —
 up to ``world`` times the bytes of the engine's own reduction — so each part is
 encoded on its own and one all-to-all with uneven rows moves them: a rank receives
-only its elements, each encoded once (as :mod:`commpress.collectives.reduce_scatter`),
+only its elements, each encoded once (as :mod:`commpress.collectives.compressed_reduce_scatter`),
 decoded and summed in fp32, in rank order.
 
 With ``intra``/``inter`` codecs and several nodes, two levels as TLq-HS

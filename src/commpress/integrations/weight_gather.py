@@ -22,8 +22,8 @@ from commpress.collectives import (
     delta_all_gather,
     hierarchical_all_gather,
 )
-from commpress.collectives.all_gather import all_gather_steps
 from commpress.collectives.byte_stats import Stats
+from commpress.collectives.compressed_all_gather import all_gather_steps
 from commpress.collectives.delta_gather import delta_gather_steps
 from commpress.collectives.hierarchical import EXACT, two_level_all_gather_steps
 from commpress.collectives.transport import Peers, Steps

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from commpress.codecs import codec as build_codec
-from commpress.collectives.all_reduce import two_rank_exchange
+from commpress.collectives.compressed_all_reduce import two_rank_exchange
 from commpress.collectives.topology import levels_used
 from commpress.files import read_regular
 from commpress.integrations.weight_gather import weight_gather_levels

@@ -19,12 +19,12 @@ import torch
 import torch.distributed as dist
 
 from commpress.collectives import chunks
-from commpress.collectives.all_gather import all_gather_steps
 from commpress.collectives.byte_stats import Stats, count_sent
 from commpress.collectives.call import AnyCodec, begin, end, is_exact
 from commpress.collectives.comm import copy_into, writable_flat, write_back
+from commpress.collectives.compressed_all_gather import all_gather_steps
+from commpress.collectives.compressed_reduce_scatter import exchange_and_sum
 from commpress.collectives.handle import Handle
-from commpress.collectives.reduce_scatter import exchange_and_sum
 from commpress.collectives.transport import Peers, Reduce, Steps, run
 
 
