@@ -187,7 +187,7 @@ def run_one(item: dict, data, ranks_per_node: int) -> dict:
 
     import commpress
     from commpress.train.ddp_engine import replica_optimizer, step_replica
-    from commpress.train.loop import lr_factor
+    from commpress.train.run import lr_factor
 
     rank, world = dist.get_rank(), dist.get_world_size()
     spec = HOOKS[item["hook"]]
