@@ -102,8 +102,9 @@ POLICIES = ["int2ef", "sdp4bit", "hybrid", "zeropp"]
 def test_runs_one_after_another_release_their_process_groups(tmp_path):
     # compare runs every policy in one process group: each run's mesh groups and the DDP
     # hook's group (and its thread) used to stay registered, with their Gloo threads (a
-    # 280-run sweep reached 976 threads per rank). The node levels the first run makes
-    # are kept for the next runs of the same ranks.
+    # 280-run sweep reached 976 threads per rank); then the parameters' hooks kept each
+    # sharded run's optimizer, and with it its dp group's threads, alive. The node levels
+    # the first run makes are kept for the next runs of the same ranks.
     from commpress.launch import spawn
     from tests.train import workers
 

@@ -77,8 +77,12 @@ def compare_under_a_launcher(rank, world, out):
 
 
 def groups_after_runs(rank, world, policies, out):
-    """The process groups registered in this process after each of ``policies`` (a DDP
-    run, then sharded ones) ran one after another in one group."""
+    """The process groups registered in this process, and its threads (after a garbage
+    collection), after each of ``policies`` (a DDP run, then sharded ones) ran one after
+    another in one group."""
+    import gc
+    import os
+
     import torch.distributed as dist
 
     from commpress.train.loop import run_rank
@@ -90,5 +94,8 @@ def groups_after_runs(rank, world, policies, out):
                           policy=policy, ranks_per_node=2, nproc=world,
                           engine="ddp" if i == 0 else "sharded", out=f"{out}/{policy}")
         run_rank(rank, world, cfg.resolved(world).to_dict())
-        counts.append(len(dist.distributed_c10d._world.pg_map))
+        gc.collect()
+        # a destroyed group's Gloo threads live as long as something holds the group
+        counts.append((len(dist.distributed_c10d._world.pg_map),
+                       len(os.listdir("/proc/self/task"))))
     return counts

@@ -182,6 +182,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
                  len(self.buckets), sum(b.numel for b in self.buckets), self.world,
                  self.policy.name)
 
+    def remove_hooks(self) -> None:
+        """Remove the gradient hooks this optimizer put on the model's parameters, once it
+        is done with them: the model then no longer keeps it alive — nor its process
+        group's threads, which live as long as the group object does (a process that runs
+        many jobs one after another frees each job's this way) — and backward leaves the
+        gradients in ``.grad`` again."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
     # -- backward ---------------------------------------------------------------------
     @torch.no_grad()
     def _on_grad_ready(self, p: nn.Parameter) -> None:

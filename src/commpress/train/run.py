@@ -359,6 +359,9 @@ class Run:
             return
         if self.cfg.engine == "ddp":
             self.opts[0].release()
+        else:  # the parameters' hooks would keep the optimizer and its dp group alive
+            for opt in self.opts:
+                opt.remove_hooks()
         self.mesh.release()
 
     # -- counters ----------------------------------------------------------------------
