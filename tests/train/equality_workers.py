@@ -1,6 +1,7 @@
 """Many short runs in one process group, and the same runs played in one process: what
 `test_simulate_equals_train` compares (module level: picklable)."""
 
+import gc
 import hashlib
 import os
 
@@ -40,6 +41,8 @@ def real_runs(rank: int, world: int, cases: list[dict]) -> list[dict] | None:
         dist.all_gather_object(masters, mine)
         out.append(_result(run, losses, masters))
         run.release()  # hundreds of cases: their groups must not pile up
+        del run
+        gc.collect()  # a destroyed group's threads end once the run's cycles are freed
     return out if rank == 0 else None
 
 

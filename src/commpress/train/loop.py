@@ -18,6 +18,7 @@ which ``commpress simulate`` runs too; this module starts the ranks and checks t
 
 from __future__ import annotations
 
+import gc
 import os
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -41,6 +42,10 @@ def run_rank(rank: int, world: int, cfg_dict: dict[str, Any]) -> dict[str, Any] 
     run = Run(cfg, local_world=int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     summary = run_steps(run, writer=rank == 0)
     run.release()
+    # the run's objects hold each other (modules, hooks, optimizers): freed only by a
+    # collection, and its destroyed groups' Gloo threads live until they are
+    del run
+    gc.collect()
     return summary
 
 
