@@ -81,7 +81,9 @@ HOOKS: dict[str, HookSpec] = {
     "lowrank-r4-int8": HookSpec("lowrank", options={"rank": 4, "factor_codec": "int8"}),
     "lowrank-r4-fp32": HookSpec("lowrank", options={"rank": 4, "factor_codec": "none"}),
     "lowrank-r8-int4": HookSpec("lowrank", options={"rank": 8, "factor_codec": "int4"}),
+    "lowrank-r16-fp32": HookSpec("lowrank", options={"rank": 16, "factor_codec": "none"}),
     "lowrank-r16-int8": HookSpec("lowrank", options={"rank": 16, "factor_codec": "int8"}),
+    "lowrank-r64-int8": HookSpec("lowrank", options={"rank": 64, "factor_codec": "int8"}),
     "lowrank-r16-int8-b1m": HookSpec("lowrank", options={"rank": 16, "factor_codec": "int8",
                                                          "bucket_numel": 1 << 20}),
     # ACP-SGD: P and Q on alternate steps, one all-reduce per step

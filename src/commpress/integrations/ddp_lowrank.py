@@ -10,7 +10,10 @@ This hook changes how the factors travel, not what they are:
 
 1. **Factors cross nodes as codes** (``factor_codec``, e.g. int8 or int4 with group
    scales): a two-level all-reduce sums them exactly inside the node and sends the
-   node's sum once, quantized, to the other nodes. Every rank decodes the same bytes,
+   node's sum once, quantized, to the other nodes. Each factor travels transposed,
+   column after column, so one column's entries share a codec group: a weak direction
+   is not rounded on the scale of a strong one (laid out row by row, int8 factors
+   stalled at about 3× fp32's approximation error). Every rank decodes the same bytes,
    so ``P`` is orthogonalized identically everywhere and replicas stay identical.
    PowerSGD's error feedback already subtracts the *decoded* ``P̂ Q̂ᵀ`` from ``M``, so
    the rounding error of the factors is carried to the next step with the rank
@@ -139,12 +142,16 @@ class LowRankReducer:
         extra = 0 if vectors is None else vectors.numel()
         flat = torch.empty(sum(sizes) + extra, device=self.device)
         parts = list(flat.split(sizes + [extra]))
+        # each factor travels transposed, one column after another: a column's entries
+        # share a codec group, so a weak direction (a small singular value) is not
+        # rounded on the scale of a strong one
         for mv, b, out in zip(views, bases, parts):
-            torch.mm(mv.t() if left else mv, b, out=out.view(-1, b.shape[1]))
+            torch.mm(b.t(), mv if left else mv.t(), out=out.view(b.shape[1], -1))
         if vectors is not None:
             parts[-1].copy_(vectors)
         self._reduce(flat, self.codec, group)
-        return [out.view(-1, b.shape[1]) for out, b in zip(parts, bases)] + parts[len(bases):]
+        return ([out.view(b.shape[1], -1).t() for out, b in zip(parts, bases)]
+                + parts[len(bases):])
 
     def all_reduce(self, tensor: torch.Tensor, group: dist.ProcessGroup | None, op: str = "avg",
                    async_op: bool = False):
