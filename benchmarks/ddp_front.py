@@ -519,10 +519,13 @@ def plot(summary: dict, links: list[str], models: list[str], hooks: list[str], p
                             "black" if peer else f"C{k % 10}", alpha=0.5 + 0.5 * peer)
                 ax.annotate(h, (s["step_s"], s["loss"]), fontsize=6, xytext=(3, 3),
                             textcoords="offset points")
-            ax.set_xscale("log")
-            ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
-            ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-            ax.set(xlabel="step time (s, log)", ylabel="validation loss",
+            times = [s["step_s"] for h in hooks if (s := summary.get((m, link, h)))]
+            log_x = bool(times) and max(times) > 8 * min(times)  # else no decade tick shows
+            if log_x:
+                ax.set_xscale("log")
+                ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+                ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+            ax.set(xlabel=f"step time (s{', log' if log_x else ''})", ylabel="validation loss",
                    title=f"{m} @ {link}")
             ax.grid(alpha=0.3)
     fig.tight_layout()
