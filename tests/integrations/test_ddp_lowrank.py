@@ -2,8 +2,9 @@
 two nodes (one rank each), so the factors cross the "link" as int8 codes."""
 
 import pytest
+import torch
 
-from commpress.integrations.ddp_lowrank import LowRankConfig
+from commpress.integrations.ddp_lowrank import LowRankConfig, update_is_finite
 from commpress.launch import spawn
 from tests.integrations import lowrank_workers
 
@@ -77,3 +78,28 @@ def test_a_non_finite_gradient_stays_non_finite_and_does_not_poison_the_memory()
 def test_bad_options_are_refused_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field if field != "factor_codec" else "int7"):
         LowRankConfig(**{field: value})
+
+
+def _factors(p_scale=1.0, q_scale=1.0):
+    g = torch.Generator().manual_seed(0)
+    p, q = torch.randn(6, 2, generator=g) * p_scale, torch.randn(5, 2, generator=g) * q_scale
+    vectors = torch.randn(3, generator=g)
+    return torch.cat([(p @ q.t()).reshape(-1), vectors]), [p], [q], vectors
+
+
+@pytest.mark.parametrize("case, finite", [("plain", True), ("nan_p", False), ("inf_q", False),
+                                          ("nan_vector", False), ("overflow", False),
+                                          ("large_but_finite", True)])
+def test_update_is_finite_agrees_with_a_scan_of_the_whole_result(case, finite):
+    scales = {"overflow": (1e20, 1e20), "large_but_finite": (1e18, 1e18)}.get(case, (1, 1))
+    result, ps, qs, vectors = _factors(*scales)
+    if case == "nan_p":
+        ps[0][1, 0] = float("nan")
+    elif case == "inf_q":
+        qs[0][0, 1] = float("inf")
+    elif case == "nan_vector":
+        vectors[1] = float("nan")
+    if case in ("nan_p", "inf_q", "nan_vector"):  # the result as the hook builds it
+        result = torch.cat([(ps[0] @ qs[0].t()).reshape(-1), vectors])
+    assert bool(torch.isfinite(result).all()) is finite  # the case is what it claims
+    assert update_is_finite(result, [2], ps, qs, vectors) is finite

@@ -197,8 +197,8 @@ class LowRankReducer:
             result[offset: offset + k] = vectors[at: at + k]
             at += k
         # Step 7: keep what was not sent; a non-finite result leaves the state as it was
-        if bool(torch.isfinite(result).all()):
-            self.error = compensated - result
+        if update_is_finite(result, [x.r for x in self.matrices], ps, qs, vectors):
+            torch.sub(compensated, result, out=self.error)
             self.ps, self.qs = [p.clone() for p in ps], [q.clone() for q in qs]
         tensor.copy_(result)
         self.iter += 1
@@ -222,6 +222,25 @@ class LowRankReducer:
         self.error = None if state["error"] is None else state["error"].to(self.device,
                                                                              copy=True)
         self.codec.load_state_dict(state["codec"])
+
+
+def update_is_finite(result: torch.Tensor, ranks: list[int], ps: list[torch.Tensor],
+                     qs: list[torch.Tensor], vectors: torch.Tensor) -> bool:
+    """Whether ``result`` — each matrix's ``P Qᵀ`` (inner dimension ``ranks[i]``) and the
+    vectors — is finite, decided from the small factors where they can: a non-finite
+    factor makes its product non-finite, and finite factors with ``r · max|P| · max|Q|``
+    under half the float32 maximum bound every product entry below it. Only in between
+    is the whole result scanned (on a 2.8 M-element bucket the scan cost about 17 ms of
+    a 290 ms step)."""
+    if not all(bool(torch.isfinite(t).all()) for t in (*ps, *qs, vectors)):
+        return False
+    if all(r * float(p.abs().max()) * float(q.abs().max()) < FLOAT32_MAX / 2
+           for r, p, q in zip(ranks, ps, qs)):
+        return True
+    return bool(torch.isfinite(result).all())
+
+
+FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 class _Done:
