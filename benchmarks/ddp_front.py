@@ -519,7 +519,7 @@ def plot(summary: dict, links: list[str], models: list[str], hooks: list[str], p
                             "black" if peer else f"C{k % 10}", alpha=0.5 + 0.5 * peer)
                 ax.annotate(h, (s["step_s"], s["loss"]), fontsize=6, xytext=(3, 3),
                             textcoords="offset points")
-            times = [s["step_s"] for h in hooks if (s := summary.get((m, link, h)))]
+            times = [summary[(m, link, h)]["step_s"] for h in hooks if (m, link, h) in summary]
             log_x = bool(times) and max(times) > 8 * min(times)  # else no decade tick shows
             if log_x:
                 ax.set_xscale("log")

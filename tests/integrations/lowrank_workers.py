@@ -104,6 +104,8 @@ def approximation_error(rank, world, factor_codec, steps=6):
     """``‖M − P Qᵀ‖ / ‖M‖`` after each of ``steps`` warm-started power steps of one hook
     bucket on a matrix whose singular values fall from 1 to 1e-3 (the same on every rank,
     the memory cleared each step): how much of a steep spectrum the factors keep."""
+    import torch.distributed as dist
+
     from commpress.collectives import Topology
     from commpress.integrations.ddp_lowrank import LowRankConfig, LowRankReducer
 
@@ -114,8 +116,6 @@ def approximation_error(rank, world, factor_codec, steps=6):
     s = torch.cat([2.0 ** (-torch.arange(32) / 3), torch.full((m - 32,), 1e-3)])
     matrix = (u * s) @ v.t()
     config = LowRankConfig(rank=r, factor_codec=factor_codec, start_iter=0)
-    import torch.distributed as dist
-
     topology = Topology(1)
     topology.resolve(dist.group.WORLD)
     reducer = LowRankReducer([matrix.shape], [0], matrix.numel(), config, topology, 0)
