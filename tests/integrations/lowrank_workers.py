@@ -100,10 +100,12 @@ def resume(rank, world, options=None):
     return {"straight": straight, "resumed": resumed, "refused": refused}
 
 
-def approximation_error(rank, world, factor_codec, steps=6):
-    """``‖M − P Qᵀ‖ / ‖M‖`` after each of ``steps`` warm-started power steps of one hook
-    bucket on a matrix whose singular values fall from 1 to 1e-3 (the same on every rank,
-    the memory cleared each step): how much of a steep spectrum the factors keep."""
+def approximation_error(rank, world, factor_codec, steps=6, decades=None):
+    """Warm-started power steps of one hook bucket on a fixed matrix (the same on every
+    rank, the memory cleared each step): ``‖M − P Qᵀ‖ / ‖M‖`` after each step, and how
+    much of each of its top ``r`` left singular directions the last ``P`` spans (1: all).
+    The singular values fall from 1 to 1e-3 over 32 directions; with ``decades``, by
+    that many decades over the first 30."""
     import torch.distributed as dist
 
     from commpress.collectives import Topology
@@ -113,7 +115,10 @@ def approximation_error(rank, world, factor_codec, steps=6):
     n, m, r = 768, 256, 16
     u = torch.linalg.qr(torch.randn(n, m, generator=g)).Q
     v = torch.linalg.qr(torch.randn(m, m, generator=g)).Q
-    s = torch.cat([2.0 ** (-torch.arange(32) / 3), torch.full((m - 32,), 1e-3)])
+    if decades is None:
+        s = torch.cat([2.0 ** (-torch.arange(32) / 3), torch.full((m - 32,), 1e-3)])
+    else:
+        s = (10.0 ** (-decades * torch.arange(m) / 30)).clamp(min=10.0 ** -decades)
     matrix = (u * s) @ v.t()
     config = LowRankConfig(rank=r, factor_codec=factor_codec, start_iter=0)
     topology = Topology(1)
@@ -125,4 +130,5 @@ def approximation_error(rank, world, factor_codec, steps=6):
         flat = matrix.reshape(-1).clone()
         reducer.all_reduce(flat, dist.group.WORLD)
         errors.append(float((matrix - flat.view(n, m)).norm() / matrix.norm()))
-    return errors
+    captured = (reducer.ps[0].t() @ u[:, :r]).pow(2).sum(0)
+    return {"errors": errors, "captured": captured.tolist()}

@@ -34,9 +34,20 @@ def test_int8_factors_keep_a_steep_spectrum_as_fp32_factors_do():
     """Each factor column is its own codec group: the weak directions of a steep spectrum
     are not rounded on the scale of the strong ones (laid out row by row, int8 factors
     stalled at about 3× fp32's approximation error)."""
-    exact, int8 = (_spawn(lowrank_workers.approximation_error, c)[0] for c in ("none", "int8"))
+    exact, int8 = (_spawn(lowrank_workers.approximation_error, c)[0]["errors"]
+                   for c in ("none", "int8"))
     assert exact[-1] < 0.5 * exact[0]  # the power steps converge
     assert int8[-1] < 1.1 * exact[-1], (int8, exact)
+
+
+def test_int8_factors_keep_every_direction_of_a_spectrum_five_decades_steep():
+    """``Q`` is orthogonalized before ``P = M Q``: its columns scale with the singular
+    values, and a weak column's int8 rounding along a strong direction, multiplied by
+    ``M``, swamped that column of ``P`` (with ``Q`` as sent, the weakest of the 16
+    directions was not spanned at all: 0.00 of it)."""
+    for codec in ("none", "int8"):
+        captured = _spawn(lowrank_workers.approximation_error, codec, 8, 5)[0]["captured"]
+        assert min(captured) > 0.95, (codec, captured)
 
 
 @pytest.mark.parametrize("options, warm", [({}, 0),

@@ -13,7 +13,10 @@ This hook changes how the factors travel, not what they are:
    node's sum once, quantized, to the other nodes. Each factor travels transposed,
    column after column, so one column's entries share a codec group: a weak direction
    is not rounded on the scale of a strong one (laid out row by row, int8 factors
-   stalled at about 3× fp32's approximation error). Every rank decodes the same bytes,
+   stalled at about 3× fp32's approximation error). ``Q`` is orthogonalized before
+   ``P = M Q`` (the same span): the columns of ``Q`` as sent scale with the singular
+   values, and int8 rounding of a weak one along a strong direction, multiplied by
+   ``M``, took the weakest directions out of ``P``. Every rank decodes the same bytes,
    so ``P`` is orthogonalized identically everywhere and replicas stay identical.
    PowerSGD's error feedback already subtracts the *decoded* ``P̂ Q̂ᵀ`` from ``M``, so
    the rounding error of the factors is carried to the next step with the rank
@@ -173,9 +176,10 @@ class LowRankReducer:
                             or [compensated[:0]])
         ps, qs = self.ps, self.qs
         if not self.config.alternate:
-            # Step 2-3: P = M Q, averaged with the vectors; Step 4: orthogonalize P;
-            # Step 5: Q = Mᵀ P, averaged; the update is P Qᵀ
-            *ps, vectors = self._send(views, self.qs, False, vectors, group)
+            # Step 2-3: P = M orth(Q), averaged with the vectors (orth: module docstring);
+            # Step 4: orthogonalize P; Step 5: Q = Mᵀ P, averaged; the update is P Qᵀ
+            qs = [torch.linalg.qr(q).Q for q in self.qs]
+            *ps, vectors = self._send(views, qs, False, vectors, group)
             ps = [torch.linalg.qr(p).Q for p in ps]
             qs = self._send(views, ps, True, None, group)[:-1]
         elif self._sends_p():
