@@ -83,6 +83,7 @@ HOOKS: dict[str, HookSpec] = {
     "lowrank-r8-int4": HookSpec("lowrank", options={"rank": 8, "factor_codec": "int4"}),
     "lowrank-r16-fp32": HookSpec("lowrank", options={"rank": 16, "factor_codec": "none"}),
     "lowrank-r16-int8": HookSpec("lowrank", options={"rank": 16, "factor_codec": "int8"}),
+    "lowrank-r32-int8": HookSpec("lowrank", options={"rank": 32, "factor_codec": "int8"}),
     "lowrank-r64-int8": HookSpec("lowrank", options={"rank": 64, "factor_codec": "int8"}),
     "lowrank-r16-int8-b1m": HookSpec("lowrank", options={"rank": 16, "factor_codec": "int8",
                                                          "bucket_numel": 1 << 20}),

@@ -132,3 +132,37 @@ def approximation_error(rank, world, factor_codec, steps=6, decades=None):
         errors.append(float((matrix - flat.view(n, m)).norm() / matrix.norm()))
     captured = (reducer.ps[0].t() @ u[:, :r]).pow(2).sum(0)
     return {"errors": errors, "captured": captured.tolist()}
+
+
+def memory_after_fixed_differences(rank, world, factor_codec, steps=12):
+    """One hook bucket (a 64 × 32 matrix and a 40-element vector) for ``steps`` steps in
+    which the ranks' gradients differ from their average by a fixed ``± D`` (10× the
+    average): the vector part of the last memory, the share of the matrix part's norm
+    inside the subspace ``P`` that was just sent, and how far the vector's averages
+    summed over the steps are from ``steps`` × its true average, in int8 steps of a
+    rank's input."""
+    import torch.distributed as dist
+
+    from commpress.collectives import Topology
+    from commpress.integrations.ddp_lowrank import LowRankConfig, LowRankReducer
+
+    g = torch.Generator().manual_seed(0)
+    n, m, k = 64, 32, 40
+    average = torch.randn(n * m + k, generator=g)
+    difference = 10 * torch.randn(n * m + k, generator=g)
+    config = LowRankConfig(rank=4, factor_codec=factor_codec, start_iter=0)
+    topology = Topology(1)
+    topology.resolve(dist.group.WORLD)
+    reducer = LowRankReducer([torch.Size((n, m)), torch.Size((k,))], [0, n * m],
+                             n * m + k, config, topology, 0)
+    total = torch.zeros(k)
+    for _ in range(steps):
+        flat = average + (1 if rank == 0 else -1) * difference
+        reducer.all_reduce(flat, dist.group.WORLD)
+        total += flat[n * m:]
+    memory = reducer.error[:n * m].view(n, m)
+    inside = float((reducer.ps[0].t() @ memory).norm() / memory.norm())
+    int8_step = (average + difference)[n * m:].abs().max() / 127
+    drift = (total - steps * average[n * m:]).abs().max() / int8_step
+    return {"vector": reducer.error[n * m:].abs().max().item(), "inside": inside,
+            "drift": float(drift)}

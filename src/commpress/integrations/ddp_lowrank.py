@@ -18,20 +18,27 @@ This hook changes how the factors travel, not what they are:
    values, and int8 rounding of a weak one along a strong direction, multiplied by
    ``M``, took the weakest directions out of ``P``. Every rank decodes the same bytes,
    so ``P`` is orthogonalized identically everywhere and replicas stay identical.
-   PowerSGD's error feedback already subtracts the *decoded* ``P̂ Q̂ᵀ`` from ``M``, so
-   the rounding error of the factors is carried to the next step with the rank
-   truncation: no second memory is needed.
 2. **Vectors** (biases, norms; matrices too small to gain ``min_compression_rate``)
-   ride in ``P``'s all-reduce with the same error feedback (``e = v + e − v̂``).
-3. **The hook's own buckets** (:class:`~commpress.integrations.ddp.DDPHookState`: a
+   ride in ``Q``'s all-reduce.
+3. **Each memory keeps only what was not sent.** PowerSGD keeps ``M − P Q̂ᵀ`` on each
+   rank: beside what the rank truncation dropped, that holds the rank's difference from
+   the average inside the sent subspace (all of it for vectors), which no later step
+   sends (the differences cancel in the average) and which never decays. Exact sums
+   cancel it; node sums of codes do not: it sets their scale, and the rounding of it
+   swamps the gradient for the rest of the run (on the GPT of the DDP front, after one
+   early spike the vectors' memory stayed 100–300× their gradient). Here a rank keeps
+   ``M − P Q_rᵀ`` with its own ``Q_r = Mᵀ P`` before averaging (the same average), no
+   memory for vectors, and the codes' rounding of ``Q`` and the vectors — what the
+   weights add up over steps — in the codec's own error feedback, on the rank that
+   rounds a node's sum (:class:`~commpress.codecs.ErrorFeedback`); ``P`` only spans
+   the subspace, and its rounding is not remembered.
+4. **The hook's own buckets** (:class:`~commpress.integrations.ddp.DDPHookState`: a
    fixed layout by parameter name, one communication thread) run during backward and
    make the state checkpointable; torch's PowerSGD must finish each DDP bucket before
    the next on Gloo.
 
 Rejected: quantizing ``M`` itself before the low-rank step (the codes' error would
-be projected and mostly lost, and nothing would shrink on the wire) and a separate
-error-feedback memory per factor (the factors change subspace from step to step; the
-gradient-level memory already covers their error).
+be projected and mostly lost, and nothing would shrink on the wire).
 
 A step whose decoded result is not finite is passed on as it is (the optimizer skips
 it) and leaves the memory and the warm-start ``Q`` untouched, so one overflow does not
@@ -47,8 +54,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from commpress.codecs import ErrorFeedback
 from commpress.codecs import codec as build_codec
 from commpress.collectives import Topology, hierarchical_all_reduce
+from commpress.collectives.call import is_exact
 from commpress.integrations.ddp import BUCKET_NUMEL, DDPHookState, compressed_allreduce_hook
 from commpress.validate import InputError
 
@@ -99,6 +108,9 @@ class LowRankReducer:
         self.topology = topology
         self.exact = build_codec("none")
         self.codec = build_codec(config.factor_codec)
+        # for the factor that multiplies the update, and the vectors (module docstring)
+        self.codec_ef = (self.codec if is_exact(self.codec) else
+                         ErrorFeedback(build_codec(config.factor_codec)))
         self.matrices: list[_Matrix] = []
         self.vector_slices: list[tuple[int, int]] = []  # (offset, numel)
         for shape, offset in zip(shapes, offsets):
@@ -117,6 +129,7 @@ class LowRankReducer:
         self.qs = [torch.randn(x.m, x.r, generator=g) for x in self.matrices]
         self.ps = [torch.zeros(x.n, x.r) for x in self.matrices]  # alternate: last P sent
         self.error: torch.Tensor | None = None
+        self.local: list[torch.Tensor] = []  # this rank's factors of the last send
         self.device = torch.device("cpu")
 
     def _sends_p(self) -> bool:
@@ -124,23 +137,25 @@ class LowRankReducer:
         return (self.iter - self.config.start_iter) % 2 == 0
 
     def wire_elements(self) -> list[int]:
-        """Elements of each all-reduce of the next compressed step: PowerSGD ``[P and
-        vectors, Q]``; alternate ``[P and vectors]`` or ``[Q and vectors]``."""
+        """Elements of each all-reduce of the next compressed step: PowerSGD ``[P, Q and
+        vectors]``; alternate ``[P and vectors]`` or ``[Q and vectors]``."""
         vectors = sum(k for _, k in self.vector_slices)
         n_p = sum(x.n * x.r for x in self.matrices)
         n_q = sum(x.m * x.r for x in self.matrices)
         if not self.config.alternate:
-            return [n_p + vectors, n_q]
+            return [n_p, n_q + vectors]
         return [(n_p if self._sends_p() else n_q) + vectors]
 
-    def _reduce(self, flat: torch.Tensor, codec, group: dist.ProcessGroup | None) -> None:
+    def _reduce(self, flat: torch.Tensor, codec, group: dist.ProcessGroup | None,
+                label: str = LABEL) -> None:
         hierarchical_all_reduce(flat, intra=self.exact, inter=codec, topology=self.topology,
-                                group=group, op="avg", label=LABEL)
+                                group=group, op="avg", label=label)
 
     def _send(self, views: list[torch.Tensor], bases: list[torch.Tensor], left: bool,
-              vectors: torch.Tensor | None, group) -> list[torch.Tensor]:
+              vectors: torch.Tensor | None, group, codec) -> list[torch.Tensor]:
         """Average ``M B`` (``Mᵀ B`` when ``left``) of every matrix, with ``vectors``
-        appended, across the group; returns the averaged factors, then the vectors."""
+        appended, across the group; returns the averaged factors, then the vectors.
+        This rank's own factors stay in ``self.local``."""
         sizes = [(x.m if left else x.n) * x.r for x in self.matrices]
         extra = 0 if vectors is None else vectors.numel()
         flat = torch.empty(sum(sizes) + extra, device=self.device)
@@ -150,7 +165,9 @@ class LowRankReducer:
             torch.mm(b.t(), mv if left else mv.t(), out=out.view(b.shape[1], -1))
         if vectors is not None:
             parts[-1].copy_(vectors)
-        self._reduce(flat, self.codec, group)
+        self.local = [out.view(b.shape[1], -1).t().clone() for out, b in zip(parts, bases)]
+        # P and Q each their own label: the codec's memory is kept per label
+        self._reduce(flat, codec, group, f"{LABEL}.{'q' if left else 'p'}")
         return ([out.view(b.shape[1], -1).t() for out, b in zip(parts, bases)]
                 + parts[len(bases):])
 
@@ -175,21 +192,24 @@ class LowRankReducer:
         vectors = torch.cat([compensated[o: o + k] for o, k in self.vector_slices]
                             or [compensated[:0]])
         ps, qs = self.ps, self.qs
+        left = True  # whether the last factor sent was Q (else P)
         if not self.config.alternate:
-            # Step 2-3: P = M orth(Q), averaged with the vectors (orth: module docstring);
-            # Step 4: orthogonalize P; Step 5: Q = Mᵀ P, averaged; the update is P Qᵀ
+            # Step 2-3: P = M orth(Q), averaged (orth: module docstring); Step 4:
+            # orthogonalize P; Step 5: Q = Mᵀ P, averaged with the vectors; the update
+            # is P Qᵀ. P only spans: its codes' rounding is not remembered
             qs = [torch.linalg.qr(q).Q for q in self.qs]
-            *ps, vectors = self._send(views, qs, False, vectors, group)
+            ps = self._send(views, qs, False, None, group, self.codec)[:-1]
             ps = [torch.linalg.qr(p).Q for p in ps]
-            qs = self._send(views, ps, True, None, group)[:-1]
+            *qs, vectors = self._send(views, ps, True, vectors, group, self.codec_ef)
         elif self._sends_p():
             # ACP-SGD (Zhang et al., ICDCS 2023): one factor per step, alternating;
             # P = M orth(Q), averaged with the vectors; the update is P orth(Q)ᵀ
             qs = [torch.linalg.qr(q).Q for q in self.qs]
-            *ps, vectors = self._send(views, qs, False, vectors, group)
+            *ps, vectors = self._send(views, qs, False, vectors, group, self.codec_ef)
+            left = False
         else:
             ps = [torch.linalg.qr(p).Q for p in self.ps]
-            *qs, vectors = self._send(views, ps, True, vectors, group)
+            *qs, vectors = self._send(views, ps, True, vectors, group, self.codec_ef)
         # Step 6: the update, P Qᵀ for matrices and the averaged vectors
         result = torch.empty_like(compensated)
         for x, p, q in zip(self.matrices, ps, qs):
@@ -198,9 +218,15 @@ class LowRankReducer:
         for offset, k in self.vector_slices:
             result[offset: offset + k] = vectors[at: at + k]
             at += k
-        # Step 7: keep what was not sent; a non-finite result leaves the state as it was
+        # Step 7: keep what was not sent of this rank's own M (module docstring): the
+        # last factor sent as this rank computed it; a non-finite result leaves the
+        # state as it was
         if update_is_finite(result, [x.r for x in self.matrices], ps, qs, vectors):
-            torch.sub(compensated, result, out=self.error)
+            self.error.zero_()
+            mine = zip(ps, self.local) if left else zip(self.local, qs)
+            for x, (p, q), mv in zip(self.matrices, mine, views):
+                out = self.error[x.offset: x.offset + x.n * x.m].view(x.n, x.m)
+                torch.addmm(mv, p, q.t(), alpha=-1, out=out)
             self.ps, self.qs = [p.clone() for p in ps], [q.clone() for q in qs]
         tensor.copy_(result)
         self.iter += 1
@@ -210,7 +236,7 @@ class LowRankReducer:
         return {"iter": self.iter, "qs": [q.clone() for q in self.qs],
                 "ps": [p.clone() for p in self.ps],
                 "error": None if self.error is None else self.error.clone(),
-                "codec": self.codec.state_dict()}
+                "codec": self.codec.state_dict(), "codec_ef": self.codec_ef.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         shapes = [tuple(q.shape) for q in self.qs]
@@ -224,6 +250,7 @@ class LowRankReducer:
         self.error = None if state["error"] is None else state["error"].to(self.device,
                                                                              copy=True)
         self.codec.load_state_dict(state["codec"])
+        self.codec_ef.load_state_dict(state["codec_ef"])
 
 
 FLOAT32_MAX = torch.finfo(torch.float32).max
