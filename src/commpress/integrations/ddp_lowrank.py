@@ -24,14 +24,13 @@ This hook changes how the factors travel, not what they are:
    rank: beside what the rank truncation dropped, that holds the rank's difference from
    the average inside the sent subspace (all of it for vectors), which no later step
    sends (the differences cancel in the average) and which never decays. Exact sums
-   cancel it; node sums of codes do not: it sets their scale, and the rounding of it
-   swamps the gradient for the rest of the run (on the GPT of the DDP front, after one
-   early spike the vectors' memory stayed 100–300× their gradient). Here a rank keeps
-   ``M − P Q_rᵀ`` with its own ``Q_r = Mᵀ P`` before averaging (the same average), no
-   memory for vectors, and the codes' rounding of ``Q`` and the vectors — what the
-   weights add up over steps — in the codec's own error feedback, on the rank that
-   rounds a node's sum (:class:`~commpress.codecs.ErrorFeedback`); ``P`` only spans
-   the subspace, and its rounding is not remembered.
+   cancel it; node sums of codes do not: it sets their scale, and its rounding swamps
+   the gradient for the rest of the run (a fixed difference grows it every step). Here
+   a rank keeps ``M − P Q_rᵀ`` with its own ``Q_r = Mᵀ P`` before averaging (the same
+   average), no memory for vectors, and the codes' rounding of ``Q`` and the vectors —
+   what the weights add up over steps — in the codec's own error feedback, on the rank
+   that rounds a node's sum (:class:`~commpress.codecs.ErrorFeedback`); ``P`` only
+   spans the subspace, and its rounding is not remembered.
 4. **The hook's own buckets** (:class:`~commpress.integrations.ddp.DDPHookState`: a
    fixed layout by parameter name, one communication thread) run during backward and
    make the state checkpointable; torch's PowerSGD must finish each DDP bucket before
