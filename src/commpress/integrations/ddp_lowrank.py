@@ -128,7 +128,6 @@ class LowRankReducer:
         self.qs = [torch.randn(x.m, x.r, generator=g) for x in self.matrices]
         self.ps = [torch.zeros(x.n, x.r) for x in self.matrices]  # alternate: last P sent
         self.error: torch.Tensor | None = None
-        self.local: list[torch.Tensor] = []  # this rank's factors of the last send
         self.device = torch.device("cpu")
 
     def _sends_p(self) -> bool:
@@ -151,10 +150,11 @@ class LowRankReducer:
                                 group=group, op="avg", label=label)
 
     def _send(self, views: list[torch.Tensor], bases: list[torch.Tensor], left: bool,
-              vectors: torch.Tensor | None, group, codec) -> list[torch.Tensor]:
+              vectors: torch.Tensor | None, group,
+              codec) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Average ``M B`` (``Mᵀ B`` when ``left``) of every matrix, with ``vectors``
-        appended, across the group; returns the averaged factors, then the vectors.
-        This rank's own factors stay in ``self.local``."""
+        appended, across the group; returns the averaged factors, then the vectors, and
+        this rank's own factors before averaging."""
         sizes = [(x.m if left else x.n) * x.r for x in self.matrices]
         extra = 0 if vectors is None else vectors.numel()
         flat = torch.empty(sum(sizes) + extra, device=self.device)
@@ -164,11 +164,11 @@ class LowRankReducer:
             torch.mm(b.t(), mv if left else mv.t(), out=out.view(b.shape[1], -1))
         if vectors is not None:
             parts[-1].copy_(vectors)
-        self.local = [out.view(b.shape[1], -1).t().clone() for out, b in zip(parts, bases)]
+        local = [out.view(b.shape[1], -1).t().clone() for out, b in zip(parts, bases)]
         # P and Q each their own label: the codec's memory is kept per label
         self._reduce(flat, codec, group, f"{LABEL}.{'q' if left else 'p'}")
         return ([out.view(b.shape[1], -1).t() for out, b in zip(parts, bases)]
-                + parts[len(bases):])
+                + parts[len(bases):]), local
 
     def all_reduce(self, tensor: torch.Tensor, group: dist.ProcessGroup | None, op: str = "avg",
                    async_op: bool = False):
@@ -197,18 +197,21 @@ class LowRankReducer:
             # orthogonalize P; Step 5: Q = Mᵀ P, averaged with the vectors; the update
             # is P Qᵀ. P only spans: its codes' rounding is not remembered
             qs = [torch.linalg.qr(q).Q for q in self.qs]
-            ps = self._send(views, qs, False, None, group, self.codec)[:-1]
+            ps = self._send(views, qs, False, None, group, self.codec)[0][:-1]
             ps = [torch.linalg.qr(p).Q for p in ps]
-            *qs, vectors = self._send(views, ps, True, vectors, group, self.codec_ef)
+            (*qs, vectors), local = self._send(views, ps, True, vectors, group,
+                                               self.codec_ef)
         elif self._sends_p():
             # ACP-SGD (Zhang et al., ICDCS 2023): one factor per step, alternating;
             # P = M orth(Q), averaged with the vectors; the update is P orth(Q)ᵀ
             qs = [torch.linalg.qr(q).Q for q in self.qs]
-            *ps, vectors = self._send(views, qs, False, vectors, group, self.codec_ef)
+            (*ps, vectors), local = self._send(views, qs, False, vectors, group,
+                                               self.codec_ef)
             left = False
         else:
             ps = [torch.linalg.qr(p).Q for p in self.ps]
-            *qs, vectors = self._send(views, ps, True, vectors, group, self.codec_ef)
+            (*qs, vectors), local = self._send(views, ps, True, vectors, group,
+                                               self.codec_ef)
         # Step 6: the update, P Qᵀ for matrices and the averaged vectors
         result = torch.empty_like(compensated)
         for x, p, q in zip(self.matrices, ps, qs):
@@ -222,7 +225,7 @@ class LowRankReducer:
         # state as it was
         if update_is_finite(result, [x.r for x in self.matrices], ps, qs, vectors):
             self.error.zero_()
-            mine = zip(ps, self.local) if left else zip(self.local, qs)
+            mine = zip(ps, local) if left else zip(local, qs)
             for x, (p, q), mv in zip(self.matrices, mine, views):
                 out = self.error[x.offset: x.offset + x.n * x.m].view(x.n, x.m)
                 torch.addmm(mv, p, q.t(), alpha=-1, out=out)
