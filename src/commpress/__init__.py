@@ -41,7 +41,6 @@ from commpress.integrations import (
     NonFiniteGradientError,
     ShardedOptimizer,
     ddp_hook,
-    fsdp,
     lowrank_hook,
 )
 from commpress.policy import Policy, Rule, list_presets
@@ -49,8 +48,10 @@ from commpress.validate import InputError
 
 __version__ = "0.1.0"
 
-# Engine adapters import their engine, so they load on first use (``commpress.megatron``).
-_ENGINES = {"megatron": "commpress.integrations.megatron",
+# Adapters that import their engine load on first use (``commpress.megatron``); FSDP2's
+# import pulls in DTensor, which would double the time every process takes to start.
+_ENGINES = {"fsdp": "commpress.integrations.fsdp",
+            "megatron": "commpress.integrations.megatron",
             "deepspeed": "commpress.integrations.deepspeed",
             "lightning": "commpress.integrations.lightning",
             "torchtitan": "commpress.integrations.torchtitan"}

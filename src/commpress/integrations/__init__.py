@@ -1,10 +1,9 @@
 """Integrations: the sharded optimizer, the DDP hook, FSDP2 (``commpress.fsdp``)."""
 
-from commpress.integrations import fsdp
 from commpress.integrations.ddp import DDPHookState, compressed_allreduce_hook, ddp_hook
 from commpress.integrations.ddp_lowrank import LowRankConfig, lowrank_hook
 from commpress.integrations.grad_path import GradPath
 from commpress.integrations.sharded_optimizer import NonFiniteGradientError, ShardedOptimizer
 
 __all__ = ["DDPHookState", "GradPath", "LowRankConfig", "NonFiniteGradientError",
-           "ShardedOptimizer", "compressed_allreduce_hook", "ddp_hook", "fsdp", "lowrank_hook"]
+           "ShardedOptimizer", "compressed_allreduce_hook", "ddp_hook", "lowrank_hook"]
