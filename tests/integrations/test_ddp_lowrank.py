@@ -30,6 +30,7 @@ def test_replicas_stay_bitwise_identical_and_train(options):
     assert losses[-1] < losses[0] - 0.05, losses
 
 
+@pytest.mark.slow
 def test_int8_factors_keep_a_steep_spectrum_as_fp32_factors_do():
     """Each factor column is its own codec group: the weak directions of a steep spectrum
     are not rounded on the scale of the strong ones (laid out row by row, int8 factors

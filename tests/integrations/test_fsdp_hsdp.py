@@ -90,6 +90,7 @@ def test_hsdp_layouts_not_covered_are_refused_by_name():
     assert "set_requires_all_reduce(False)" in no_all_reduce
 
 
+@pytest.mark.slow
 def test_hsdp_replicate_all_reduce_overlaps_backward_with_the_same_bits():
     # on CPU the replicate all-reduces of a backward pass run while it goes on and finish
     # at its end; a pass that accumulates into .grad finishes each one in place

@@ -23,11 +23,3 @@ def test_compare_cli_writes_table_plots_and_json(tmp_path, capsys):
         "dp.grad"]
     assert (out / "compare.png").stat().st_size > 10_000
 
-
-def test_compare_under_a_launcher_reports_on_rank_0(tmp_path):
-    from commpress.launch import spawn
-    from tests.train import workers
-
-    ranks = spawn(workers.compare_under_a_launcher, 2, (str(tmp_path),))
-    assert ranks[0] == ["int2ef", "none"] and ranks[1] == []
-    assert (tmp_path / "compare.png").exists()

@@ -96,7 +96,7 @@ def test_evaluation_does_not_change_training(tmp_path, tp, pp):
     assert sum("val_loss" in r for r in runs[1]) == 4
 
 
-POLICIES = ["int2ef", "sdp4bit", "hybrid", "zeropp"]
+POLICIES = ["int2ef", "sdp4bit", "hybrid"]
 
 
 def test_runs_one_after_another_release_their_process_groups(tmp_path):

@@ -42,8 +42,9 @@ def test_compare_under_a_launcher_runs_every_policy_in_one_group(tmp_path):
     # default group per policy: the second policy's rendezvous timed out
     ranks = spawn(workers.compare_as_a_launched_rank, 2, (str(tmp_path), ["none", "int2ef"]),
                   timeout=240)
-    assert ranks == [["int2ef", "none"], []]
+    assert ranks == [["int2ef", "none"], []]  # rank 0 reports
     assert json.load(open(tmp_path / "compare.json"))["policies"].keys() == {"none", "int2ef"}
+    assert (tmp_path / "compare.png").exists()
 
 
 @pytest.mark.slow

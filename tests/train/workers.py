@@ -66,16 +66,6 @@ def weights_of_checkpoint(path):
     return {n: _digest([t]) for n, t in state["model"].items()}
 
 
-def compare_under_a_launcher(rank, world, out):
-    """`compare` where every process is a rank (as under torchrun): rank 0 reports."""
-    from commpress.train.compare import compare
-
-    cfg = TrainConfig(model="gpt-tiny", steps=2, batch_size=8, seq_len=32, eval_every=0,
-                      eval_batches=1, progress=False, max_data_bytes=200_000)
-    result = compare(["none", "int2ef"], cfg, out_dir=out)
-    return sorted(result)
-
-
 def groups_after_runs(rank, world, policies, out):
     """The process groups registered in this process, and its threads (after a garbage
     collection), after each of ``policies`` (a DDP run, then sharded ones) ran one after
