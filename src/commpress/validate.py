@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Callable
 
 
 class InputError(ValueError):
@@ -78,3 +79,25 @@ def _range(*, gt=None, ge=None, lt=None, le=None) -> str:
     if high:
         return f"< {lt}" if lt is not None else f"<= {le}"
     return ""
+
+
+def check_saved_state(state: object, fmt: str, what: str, mine: dict[str, object],
+                      advice: str, views: dict[str, Callable] | None = None) -> None:
+    """Refuse a saved state that is not a dict of format ``fmt`` (``what`` names its kind),
+    or whose fields ``mine`` — read through ``views[key]`` where given — differ from this
+    run's: the message names the first field that differs, both values and ``advice``."""
+    if not isinstance(state, dict) or state.get("format") != fmt:
+        raise InputError(f"not a {what} state (expected format {fmt!r})")
+    for key, value in mine.items():
+        if key not in state:
+            raise InputError(f"{what} checkpoint has no {key!r}; {advice}")
+        saved = (views or {}).get(key, lambda v: v)(state[key])
+        if saved != value:
+            raise InputError(f"{what} checkpoint {key} {_short(saved)} does not match this "
+                             f"run's {_short(value)}; {advice}")
+
+
+def _short(value: object, limit: int = 300) -> str:
+    """``repr(value)``, cut to ``limit`` characters (a layout can name every parameter)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}… ({len(text)} characters)"

@@ -27,6 +27,7 @@ import torch.nn as nn
 from commpress.codecs.error_feedback import split
 from commpress.collectives import Handle
 from commpress.integrations.grad_path import GradPath
+from commpress.policy import Policy
 
 ReplicationKey = Callable[[str, nn.Parameter], Hashable]
 
@@ -150,3 +151,29 @@ def build_optimizer(buckets: list[Bucket], optimizer_cls: type[torch.optim.Optim
             g["weight_decay"] = weight_decay if b.decay else 0.0
         groups.append(g)
     return (optimizer_cls or torch.optim.AdamW)(groups, **kwargs)
+
+
+def buckets_identity(policy: Policy, buckets: list[Bucket]) -> dict[str, Any]:
+    """What a resume must match: the policy and the bucket layout."""
+    return {"policy": policy.to_dict(), "bucket_numels": [b.numel for b in buckets],
+            "bucket_names": [b.names for b in buckets]}
+
+
+def buckets_state(policy: Policy, buckets: list[Bucket],
+                  optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The buckets' part of an optimizer state: identity, fp32 masters, weights, inner
+    optimizer."""
+    return {**buckets_identity(policy, buckets),
+            "master": [b.master.detach().clone() for b in buckets],
+            "params": [b.param_buffer.clone() for b in buckets],
+            "optimizer": optimizer.state_dict()}
+
+
+@torch.no_grad()
+def load_buckets_state(buckets: list[Bucket], optimizer: torch.optim.Optimizer,
+                       state: dict[str, Any]) -> None:
+    """Restore :func:`buckets_state` (its identity already checked)."""
+    for b, master, params in zip(buckets, state["master"], state["params"], strict=True):
+        b.master.copy_(master)
+        b.param_buffer.copy_(params)
+    optimizer.load_state_dict(state["optimizer"])

@@ -60,7 +60,7 @@ from commpress.collectives.agreement import release
 from commpress.collectives.comm import group_timeout
 from commpress.integrations.grad_path import GradPath
 from commpress.policy import Policy, list_presets
-from commpress.validate import InputError
+from commpress.validate import InputError, check_saved_state
 
 STATE_FORMAT = "commpress.DDPHookState/2"
 BUCKET_NUMEL = 1 << 22  # elements per hook bucket, by default
@@ -191,15 +191,9 @@ class DDPHookState:
                 "codecs": [b.grad_path.state_dict() for b in self.buckets]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
-            raise InputError(f"not a DDP hook state (expected format {STATE_FORMAT!r})")
-        if state["policy"] != self.policy.to_dict():
-            raise InputError(f"DDP hook checkpoint policy {state['policy']!r} does not match "
-                             f"this run's {self.policy.to_dict()!r}")
-        if state["layout"] != [b.names for b in self.buckets]:
-            raise InputError("DDP hook checkpoint was saved for another model or bucket_numel "
-                             "(its bucket layout differs); resume with the same model and "
-                             "bucket_numel")
+        check_saved_state(state, STATE_FORMAT, "DDP hook", {
+            "policy": self.policy.to_dict(), "layout": [b.names for b in self.buckets]},
+            "resume with the same policy, model and bucket_numel (they fix the layout)")
         for b, codecs in zip(self.buckets, state["codecs"]):
             b.grad_path.load_state_dict(codecs)
         self.calls = state["calls"]

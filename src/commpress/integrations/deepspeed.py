@@ -62,7 +62,7 @@ from commpress.collectives.parts import reduce_scatter_parts
 from commpress.integrations.grad_path import GradPath
 from commpress.integrations.sharded_optimizer import gather_weights
 from commpress.policy import Policy
-from commpress.validate import InputError
+from commpress.validate import InputError, check_saved_state
 
 try:
     import deepspeed
@@ -240,18 +240,11 @@ class DeepSpeedCompression:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore codec state saved by the same data-parallel rank of the same run."""
-        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
-            raise InputError(f"not a commpress.deepspeed state (expected format "
-                             f"{STATE_FORMAT!r})")
-        for key, mine in (("policy", self.policy.to_dict()),
-                          ("world_size", dist.get_world_size(self.group)),
-                          ("dp_rank", dist.get_rank(self.group)),
-                          ("param_codecs", len(self.param_codecs))):
-            saved = state[key] if key != "param_codecs" else len(state[key])
-            if saved != mine:
-                raise InputError(f"commpress.deepspeed checkpoint {key} {saved!r} does not "
-                                 f"match this run's {mine!r}; resume with the same policy, "
-                                 "data-parallel size and parameter groups")
+        check_saved_state(state, STATE_FORMAT, "commpress.deepspeed", {
+            "policy": self.policy.to_dict(), "world_size": dist.get_world_size(self.group),
+            "dp_rank": dist.get_rank(self.group), "param_codecs": len(self.param_codecs)},
+            "resume with the same policy, data-parallel size and parameter groups",
+            views={"param_codecs": len})
         for codec, saved in zip(self.param_codecs, state["param_codecs"]):
             codec.load_state_dict(saved)
         self.grad_paths = {}

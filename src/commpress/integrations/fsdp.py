@@ -48,7 +48,7 @@ from commpress.collectives import Topology, all_gather, all_reduce
 from commpress.collectives.comm import all_gather_single
 from commpress.integrations.grad_path import GradPath
 from commpress.policy import Policy, Rule
-from commpress.validate import InputError
+from commpress.validate import InputError, check_saved_state
 
 log = logging.getLogger(__name__)
 
@@ -294,10 +294,8 @@ class FSDPCompression:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the codec state; another policy, world size or set of FSDP modules is
         refused with the difference named."""
-        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
-            raise InputError(f"not a commpress FSDP codec state (expected format "
-                             f"{STATE_FORMAT!r})")
-        _check_same("world_size", state["world_size"], self.world)
+        check_saved_state(state, STATE_FORMAT, "commpress FSDP codec",
+                          {"world_size": self.world}, "resume with the same world size")
         _check_module_names(state["modules"], list(self.modules))
         key = f"rank{self.rank}"
         if key not in state:

@@ -28,8 +28,11 @@ from commpress.collectives.played import Played, played_peers
 from commpress.collectives.topology import levels_used
 from commpress.integrations.buckets import (
     Bucket,
+    buckets_identity,
+    buckets_state,
     build_buckets,
     build_optimizer,
+    load_buckets_state,
     tensor_parallel_key,
 )
 from commpress.integrations.grad_path import GradPath
@@ -40,7 +43,7 @@ from commpress.integrations.sharded_optimizer import (
 )
 from commpress.integrations.weight_gather import weight_gather_steps
 from commpress.policy import Policy
-from commpress.validate import InputError
+from commpress.validate import check_saved_state
 
 STATE_FORMAT = "commpress.played_sharded_optimizer/1"
 
@@ -172,13 +175,9 @@ class PlayedShardedOptimizer:
         """Everything the ``N`` ranks keep: masters, weights, inner optimizer, every
         rank's codec states, step counters."""
         return {
-            "format": STATE_FORMAT, "ranks": self.world, "policy": self.policy.to_dict(),
-            "bucket_numels": [b.numel for b in self.buckets],
-            "bucket_names": [b.names for b in self.buckets],
+            "format": STATE_FORMAT, "ranks": self.world,
+            **buckets_state(self.policy, self.buckets, self.optimizer),
             "steps": self.steps, "skipped_steps": self.skipped_steps,
-            "master": [b.master.detach().clone() for b in self.buckets],
-            "params": [b.param_buffer.clone() for b in self.buckets],
-            "optimizer": self.optimizer.state_dict(),
             "grad_codecs": [[p.state_dict() for p in paths] for paths in self.grad_paths],
             "param_codecs": [[c.state_dict() for c in codecs] for codecs in self.param_codecs],
         }
@@ -186,19 +185,10 @@ class PlayedShardedOptimizer:
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` of a run with the same ranks, policy and model."""
-        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
-            raise InputError(f"not a PlayedShardedOptimizer state (expected format "
-                             f"{STATE_FORMAT!r})")
-        for key, mine in (("ranks", self.world), ("policy", self.policy.to_dict()),
-                          ("bucket_numels", [b.numel for b in self.buckets]),
-                          ("bucket_names", [b.names for b in self.buckets])):
-            if state[key] != mine:
-                raise InputError(f"checkpoint {key} {state[key]!r} does not match this run's "
-                                 f"{mine!r}; resume with the same ranks, policy and model")
-        for b, master, params in zip(self.buckets, state["master"], state["params"]):
-            b.master.copy_(master)
-            b.param_buffer.copy_(params)
-        self.optimizer.load_state_dict(state["optimizer"])
+        check_saved_state(state, STATE_FORMAT, "PlayedShardedOptimizer", {
+            "ranks": self.world, **buckets_identity(self.policy, self.buckets)},
+            "resume with the same ranks, policy and model")
+        load_buckets_state(self.buckets, self.optimizer, state)
         for objects, states in ((self.grad_paths, state["grad_codecs"]),
                                 (self.param_codecs, state["param_codecs"])):
             for row, row_states in zip(objects, states):

@@ -42,8 +42,11 @@ from commpress.collectives.handle import completed
 from commpress.integrations.buckets import (
     Bucket,
     ReplicationKey,
+    buckets_identity,
+    buckets_state,
     build_buckets,
     build_optimizer,
+    load_buckets_state,
     tensor_parallel_key,
 )
 from commpress.integrations.grad_path import GradPath
@@ -51,7 +54,7 @@ from commpress.integrations.replica_sync import broadcast_buffers, sync_initial_
 from commpress.integrations.weight_gather import gather_weights
 from commpress.kernels.reference import sum_rows
 from commpress.policy import Policy
-from commpress.validate import InputError, check_float, check_int
+from commpress.validate import InputError, check_float, check_int, check_saved_state
 
 log = logging.getLogger(__name__)
 
@@ -376,14 +379,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
             "format": STATE_FORMAT,
             "world_size": self.world,
             "rank": self.rank,
-            "policy": self.policy.to_dict(),
-            "bucket_numels": [b.numel for b in self.buckets],
-            "bucket_names": [b.names for b in self.buckets],
+            **buckets_state(self.policy, self.buckets, self.optimizer),
             "steps": self.steps,
             "skipped_steps": self.skipped_steps,
-            "master": [b.master.detach().clone() for b in self.buckets],
-            "params": [b.param_buffer.clone() for b in self.buckets],
-            "optimizer": self.optimizer.state_dict(),
             "grad_codecs": [b.grad_path.state_dict() for b in self.buckets],
             "param_codecs": [b.param_codec.state_dict() for b in self.buckets],
         }
@@ -392,20 +390,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a state saved by the same rank of a run with the same world size,
         policy and model; anything else is refused with the reason."""
-        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
-            raise InputError(f"not a ShardedOptimizer state (expected format {STATE_FORMAT!r})")
-        for key, mine in (("world_size", self.world), ("rank", self.rank),
-                          ("policy", self.policy.to_dict()),
-                          ("bucket_numels", [b.numel for b in self.buckets]),
-                          ("bucket_names", [b.names for b in self.buckets])):
-            if state[key] != mine:
-                raise InputError(f"checkpoint {key} {state[key]!r} does not match this run's "
-                                 f"{mine!r}; resharding is not supported: resume with the same "
-                                 "world size, policy and model")
-        for b, master, params in zip(self.buckets, state["master"], state["params"]):
-            b.master.copy_(master)
-            b.param_buffer.copy_(params)
-        self.optimizer.load_state_dict(state["optimizer"])
+        check_saved_state(state, STATE_FORMAT, "ShardedOptimizer", {
+            "world_size": self.world, "rank": self.rank, **buckets_identity(
+                self.policy, self.buckets)}, "resharding is not supported: resume with the same "
+            "world size, policy and model")
+        load_buckets_state(self.buckets, self.optimizer, state)
         # torch's load_state_dict makes new group dicts: share them again (a scheduler
         # writing the old ones would no longer reach the shards)
         self.param_groups = self.optimizer.param_groups

@@ -35,7 +35,9 @@ import logging
 import os
 import re
 import shutil
-from typing import Any
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import IO, Any
 
 import torch
 import torch.distributed as dist
@@ -99,30 +101,30 @@ def atomic_save(obj: Any, path: str) -> dict[str, Any]:
     file's ``{"sha256", "bytes"}``. A failed write raises its ``OSError`` (its
     ``filename`` ``path``), the temporary file removed."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            w = _HashingWriter(f)
-            try:
-                torch.save(obj, w)
-            except RuntimeError:
-                if w.error is None:
-                    raise
-                raise w.error from None
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as e:
-        _discard(tmp, path, e)
-        raise
+    with _replacing(path, "wb") as f:
+        w = _HashingWriter(f)
+        try:
+            torch.save(obj, w)
+        except RuntimeError:
+            if w.error is None:
+                raise
+            raise w.error from None
     return {"sha256": w.sha.hexdigest(), "bytes": w.size}
 
 
 def _atomic_text(path: str, text: str) -> None:
+    with _replacing(path, "w") as f:
+        f.write(text)
+
+
+@contextmanager
+def _replacing(path: str, mode: str) -> Iterator[IO]:
+    """A file opened at a temporary path, synced and renamed to ``path`` when the block
+    ends; on any failure the temporary file is removed and the error re-raised."""
     tmp = f"{path}.tmp.{os.getpid()}"
     try:
-        with open(tmp, "w") as f:
-            f.write(text)
+        with open(tmp, mode) as f:
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

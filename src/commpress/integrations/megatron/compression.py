@@ -20,7 +20,7 @@ from commpress.integrations.megatron.layout import identical_mask
 from commpress.integrations.megatron.model_parallel import ActivationComm
 from commpress.integrations.megatron.seams import REGISTRY, acquire, release
 from commpress.policy import Policy
-from commpress.validate import InputError
+from commpress.validate import InputError, check_saved_state
 
 log = logging.getLogger(__name__)
 
@@ -89,16 +89,10 @@ class MegatronCompression:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a state saved by this rank of a run with the same policy, world size and
         model; anything else is refused with the difference named."""
-        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
-            raise InputError(f"not a commpress Megatron codec state (expected format "
-                             f"{STATE_FORMAT!r})")
-        for key, mine in (("policy", self.policy.to_dict()), ("world_size", self.world),
-                          ("rank", self.rank), ("buckets", sorted(self.buckets))):
-            saved = sorted(state[key]) if key == "buckets" else state[key]
-            if saved != mine:
-                raise InputError(f"Megatron codec checkpoint {key} {saved!r} does not match this "
-                                 f"run's {mine!r}; resume with the same {key} (each rank loads "
-                                 "its own state)")
+        check_saved_state(state, STATE_FORMAT, "commpress Megatron codec", {
+            "policy": self.policy.to_dict(), "world_size": self.world, "rank": self.rank,
+            "buckets": sorted(self.buckets)}, "resume with the same policy, world size and "
+            "model (each rank loads its own state)", views={"buckets": sorted})
         for key, comm in self.buckets.items():
             comm.load_state_dict(state["buckets"][key])
         for axis in ("tp", "pp"):
