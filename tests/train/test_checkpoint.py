@@ -53,11 +53,6 @@ def test_a_saved_run_has_a_manifest_per_step(saved_run):
     assert _verify(saved_run)["step"] == 2
 
 
-def test_checkpoint_every_0_writes_none(tmp_path):
-    train(TrainConfig(out=str(tmp_path), **dict(TINY, checkpoint_every=0, steps=1)))
-    assert not os.path.exists(tmp_path / "ckpt")
-
-
 @pytest.mark.parametrize("fraction", [0.0, 0.1, 0.3, 0.5, 0.7, 0.9, 0.999])
 def test_a_flipped_byte_in_a_rank_file_is_refused(saved_run, tmp_path, fraction):
     run = _copy_run(saved_run, tmp_path / "run")

@@ -45,6 +45,7 @@ def test_outputs_and_summary(tmp_path):
     summary = train(TrainConfig(policy="hybrid", dp=2, tp=1, pp=2, out=out, **TINY))
     for name in ("metrics.jsonl", "summary.json", "loss.png", "config.json"):
         assert os.path.exists(os.path.join(out, name)), name
+    assert not os.path.exists(os.path.join(out, "ckpt"))  # checkpoint_every 0: none
     for key in ("final_val_loss", "step_time_s_median", "tokens_per_s", "wire_bytes",
                 "raw_bytes"):
         assert key in summary

@@ -117,7 +117,7 @@ pp:
 
 
 @pytest.mark.parametrize("policy,layout", [
-    ("stateful-tp", dict(nproc=4, tp=2, ranks_per_node=2)),
+    pytest.param("stateful-tp", dict(nproc=4, tp=2, ranks_per_node=2), marks=pytest.mark.slow),
     pytest.param("hybrid", dict(nproc=4, tp=2, ranks_per_node=2), marks=pytest.mark.slow),
     pytest.param("sdp4bit", dict(nproc=8, tp=2, ranks_per_node=4, batch_size=16),
                  marks=pytest.mark.slow),  # dp 4 in 2 nodes: two-level with slices
