@@ -71,3 +71,16 @@ def test_an_optimizer_state_with_a_field_removed_is_refused_and_nothing_is_resto
 def test_an_optimizer_state_of_another_model_is_refused_naming_the_layout():
     with pytest.raises(InputError, match="ShardedOptimizer checkpoint bucket_numels"):
         _optimizer(4).load_state_dict(_optimizer(6).state_dict())
+
+
+@pytest.mark.parametrize("key", ["master", "params"])
+@pytest.mark.parametrize("change", ["fewer", "shape"])
+def test_optimizer_tensors_of_another_count_or_shape_are_refused_before_any_is_written(
+        key, change):
+    saved = _optimizer(4).state_dict()
+    saved[key] = saved[key][:-1] if change == "fewer" else [t[:-1] for t in saved[key]]
+    opt = _optimizer(4)
+    opt.buckets[0].master.data.fill_(7.0)
+    with pytest.raises(InputError, match=rf"optimizer checkpoint {key}: not \d+ tensors"):
+        opt.load_state_dict(saved)
+    assert bool((opt.buckets[0].master == 7.0).all())

@@ -28,6 +28,7 @@ from commpress.codecs.error_feedback import split
 from commpress.collectives import Handle
 from commpress.integrations.grad_path import GradPath
 from commpress.policy import Policy
+from commpress.validate import InputError
 
 ReplicationKey = Callable[[str, nn.Parameter], Hashable]
 
@@ -172,7 +173,17 @@ def buckets_state(policy: Policy, buckets: list[Bucket],
 @torch.no_grad()
 def load_buckets_state(buckets: list[Bucket], optimizer: torch.optim.Optimizer,
                        state: dict[str, Any]) -> None:
-    """Restore :func:`buckets_state` (its identity already checked)."""
+    """Restore :func:`buckets_state` (its identity already checked); tensors of another
+    count or shape are refused before anything is written."""
+    for key, mine in (("master", [b.master for b in buckets]),
+                      ("params", [b.param_buffer for b in buckets])):
+        saved = state.get(key)
+        if (not isinstance(saved, list) or len(saved) != len(mine)
+                or any(not isinstance(t, torch.Tensor) or t.shape != m.shape
+                       for t, m in zip(saved, mine))):
+            raise InputError(f"optimizer checkpoint {key}: not {len(mine)} tensors of the "
+                             f"shapes of this run's buckets; resume with the same model, world "
+                             "size and bucket_numel")
     for b, master, params in zip(buckets, state["master"], state["params"], strict=True):
         b.master.copy_(master)
         b.param_buffer.copy_(params)
