@@ -88,10 +88,11 @@ def check_saved_state(state: object, fmt: str, what: str, mine: dict[str, object
     run's: the message names the first field that differs, both values and ``advice``."""
     if not isinstance(state, dict) or state.get("format") != fmt:
         raise InputError(f"not a {what} state (expected format {fmt!r})")
+    views = views or {}
     for key, value in mine.items():
         if key not in state:
             raise InputError(f"{what} checkpoint has no {key!r}; {advice}")
-        saved = (views or {}).get(key, lambda v: v)(state[key])
+        saved = views[key](state[key]) if key in views else state[key]
         if saved != value:
             raise InputError(f"{what} checkpoint {key} {_short(saved)} does not match this "
                              f"run's {_short(value)}; {advice}")
