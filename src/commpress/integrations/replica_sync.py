@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from commpress.collectives import CollectiveMismatchError
+from commpress.collectives.comm import all_gather_single
 from commpress.integrations.buckets import Bucket, checksum
 
 
@@ -43,18 +44,25 @@ def sync_initial_state(model: nn.Module, buckets: list[Bucket], group: dist.Proc
         broadcast_coalesced([t for _, t in others], src, group, device)
         return
     items = [(f"the bucket holding {b.names[0]!r}", b.param_buffer) for b in buckets]
-    items += others
-    mine = torch.tensor([checksum(t) for _, t in items], dtype=torch.int64, device=device)
-    every = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(every, mine, group=group)
-    differ = [r for r in range(world) if not torch.equal(every[r], every[0])]
+    names, tensors = zip(*items, *others)
+    differ, every = differing_ranks(tensors, group, device)
     if differ:
-        first = next(name for i, (name, _) in enumerate(items)
-                     if any(every[r][i] != every[0][i] for r in differ))
+        first = next(name for name, same in zip(names, (every == every[0]).all(dim=0))
+                     if not same)
         raise CollectiveMismatchError(
             f"ShardedOptimizer(init_sync='verify'): data-parallel ranks {differ} start "
             f"from other weights than rank 0 (first difference: {first}); initialize "
             "every replica from the same seed, or use init_sync='broadcast'")
+
+
+def differing_ranks(tensors: list[torch.Tensor], group: dist.ProcessGroup,
+                    device: torch.device) -> tuple[list[int], torch.Tensor]:
+    """``group``'s ranks whose ``tensors`` differ from its first rank's, and every checksum."""
+    mine = torch.tensor([checksum(t) for t in tensors], dtype=torch.int64, device=device)
+    every = mine.new_empty(group.size() * mine.numel())
+    all_gather_single(every, mine, group)
+    every = every.view(group.size(), -1)
+    return [r for r in range(group.size()) if not torch.equal(every[r], every[0])], every
 
 
 @torch.no_grad()

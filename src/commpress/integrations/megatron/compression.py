@@ -12,13 +12,13 @@ import torch.distributed as dist
 from megatron.core.distributed import DistributedDataParallel
 
 from commpress.collectives import CollectiveMismatchError, Topology
-from commpress.collectives.comm import all_gather_single
-from commpress.integrations.buckets import checksum, tensor_parallel_key
+from commpress.integrations.buckets import tensor_parallel_key
 from commpress.integrations.megatron import data_parallel, model_parallel
 from commpress.integrations.megatron.data_parallel import BucketComm
 from commpress.integrations.megatron.layout import identical_mask
 from commpress.integrations.megatron.model_parallel import ActivationComm
 from commpress.integrations.megatron.seams import REGISTRY, acquire, release
+from commpress.integrations.replica_sync import differing_ranks
 from commpress.policy import Policy
 from commpress.validate import InputError, check_saved_state
 
@@ -321,12 +321,8 @@ def _check_replicas(buffer: Any, group: dist.ProcessGroup) -> None:
     """qWD sends only differences, which never close a gap: the replicas must agree."""
     if group.size() == 1:
         return
-    mine = torch.tensor([checksum(bk.param_data) for bk in buffer.buckets], dtype=torch.int64,
-                        device=buffer.param_data.device)
-    every = torch.empty(group.size() * mine.numel(), dtype=torch.int64, device=mine.device)
-    all_gather_single(every, mine, group)
-    rows = every.view(group.size(), -1)
-    differ = [r for r in range(group.size()) if not torch.equal(rows[r], rows[0])]
+    differ, _ = differing_ranks([bk.param_data for bk in buffer.buckets], group,
+                                buffer.param_data.device)
     if differ:
         ranks = dist.get_process_group_ranks(group)
         raise CollectiveMismatchError(
