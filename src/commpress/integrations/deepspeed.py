@@ -16,7 +16,7 @@
   parts meet on one local rank first, and only their sum crosses the slow link.
 * **Weights.** DeepSpeed's step gathers the new partitions with the module function
   ``all_gather_dp_groups``; for this engine they go through
-  :func:`~commpress.integrations.sharded_optimizer.gather_weights` with the
+  :func:`~commpress.integrations.weight_gather.gather_weights` with the
   ``dp.param`` rule instead: a codec, two levels, or qWD differences (each rank keeps
   its own partition as last gathered, since DeepSpeed overwrites it with the new
   weights before the gather).
@@ -51,7 +51,6 @@ import logging
 import os
 import weakref
 from collections.abc import Callable
-from types import MethodType
 from typing import Any
 
 import torch
@@ -60,7 +59,7 @@ import torch.distributed as dist
 from commpress.collectives import Topology
 from commpress.collectives.parts import reduce_scatter_parts
 from commpress.integrations.grad_path import GradPath
-from commpress.integrations.sharded_optimizer import gather_weights
+from commpress.integrations.weight_gather import gather_weights
 from commpress.policy import Policy
 from commpress.validate import InputError, check_saved_state
 
@@ -119,15 +118,14 @@ class DeepSpeedCompression:
     def _install(self) -> None:
         global _DEEPSPEED_GATHER
         opt, engine = self.optimizer, self.engine
-        for name in PATCHED:
-            self._originals[name] = getattr(opt, name)
-        opt.average_tensor = MethodType(_average_tensor, self)
-        opt.allreduce_and_scatter = MethodType(_collect_scatter, self)
-        opt.allreduce_no_retain = MethodType(_collect_reduce, self)
-        self._originals["save_checkpoint"] = engine.save_checkpoint
-        self._originals["load_checkpoint"] = engine.load_checkpoint
-        engine.save_checkpoint = self._save_checkpoint
-        engine.load_checkpoint = self._load_checkpoint
+        for owner, name, replacement in (
+                (opt, "average_tensor", self.reduce_bucket),
+                (opt, "allreduce_and_scatter", self._collect_scatter),
+                (opt, "allreduce_no_retain", self._collect_reduce),
+                (engine, "save_checkpoint", self._save_checkpoint),
+                (engine, "load_checkpoint", self._load_checkpoint)):
+            self._originals[name] = getattr(owner, name)
+            setattr(owner, name, replacement)
         if stage_1_and_2.all_gather_dp_groups is not _gather_dispatch:
             _DEEPSPEED_GATHER = stage_1_and_2.all_gather_dp_groups
             stage_1_and_2.all_gather_dp_groups = _gather_dispatch
@@ -202,6 +200,31 @@ class DeepSpeedCompression:
                                "supported")
         self._pieces.append((dst, view, output))
 
+    # DeepSpeed calls these two as methods of its optimizer: bound to this compression
+    def _collect_scatter(self, bucket, communication_data_type, numel_per_bucket=500000000,
+                         log=None, divide=True, process_group=None):
+        if self._pieces is None:
+            return self._originals["allreduce_and_scatter"](
+                bucket, communication_data_type, numel_per_bucket=numel_per_bucket, log=log,
+                divide=divide, process_group=process_group)
+        for item in bucket:
+            ranks, view, output = item if len(item) == 3 else (*item, None)
+            if not isinstance(ranks, frozenset) or len(ranks) != 1:
+                shown = sorted(ranks) if isinstance(ranks, frozenset) else ranks
+                raise RuntimeError("commpress.deepspeed: a gradient slice is copied to several "
+                                   f"ranks ({shown}; Muon's split matrices?); not supported")
+            self.collect(next(iter(ranks)), view, output, process_group)
+
+    def _collect_reduce(self, bucket, communication_data_type, numel_per_bucket=500000000,
+                        rank=None, log=None, divide=True, process_group=None,
+                        output_bucket=None):
+        if self._pieces is None or rank is None:
+            return self._originals["allreduce_no_retain"](
+                bucket, communication_data_type, numel_per_bucket=numel_per_bucket, rank=rank,
+                log=log, divide=divide, process_group=process_group, output_bucket=output_bucket)
+        for view, output in zip(bucket, output_bucket or [None] * len(bucket)):
+            self.collect(rank, view, output, process_group)
+
     # -- weights ------------------------------------------------------------------------
     def gather(self, groups_flat: list[torch.Tensor], partitions: list[list[torch.Tensor]],
                groups: list[dist.ProcessGroup]) -> None:
@@ -209,18 +232,16 @@ class DeepSpeedCompression:
         for i, (flat, parts) in enumerate(zip(groups_flat, partitions)):
             if dist.get_world_size(groups[i]) == 1:
                 continue
-            mine = parts[dist.get_rank(groups[i])]
-            if self._own_weights is None:
-                gather_weights(flat, mine, self.param_codecs[i], self.param_rule, self.topology,
-                               groups[i])
-                continue
-            # qWD: the difference is taken against this rank's partition as every replica
-            # holds it, which DeepSpeed has just overwritten with the new weights
-            new = mine.clone()
-            mine.copy_(self._own_weights[i])
+            new = mine = parts[dist.get_rank(groups[i])]
+            if self._own_weights is not None:
+                # qWD: the difference is taken against this rank's partition as every
+                # replica holds it, which DeepSpeed has just overwritten with the new weights
+                new = mine.clone()
+                mine.copy_(self._own_weights[i])
             gather_weights(flat, new, self.param_codecs[i], self.param_rule, self.topology,
                            groups[i])
-            self._own_weights[i] = mine.clone()
+            if self._own_weights is not None:
+                self._own_weights[i] = mine.clone()
 
     def _own_partitions(self) -> list[torch.Tensor]:
         opt = self.optimizer
@@ -283,38 +304,6 @@ class DeepSpeedCompression:
                              "compressed engine, or load with load_module_only=True")
         self.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
         return load_path, client_state
-
-
-# DeepSpeed calls these as methods of its optimizer; bound to the compression instead.
-def _average_tensor(self: DeepSpeedCompression, tensor: torch.Tensor,
-                    communication_data_type: torch.dtype) -> None:
-    self.reduce_bucket(tensor, communication_data_type)
-
-
-def _collect_scatter(self: DeepSpeedCompression, bucket, communication_data_type,
-                     numel_per_bucket=500000000, log=None, divide=True, process_group=None):
-    if self._pieces is None:
-        return self._originals["allreduce_and_scatter"](
-            bucket, communication_data_type, numel_per_bucket=numel_per_bucket, log=log,
-            divide=divide, process_group=process_group)
-    for item in bucket:
-        ranks, view, output = item if len(item) == 3 else (*item, None)
-        if not isinstance(ranks, frozenset) or len(ranks) != 1:
-            raise RuntimeError("commpress.deepspeed: a gradient slice is copied to several "
-                               f"ranks ({sorted(ranks) if isinstance(ranks, frozenset) else ranks}"
-                               "; Muon's split matrices?); not supported")
-        self.collect(next(iter(ranks)), view, output, process_group)
-
-
-def _collect_reduce(self: DeepSpeedCompression, bucket, communication_data_type,
-                    numel_per_bucket=500000000, rank=None, log=None, divide=True,
-                    process_group=None, output_bucket=None):
-    if self._pieces is None or rank is None:
-        return self._originals["allreduce_no_retain"](
-            bucket, communication_data_type, numel_per_bucket=numel_per_bucket, rank=rank,
-            log=log, divide=divide, process_group=process_group, output_bucket=output_bucket)
-    for view, output in zip(bucket, output_bucket or [None] * len(bucket)):
-        self.collect(rank, view, output, process_group)
 
 
 def _gather_dispatch(groups_flat, partitioned_param_groups, dp_process_group,

@@ -41,7 +41,7 @@ from commpress.collectives.call import is_exact
 from commpress.integrations.grad_path import GradPath
 from commpress.integrations.megatron.layout import Layout
 from commpress.integrations.megatron.seams import REGISTRY, ModuleView, Swap, broken_swaps
-from commpress.integrations.sharded_optimizer import gather_weights
+from commpress.integrations.weight_gather import gather_weights
 from commpress.policy import Policy
 from commpress.validate import InputError
 
