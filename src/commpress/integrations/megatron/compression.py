@@ -63,10 +63,9 @@ class MegatronCompression:
             for comm in self.buckets.values():
                 for t in (comm.bucket.grad_data, comm.bucket.param_data):
                     REGISTRY.buckets.pop(id(t), None)
-            if self.tp is not None:
-                REGISTRY.tp.pop(self.tp.group, None)
-            if self.pp is not None:
-                REGISTRY.pp.pop(self.pp.group, None)
+            for comm, live in ((self.tp, REGISTRY.tp), (self.pp, REGISTRY.pp)):
+                if comm is not None:
+                    live.pop(comm.group, None)
         model_parallel.restore_dgrad(self._dgrad_layers)
         release()
         self.removed = True
@@ -154,7 +153,14 @@ def apply(model: Any, optimizer: Any = None, policy: str | dict | Policy = "sdp4
     if chunks[0].pp_group.size() > 1:
         pp = ActivationComm("pp", chunks[0].pp_group, policy)
     with REGISTRY.lock:
-        _check_free(buckets, tp, pp)
+        if any(id(c.bucket.grad_data) in REGISTRY.buckets for c in buckets.values()):
+            raise InputError("commpress.megatron.apply: this model already has a policy applied; "
+                             "call .remove() on its handle first")
+        for axis, comm, live in (("tensor", tp, REGISTRY.tp), ("pipeline", pp, REGISTRY.pp)):
+            if comm is not None and comm.group in live:
+                raise InputError(f"commpress.megatron.apply: another model on the same "
+                                 f"{axis}-parallel group already has a policy applied; apply one "
+                                 "policy to all model chunks at once (pass the list)")
         for comm in buckets.values():
             for t in (comm.bucket.grad_data, comm.bucket.param_data):
                 if t is not None:
@@ -243,12 +249,8 @@ def _check_config(chunks: list[DistributedDataParallel], optimizer: Any, policy:
             raise _refuse("use_ring_exchange_p2p=True", "set it to False")
         if not config.batch_p2p_comm:
             raise _refuse("batch_p2p_comm=False (overlap_p2p_comm)", "set batch_p2p_comm=True")
-    if optimizer is not None:
-        _check_optimizer(chunks, optimizer)
-
-
-def _check_optimizer(chunks: list[DistributedDataParallel], optimizer: Any) -> None:
-    # the distributed optimizer knows its model chunks; the others only their parameters
+    # the distributed optimizer knows its model chunks; the others (and None) only their
+    # parameters
     parts = getattr(optimizer, "chained_optimizers", [optimizer])
     covered = {id(m) for o in parts for m in getattr(o, "model_chunks", [])}
     if covered and not covered & {id(c) for c in chunks}:
@@ -331,14 +333,3 @@ def _check_replicas(buffer: Any, group: dist.ProcessGroup) -> None:
             "and would never close the gap: call model.broadcast_params() (or load the same "
             "checkpoint everywhere) before apply")
 
-
-def _check_free(buckets: dict[str, BucketComm], tp: ActivationComm | None,
-                pp: ActivationComm | None) -> None:
-    if any(id(c.bucket.grad_data) in REGISTRY.buckets for c in buckets.values()):
-        raise InputError("commpress.megatron.apply: this model already has a policy applied; "
-                         "call .remove() on its handle first")
-    for axis, comm, live in (("tensor", tp, REGISTRY.tp), ("pipeline", pp, REGISTRY.pp)):
-        if comm is not None and comm.group in live:
-            raise InputError(f"commpress.megatron.apply: another model on the same "
-                             f"{axis}-parallel group already has a policy applied; apply one "
-                             "policy to all model chunks at once (pass the list)")

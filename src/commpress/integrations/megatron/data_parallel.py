@@ -266,11 +266,11 @@ def _issue(handle: Handle, async_op: bool) -> Handle | None:
     return None
 
 
-def _passthrough(swap: Swap, *args, **kwargs):
+def _passthrough(fn, *args, **kwargs):
     batch = _current()
     if batch is None:
-        return swap.original(*args, **kwargs)
-    return batch.passthrough(swap.original, *args, **kwargs)
+        return fn(*args, **kwargs)
+    return batch.passthrough(fn, *args, **kwargs)
 
 
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=dist.ReduceOp.SUM,
@@ -278,7 +278,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=dist.Red
     """Replaces ``dist_reduce_scatter_func``: a covered bucket's gradients → ``dp.grad``."""
     comm = REGISTRY.bucket(input, "grad_data")
     if comm is None:
-        return _passthrough(RS, output, input, op=op, group=group, async_op=async_op)
+        return _passthrough(RS.original, output, input, op=op, group=group, async_op=async_op)
     return _issue(comm.reduce_scatter(output, input, op_name(op)), async_op)
 
 
@@ -287,7 +287,7 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None
     """Replaces ``dist_all_gather_func``: a covered bucket's weights → ``dp.param``."""
     comm = REGISTRY.bucket(output, "param_data")
     if comm is None:
-        return _passthrough(AG, output, input, group=group, async_op=async_op)
+        return _passthrough(AG.original, output, input, group=group, async_op=async_op)
     return _issue(comm.all_gather(output, input), async_op)
 
 
@@ -296,10 +296,7 @@ def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None, async_op:
     the distributed optimizer: a covered bucket's gradients → ``dp.grad``."""
     comm = REGISTRY.bucket(tensor, "grad_data")
     if comm is None:
-        batch = _current()
-        if batch is None:
-            return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
-        return batch.passthrough(dist.all_reduce, tensor, op=op, group=group, async_op=async_op)
+        return _passthrough(dist.all_reduce, tensor, op=op, group=group, async_op=async_op)
     return _issue(comm.all_reduce(tensor, op_name(op)), async_op)
 
 

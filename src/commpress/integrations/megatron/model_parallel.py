@@ -136,15 +136,6 @@ _FUNCTIONS = ("_CopyToModelParallelRegion", "_ReduceFromModelParallelRegion",
               "_ReduceScatterToTensorParallelRegion")
 
 
-def _direction_swaps() -> list[Swap]:
-    swaps = []
-    for name in _FUNCTIONS:
-        cls = getattr(mappings, name)
-        for method, kind in (("forward", "act"), ("backward", "act_grad")):
-            swaps.append(Swap(cls, method, _directed(vars(cls)[method].__func__, kind)))
-    return swaps
-
-
 TP_REDUCE = Swap(mappings, "_reduce", tp_reduce)
 _TP_GATHER = Swap(mappings, "dist_all_gather_func", None)
 _TP_SCATTER = Swap(mappings, "dist_reduce_scatter_func", None)
@@ -156,7 +147,10 @@ _SP_GATHER = Swap(layers, "dist_all_gather_func", None)
 _SP_SCATTER = Swap(layers, "dist_reduce_scatter_func", None)
 _SP_GATHER.replacement = _gather(_SP_GATHER, "act")
 _SP_SCATTER.replacement = _scatter(_SP_SCATTER, "act_grad")
-TP_SWAPS = [TP_REDUCE, _TP_GATHER, _TP_SCATTER, _SP_GATHER, _SP_SCATTER, *_direction_swaps()]
+_DIRECTION_SWAPS = [Swap(cls, method, _directed(vars(cls)[method].__func__, kind))
+                    for cls in (getattr(mappings, name) for name in _FUNCTIONS)
+                    for method, kind in (("forward", "act"), ("backward", "act_grad"))]
+TP_SWAPS = [TP_REDUCE, _TP_GATHER, _TP_SCATTER, _SP_GATHER, _SP_SCATTER, *_DIRECTION_SWAPS]
 
 
 def route_dgrad_through_mappings(chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:

@@ -42,15 +42,13 @@ class Swap:
         if self.intact():
             setattr(self.owner, self.name, self.original)
         else:
-            log.warning("commpress.megatron: %s.%s was replaced by someone else after commpress "
-                        "installed its own; leaving theirs", _name(self.owner), self.name)
+            log.warning("commpress.megatron: %s was replaced by someone else after commpress "
+                        "installed its own; leaving theirs", self.describe())
 
     def describe(self) -> str:
-        return f"{_name(self.owner)}.{self.name}"
-
-
-def _name(owner: Any) -> str:
-    return getattr(owner, "__qualname__", None) or getattr(owner, "__name__", repr(owner))
+        owner = (getattr(self.owner, "__qualname__", None)
+                 or getattr(self.owner, "__name__", repr(self.owner)))
+        return f"{owner}.{self.name}"
 
 
 class ModuleView(types.ModuleType):
