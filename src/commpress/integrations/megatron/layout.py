@@ -82,13 +82,11 @@ def identical_mask(bucket, positions: dict, identical: dict) -> torch.Tensor | N
 
     ``positions[param]`` is the parameter's ``(start, end)`` in the bucket.
     """
-    mask = torch.zeros(bucket.grad_data.numel(), dtype=torch.bool)
-    kinds = set()
-    for p in bucket.params_list:
-        start, end = positions[p]
-        kinds.add(identical[p])
-        if identical[p]:
-            mask[start:end] = True
-    if len(kinds) < 2:
+    if len({identical[p] for p in bucket.params_list}) < 2:
         return None
-    return mask.to(bucket.grad_data.device)
+    mask = torch.zeros(bucket.grad_data.numel(), dtype=torch.bool, device=bucket.grad_data.device)
+    for p in bucket.params_list:
+        if identical[p]:
+            start, end = positions[p]
+            mask[start:end] = True
+    return mask
