@@ -241,8 +241,8 @@ class LowRankReducer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         shapes = [tuple(q.shape) for q in self.qs]
-        if [tuple(q.shape) for q in state["qs"]] != shapes:
-            theirs = [tuple(q.shape) for q in state["qs"]]
+        theirs = [tuple(q.shape) for q in state["qs"]]
+        if theirs != shapes:
             raise InputError(f"low-rank hook state has factors {theirs}; this bucket has "
                              f"{shapes}: resume with the same model and rank")
         self.iter = state["iter"]

@@ -345,12 +345,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     continue
                 if set_to_none:
                     p.grad = None
+                elif p.grad.grad_fn is not None:
+                    p.grad.detach_().zero_()
                 else:
-                    if p.grad.grad_fn is not None:
-                        p.grad.detach_()
-                    else:
-                        p.grad.requires_grad_(False)
-                    p.grad.zero_()
+                    p.grad.requires_grad_(False).zero_()
         self._reduced_norm = self._clip_norm = None
 
     # -- groups ------------------------------------------------------------------------
