@@ -177,7 +177,7 @@ class DDPHookState:
         # internal state
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.buckets = hook_layout(named, bucket_numel,
-                               lambda: GradPath(self.policy, self.topology, label))
+                                   lambda: GradPath(self.policy, self.topology, label))
         by_name = dict(named)
         self._where = {id(by_name[name]): (j, i)  # parameter → (hook bucket, position)
                        for j, b in enumerate(self.buckets) for i, name in enumerate(b.names)}
