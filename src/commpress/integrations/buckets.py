@@ -16,6 +16,7 @@ differences and drift apart; kept apart, replicas see bit-identical inputs and c
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
@@ -115,10 +116,7 @@ def build_buckets(named: list[tuple[str, nn.Parameter]], bucket_numel: int, deca
         for members in lists:
             grad_path, param_codec = make_grad_path(), make_param_codec()
             unit = math.lcm(grad_path.alignment, max(split(param_codec)[0].alignment, 1)) * world
-            offsets, total = [], 0
-            for _, p in members:
-                offsets.append(total)
-                total += p.numel()
+            *offsets, total = itertools.accumulate((p.numel() for _, p in members), initial=0)
             buckets.append(Bucket(
                 index=len(buckets), dtype=dtype, decay=decay, replication=replication,
                 names=[n for n, _ in members], params=[p for _, p in members],
@@ -145,12 +143,9 @@ def build_optimizer(buckets: list[Bucket], optimizer_cls: type[torch.optim.Optim
     ``weight_decay`` applies to decaying buckets only (not biases and norms)."""
     kwargs = dict(optimizer_kwargs)
     weight_decay = kwargs.pop("weight_decay", None)
-    groups = []
-    for b in buckets:
-        g: dict[str, Any] = {"params": [b.master]}
-        if weight_decay is not None:
-            g["weight_decay"] = weight_decay if b.decay else 0.0
-        groups.append(g)
+    groups = [{"params": [b.master]} if weight_decay is None else
+              {"params": [b.master], "weight_decay": weight_decay if b.decay else 0.0}
+              for b in buckets]
     return (optimizer_cls or torch.optim.AdamW)(groups, **kwargs)
 
 

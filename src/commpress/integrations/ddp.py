@@ -43,6 +43,7 @@ wait on a group that is out of step.
 
 # No ``from __future__ import annotations``: DDP compares the hook's annotations with
 # ``dist.GradBucket`` and ``torch.futures.Future[torch.Tensor]`` as objects.
+import functools
 import queue
 import threading
 from collections.abc import Callable
@@ -64,6 +65,16 @@ from commpress.validate import InputError, check_saved_state
 
 STATE_FORMAT = "commpress.DDPHookState/2"
 BUCKET_NUMEL = 1 << 22  # elements per hook bucket, by default
+
+
+def _report(run: Callable[[], None], done: Callable[[BaseException | None], None]) -> None:
+    """Call ``run``, then ``done`` with the error it raised, or None."""
+    try:
+        run()
+    except BaseException as e:  # noqa: BLE001 - delivered to the waiting rank
+        done(e)
+        return
+    done(None)
 
 
 class _CommThread:
@@ -90,15 +101,6 @@ class _CommThread:
                done: Callable[[BaseException | None], None], last: bool) -> None:
         self._queue.put((start, done, last))
 
-    @staticmethod
-    def _finish(finish: Callable[[], None], done: Callable) -> None:
-        try:
-            finish()
-        except BaseException as e:  # noqa: BLE001 - delivered to the waiting rank
-            done(e)
-            return
-        done(None)
-
     def _loop(self) -> None:
         pending = None  # (finish, done) of the previous bucket
         while True:
@@ -112,11 +114,11 @@ class _CommThread:
             except BaseException as e:  # noqa: BLE001 - delivered to the waiting rank
                 done(e)
             if pending is not None:
-                self._finish(*pending)
+                _report(*pending)
                 pending = None
             if finish is not None:
                 if last:
-                    self._finish(finish, done)
+                    _report(finish, done)
                 else:
                     pending = (finish, done)
 
@@ -127,10 +129,13 @@ class _HookBucket:
 
     names: list[str]
     numels: list[int]
-    offsets: list[int]
     grad_path: GradPath
+    offsets: list[int] = field(init=False)
     buffer: torch.Tensor | None = None  # allocated at first use, in the gradients' dtype
     ready: set = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.offsets = [sum(self.numels[:i]) for i in range(len(self.numels))]
 
 
 @dataclass
@@ -167,14 +172,15 @@ class DDPHookState:
         # hyperparameters
         self.policy = grad_policy(policy)
         self.topology = topology or Topology()
-        self.label = label
         self.group = _ddp_group(model, group)
         self.overlap = overlap
         # internal state
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.buckets = hook_layout(named, bucket_numel,
-                               lambda: GradPath(self.policy, self.topology, label))
-        self._where = _locate(named, self.buckets)
+                                   lambda: GradPath(self.policy, self.topology, label))
+        by_name = dict(named)
+        self._where = {id(by_name[name]): (j, i)  # parameter → (hook bucket, position)
+                       for j, b in enumerate(self.buckets) for i, name in enumerate(b.names)}
         self._waiting: dict[int, list[_Waiting]] = {}  # hook bucket index → DDP buckets
         self._done_buckets = 0
         self._lock = threading.Lock()
@@ -266,7 +272,7 @@ class DDPHookState:
         # ``set_exception`` stores the error as the future's value, which DDP would read
         # as the gradient ("Unable to cast ... to Tensor"); raising it in ``then`` fails
         # the chained future instead, and DDP's backward raises with its message
-        return fut.then(_value_or_raise)
+        return fut.then(lambda f: f.wait())
 
     def _run(self, j: int, last: bool) -> None:
         hb = self.buckets[j]
@@ -280,17 +286,13 @@ class DDPHookState:
                                              async_op=True)
             return handle.wait
 
-        if self.overlap:
-            if self._thread is None:
-                self._thread = _CommThread()
-            self._thread.submit(start, lambda e: self._reduced(j, e), last)
+        done = functools.partial(self._reduced, j)
+        if not self.overlap:
+            _report(lambda: start()(), done)
             return
-        try:
-            start()()
-        except BaseException as e:  # noqa: BLE001 - delivered through the futures
-            self._reduced(j, e)
-            return
-        self._reduced(j, None)
+        if self._thread is None:
+            self._thread = _CommThread()
+        self._thread.submit(start, done, last)
 
     def _reduced(self, j: int, error: BaseException | None) -> None:
         """Hook bucket ``j`` is reduced: copy it back and complete the DDP buckets that
@@ -320,39 +322,17 @@ class DDPHookState:
 
 
 def hook_layout(named: list[tuple[str, nn.Parameter]], bucket_numel: int,
-            make_grad_path: Callable[[], GradPath]) -> list[_HookBucket]:
+                make_grad_path: Callable[[], GradPath]) -> list[_HookBucket]:
     """Fixed buckets: parameters in reverse registration order (roughly the order their
     gradients become ready), one dtype per bucket, about ``bucket_numel`` elements each."""
-    buckets: list[_HookBucket] = []
-    names: list[str] = []
-    numels: list[int] = []
+    groups: list[dict[str, int]] = []  # each bucket's parameters: name → numel
     dtype = None
     for name, p in reversed(named):
-        if names and (sum(numels) + p.numel() > bucket_numel or p.dtype != dtype):
-            buckets.append(_bucket(names, numels, make_grad_path()))
-            names, numels = [], []
-        names.append(name)
-        numels.append(p.numel())
+        if not groups or sum(groups[-1].values()) + p.numel() > bucket_numel or p.dtype != dtype:
+            groups.append({})
+        groups[-1][name] = p.numel()
         dtype = p.dtype
-    if names:
-        buckets.append(_bucket(names, numels, make_grad_path()))
-    return buckets
-
-
-def _bucket(names: list[str], numels: list[int], grad_path: GradPath) -> _HookBucket:
-    offsets = [sum(numels[:i]) for i in range(len(numels))]
-    return _HookBucket(list(names), list(numels), offsets, grad_path)
-
-
-def _locate(named: list[tuple[str, nn.Parameter]],
-            buckets: list[_HookBucket]) -> dict[int, tuple[int, int]]:
-    by_name = dict(named)
-    return {id(by_name[name]): (j, i) for j, b in enumerate(buckets)
-            for i, name in enumerate(b.names)}
-
-
-def _value_or_raise(fut: torch.futures.Future) -> torch.Tensor:
-    return fut.wait()
+    return [_HookBucket(list(g), list(g.values()), make_grad_path()) for g in groups]
 
 
 def grad_policy(spec: str | dict | Policy) -> Policy:

@@ -57,6 +57,7 @@ from commpress.codecs import ErrorFeedback
 from commpress.codecs import codec as build_codec
 from commpress.collectives import Topology, hierarchical_all_reduce
 from commpress.collectives.call import is_exact
+from commpress.collectives.handle import completed
 from commpress.integrations.ddp import BUCKET_NUMEL, DDPHookState, compressed_allreduce_hook
 from commpress.validate import InputError
 
@@ -164,11 +165,11 @@ class LowRankReducer:
             torch.mm(b.t(), mv if left else mv.t(), out=out.view(b.shape[1], -1))
         if vectors is not None:
             parts[-1].copy_(vectors)
-        local = [out.view(b.shape[1], -1).t().clone() for out, b in zip(parts, bases)]
+        factors = [out.view(b.shape[1], -1).t() for out, b in zip(parts, bases)]
+        local = [f.clone() for f in factors]
         # P and Q each their own label: the codec's memory is kept per label
         self._reduce(flat, codec, group, f"{LABEL}.{'q' if left else 'p'}")
-        return ([out.view(b.shape[1], -1).t() for out, b in zip(parts, bases)]
-                + parts[len(bases):]), local
+        return factors + parts[len(bases):], local
 
     def all_reduce(self, tensor: torch.Tensor, group: dist.ProcessGroup | None, op: str = "avg",
                    async_op: bool = False):
@@ -177,7 +178,7 @@ class LowRankReducer:
         if self.iter < self.config.start_iter:
             self._reduce(tensor, self.exact, group)
             self.iter += 1
-            return _DONE
+            return completed(tensor)
         # Step 1: add the memory: M = G + E
         if self.error is None:
             self.error = torch.zeros_like(tensor, dtype=torch.float32)
@@ -190,7 +191,6 @@ class LowRankReducer:
                  for x in self.matrices]
         vectors = torch.cat([compensated[o: o + k] for o, k in self.vector_slices]
                             or [compensated[:0]])
-        ps, qs = self.ps, self.qs
         left = True  # whether the last factor sent was Q (else P)
         if not self.config.alternate:
             # Step 2-3: P = M orth(Q), averaged (orth: module docstring); Step 4:
@@ -216,10 +216,9 @@ class LowRankReducer:
         result = torch.empty_like(compensated)
         for x, p, q in zip(self.matrices, ps, qs):
             torch.mm(p, q.t(), out=result[x.offset: x.offset + x.n * x.m].view(x.n, x.m))
-        at = 0
-        for offset, k in self.vector_slices:
-            result[offset: offset + k] = vectors[at: at + k]
-            at += k
+        parts = vectors.split([k for _, k in self.vector_slices])
+        for (offset, k), part in zip(self.vector_slices, parts):
+            result[offset: offset + k] = part
         # Step 7: keep what was not sent of this rank's own M (module docstring): the
         # last factor sent as this rank computed it; a non-finite result leaves the
         # state as it was
@@ -232,7 +231,7 @@ class LowRankReducer:
             self.ps, self.qs = [p.clone() for p in ps], [q.clone() for q in qs]
         tensor.copy_(result)
         self.iter += 1
-        return _DONE
+        return completed(tensor)
 
     def state_dict(self) -> dict[str, Any]:
         return {"iter": self.iter, "qs": [q.clone() for q in self.qs],
@@ -242,8 +241,8 @@ class LowRankReducer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         shapes = [tuple(q.shape) for q in self.qs]
-        if [tuple(q.shape) for q in state["qs"]] != shapes:
-            theirs = [tuple(q.shape) for q in state["qs"]]
+        theirs = [tuple(q.shape) for q in state["qs"]]
+        if theirs != shapes:
             raise InputError(f"low-rank hook state has factors {theirs}; this bucket has "
                              f"{shapes}: resume with the same model and rank")
         self.iter = state["iter"]
@@ -276,16 +275,6 @@ def update_is_finite(result: torch.Tensor, ranks: list[int], ps: list[torch.Tens
     if bool(bounds.max() < FLOAT32_MAX / 2):
         return True
     return bool(torch.isfinite(result).all())
-
-
-class _Done:
-    """The handle of a reduction that finished before it was returned."""
-
-    def wait(self) -> None:
-        return None
-
-
-_DONE = _Done()
 
 
 class LowRankHookState(DDPHookState):

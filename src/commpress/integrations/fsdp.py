@@ -70,12 +70,10 @@ class CompressedAllGather(_Allocate, AllGather):
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, async_op: bool = False) -> None:
-        if not input_tensor.is_floating_point():
-            # mixed-dtype parameters travel as raw bytes: nothing to quantize
+        if input_tensor.is_floating_point():
+            all_gather(output_tensor, input_tensor, self.codec, group=group, label=self.label)
+        else:  # mixed-dtype parameters travel as raw bytes: nothing to quantize
             all_gather_single(output_tensor, input_tensor, group)
-            return None
-        all_gather(output_tensor, input_tensor, self.codec, group=group, label=self.label)
-        return None
 
 
 class CompressedReduceScatter(_Allocate, ReduceScatter):
@@ -99,7 +97,6 @@ class CompressedReduceScatter(_Allocate, ReduceScatter):
                                       op=_op_name(op, input_tensor))
         if self.replicate is not None:
             self.replicate(output_tensor)
-        return None
 
 
 class ReplicateAllReduce:
@@ -201,28 +198,35 @@ class _ShardOnlyMeshInfo(FSDPMeshInfo):
     hsdp: HSDPMeshInfo | None = None
 
 
-def _take_replicate_all_reduce(param_group: Any) -> dist.ProcessGroup | None:
-    """The replicate process group of an HSDP parameter group, after switching FSDP's
-    own all-reduce off for it; ``None`` for FSDP on a 1-D mesh."""
+def _replicate_all_reduce(module: FSDPModule, policy: Policy,
+                          in_flight: InFlight) -> ReplicateAllReduce | None:
+    """The replicate all-reduce of an HSDP module's parameter group, after switching
+    FSDP's own all-reduce off for it; ``None`` for FSDP on a 1-D mesh."""
+    param_groups = module._get_fsdp_state()._fsdp_param_groups
+    if len(param_groups) != 1:  # none: no parameters; several: set_custom_* refuses
+        return None
+    param_group = param_groups[0]
     mesh_info = param_group.mesh_info
     if isinstance(mesh_info, _ShardOnlyMeshInfo):  # compressed before
-        return mesh_info.hsdp.replicate_process_group
-    if not isinstance(mesh_info, HSDPMeshInfo):
+        mesh_info = mesh_info.hsdp
+    elif not isinstance(mesh_info, HSDPMeshInfo):
         return None
-    if mesh_info.shard_mesh_size == 1:
+    elif mesh_info.shard_mesh_size == 1:
         raise InputError(
             "commpress.fsdp.compress: HSDP mesh with a shard dimension of size 1 "
             f"(mesh {tuple(mesh_info.mesh.shape)}) is replication only and FSDP calls no "
             "reduce-scatter to compress; allowed: a shard dimension of size >= 2 (for pure "
             "replication use DDP with commpress.ddp_hook)")
-    shard_only = _ShardOnlyMeshInfo(mesh=mesh_info.mesh, shard_mesh_dim=mesh_info.shard_mesh_dim,
-                                    dp_mesh_dims=mesh_info.dp_mesh_dims,
-                                    spmd_mesh=mesh_info.spmd_mesh, hsdp=mesh_info)
-    shard_only.reduce_scatter_process_group = mesh_info.reduce_scatter_process_group
-    if param_group.post_forward_mesh_info is mesh_info:  # reshard_after_forward=True
-        param_group.post_forward_mesh_info = shard_only
-    param_group.mesh_info = shard_only
-    return mesh_info.replicate_process_group
+    else:
+        shard_only = _ShardOnlyMeshInfo(
+            mesh=mesh_info.mesh, shard_mesh_dim=mesh_info.shard_mesh_dim,
+            dp_mesh_dims=mesh_info.dp_mesh_dims, spmd_mesh=mesh_info.spmd_mesh, hsdp=mesh_info)
+        shard_only.reduce_scatter_process_group = mesh_info.reduce_scatter_process_group
+        if param_group.post_forward_mesh_info is mesh_info:  # reshard_after_forward=True
+            param_group.post_forward_mesh_info = shard_only
+        param_group.mesh_info = shard_only
+    return ReplicateAllReduce(policy.codec_for("dp", "grad", "inter"),
+                              mesh_info.replicate_process_group, param_group, in_flight)
 
 
 def _op_name(op, input_tensor: torch.Tensor) -> str:
@@ -373,14 +377,3 @@ def compress(model: nn.Module, policy: str | dict | Policy = "sdp4bit",
     log.info("Applied commpress %s to %d FSDP modules", policy.name, len(modules))
     return FSDPCompression(policy, modules, device)
 
-
-def _replicate_all_reduce(module: FSDPModule, policy: Policy,
-                          in_flight: InFlight) -> ReplicateAllReduce | None:
-    param_groups = module._get_fsdp_state()._fsdp_param_groups
-    if len(param_groups) != 1:  # none: no parameters; several: set_custom_* refuses
-        return None
-    group = _take_replicate_all_reduce(param_groups[0])
-    if group is None:
-        return None
-    return ReplicateAllReduce(policy.codec_for("dp", "grad", "inter"), group, param_groups[0],
-                              in_flight)

@@ -56,10 +56,7 @@ class GradPath:
     @property
     def alignment(self) -> int:
         """Element count every codec of the path splits evenly on."""
-        unit = 1
-        for c in self.codecs.values():
-            unit = math.lcm(unit, max(split(c)[0].alignment, 1))
-        return unit
+        return math.lcm(*(max(split(c)[0].alignment, 1) for c in self.codecs.values()))
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor,
                        group: dist.ProcessGroup | None, op: str = "avg",

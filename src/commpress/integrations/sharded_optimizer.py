@@ -34,9 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from commpress.collectives import (
-    Topology,
-)
+from commpress.collectives import Topology
 from commpress.collectives.comm import all_gather_single
 from commpress.collectives.handle import completed
 from commpress.integrations.buckets import (
@@ -298,10 +296,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
             b.handle.wait()
             b.handle = None
             b.ready.clear()
+            b.grad_buffer.zero_()
         # Step 2: one float across ranks: the norm, non-finite if any gradient is
         norm = self._global_grad_norm()
         self.last_grad_norm = norm
-        self._zero_grad_buffers()
         self._reduced_norm = norm
         return norm
 
@@ -332,10 +330,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 gather_weights(b.param_buffer, new, b.param_codec, self.param_rule,
                                self.topology, self.group)
 
-    def _zero_grad_buffers(self) -> None:
-        for b in self.buckets:
-            b.grad_buffer.zero_()
-
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear accumulated gradients: the flat buffers, and any ``param.grad`` (None
         after backward here; a gradient set by hand becomes None, or zeros with
@@ -345,19 +339,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 b.handle.wait()
                 b.handle = None
             b.ready.clear()
+            b.grad_buffer.zero_()
             for p in b.params:
                 if p.grad is None:
                     continue
                 if set_to_none:
                     p.grad = None
+                elif p.grad.grad_fn is not None:
+                    p.grad.detach_().zero_()
                 else:
-                    if p.grad.grad_fn is not None:
-                        p.grad.detach_()
-                    else:
-                        p.grad.requires_grad_(False)
-                    p.grad.zero_()
+                    p.grad.requires_grad_(False).zero_()
         self._reduced_norm = self._clip_norm = None
-        self._zero_grad_buffers()
 
     # -- groups ------------------------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -461,12 +453,10 @@ def _check_arguments(model, optimizer_cls, policy, nonfinite: str, bucket_numel:
     if policy is not None and not isinstance(policy, str | dict | Policy):
         raise TypeError(f"ShardedOptimizer: policy={policy!r} is not allowed; allowed: a preset "
                         "name, a policy file path, a dict or a commpress.Policy")
-    if nonfinite not in NONFINITE_CHOICES:
-        raise InputError(f"nonfinite={nonfinite!r} is not allowed; allowed: "
-                         f"{', '.join(NONFINITE_CHOICES)}")
-    if init_sync not in INIT_SYNC_CHOICES:
-        raise InputError(f"init_sync={init_sync!r} is not allowed; allowed: "
-                         f"{', '.join(INIT_SYNC_CHOICES)}")
+    for name, value, choices in (("nonfinite", nonfinite, NONFINITE_CHOICES),
+                                 ("init_sync", init_sync, INIT_SYNC_CHOICES)):
+        if value not in choices:
+            raise InputError(f"{name}={value!r} is not allowed; allowed: {', '.join(choices)}")
     check_int("bucket_numel", bucket_numel, ge=1)
     check_float("max_grad_norm", max_grad_norm, gt=0, optional=True)
     if not isinstance(broadcast_buffers, bool):
