@@ -26,7 +26,7 @@ from commpress.integrations.ddp import BUCKET_NUMEL, hook_layout
 from commpress.integrations.grad_path import GradPath
 from commpress.model.gpt import GPT, config_from_preset
 from commpress.policy import Policy
-from commpress.train.config import TrainConfig
+from commpress.train.config import DTYPES, TrainConfig
 from commpress.validate import InputError
 
 # one rank's codec objects for one bucket (its GradPath and weight codec): 13 KB
@@ -60,7 +60,8 @@ def train_needs(cfg: TrainConfig, local_ranks: int) -> dict[str, int]:
     per_rank = {"global batch": _batch_bytes(cfg),
                 "logits": _logits_bytes(cfg, cfg.batch_size // (cfg.dp * cfg.micro_batches)),
                 # weights and the fp32 gradient buffer; masters are sharded
-                "gradient buckets": sum(numels) // (cfg.tp * cfg.pp) * (_itemsize(cfg) + 4)}
+                "gradient buckets": sum(numels) // (cfg.tp * cfg.pp)
+                * (DTYPES[cfg.dtype].itemsize + 4)}
     return {part: local_ranks * b for part, b in per_rank.items()}
 
 
@@ -134,11 +135,7 @@ def _logits_bytes(cfg: TrainConfig, sequences: int) -> int:
 
 def _replica_bytes_per_element(cfg: TrainConfig) -> int:
     # weights, the fp32 gradient buffer, the fp32 master and AdamW's two moments
-    return _itemsize(cfg) + 4 + 4 + 8
-
-
-def _itemsize(cfg: TrainConfig) -> int:
-    return 4 if cfg.dtype == "fp32" else 2
+    return DTYPES[cfg.dtype].itemsize + 4 + 4 + 8
 
 
 def _gb(n: int) -> str:
