@@ -24,7 +24,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from datetime import timedelta
 from typing import Any
 
@@ -68,11 +68,9 @@ def set_parent_death_signal() -> None:
     """Ask Linux to SIGKILL this process when its parent dies (kept across ``exec``, so a
     ``subprocess`` can call it as ``preexec_fn``); a no-op elsewhere."""
     if sys.platform.startswith("linux"):
-        try:
+        with suppress(OSError, AttributeError):
             libc = ctypes.CDLL(None, use_errno=True)
             libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        except (OSError, AttributeError):
-            pass
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -122,10 +120,8 @@ def _worker(fn, rank, world, ranks_per_node, port, pg_timeout_s, args, results, 
         results.put((rank, kind, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     finally:
         if dist.is_initialized():
-            try:
+            with suppress(Exception):  # already failing or exiting
                 dist.destroy_process_group()
-            except Exception:  # noqa: BLE001 - already failing or exiting
-                pass
 
 
 def spawn(

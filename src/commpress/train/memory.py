@@ -14,6 +14,7 @@ so a refusal is certain to be right; a run just under the bound may still not fi
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import suppress
 
 import torch
 
@@ -82,19 +83,13 @@ def available_bytes(device: str) -> int | None:
     if device == "cuda":
         return torch.cuda.mem_get_info()[0]
     values = []
-    try:
-        with open("/proc/meminfo") as f:
-            values += [int(line.split()[1]) * 1024 for line in f
-                       if line.startswith("MemAvailable:")]
-    except OSError:
-        pass
-    try:
-        with open("/sys/fs/cgroup/memory.max") as f, open("/sys/fs/cgroup/memory.current") as g:
-            limit = f.read().strip()
-            if limit != "max":
-                values.append(int(limit) - int(g.read()))
-    except (OSError, ValueError):
-        pass
+    with suppress(OSError), open("/proc/meminfo") as f:
+        values += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")]
+    with (suppress(OSError, ValueError), open("/sys/fs/cgroup/memory.max") as f,
+          open("/sys/fs/cgroup/memory.current") as g):
+        limit = f.read().strip()
+        if limit != "max":
+            values.append(int(limit) - int(g.read()))
     return min(values) if values else None
 
 
