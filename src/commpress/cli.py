@@ -45,16 +45,14 @@ def _cmd_bench_codecs(args: argparse.Namespace) -> int:
 
 def _cmd_bench_collectives(args: argparse.Namespace) -> int:
     from commpress.bench.collectives import run_collectives_bench
+    from commpress.codecs import codec
 
     sizes = _element_counts("--sizes", args.sizes)
-    if args.codecs:
-        from commpress.codecs import codec
-
-        for spec in args.codecs.split(";"):
-            codec(spec)  # a bad spec is an error before any rank starts
+    codecs = args.codecs.split(";") if args.codecs else None
+    for spec in codecs or ():
+        codec(spec)  # a bad spec is an error before any rank starts
     run_collectives_bench(nproc=args.nproc, ranks_per_node=args.ranks_per_node, sizes=sizes,
-                          codecs=args.codecs.split(";") if args.codecs else None,
-                          json_path=args.json, iters=args.iters, device=args.device,
+                          codecs=codecs, json_path=args.json, iters=args.iters, device=args.device,
                           backend=args.backend,
                           dtype=str(DTYPES[args.dtype]).removeprefix("torch."))
     return 0
