@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
+import typing
 
 import torch
 
 from commpress.files import write_json
 from commpress.launch import LaunchError
 from commpress.testbed.netns import TestbedError
-from commpress.train.config import DTYPES
+from commpress.train.config import DTYPES, TrainConfig, field_help
 from commpress.train.errors import RunFailedError
 from commpress.validate import InputError
 
@@ -90,11 +92,6 @@ def _add_train_options(p: argparse.ArgumentParser, skip: tuple[str, ...] = (),
                        helps: dict[str, str] | None = None) -> None:
     """One flag per TrainConfig field; the field's help text (or ``helps``' for this
     command), then its default once."""
-    import dataclasses
-    import typing
-
-    from commpress.train.config import TrainConfig, field_help
-
     helps = {**field_help(), **(helps or {})}
     hints = typing.get_type_hints(TrainConfig)
     for f in dataclasses.fields(TrainConfig):
@@ -115,11 +112,7 @@ def _add_train_options(p: argparse.ArgumentParser, skip: tuple[str, ...] = (),
                        default=f.default, help=text)
 
 
-def _train_config(args: argparse.Namespace, **override):
-    import dataclasses
-
-    from commpress.train.config import TrainConfig
-
+def _train_config(args: argparse.Namespace, **override) -> TrainConfig:
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
               if hasattr(args, f.name)}
     values.update(override)
