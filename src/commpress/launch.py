@@ -183,12 +183,10 @@ def spawn(
                     if (r not in values and r not in errors and not p.is_alive()
                             and p.exitcode not in (0, None)):
                         errors[r] = f"rank {r} exited with code {p.exitcode} without a result"
-                if errors and not allow_errors:
-                    break
-                continue
-            (values if status == "ok" else errors)[rank] = value
-            if status == "bad_input":
-                bad_input.add(rank)
+            else:
+                (values if status == "ok" else errors)[rank] = value
+                if status == "bad_input":
+                    bad_input.add(rank)
             if errors and not allow_errors:
                 break
     finally:
