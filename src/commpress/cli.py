@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
+import typing
 
 import torch
 
+from commpress.files import write_json
 from commpress.launch import LaunchError
 from commpress.testbed.netns import TestbedError
+from commpress.train.config import DTYPES, TrainConfig, field_help
 from commpress.train.errors import RunFailedError
 from commpress.validate import InputError
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -45,18 +47,16 @@ def _cmd_bench_codecs(args: argparse.Namespace) -> int:
 
 def _cmd_bench_collectives(args: argparse.Namespace) -> int:
     from commpress.bench.collectives import run_collectives_bench
+    from commpress.codecs import codec
 
     sizes = _element_counts("--sizes", args.sizes)
-    if args.codecs:
-        from commpress.codecs import codec
-
-        for spec in args.codecs.split(";"):
-            codec(spec)  # a bad spec is an error before any rank starts
+    codecs = args.codecs.split(";") if args.codecs else None
+    for spec in codecs or ():
+        codec(spec)  # a bad spec is an error before any rank starts
     run_collectives_bench(nproc=args.nproc, ranks_per_node=args.ranks_per_node, sizes=sizes,
-                          codecs=args.codecs.split(";") if args.codecs else None,
-                          json_path=args.json, iters=args.iters, device=args.device,
-                          backend=args.backend, dtype={"fp32": "float32", "bf16": "bfloat16",
-                                                       "fp16": "float16"}[args.dtype])
+                          codecs=codecs, json_path=args.json, iters=args.iters, device=args.device,
+                          backend=args.backend,
+                          dtype=str(DTYPES[args.dtype]).removeprefix("torch."))
     return 0
 
 
@@ -92,11 +92,6 @@ def _add_train_options(p: argparse.ArgumentParser, skip: tuple[str, ...] = (),
                        helps: dict[str, str] | None = None) -> None:
     """One flag per TrainConfig field; the field's help text (or ``helps``' for this
     command), then its default once."""
-    import dataclasses
-    import typing
-
-    from commpress.train.config import TrainConfig, field_help
-
     helps = {**field_help(), **(helps or {})}
     hints = typing.get_type_hints(TrainConfig)
     for f in dataclasses.fields(TrainConfig):
@@ -117,11 +112,7 @@ def _add_train_options(p: argparse.ArgumentParser, skip: tuple[str, ...] = (),
                        default=f.default, help=text)
 
 
-def _train_config(args: argparse.Namespace, **override):
-    import dataclasses
-
-    from commpress.train.config import TrainConfig
-
+def _train_config(args: argparse.Namespace, **override) -> TrainConfig:
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
               if hasattr(args, f.name)}
     values.update(override)
@@ -139,24 +130,23 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 def _report(summary: dict, json_path: str | None) -> None:
     """A run's summary table and directory (and the summary as JSON if asked)."""
-    import json
-
     from commpress.console import console
     from commpress.train.report import summary_table
 
     console().print(summary_table(summary))
     console().print(f"run directory: {summary['out']} (metrics.jsonl, summary.json, loss.png)")
     if json_path:
-        with open(json_path, "w") as f:
-            json.dump(summary, f, indent=1)
+        write_json(json_path, summary)
 
 
-def _cmd_compare(args: argparse.Namespace) -> int:
+def _cmd_compare(args: argparse.Namespace, runner=None, **override) -> int:
+    """``--policies`` side by side, each run by ``runner`` (default: ``train``)."""
     from commpress.train.compare import compare
+    from commpress.train.loop import train
 
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    compare(policies, _train_config(args, policy=policies[0] if policies else "none"),
-            out_dir=args.out, json_path=args.json)
+    compare(policies, _train_config(args, policy=policies[0] if policies else "none", **override),
+            out_dir=args.out, json_path=args.json, runner=runner or train)
     return 0
 
 
@@ -168,7 +158,6 @@ SIMULATE_HELPS = {"ranks_per_node": "ranks (data-parallel ranks × stages × ten
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
-    from commpress.train.compare import compare
     from commpress.train.simulate import refuse_launcher, simulate
 
     refuse_launcher()  # before a comparison would make the launcher's process group
@@ -176,17 +165,12 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         raise InputError(f"--ranks {args.ranks} is not allowed; allowed: an integer >= 1")
     world = args.ranks * args.pp * args.tp
     if args.policies:
-        policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-        compare(policies, _train_config(args, policy=policies[0], nproc=world),
-                out_dir=args.out, json_path=args.json, runner=simulate)
-        return 0
+        return _cmd_compare(args, simulate, nproc=world)
     _report(simulate(_train_config(args, nproc=world)), args.json)
     return 0
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    import json
-
     from commpress.console import console
     from commpress.plan.cost import ClusterSpec, JobSpec, load_codec_throughput, plan
     from commpress.plan.hardware import GPUS, INTER_LATENCY_US, INTRA_LATENCY_US
@@ -219,8 +203,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     console().print(plan_table(result, title))
     console().print(break_even_table(result))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1, default=str)
+        write_json(args.json, result, default=str)
     return 0
 
 

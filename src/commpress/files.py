@@ -1,4 +1,5 @@
-"""Opening files a user names: regular files only, their size known before a byte is read.
+"""Opening files a user names: regular files only, their size known before a byte is read;
+writing results as JSON.
 
 A path on the command line (a corpus, a policy, a checkpoint) may be a symlink to
 ``/dev/zero`` or to a FIFO. Reading ``/dev/zero`` to end-of-file never ends and takes
@@ -15,9 +16,10 @@ This module imports nothing from commpress: every layer may use it.
 
 from __future__ import annotations
 
+import json
 import os
 import stat
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from commpress.validate import InputError
 
@@ -75,3 +77,10 @@ def too_large(path: str, what: str, size: int, max_bytes: int) -> str:
     """The message for a file over its limit."""
     return (f"{what} {path!r} is larger than {max_bytes} bytes ({size} bytes); allowed: at "
             f"most {max_bytes} bytes")
+
+
+def write_json(path: str, obj: Any, default: Any = None) -> None:
+    """Write ``obj`` to ``path`` as JSON indented by one space (``default`` as
+    :func:`json.dump`'s, for values JSON has no type for)."""
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1, default=default)

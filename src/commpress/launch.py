@@ -24,7 +24,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from datetime import timedelta
 from typing import Any
 
@@ -68,11 +68,9 @@ def set_parent_death_signal() -> None:
     """Ask Linux to SIGKILL this process when its parent dies (kept across ``exec``, so a
     ``subprocess`` can call it as ``preexec_fn``); a no-op elsewhere."""
     if sys.platform.startswith("linux"):
-        try:
+        with suppress(OSError, AttributeError):
             libc = ctypes.CDLL(None, use_errno=True)
             libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        except (OSError, AttributeError):
-            pass
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -122,10 +120,8 @@ def _worker(fn, rank, world, ranks_per_node, port, pg_timeout_s, args, results, 
         results.put((rank, kind, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     finally:
         if dist.is_initialized():
-            try:
+            with suppress(Exception):  # already failing or exiting
                 dist.destroy_process_group()
-            except Exception:  # noqa: BLE001 - already failing or exiting
-                pass
 
 
 def spawn(
@@ -187,12 +183,10 @@ def spawn(
                     if (r not in values and r not in errors and not p.is_alive()
                             and p.exitcode not in (0, None)):
                         errors[r] = f"rank {r} exited with code {p.exitcode} without a result"
-                if errors and not allow_errors:
-                    break
-                continue
-            (values if status == "ok" else errors)[rank] = value
-            if status == "bad_input":
-                bad_input.add(rank)
+            else:
+                (values if status == "ok" else errors)[rank] = value
+                if status == "bad_input":
+                    bad_input.add(rank)
             if errors and not allow_errors:
                 break
     finally:

@@ -8,13 +8,13 @@ heavy-tailed (Student-t, df = 2) data, and wire bits per element.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from dataclasses import asdict, dataclass
 
 import torch
 
+from commpress import files
 from commpress.bench.timing import median_seconds
 from commpress.codecs import codec as build_codec
 from commpress.kernels import reference
@@ -169,5 +169,4 @@ def print_codec_table(rows: list[CodecRow], console=None, speed: bool = True) ->
 
 
 def write_json(rows: list[CodecRow], path: str) -> None:
-    with open(path, "w") as f:
-        json.dump([asdict(r) for r in rows], f, indent=1)
+    files.write_json(path, [asdict(r) for r in rows])

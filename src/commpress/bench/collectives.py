@@ -17,7 +17,6 @@ codec and protocol cost; ``commpress testbed`` measures speedups on shaped links
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import time
@@ -25,6 +24,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from commpress.files import write_json
 from commpress.validate import check_int
 
 DEFAULT_CODECS = ["none", "bf16", "int8", "int4", "int4:hadamard=128", "int2"]
@@ -132,8 +132,7 @@ def run_collectives_bench(nproc: int = 4, ranks_per_node: int | None = None,
                      device=device)[0]
     print_table(rows)
     if json_path:
-        with open(json_path, "w") as f:
-            json.dump(rows, f, indent=1)
+        write_json(json_path, rows)
     return rows
 
 

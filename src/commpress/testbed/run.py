@@ -9,12 +9,12 @@ returned.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 import time
 
+from commpress.files import write_json
 from commpress.launch import set_parent_death_signal
 from commpress.testbed.netns import Cluster
 from commpress.validate import InputError, check_float, check_int
@@ -78,5 +78,4 @@ def _report_links(cluster: Cluster, nodes: int, path: str | None) -> None:
                      f"{x['received_bytes'] / 1e6:.1f} MB" for i, x in enumerate(links))
     print(f"testbed: {text}", file=sys.stderr)
     if path:
-        with open(path, "w") as f:
-            json.dump({"nodes": links}, f, indent=1)
+        write_json(path, {"nodes": links})

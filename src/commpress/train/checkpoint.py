@@ -36,7 +36,7 @@ import os
 import re
 import shutil
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import IO, Any
 
 import torch
@@ -129,19 +129,11 @@ def _replacing(path: str, mode: str) -> Iterator[IO]:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException as e:
-        _discard(tmp, path, e)
+        with suppress(OSError):
+            os.remove(tmp)
+        if isinstance(e, OSError) and e.filename in (None, tmp):
+            e.filename = path  # the error names the file meant, not the temporary one
         raise
-
-
-def _discard(tmp: str, path: str, error: BaseException) -> None:
-    """Remove the temporary file of a failed write to ``path``; name ``path`` in its
-    ``OSError``."""
-    try:
-        os.remove(tmp)
-    except OSError:
-        pass
-    if isinstance(error, OSError) and error.filename in (None, tmp):
-        error.filename = path
 
 
 def remove_stale_temporaries(run_dir: str) -> list[str]:
@@ -150,11 +142,9 @@ def remove_stale_temporaries(run_dir: str) -> list[str]:
     removed = []
     for path in glob.glob(os.path.join(run_dir, "ckpt", "**", "*.tmp.*"), recursive=True):
         if not path.endswith(f".tmp.{os.getpid()}"):
-            try:
+            with suppress(OSError):
                 os.remove(path)
                 removed.append(path)
-            except OSError:
-                pass
     return removed
 
 

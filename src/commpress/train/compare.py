@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from commpress.console import console
+from commpress.files import write_json
 from commpress.train import checkpoint
 from commpress.train.config import TrainConfig, policy_slug
 from commpress.train.errors import RunFailedError
@@ -63,11 +64,9 @@ def compare(policies: list[str], base: TrainConfig, out_dir: str | None = None,
     os.makedirs(out_dir, exist_ok=True)
     plot_compare(histories, summaries, os.path.join(out_dir, "compare.png"))
     result = {"policies": summaries}
-    with open(os.path.join(out_dir, "compare.json"), "w") as f:
-        json.dump(result, f, indent=1)
+    write_json(os.path.join(out_dir, "compare.json"), result)
     if json_path:
-        with open(json_path, "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(json_path, result)
     if failed:
         raise RunFailedError("; ".join(failed))
     return summaries

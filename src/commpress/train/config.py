@@ -14,6 +14,8 @@ from commpress.validate import InputError, check_float, check_int
 
 MAX_SEED = 2**32 - 1
 MAX_TIMEOUT_S = 1_000_000  # about 11.6 days: longer than any wait worth waiting for
+# the --dtype names (of the model, and of the benchmarks' tensors)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _opt(default, help: str):
@@ -72,8 +74,8 @@ class TrainConfig:
             raise InputError(f"model={self.model!r} is not allowed; allowed: "
                              f"{', '.join(MODEL_PRESETS)}")
         self._check_numbers()
-        if self.dtype not in ("fp32", "bf16", "fp16"):
-            raise InputError(f"dtype={self.dtype!r} is not allowed; allowed: fp32, bf16, fp16")
+        if self.dtype not in DTYPES:
+            raise InputError(f"dtype={self.dtype!r} is not allowed; allowed: {', '.join(DTYPES)}")
         if self.engine not in ("sharded", "ddp"):
             raise InputError(f"engine={self.engine!r} is not allowed; allowed: sharded, ddp")
         if self.engine == "ddp" and (self.tp > 1 or self.pp > 1):

@@ -55,7 +55,8 @@ def load_tokens(path: str | None = None, max_bytes: int | None = 4 << 20) -> tor
         raw = _read_prefix(path, max_bytes, "--data")
         arr = np.frombuffer(raw, dtype=np.uint16, count=len(raw) // 2)
         tokens = torch.from_numpy(arr.astype(np.int64))
-        _check_nonempty(tokens, path)
+        if tokens.numel() == 0:
+            raise InputError(f"the corpus {path!r} is empty")
         return tokens
     else:
         files = [path]
@@ -78,11 +79,6 @@ def _read_prefix(path: str, max_bytes: int | None, what: str) -> bytes:
     f, size = open_regular(path, what)
     with f:
         return f.read(size if max_bytes is None else min(size, max_bytes))
-
-
-def _check_nonempty(tokens: torch.Tensor, where: str) -> None:
-    if tokens.numel() == 0:
-        raise InputError(f"the corpus {where!r} is empty")
 
 
 @dataclass

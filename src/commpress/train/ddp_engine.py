@@ -48,11 +48,11 @@ def install_hook(model: DDP, name: str, policy, group, topology: Topology) -> ob
     """Register the named hook; returns its state (checkpointed when it has one)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
-    if name == "allreduce":
-        model.register_comm_hook(group, _counting(default_hooks.allreduce_hook, 4))
-        return None
-    if name == "fp16":
-        model.register_comm_hook(group, _counting(default_hooks.fp16_compress_hook, 2))
+    # torch's hooks and the bytes per element they send
+    torch_hooks = {"allreduce": (default_hooks.allreduce_hook, 4),
+                   "fp16": (default_hooks.fp16_compress_hook, 2)}
+    if name in torch_hooks:
+        model.register_comm_hook(group, _counting(*torch_hooks[name]))
         return None
     if name.startswith("powersgd:"):
         state = powerSGD_hook.PowerSGDState(process_group=group,

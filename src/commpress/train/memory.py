@@ -14,6 +14,7 @@ so a refusal is certain to be right; a run just under the bound may still not fi
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import suppress
 
 import torch
 
@@ -26,7 +27,7 @@ from commpress.integrations.ddp import BUCKET_NUMEL, hook_layout
 from commpress.integrations.grad_path import GradPath
 from commpress.model.gpt import GPT, config_from_preset
 from commpress.policy import Policy
-from commpress.train.config import TrainConfig
+from commpress.train.config import DTYPES, TrainConfig
 from commpress.validate import InputError
 
 # one rank's codec objects for one bucket (its GradPath and weight codec): 13 KB
@@ -60,7 +61,8 @@ def train_needs(cfg: TrainConfig, local_ranks: int) -> dict[str, int]:
     per_rank = {"global batch": _batch_bytes(cfg),
                 "logits": _logits_bytes(cfg, cfg.batch_size // (cfg.dp * cfg.micro_batches)),
                 # weights and the fp32 gradient buffer; masters are sharded
-                "gradient buckets": sum(numels) // (cfg.tp * cfg.pp) * (_itemsize(cfg) + 4)}
+                "gradient buckets": sum(numels) // (cfg.tp * cfg.pp)
+                * (DTYPES[cfg.dtype].itemsize + 4)}
     return {part: local_ranks * b for part, b in per_rank.items()}
 
 
@@ -81,19 +83,13 @@ def available_bytes(device: str) -> int | None:
     if device == "cuda":
         return torch.cuda.mem_get_info()[0]
     values = []
-    try:
-        with open("/proc/meminfo") as f:
-            values += [int(line.split()[1]) * 1024 for line in f
-                       if line.startswith("MemAvailable:")]
-    except OSError:
-        pass
-    try:
-        with open("/sys/fs/cgroup/memory.max") as f, open("/sys/fs/cgroup/memory.current") as g:
-            limit = f.read().strip()
-            if limit != "max":
-                values.append(int(limit) - int(g.read()))
-    except (OSError, ValueError):
-        pass
+    with suppress(OSError), open("/proc/meminfo") as f:
+        values += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")]
+    with (suppress(OSError, ValueError), open("/sys/fs/cgroup/memory.max") as f,
+          open("/sys/fs/cgroup/memory.current") as g):
+        limit = f.read().strip()
+        if limit != "max":
+            values.append(int(limit) - int(g.read()))
     return min(values) if values else None
 
 
@@ -134,11 +130,7 @@ def _logits_bytes(cfg: TrainConfig, sequences: int) -> int:
 
 def _replica_bytes_per_element(cfg: TrainConfig) -> int:
     # weights, the fp32 gradient buffer, the fp32 master and AdamW's two moments
-    return _itemsize(cfg) + 4 + 4 + 8
-
-
-def _itemsize(cfg: TrainConfig) -> int:
-    return 4 if cfg.dtype == "fp32" else 2
+    return DTYPES[cfg.dtype].itemsize + 4 + 4 + 8
 
 
 def _gb(n: int) -> str:

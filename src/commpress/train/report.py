@@ -14,17 +14,13 @@ AXES = ("dp", "tp", "pp")
 
 def bytes_per_axis(wire: dict[str, float]) -> dict[str, float]:
     """Sum per-label byte counts into dp / tp / pp."""
-    out = dict.fromkeys(AXES, 0.0)
-    for label, v in wire.items():
-        axis = label.split(".")[0]
-        if axis in out:
-            out[axis] += v
-    return out
+    return {axis: sum((v for label, v in wire.items() if label.split(".")[0] == axis), 0.0)
+            for axis in AXES}
 
 
 def _human(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1000:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1000
     return f"{n:.1f} TB"

@@ -42,6 +42,7 @@ from commpress.collectives import reset_stats, stats
 from commpress.collectives.byte_stats import Stats
 from commpress.collectives.comm import all_gather_single
 from commpress.collectives.topology import Topology
+from commpress.files import write_json
 from commpress.integrations.played_ddp import PlayedDDPHook
 from commpress.integrations.played_optimizer import PlayedShardedOptimizer
 from commpress.integrations.sharded_optimizer import ShardedOptimizer, norm_of_parts
@@ -56,12 +57,11 @@ from commpress.parallel.tensor import (
 )
 from commpress.policy import Policy
 from commpress.train import checkpoint
-from commpress.train.config import TrainConfig
+from commpress.train.config import DTYPES, TrainConfig
 from commpress.train.data import TextData, load_tokens
 from commpress.train.ddp_engine import DDPEngine
 from commpress.validate import InputError
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # one-level collectives report under the axis label, two-level ones under label.intra/.inter
 AXIS_LABELS = ("dp.grad", "dp.grad.intra", "dp.grad.inter", "dp.grad.gather",
                "dp.grad.gather.intra", "dp.grad.gather.inter", "dp.param", "dp.param.intra",
@@ -408,9 +408,9 @@ def run_steps(run: Run, writer: bool) -> dict[str, Any] | None:
         reset_stats()
     if writer:
         os.makedirs(cfg.out, exist_ok=True)
-        with open(os.path.join(cfg.out, "config.json"), "w") as f:
-            json.dump({"simulate" if run.played else "train": cfg.to_dict(),
-                       "policy": run.policy.to_dict()}, f, indent=1)
+        write_json(os.path.join(cfg.out, "config.json"),
+                   {"simulate" if run.played else "train": cfg.to_dict(),
+                    "policy": run.policy.to_dict()})
     progress = TrainProgress(cfg.steps) if writer and cfg.progress else None
     wall0 = time.perf_counter() - (run.history[-1]["wall_s"] if run.history else 0.0)
     try:
@@ -486,8 +486,7 @@ def write_outputs(cfg: TrainConfig, run: Run, totals: dict) -> dict[str, Any]:
                           if v["elements"]},
         "out": cfg.out,
     }
-    with open(os.path.join(cfg.out, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=1)
+    write_json(os.path.join(cfg.out, "summary.json"), summary)
     plot_loss(hist, os.path.join(cfg.out, "loss.png"), title=f"{name} "
               f"dp{cfg.dp}×tp{cfg.tp}×pp{cfg.pp}")
     return summary

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from commpress.launch import rank_threads
+from commpress.launch import rank_threads, spawn
 from commpress.train import run_lock
 from commpress.train.config import TrainConfig
 from commpress.train.loop import check_progress, check_resume_steps
@@ -68,8 +68,6 @@ def simulate(cfg: TrainConfig) -> dict[str, Any]:
             with rank_threads():  # a spawned rank's kernels: its thread count fixes their bits
                 summary = run_steps(Run(cfg, played=True), writer=True)
         else:
-            from commpress.launch import spawn
-
             # NCCL needs a GPU per slice; fewer GPUs are shared over Gloo
             backend = ("nccl" if cfg.backend == "nccl" and cfg.tp <= torch.cuda.device_count()
                        else "gloo")
