@@ -127,8 +127,9 @@ class Codec:
         """Element count ``a`` such that the packet of ``n·a`` elements splits, tensor by
         tensor, into ``n`` equal packets that each decode one piece of ``a`` elements:
         a collective encodes once and sends each destination its slice. 0 means the
-        packet cannot be split (encode each piece on its own)."""
-        return 1
+        packet cannot be split (encode each piece on its own). Default: 1 for a
+        fixed-rate codec, 0 for a variable-rate one."""
+        return 1 if self.fixed_rate else 0
 
     # -- derived --------------------------------------------------------------
     def wire_bytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int | None:
