@@ -34,7 +34,10 @@ from commpress.collectives.comm import (
     Exchange,
     Gather,
     all_gather_single,
+    copy_into,
     reduce_scatter_single,
+    writable_flat,
+    write_back,
 )
 from commpress.collectives.handle import Handle, completed
 
@@ -123,6 +126,13 @@ def run(steps: Steps, then: Callable[[Any], Any] = lambda result: result) -> Han
             return then(done.value)
 
     return Handle(finish)
+
+
+def run_into(target: torch.Tensor, steps_of: Callable[[torch.Tensor], Steps]) -> Handle:
+    """:func:`run` the steps ``steps_of(flat)`` on a flat view of ``target`` (a contiguous
+    copy, written back, when it is not contiguous) and copy their result into it."""
+    flat, copied = writable_flat(target)
+    return run(steps_of(flat), lambda values: write_back(target, copy_into(flat, values), copied))
 
 
 def _start(r: Request) -> Any:
