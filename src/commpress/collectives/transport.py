@@ -34,10 +34,7 @@ from commpress.collectives.comm import (
     Exchange,
     Gather,
     all_gather_single,
-    copy_into,
     reduce_scatter_single,
-    writable_flat,
-    write_back,
 )
 from commpress.collectives.handle import Handle, completed
 
@@ -131,8 +128,18 @@ def run(steps: Steps, then: Callable[[Any], Any] = lambda result: result) -> Han
 def run_into(target: torch.Tensor, steps_of: Callable[[torch.Tensor], Steps]) -> Handle:
     """:func:`run` the steps ``steps_of(flat)`` on a flat view of ``target`` (a contiguous
     copy, written back, when it is not contiguous) and copy their result into it."""
-    flat, copied = writable_flat(target)
-    return run(steps_of(flat), lambda values: write_back(target, copy_into(flat, values), copied))
+    copied = not target.is_contiguous()
+    flat = target.contiguous().view(-1)
+
+    def then(values: torch.Tensor) -> torch.Tensor:
+        # cast to the target's dtype; nothing to do when the steps wrote into ``flat``
+        if values.data_ptr() != flat.data_ptr() or values.numel() != flat.numel():
+            flat.view(values.shape).copy_(values)
+        if copied:
+            target.copy_(flat.view(target.shape))
+        return target
+
+    return run(steps_of(flat), then)
 
 
 def _start(r: Request) -> Any:
