@@ -89,9 +89,7 @@ def _descriptor(ctx: GroupContext, seq: int, label: str, codec: AnyCodec, tensor
 
 
 def _text_tensor(text: str, device: torch.device) -> torch.Tensor:
-    raw = text.encode()
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device) if raw else \
-        torch.empty(0, dtype=torch.uint8, device=device)
+    return torch.tensor(list(text.encode()), dtype=torch.uint8, device=device)
 
 
 def _text(buf: torch.Tensor) -> str:
