@@ -127,8 +127,9 @@ class Codec:
         """Element count ``a`` such that the packet of ``n·a`` elements splits, tensor by
         tensor, into ``n`` equal packets that each decode one piece of ``a`` elements:
         a collective encodes once and sends each destination its slice. 0 means the
-        packet cannot be split (encode each piece on its own)."""
-        return 1
+        packet cannot be split (encode each piece on its own). Default: 1 for a
+        fixed-rate codec, 0 for a variable-rate one."""
+        return 1 if self.fixed_rate else 0
 
     # -- derived --------------------------------------------------------------
     def wire_bytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int | None:
@@ -175,9 +176,8 @@ class Codec:
         return self.name + (":" + ",".join(opts) if opts else "")
 
     def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"name": self.name}
-        d.update({f.name: getattr(self, f.name) for f in _option_fields(type(self))})
-        return d
+        options = {f.name: getattr(self, f.name) for f in _option_fields(type(self))}
+        return {"name": self.name, **options}
 
     def state_dict(self) -> dict[str, Any]:
         return {}
@@ -196,9 +196,7 @@ def itemsize(dtype: torch.dtype) -> int:
 
 
 def _format(value: Any) -> str:
-    if isinstance(value, float):
-        return repr(value)
-    return str(value)
+    return repr(value) if isinstance(value, float) else str(value)
 
 
 def _option_fields(cls: type) -> list[dataclasses.Field]:
@@ -268,11 +266,7 @@ def codec(spec: str | dict[str, Any] | Codec, **options: Any) -> Codec:
         codec("int4", group=256)
     """
     if isinstance(spec, Codec):
-        if options:
-            d = spec.to_dict()
-            d.update(options)
-            return codec(d)
-        return spec
+        return codec({**spec.to_dict(), **options}) if options else spec
     if isinstance(spec, str):
         d = parse_spec(spec)
     elif isinstance(spec, dict):

@@ -42,10 +42,6 @@ class NvComp(Codec):
     fixed_rate: ClassVar[bool] = False
     algorithm: Literal["ans", "bitcomp", "gdeflate"] = "ans"
 
-    @property
-    def alignment(self) -> int:
-        return 0
-
     def _codec(self):
         nvc = _nvcomp()
         cache = self.__dict__.setdefault("_nv_codecs", {})

@@ -56,24 +56,21 @@ def check_group(name: str, group: int) -> None:
                            f"allowed: an integer from 1 to {MAX_GROUP} (e.g. 128)")
 
 
-@dataclass
-class _GroupQuantizer(Codec):
-    group: int = 128
-    hadamard: int = 0
-    scale_dtype: Literal["fp32", "fp16"] = "fp32"
-    rounding: Literal["nearest", "stochastic"] = "nearest"
-    seed: int = 0
+class ScaledGroups(Codec):
+    """Base of codecs with one scale per ``group`` elements of ``bits``-bit codes, padded
+    to whole groups and Hadamard blocks. Subclasses are dataclasses with the options
+    ``group``, ``scale_dtype`` and, where they rotate, ``hadamard``."""
+
+    group: int
+    scale_dtype: str
     bits: ClassVar[int]
-    # internal state: encode calls so far (selects the stochastic-rounding stream)
-    _calls: int = field(default=0, init=False, repr=False, compare=False)
+    hadamard: int = 0  # no rotation unless the subclass has the option
 
     def __post_init__(self) -> None:
         check_group(self.name, self.group)
         if self.hadamard not in HADAMARD_SIZES:
             raise option_error(self.name, "hadamard", self.hadamard,
                                "allowed: 0 (off) or a power of two 16, 32, 64, 128, 256")
-        if self.seed < 0:
-            raise option_error(self.name, "seed", self.seed, "allowed: an integer >= 0")
 
     @property
     def alignment(self) -> int:
@@ -82,6 +79,27 @@ class _GroupQuantizer(Codec):
     @property
     def torch_scale_dtype(self) -> torch.dtype:
         return SCALE_DTYPES[self.scale_dtype]
+
+    def packet_layout(self, numel: int, dtype: torch.dtype) -> list[tuple[torch.dtype, int]]:
+        total = kernels.padded_numel(numel, self.bits, self.group, self.hadamard)
+        return [(torch.uint8, total * self.bits // 8),
+                (self.torch_scale_dtype, total // self.group)]
+
+
+@dataclass
+class _GroupQuantizer(ScaledGroups):
+    group: int = 128
+    hadamard: int = 0
+    scale_dtype: Literal["fp32", "fp16"] = "fp32"
+    rounding: Literal["nearest", "stochastic"] = "nearest"
+    seed: int = 0
+    # internal state: encode calls so far (selects the stochastic-rounding stream)
+    _calls: int = field(default=0, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.seed < 0:
+            raise option_error(self.name, "seed", self.seed, "allowed: an integer >= 0")
 
     @property
     def bit_packed(self) -> bool:
@@ -135,11 +153,6 @@ class _GroupQuantizer(Codec):
             bits_out=into.bits, group_out=into.group, scale_dtype=into.torch_scale_dtype,
             keys=into.next_keys(rng_stream))
         return Packet((out_codes, out_scales), m, (m,), torch.float32)
-
-    def packet_layout(self, numel: int, dtype: torch.dtype) -> list[tuple[torch.dtype, int]]:
-        total = kernels.padded_numel(numel, self.bits, self.group, self.hadamard)
-        return [(torch.uint8, total * self.bits // 8),
-                (self.torch_scale_dtype, total // self.group)]
 
     def state_dict(self) -> dict[str, Any]:
         return {"calls": self._calls}
@@ -215,21 +228,6 @@ class Int2(_GroupQuantizer):
         return [(torch.uint8, groups * kernels.reference.trit_bytes(self.group)), layout[1]]
 
 
-@dataclass
-class ScaledGroups(Codec):
-    """Base of codecs with one scale per ``group`` elements, padded to whole groups."""
-
-    group: int = 128
-    scale_dtype: Literal["fp32", "fp16"] = "fp32"
-
-    @property
-    def alignment(self) -> int:
-        return self.group
-
-    def _padded(self, numel: int) -> int:
-        return -(-numel // self.group) * self.group
-
-
 @register_codec
 @dataclass
 class FP8(ScaledGroups):
@@ -242,25 +240,15 @@ class FP8(ScaledGroups):
     """
 
     name: ClassVar[str] = "fp8"
+    bits: ClassVar[int] = 8
+    group: int = 128
+    scale_dtype: Literal["fp32", "fp16"] = "fp32"
     hadamard: int = 0
-
-    def __post_init__(self) -> None:
-        check_group(self.name, self.group)
-        if self.hadamard not in HADAMARD_SIZES:
-            raise option_error(self.name, "hadamard", self.hadamard,
-                               "allowed: 0 (off) or a power of two 16, 32, 64, 128, 256")
-
-    @property
-    def alignment(self) -> int:
-        return kernels.padded_unit(8, self.group, self.hadamard)
-
-    def _padded(self, numel: int) -> int:
-        return kernels.padded_numel(numel, 8, self.group, self.hadamard)
 
     def encode(self, x: torch.Tensor, *, rng_stream: int = 0) -> Packet:
         self.check_input(x)
         codes, scales = kernels.fp8_quantize(x, group=self.group, hadamard=self.hadamard,
-                                             scale_dtype=SCALE_DTYPES[self.scale_dtype])
+                                             scale_dtype=self.torch_scale_dtype)
         return Packet((codes, scales), x.numel(), tuple(x.shape), x.dtype)
 
     def decode(self, packet: Packet, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -269,7 +257,3 @@ class FP8(ScaledGroups):
                                       hadamard=self.hadamard, out_dtype=packet.dtype,
                                       out=direct_out(packet, out))
         return finish_decode(flat, packet, out)
-
-    def packet_layout(self, numel: int, dtype: torch.dtype) -> list[tuple[torch.dtype, int]]:
-        total = self._padded(numel)
-        return [(torch.uint8, total), (SCALE_DTYPES[self.scale_dtype], total // self.group)]

@@ -21,22 +21,23 @@ saturate at the output dtype's largest value.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import torch
 
 from commpress.codecs.base import Packet, finish_decode, option_error, register_codec
-from commpress.codecs.quantize import SCALE_DTYPES, ScaledGroups, check_group, group_rows
+from commpress.codecs.quantize import ScaledGroups, group_rows
 
 
 @dataclass
 class _MeanAbsQuantizer(ScaledGroups):
-    bits: ClassVar[int]
+    group: int = 128
+    scale_dtype: Literal["fp32", "fp16"] = "fp32"
     levels: ClassVar[tuple[float, ...]]  # magnitudes, in units of the mean |x|
     threshold: ClassVar[float]  # |x| / a above which the larger magnitude is sent
 
     def __post_init__(self) -> None:
-        check_group(self.name, self.group)
+        super().__post_init__()
         if self.group < 8 or self.group % 8:
             raise option_error(self.name, "group", self.group,
                                "allowed: a positive multiple of 8 (e.g. 128)")
@@ -46,7 +47,7 @@ class _MeanAbsQuantizer(ScaledGroups):
         n = x.numel()
         g = group_rows(x, self.group)
         finite = torch.isfinite(g).all(dim=1)
-        sdt = SCALE_DTYPES[self.scale_dtype]
+        sdt = self.torch_scale_dtype
         # mean |x| over the caller's elements only (padding would shrink the last scale)
         counts = torch.full((g.shape[0],), float(self.group), device=x.device)
         if n:
@@ -72,11 +73,6 @@ class _MeanAbsQuantizer(ScaledGroups):
         big = torch.finfo(packet.dtype).max
         flat = torch.where(torch.isfinite(flat), flat.clamp(-big, big), flat)
         return finish_decode(flat.to(packet.dtype), packet, out)
-
-    def packet_layout(self, numel: int, dtype: torch.dtype) -> list[tuple[torch.dtype, int]]:
-        total = self._padded(numel)
-        return [(torch.uint8, total * self.bits // 8),
-                (SCALE_DTYPES[self.scale_dtype], total // self.group)]
 
 
 def _signed_levels(levels: tuple[float, ...]) -> list[float]:

@@ -43,10 +43,6 @@ class ZFP(Codec):
         if not 1.0 <= self.rate <= 32.0:
             raise option_error(self.name, "rate", self.rate, "allowed: 1 <= rate <= 32 bits/value")
 
-    @property
-    def alignment(self) -> int:
-        return 0
-
     def encode(self, x: torch.Tensor, *, rng_stream: int = 0) -> Packet:
         self.check_input(x)
         flat = x.detach().reshape(-1).float().cpu()

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from commpress.collectives.byte_stats import Stats, retire
-from commpress.collectives.comm import all_gather_single, group_timeout
+from commpress.collectives.comm import Gather, all_gather_single, group_timeout
 
 HEADER_WORDS = 3  # sequence number, 128-bit digest as two int64
 PUBLISH_AFTER_S = 1.0  # a wait longer than this is published for the timeout diagnosis
@@ -118,7 +118,7 @@ class GroupContext:
             rows = gathered.view(self.world, HEADER_WORDS)
             if bool((rows == rows[0]).all()):
                 return seq
-            texts = _gather_texts(text, control, self.world)
+            texts = _gather_texts(text, control)
         raise CollectiveMismatchError(mismatch_message(f"commpress.{collective}", texts,
                                                        self.ranks))
 
@@ -202,18 +202,10 @@ def digest(text: str) -> tuple[int, int]:
             int.from_bytes(d[8:], "little", signed=True))
 
 
-def _gather_texts(text: str, group: dist.ProcessGroup, world: int) -> list[str]:
+def _gather_texts(text: str, group: dist.ProcessGroup) -> list[str]:
     raw = torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8)
-    sizes = torch.empty(world, dtype=torch.int64)
-    all_gather_single(sizes, torch.tensor([raw.numel()]), group)
-    width = int(sizes.max())
-    padded = torch.zeros(width, dtype=torch.uint8)
-    padded[: raw.numel()] = raw
-    out = torch.empty(world * width, dtype=torch.uint8)
-    all_gather_single(out, padded, group)
-    rows = out.view(world, width)
-    return [bytes(rows[r, : int(sizes[r])].tolist()).decode(errors="replace")
-            for r in range(world)]
+    rows = Gather(raw, False, group).wait()
+    return [bytes(row.tolist()).decode(errors="replace") for row in rows]
 
 
 def _fields(text: str) -> dict[str, str]:

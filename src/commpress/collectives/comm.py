@@ -122,25 +122,3 @@ def describe(x: torch.Tensor) -> dict[str, Any]:
     """What ranks must agree on about a tensor: its size, dtype and device type."""
     return {"numel": x.numel(), "dtype": str(x.dtype).removeprefix("torch."),
             "device": x.device.type}
-
-
-def writable_flat(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """A flat view of ``t`` to write results into, or a contiguous copy when ``t`` is
-    not contiguous (then the second value is True: copy it back with
-    :func:`write_back`)."""
-    if t.is_contiguous():
-        return t.view(-1), False
-    return t.contiguous().view(-1), True
-
-
-def write_back(t: torch.Tensor, flat: torch.Tensor, copied: bool) -> torch.Tensor:
-    if copied:
-        t.copy_(flat.view(t.shape))
-    return t
-
-
-def copy_into(out: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """``out`` holding ``values`` (cast to its dtype; nothing to do when they are ``out``)."""
-    if values.data_ptr() != out.data_ptr() or values.numel() != out.numel():
-        out.view(values.shape).copy_(values)
-    return out

@@ -14,9 +14,9 @@ import torch.distributed as dist
 from commpress.collectives import chunks
 from commpress.collectives.byte_stats import Stats, count_sent
 from commpress.collectives.call import AnyCodec, begin, end, is_exact, owned_input
-from commpress.collectives.comm import check_sizes, copy_into, writable_flat, write_back
+from commpress.collectives.comm import check_sizes
 from commpress.collectives.handle import Handle
-from commpress.collectives.transport import AllGather, Peers, Steps, run
+from commpress.collectives.transport import AllGather, Peers, Steps, run_into
 
 
 def all_gather_steps(flat: torch.Tensor, codec: AnyCodec, peers: Peers, stats: Stats,
@@ -62,10 +62,9 @@ def all_gather_steps(flat: torch.Tensor, codec: AnyCodec, peers: Peers, stats: S
 def run_all_gather(output: torch.Tensor, input: torch.Tensor, codec: AnyCodec,
                    group: dist.ProcessGroup, stats: Stats, label: str) -> Handle:
     """The all-gather itself, once ranks agree, over torch.distributed."""
-    out, copied = writable_flat(output)
     peers = Peers(dist.get_rank(group), dist.get_world_size(group), group)
-    steps = all_gather_steps(input.reshape(-1), codec, peers, stats, label, out=out)
-    return run(steps, lambda values: write_back(output, copy_into(out, values), copied))
+    return run_into(output, lambda out: all_gather_steps(input.reshape(-1), codec, peers, stats,
+                                                         label, out=out))
 
 
 def all_gather(

@@ -21,11 +21,10 @@ import torch.distributed as dist
 from commpress.collectives import chunks
 from commpress.collectives.byte_stats import Stats, count_sent
 from commpress.collectives.call import AnyCodec, begin, end, is_exact
-from commpress.collectives.comm import copy_into, writable_flat, write_back
 from commpress.collectives.compressed_all_gather import all_gather_steps
 from commpress.collectives.compressed_reduce_scatter import exchange_and_sum
 from commpress.collectives.handle import Handle
-from commpress.collectives.transport import Peers, Reduce, Steps, run
+from commpress.collectives.transport import Peers, Reduce, Steps, run_into
 
 
 def two_rank_exchange(world: int) -> bool:
@@ -74,10 +73,8 @@ def all_reduce_steps(flat: torch.Tensor, codec: AnyCodec, peers: Peers, stats: S
 def run_all_reduce(tensor: torch.Tensor, codec: AnyCodec, group: dist.ProcessGroup,
                    stats: Stats, label: str, op: str) -> Handle:
     """The all-reduce itself, once ranks agree, over torch.distributed."""
-    flat, copied = writable_flat(tensor)  # a non-contiguous tensor: a copy, written back
     peers = Peers(dist.get_rank(group), dist.get_world_size(group), group)
-    return run(all_reduce_steps(flat, codec, peers, stats, label, op),
-               lambda values: write_back(tensor, copy_into(flat, values), copied))
+    return run_into(tensor, lambda flat: all_reduce_steps(flat, codec, peers, stats, label, op))
 
 
 def all_reduce(

@@ -17,9 +17,9 @@ import torch.distributed as dist
 from commpress.collectives import chunks
 from commpress.collectives.byte_stats import Stats, count_sent
 from commpress.collectives.call import AnyCodec, begin, end, is_exact, owned_input
-from commpress.collectives.comm import check_sizes, copy_into, writable_flat, write_back
+from commpress.collectives.comm import check_sizes
 from commpress.collectives.handle import Handle
-from commpress.collectives.transport import AllToAll, Peers, Reduce, Rows, Steps, run
+from commpress.collectives.transport import AllToAll, Peers, Reduce, Rows, Steps, run_into
 
 
 def send_rows(rows: Rows, peers: Peers, stats: Stats, label: str, m_pad: int,
@@ -72,11 +72,9 @@ def reduce_scatter_steps(flat: torch.Tensor, m: int, codec: AnyCodec, peers: Pee
 def run_reduce_scatter(output: torch.Tensor, input: torch.Tensor, codec: AnyCodec,
                        group: dist.ProcessGroup, stats: Stats, label: str, op: str) -> Handle:
     """The reduce-scatter itself, once ranks agree, over torch.distributed."""
-    out, copied = writable_flat(output)
     peers = Peers(dist.get_rank(group), dist.get_world_size(group), group)
-    steps = reduce_scatter_steps(input.reshape(-1), out.numel(), codec, peers, stats, label, op,
-                                 out=out)
-    return run(steps, lambda result: write_back(output, copy_into(out, result), copied))
+    return run_into(output, lambda out: reduce_scatter_steps(
+        input.reshape(-1), out.numel(), codec, peers, stats, label, op, out=out))
 
 
 def reduce_scatter(

@@ -28,7 +28,7 @@ from commpress.collectives.byte_stats import Stats
 from commpress.collectives.call import AnyCodec, end
 from commpress.collectives.compressed_all_gather import all_gather_steps
 from commpress.collectives.handle import Handle
-from commpress.collectives.hierarchical import EXACT, begin_two_level, level_peers
+from commpress.collectives.hierarchical import EXACT, begin_two_level
 from commpress.collectives.topology import Topology
 from commpress.collectives.transport import Peers, Steps, run
 from commpress.validate import InputError
@@ -66,15 +66,13 @@ def delta_all_gather(
     if not weights.is_contiguous():
         raise InputError("delta_all_gather: weights must be contiguous (the flat replica "
                          "every rank holds)")
-    call, levels, single = begin_two_level(
+    call, used, peers = begin_two_level(
         "delta_all_gather", group, label, EXACT, codec, topology,
         tensors={"weights": weights, "shard": shard},
         check=lambda n: _check_sizes(weights, shard, n))
     flat = weights.view(-1)
-    if single is None:
-        intra, inter = level_peers(levels)
-    else:  # one level: every rank applies every rank's difference
-        intra, inter = Peers(0, 1, None), Peers(call.rank, call.world, call.group)
+    # one level: every rank applies every rank's difference
+    intra, inter = peers[1:] if len(used) == 2 else (Peers(0, 1, None), peers[0])
     steps = delta_gather_steps(flat, shard.reshape(-1), call.codecs["inter"], intra, inter,
                                call.stats, call.label)
     return end(run(steps, lambda new: flat.copy_(new).view_as(weights)), async_op)

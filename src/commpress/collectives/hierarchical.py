@@ -46,16 +46,9 @@ import torch.distributed as dist
 
 from commpress.codecs.error_feedback import split
 from commpress.collectives import chunks
-from commpress.collectives.agreement import Levels
 from commpress.collectives.byte_stats import Stats, count_sent
 from commpress.collectives.call import AnyCodec, Call, begin, end, is_exact, resolve_codec
-from commpress.collectives.comm import (
-    check_sizes,
-    copy_into,
-    resolve_group,
-    writable_flat,
-    write_back,
-)
+from commpress.collectives.comm import check_sizes, resolve_group
 from commpress.collectives.compressed_all_gather import all_gather_steps, run_all_gather
 from commpress.collectives.compressed_all_reduce import all_reduce_steps
 from commpress.collectives.compressed_reduce_scatter import (
@@ -65,25 +58,20 @@ from commpress.collectives.compressed_reduce_scatter import (
 )
 from commpress.collectives.handle import Handle
 from commpress.collectives.topology import Topology, level_label, levels_used
-from commpress.collectives.transport import AllToAll, Peers, Steps, run
+from commpress.collectives.transport import AllToAll, Peers, Steps, run_into
 
 EXACT = resolve_codec("none")
-
-
-def level_peers(levels: Levels) -> tuple[Peers, Peers]:
-    """This rank's peers inside its node and across nodes (same local index)."""
-    return (Peers(levels.local_rank, levels.ranks_per_node, levels.intra),
-            Peers(levels.node, levels.nodes, levels.inter))
 
 
 def begin_two_level(collective: str, group: dist.ProcessGroup | None, label: str | None,
                     intra, inter, topology: Topology | None, *,
                     tensors: dict[str, torch.Tensor], op: str | None = None,
-                    check=None) -> tuple[Call, Levels, tuple[AnyCodec, str] | None]:
+                    check=None) -> tuple[Call, tuple[str, ...], tuple[Peers, Peers, Peers]]:
     """The prologue of a two-level collective: agree on everything, including the node
     size, *before* the sub-groups are made (ranks that disagree on it would otherwise
-    wait for each other in ``new_group``). Returns the call, the levels, and
-    ``(codec, level name)`` when only one level exists (:func:`levels_used`).
+    wait for each other in ``new_group``). Returns the call, the levels used
+    (:func:`levels_used`) and this rank's peers in the whole group, inside its node and
+    across nodes (the ranks of its local index).
     """
     topology = topology or Topology()
     world = dist.get_world_size(resolve_group(group))
@@ -91,9 +79,10 @@ def begin_two_level(collective: str, group: dist.ProcessGroup | None, label: str
     call = begin(collective, group, label, {"intra": intra, "inter": inter}, op=op,
                  tensors=tensors, check=check, ranks_per_node=rpn)
     levels = call.ctx.levels(call.group, rpn)
-    used = levels_used(True, world, rpn)
-    single = (call.codecs[used[0]], used[0]) if len(used) == 1 else None
-    return call, levels, single
+    peers = (Peers(call.rank, call.world, call.group),
+             Peers(levels.local_rank, levels.ranks_per_node, levels.intra),
+             Peers(levels.node, levels.nodes, levels.inter))
+    return call, levels_used(True, world, rpn), peers
 
 
 def hierarchical_reduce_scatter(
@@ -119,25 +108,14 @@ def hierarchical_reduce_scatter(
         commpress.hierarchical_reduce_scatter(shard, grads, intra="int8:hadamard=128",
                                               inter="int4:hadamard=128", label="dp.grad")
     """
-    call, levels, single = begin_two_level(
+    call, used, peers = begin_two_level(
         "hierarchical_reduce_scatter", group, label, intra, inter, topology, op=op,
         tensors={"input": input, "output": output},
         check=lambda n: check_sizes("hierarchical_reduce_scatter", input, output, n, "input",
                                     "output"))
-    out, copied = writable_flat(output)
-    steps = reduce_scatter_levels_steps(
-        input.reshape(-1), out.numel(), call.codecs, _used(single), *_peers(call, levels),
-        call.stats, call.label, op, call.rank)
-    return end(run(steps, lambda values: write_back(output, copy_into(out, values), copied)),
-               async_op)
-
-
-def _used(single: tuple[AnyCodec, str] | None) -> tuple[str, ...]:
-    return (single[1],) if single else ("intra", "inter")
-
-
-def _peers(call: Call, levels: Levels) -> tuple[Peers, Peers, Peers]:
-    return (Peers(call.rank, call.world, call.group), *level_peers(levels))
+    return end(run_into(output, lambda out: reduce_scatter_levels_steps(
+        input.reshape(-1), out.numel(), call.codecs, used, *peers, call.stats, call.label, op,
+        call.rank)), async_op)
 
 
 def reduce_scatter_levels_steps(flat: torch.Tensor, m: int, codecs: dict[str, AnyCodec],
@@ -234,20 +212,17 @@ def hierarchical_all_gather(
 
         commpress.hierarchical_all_gather(full, shard, inter="int4", label="dp.param")
     """
-    call, levels, single = begin_two_level(
+    call, used, peers = begin_two_level(
         "hierarchical_all_gather", group, label, intra, inter, topology,
         tensors={"input": input, "output": output},
         check=lambda n: check_sizes("hierarchical_all_gather", output, input, n, "output",
                                     "input"))
-    if single:
-        return end(run_all_gather(output, input, single[0], call.group, call.stats,
-                                  f"{call.label}.{single[1]}"), async_op)
-    out, copied = writable_flat(output)
-    steps = two_level_all_gather_steps(input.reshape(-1), call.codecs["intra"],
-                                       call.codecs["inter"], *level_peers(levels), call.stats,
-                                       call.label)
-    return end(run(steps, lambda values: write_back(output, copy_into(out, values), copied)),
-               async_op)
+    if len(used) == 1:
+        return end(run_all_gather(output, input, call.codecs[used[0]], call.group, call.stats,
+                                  level_label(call.label, used[0])), async_op)
+    return end(run_into(output, lambda out: two_level_all_gather_steps(
+        input.reshape(-1), call.codecs["intra"], call.codecs["inter"], *peers[1:], call.stats,
+        call.label)), async_op)
 
 
 def two_level_all_gather_steps(flat: torch.Tensor, intra: AnyCodec, inter: AnyCodec,
@@ -295,14 +270,12 @@ def hierarchical_all_reduce(
 
         commpress.hierarchical_all_reduce(grad, intra="none", inter="int4", label="dp.grad")
     """
-    call, levels, single = begin_two_level("hierarchical_all_reduce", group, label, intra,
-                                           inter, topology, op=op, tensors={"tensor": tensor})
-    flat, copied = writable_flat(tensor)
-    in_place = flat if flat.numel() % levels.ranks_per_node == 0 else None  # no copies
-    steps = all_reduce_levels_steps(flat, call.codecs, _used(single), *_peers(call, levels),
-                                    call.stats, call.label, op, gather_out=in_place)
-    return end(run(steps, lambda values: write_back(tensor, copy_into(flat, values), copied)),
-               async_op)
+    call, used, peers = begin_two_level("hierarchical_all_reduce", group, label, intra, inter,
+                                        topology, op=op, tensors={"tensor": tensor})
+    in_place = tensor.numel() % peers[1].size == 0  # the last gather writes into it: no copies
+    return end(run_into(tensor, lambda flat: all_reduce_levels_steps(
+        flat, call.codecs, used, *peers, call.stats, call.label, op,
+        gather_out=flat if in_place else None)), async_op)
 
 
 def two_level_all_reduce_steps(flat: torch.Tensor, intra: AnyCodec, inter: AnyCodec,

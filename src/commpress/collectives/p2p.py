@@ -89,9 +89,7 @@ def _descriptor(ctx: GroupContext, seq: int, label: str, codec: AnyCodec, tensor
 
 
 def _text_tensor(text: str, device: torch.device) -> torch.Tensor:
-    raw = text.encode()
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device) if raw else \
-        torch.empty(0, dtype=torch.uint8, device=device)
+    return torch.tensor(list(text.encode()), dtype=torch.uint8, device=device)
 
 
 def _text(buf: torch.Tensor) -> str:
@@ -197,16 +195,22 @@ def _inbox(ctx: GroupContext, group: dist.ProcessGroup, peer: int, tag: int) -> 
     return ctx.p2p_inbox(peer, tag, lambda: _Inbox(group, _global(group, peer), tag))
 
 
-def _check_tag(tag: int) -> None:
-    """torch.distributed takes a tag that fits a C ``int`` and is not negative (a negative
-    one fails only on the sending side, and the receiver then waits out the timeout)."""
+def _begin(tensor: torch.Tensor, peer: int, name: str, codec, group: dist.ProcessGroup | None,
+           label: str | None, tag: int
+           ) -> tuple[dist.ProcessGroup, AnyCodec, GroupContext, str, torch.device]:
+    """Check a transfer's arguments (``name``: ``dst`` or ``src``) → its group, codec,
+    context, label and wire device."""
+    # torch.distributed takes a tag that fits a C ``int`` and is not negative (a negative
+    # one fails only on the sending side, and the receiver then waits out the timeout)
     check_int("tag", tag, ge=0, le=2**31 - 1)
-
-
-def _check_peer(ctx: GroupContext, peer: int, name: str) -> None:
+    group = resolve_group(group)
+    codec = resolve_codec(codec)
+    check_float("tensor", tensor)
+    ctx = context(group)
     if not isinstance(peer, int) or not 0 <= peer < ctx.world or peer == ctx.rank:
         raise InputError(f"{name}={peer!r} is not allowed; allowed: another rank of the group "
                          f"(0 … {ctx.world - 1}, not this rank {ctx.rank})")
+    return group, codec, ctx, label or "p2p", _wire_device(ctx, tensor)
 
 
 def isend(tensor: torch.Tensor, dst: int, codec="none", group: dist.ProcessGroup | None = None,
@@ -216,14 +220,7 @@ def isend(tensor: torch.Tensor, dst: int, codec="none", group: dist.ProcessGroup
     ``wait()`` returns once the receiver has acknowledged and the bytes are sent; it
     raises :class:`CollectiveMismatchError` if the receiver expected another transfer.
     """
-    _check_tag(tag)
-    group = resolve_group(group)
-    codec = resolve_codec(codec)
-    check_float("tensor", tensor)
-    ctx = context(group)
-    _check_peer(ctx, dst, "dst")
-    label = label or "p2p"
-    device = _wire_device(ctx, tensor)
+    group, codec, ctx, label, device = _begin(tensor, dst, "dst", codec, group, label, tag)
     payload = encode_payload(codec, tensor, ctx.stats, label, device,
                              rng_stream=dist.get_rank(), key=f"{label}->{dst}")
     seq = ctx.next_p2p("send", dst, tag)
@@ -261,14 +258,7 @@ def irecv(tensor: torch.Tensor, src: int, codec="none", group: dist.ProcessGroup
     any order cannot deadlock); raises :class:`CollectiveMismatchError` if the sender
     sent something else, leaving ``tensor`` untouched.
     """
-    _check_tag(tag)
-    group = resolve_group(group)
-    codec = resolve_codec(codec)
-    check_float("tensor", tensor)
-    ctx = context(group)
-    _check_peer(ctx, src, "src")
-    label = label or "p2p"
-    device = _wire_device(ctx, tensor)
+    group, codec, ctx, label, device = _begin(tensor, src, "src", codec, group, label, tag)
     seq = ctx.next_p2p("recv", src, tag)
     mine = _descriptor(ctx, seq, label, codec, tensor, src, ctx.rank, tag)
     inbox = _inbox(ctx, group, src, tag)

@@ -125,6 +125,23 @@ def run(steps: Steps, then: Callable[[Any], Any] = lambda result: result) -> Han
     return Handle(finish)
 
 
+def run_into(target: torch.Tensor, steps_of: Callable[[torch.Tensor], Steps]) -> Handle:
+    """:func:`run` the steps ``steps_of(flat)`` on a flat view of ``target`` (a contiguous
+    copy, written back, when it is not contiguous) and copy their result into it."""
+    copied = not target.is_contiguous()
+    flat = target.contiguous().view(-1)
+
+    def then(values: torch.Tensor) -> torch.Tensor:
+        # cast to the target's dtype; nothing to do when the steps wrote into ``flat``
+        if values.data_ptr() != flat.data_ptr() or values.numel() != flat.numel():
+            flat.view(values.shape).copy_(values)
+        if copied:
+            target.copy_(flat.view(target.shape))
+        return target
+
+    return run(steps_of(flat), then)
+
+
 def _start(r: Request) -> Any:
     device = _device(r)
     with r.stats.timed(r.label, "comm_s", device):

@@ -88,18 +88,22 @@ class KernelConfig:
     elements (see :data:`REFERENCE_PIECE`)."""
 
     def __post_init__(self) -> None:
-        if self.backend not in BACKENDS:
-            raise InputError(f"backend={self.backend!r} is not valid; allowed: "
-                             f"{', '.join(BACKENDS)}")
-        if self.fp32_dot not in FP32_DOTS:
-            raise InputError(f"fp32_dot={self.fp32_dot!r} is not valid; allowed: "
-                             f"{', '.join(FP32_DOTS)}")
+        _check_choice("backend", self.backend, BACKENDS)
+        if not isinstance(self.row_kernels, bool):
+            raise InputError(f"row_kernels={self.row_kernels!r} is not valid; "
+                             "allowed: True, False")
+        _check_choice("fp32_dot", self.fp32_dot, FP32_DOTS)
         for name in ("tile", "warps", "histogram_tiles"):
             _check_power_of_two(name, getattr(self, name))
         _check_positive("reference_piece", self.reference_piece)
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _check_choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise InputError(f"{name}={value!r} is not valid; allowed: {', '.join(allowed)}")
 
 
 def _check_power_of_two(name: str, value: object) -> None:
@@ -122,9 +126,7 @@ class KernelEnvironment:
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> KernelEnvironment:
         choice = environ.get(KERNELS_ENV, "auto")
-        if choice not in KERNEL_CHOICES:
-            raise InputError(f"{KERNELS_ENV}={choice!r} is not valid; allowed: "
-                             f"{', '.join(KERNEL_CHOICES)}")
+        _check_choice(KERNELS_ENV, choice, KERNEL_CHOICES)
         return cls(kernels=choice, interpret=environ.get("TRITON_INTERPRET", "0") == "1")
 
 
@@ -207,17 +209,10 @@ def override_kernels(*, kernels: str | None = None, tile: int | None = None,
                                      histogram_tiles=histogram_tiles,
                                      reference_piece=reference_piece).items()
                if v is not None}
-    if kernels is not None and kernels not in KERNEL_CHOICES:
-        raise InputError(f"kernels={kernels!r} is not valid; allowed: {', '.join(KERNEL_CHOICES)}")
-    if row_kernels is not None and not isinstance(row_kernels, bool):
-        raise InputError(f"row_kernels={row_kernels!r} is not valid; allowed: True, False")
-    if fp32_dot is not None and fp32_dot not in FP32_DOTS:
-        raise InputError(f"fp32_dot={fp32_dot!r} is not valid; allowed: {', '.join(FP32_DOTS)}")
-    for name in ("tile", "warps", "histogram_tiles"):
-        if name in changes:
-            _check_power_of_two(name, changes[name])
-    if reference_piece is not None:
-        _check_positive("reference_piece", reference_piece)
+    if kernels is not None:
+        _check_choice("kernels", kernels, KERNEL_CHOICES)
+    # the other choices are checked by the config they become
+    KernelConfig("reference", **{k: v for k, v in changes.items() if k != "kernels"})
     with _OVERRIDES.push(changes):
         yield
 
@@ -234,8 +229,7 @@ def resolve(kernel: str, bits: int = 0, group: int = 0, hadamard: int = 0,
 @functools.lru_cache(maxsize=4096)
 def _resolve(kernel: str, bits: int, group: int, hadamard: int, device_type: str,
              overrides: tuple[tuple[str, object], ...]) -> KernelConfig:
-    if kernel not in KERNELS:
-        raise InputError(f"kernel={kernel!r} is not valid; allowed: {', '.join(KERNELS)}")
+    _check_choice("kernel", kernel, KERNELS)
     chosen = dict(overrides)
     choice = chosen.pop("kernels", environment().kernels)
     tile, warps = TUNED.get((kernel, bits, group, hadamard), (TILE_ELEMENTS, DEFAULT_WARPS))
