@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 from commpress.collectives.agreement import release
@@ -90,17 +91,8 @@ def build_mesh(shape: MeshShape) -> Mesh:
 
 
 def _groups(shape: MeshShape, axis: str) -> list[list[int]]:
-    out = []
-    if axis == "tp":
-        for d in range(shape.dp):
-            for p in range(shape.pp):
-                out.append([shape.rank_of(d, p, t) for t in range(shape.tp)])
-    elif axis == "pp":
-        for d in range(shape.dp):
-            for t in range(shape.tp):
-                out.append([shape.rank_of(d, p, t) for p in range(shape.pp)])
-    else:
-        for p in range(shape.pp):
-            for t in range(shape.tp):
-                out.append([shape.rank_of(d, p, t) for d in range(shape.dp)])
-    return out
+    """The rank lists of ``axis``'s groups (ranks that differ only in that index), in the
+    order of the other two indices."""
+    ranks = torch.arange(shape.world).view(shape.dp, shape.pp, shape.tp)
+    dim = ("dp", "pp", "tp").index(axis)
+    return ranks.movedim(dim, -1).reshape(-1, ranks.shape[dim]).tolist()

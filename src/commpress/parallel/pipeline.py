@@ -37,12 +37,8 @@ def stage_layers(n_layer: int, pp: int) -> list[tuple[int, int]]:
     if pp > n_layer:
         raise InputError(f"pp={pp} is larger than n_layer={n_layer}; allowed: pp <= n_layer")
     base, extra = divmod(n_layer, pp)
-    out, start = [], 0
-    for s in range(pp):
-        end = start + base + (1 if s < extra else 0)
-        out.append((start, end))
-        start = end
-    return out
+    start = [s * base + min(s, extra) for s in range(pp + 1)]  # the first `extra` get one more
+    return list(zip(start[:-1], start[1:]))
 
 
 class Stage(nn.Module):
