@@ -37,12 +37,13 @@ def _local(spec: str, n: int, numel: int) -> tuple[list[torch.Tensor], torch.Ten
     import commpress.collectives.compressed_all_reduce as ar
     from commpress.collectives.byte_stats import Stats
     from commpress.collectives.call import resolve_codec
+    from commpress.collectives.transport import run
 
-    def copy_into(out, values):  # data_ptr() is not defined for a LocalTensor
-        out.view(values.shape).copy_(values)
-        return out
+    def run_into(target, steps_of):  # data_ptr() is not defined for a LocalTensor
+        flat = target.view(-1)
+        return run(steps_of(flat), lambda values: flat.view(values.shape).copy_(values))
 
-    ar.copy_into = copy_into
+    ar.run_into = run_into
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=n)
     with LocalTensorMode(n):
         x = LocalTensor({r: _grad(r, numel) for r in range(n)})
