@@ -204,7 +204,7 @@ def digest(text: str) -> tuple[int, int]:
 
 def _gather_texts(text: str, group: dist.ProcessGroup) -> list[str]:
     raw = torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8)
-    rows = Gather(raw, False, group).wait()
+    rows = Gather(raw, fixed_size=False, group=group).wait()
     return [bytes(row.tolist()).decode(errors="replace") for row in rows]
 
 

@@ -44,6 +44,7 @@ wait on a group that is out of step.
 # No ``from __future__ import annotations``: DDP compares the hook's annotations with
 # ``dist.GradBucket`` and ``torch.futures.Future[torch.Tensor]`` as objects.
 import functools
+import itertools
 import queue
 import threading
 from collections.abc import Callable
@@ -135,7 +136,7 @@ class _HookBucket:
     ready: set = field(default_factory=set)
 
     def __post_init__(self) -> None:
-        self.offsets = [sum(self.numels[:i]) for i in range(len(self.numels))]
+        self.offsets = list(itertools.accumulate(self.numels[:-1], initial=0))
 
 
 @dataclass
