@@ -5,6 +5,7 @@ stochastic-rounding counters and error-feedback memory carry over as they do for
 import pytest
 import torch
 
+import commpress
 from commpress.launch import spawn
 from tests.collectives import workers
 
@@ -34,3 +35,28 @@ def test_played_all_reduce_equals_the_real_one(world, rpn, rule, dtype):
     assert all(r == real[0] for r in real)  # every rank holds the same bits
     assert workers.played_all_reduces(world, rule, numel, dtype, calls, rpn) == real[0]
     assert len(set(real[0])) == calls  # the calls differ: the check is not vacuous
+
+
+CPU_CODECS = [n for n in commpress.list_codecs() if n != "nvcomp"]  # nvcomp needs CUDA
+
+
+@pytest.mark.parametrize("m", [256, 300])  # a chunk the codecs need not pad, and one they do
+@pytest.mark.parametrize("rule", [
+    *CPU_CODECS,
+    *({"codec": n, "error_feedback": True} for n in CPU_CODECS if n != "none"),
+    {"intra": "int8:hadamard=128", "inter": "int4:hadamard=128"},  # fused requantization
+    {"intra": "none", "inter": EF_INT2},
+])
+def test_played_steps_do_not_read_their_input_once_they_wait(rule, m):
+    """Steps hold only codes while they wait (the played transport holds every rank's
+    suspended steps at once): overwriting an input once it is handed over changes no
+    result — on every codec, with error feedback, on one level and two, over successive
+    calls."""
+    world, rpn, calls = 4, 2, 2
+    inputs = [workers.played_inputs(r, world * m, torch.float32, calls) for r in range(world)]
+    kept = workers.played_reduce_scatters(world, rule, m, inputs, calls, rpn, overwrite=False)
+    overwritten = workers.played_reduce_scatters(world, rule, m, inputs, calls, rpn,
+                                                 overwrite=True)
+    for a, b in zip(kept, overwritten, strict=True):
+        assert torch.isfinite(a).all()  # NaN written over an input never arrives
+        assert torch.equal(a, b)

@@ -354,6 +354,31 @@ def played_all_reduces(world, grad_rule, numel, dtype, calls, rpn):
     return out
 
 
+def played_reduce_scatters(world, grad_rule, m, inputs, calls, rpn, overwrite):
+    """Every rank's result of ``calls`` played reduce-scatters of ``inputs[r][c]`` (each
+    ``world × m``), each input handed over as a copy that is then filled with NaN when
+    ``overwrite``."""
+    from commpress.collectives.byte_stats import Stats
+    from commpress.collectives.hierarchical import reduce_scatter_levels_steps
+    from commpress.collectives.played import Played, played_peers
+    from commpress.collectives.topology import levels_used
+
+    per_rank = [_grad_codecs(grad_rule) for _ in range(world)]
+    used = levels_used("single" not in per_rank[0], world, rpn)
+    out = []
+    for c in range(calls):
+        played = Played(world, lambda r, x: reduce_scatter_levels_steps(
+            x, m, per_rank[r], used, *played_peers(r, world, rpn), Stats(), "g", "avg", r))
+        for r in reversed(range(world)):  # any order of arrival
+            x = inputs[r][c].clone()
+            played.add(r, x)
+            if overwrite:
+                x.fill_(float("nan"))
+        results = played.finish()
+        out += [results[r] for r in range(world)]
+    return out
+
+
 def near_dtype_max(rank, world, specs):
     """bf16 ±max through every collective: which results are all finite."""
     top = torch.finfo(torch.bfloat16).max

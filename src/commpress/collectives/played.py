@@ -74,7 +74,8 @@ class Played:
         self._sums: dict[tuple, _RankOrderSum] = {}
 
     def add(self, rank: int, x: Any) -> None:
-        """Run rank ``rank``'s steps on ``x`` until they wait for other ranks."""
+        """Run rank ``rank``'s steps on ``x`` until they wait for other ranks (from then
+        on they hold only codes, or for an exact reduction this transport's copy)."""
         self._advance(rank, self.steps(rank, x), None)
 
     def finish(self) -> dict[int, Any]:
