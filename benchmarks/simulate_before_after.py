@@ -115,11 +115,11 @@ def main() -> None:
         before = os.path.join(tmp, "before")
         subprocess.run(["git", "-C", REPO, "worktree", "add", "--detach", before, args.before],
                        check=True, capture_output=True)
+        sides = [(os.path.join(before, "src"), os.path.join(tmp, "out-before")),
+                 (os.path.join(REPO, "src"), os.path.join(tmp, "out-now"))]
         try:
             for run in range(args.runs):
                 for ranks, policy in cases:
-                    sides = [(os.path.join(before, "src"), os.path.join(tmp, "out-before")),
-                             (os.path.join(REPO, "src"), os.path.join(tmp, "out-now"))]
                     if args.together:
                         cores = (run % 2, 1 - run % 2)
                         children = [start(src, ranks, policy, args.steps, out, core, env)

@@ -332,23 +332,36 @@ def real_all_reduces(rank, world, grad_rule, numel, dtype, calls, rpn):
     return out
 
 
-def played_all_reduces(world, grad_rule, numel, dtype, calls, rpn):
-    """The same calls played in this process for ``world`` ranks."""
-    from commpress.collectives.byte_stats import Stats
-    from commpress.collectives.hierarchical import all_reduce_levels_steps
+def _played_calls(world, grad_rule, rpn, inputs, calls, steps_of, overwrite=False):
+    """Each call's ``{rank: result}`` of ``calls`` collectives played over ``inputs[r][c]``
+    with ``steps_of(x, codecs, used, peers, rank)``; when ``overwrite``, each input is
+    handed over as a copy that is then filled with NaN."""
     from commpress.collectives.played import Played, played_peers
     from commpress.collectives.topology import levels_used
 
     per_rank = [_grad_codecs(grad_rule) for _ in range(world)]
-    inputs = [played_inputs(r, numel, dtype, calls) for r in range(world)]
     used = levels_used("single" not in per_rank[0], world, rpn)
-    out = []
     for c in range(calls):
-        played = Played(world, lambda r, x: all_reduce_levels_steps(
-            x, per_rank[r], used, *played_peers(r, world, rpn), Stats(), "g", "avg"))
+        played = Played(world, lambda r, x: steps_of(x, per_rank[r], used,
+                                                     played_peers(r, world, rpn), r))
         for r in reversed(range(world)):  # any order of arrival
-            played.add(r, inputs[r][c])
-        results = played.finish()
+            x = inputs[r][c].clone() if overwrite else inputs[r][c]
+            played.add(r, x)
+            if overwrite:
+                x.fill_(float("nan"))
+        yield played.finish()
+
+
+def played_all_reduces(world, grad_rule, numel, dtype, calls, rpn):
+    """The same calls played in this process for ``world`` ranks."""
+    from commpress.collectives.byte_stats import Stats
+    from commpress.collectives.hierarchical import all_reduce_levels_steps
+
+    inputs = [played_inputs(r, numel, dtype, calls) for r in range(world)]
+    out = []
+    for results in _played_calls(world, grad_rule, rpn, inputs, calls, lambda x, codecs, used,
+                                 peers, r: all_reduce_levels_steps(x, codecs, used, *peers,
+                                                                   Stats(), "g", "avg")):
         assert all(torch.equal(results[r], results[0]) for r in range(world))
         out.append(_digest(results[0]))
     return out
@@ -356,27 +369,14 @@ def played_all_reduces(world, grad_rule, numel, dtype, calls, rpn):
 
 def played_reduce_scatters(world, grad_rule, m, inputs, calls, rpn, overwrite):
     """Every rank's result of ``calls`` played reduce-scatters of ``inputs[r][c]`` (each
-    ``world × m``), each input handed over as a copy that is then filled with NaN when
-    ``overwrite``."""
+    ``world × m``); inputs overwritten once handed over when ``overwrite``."""
     from commpress.collectives.byte_stats import Stats
     from commpress.collectives.hierarchical import reduce_scatter_levels_steps
-    from commpress.collectives.played import Played, played_peers
-    from commpress.collectives.topology import levels_used
 
-    per_rank = [_grad_codecs(grad_rule) for _ in range(world)]
-    used = levels_used("single" not in per_rank[0], world, rpn)
-    out = []
-    for c in range(calls):
-        played = Played(world, lambda r, x: reduce_scatter_levels_steps(
-            x, m, per_rank[r], used, *played_peers(r, world, rpn), Stats(), "g", "avg", r))
-        for r in reversed(range(world)):  # any order of arrival
-            x = inputs[r][c].clone()
-            played.add(r, x)
-            if overwrite:
-                x.fill_(float("nan"))
-        results = played.finish()
-        out += [results[r] for r in range(world)]
-    return out
+    return [results[r] for results in _played_calls(
+        world, grad_rule, rpn, inputs, calls, lambda x, codecs, used, peers, r:
+        reduce_scatter_levels_steps(x, m, codecs, used, *peers, Stats(), "g", "avg", r),
+        overwrite) for r in range(world)]
 
 
 def near_dtype_max(rank, world, specs):
