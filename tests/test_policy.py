@@ -2,6 +2,7 @@ import pytest
 
 from commpress import Policy, list_presets
 from commpress.codecs import ErrorFeedback
+from commpress.validate import InputError
 
 
 def test_presets_build_and_roundtrip():
@@ -68,3 +69,21 @@ def test_unknown_preset_and_malformed_files(tmp_path):
     danger.write_text("dp: !!python/object/apply:os.system ['true']\n")
     with pytest.raises(ValueError, match="is malformed"):
         Policy.load(danger)  # the safe loader refuses python tags
+
+
+@pytest.mark.parametrize("text, key", [
+    ("dp:\n  grad: int4\ndp:\n  grad: int8\n", "dp"),             # top level
+    ("dp:\n  grad: {intra: int8, intra: int4}\n", "intra"),         # inside a rule
+    ("name: a\ntp: {act: int8}\nname: b\n", "name"),
+])
+def test_a_yaml_key_given_twice_is_refused_as_toml_refuses_it(tmp_path, text, key):
+    """PyYAML keeps the last of two equal keys: a policy would silently differ from what
+    its first lines say."""
+    path = tmp_path / "twice.yaml"
+    path.write_text(text)
+    with pytest.raises(InputError, match=f"key '{key}' is given twice; allowed: each key once"):
+        Policy.load(path)
+    toml = tmp_path / "twice.toml"
+    toml.write_text('[dp]\ngrad = "int4"\n[dp]\ngrad = "int8"\n')
+    with pytest.raises(InputError, match="is malformed"):
+        Policy.load(toml)

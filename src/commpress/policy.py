@@ -233,6 +233,22 @@ class _NoAliasLoader(yaml.SafeLoader):
         finally:
             self._depth -= 1
 
+    def construct_mapping(self, node, deep=False):
+        # PyYAML keeps the last of two equal keys; TOML refuses them, and so does this
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                duplicate = key in seen
+            except TypeError:  # an unhashable key: the constructor below names it
+                break
+            if duplicate:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} is given twice; allowed: each key once in a "
+                    "mapping", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
 
 def _check_key(key: str) -> None:
     parts = key.split(".")

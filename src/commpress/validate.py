@@ -13,6 +13,8 @@ import math
 import numbers
 from collections.abc import Callable
 
+MAX_SEED = 2**32 - 1  # the largest seed taken (as numpy takes them)
+
 
 class InputError(ValueError):
     """Input that commpress refuses (an option, a config field, a file, a checkpoint); the

@@ -175,6 +175,7 @@ def test_spec_string_dict_and_kwargs_agree():
         ("sign:group=12", "group=12 is not allowed; allowed: a positive multiple of 8"),
         ("zfp:rate=0.5", "rate=0.5 is not allowed"),
         ("int4:group", "is not of the form key=value"),
+        ("int4:group=128,group=64", "option 'group' is given twice; allowed: each option once"),
         ("nvcomp:algorithm=zstd", "allowed: ans, bitcomp, gdeflate"),
     ],
 )

@@ -119,3 +119,36 @@ def hook_error(rank, world, fault):
     except RuntimeError as e:
         return {"error": f"{type(e).__name__}: {e}"}
     return {"error": None}
+
+
+def ignored_parameter_runs(rank, world, hooks, steps=3):
+    """DDP told to ignore one parameter (as engines do for frozen towers), trained with
+    each of ``hooks`` (None: DDP's own all-reduce; ``"lowrank"``: the low-rank hook; else
+    a ``ddp_hook`` policy); per hook the hashes after each step of every parameter and of
+    all but the ignored one."""
+    from commpress.integrations.ddp_lowrank import lowrank_hook
+
+    data = workers._data()
+    out = {}
+    for hook in hooks:
+        model = SkippingGPT(workers._model())
+        ignored = next(n for n, _ in model.named_parameters() if ".blocks.0." in n)
+        DDP._set_params_and_buffers_to_ignore_for_model(model, [ignored])
+        ddp = DDP(model, bucket_cap_mb=0.1)
+        if hook == "lowrank":
+            ddp.register_comm_hook(*lowrank_hook(ddp, rank=2, start_iter=1,
+                                                 bucket_numel=25_000))
+        elif hook is not None:
+            ddp.register_comm_hook(*commpress.ddp_hook(ddp, hook, bucket_numel=25_000))
+        opt = torch.optim.AdamW(ddp.parameters(), lr=3e-3)
+        every, reduced = [], []
+        for step in range(steps):
+            x, y = workers._local_batch(data, step, rank, world)
+            ddp(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+            every.append(workers._hash_params(model))
+            kept = nn.ParameterList(p for n, p in model.named_parameters() if n != ignored)
+            reduced.append(workers._hash_params(kept))
+        out[str(hook)] = {"every": every, "reduced": reduced}
+    return out

@@ -166,3 +166,56 @@ def memory_after_fixed_differences(rank, world, factor_codec, steps=12):
     drift = (total - steps * average[n * m:]).abs().max() / int8_step
     return {"vector": reducer.error[n * m:].abs().max().item(), "inside": inside,
             "drift": float(drift)}
+
+
+def _error_of(run):
+    """What ``run()`` raised, as ``"Type: message"`` (None if it returned)."""
+    try:
+        run()
+    except (RuntimeError, ValueError) as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def disagreeing_states(rank, world, hook):
+    """Ranks whose hook state disagrees, each case on fresh DDP modules; returns the error
+    each case gave on this rank (None: trained on).
+
+    ``"seed"``: ``seed=rank`` with ``alternate``. ``"steps"``: rank 1 resumes from a state
+    two steps older than rank 0's. ``"swapped"``: each rank loads the other's state.
+    ``hook``: ``"lowrank"`` (alternate) or ``"int2ef"`` (``ddp_hook``)."""
+    import torch.distributed as dist
+
+    data = workers._data()
+
+    def build(options=None):
+        if hook == "lowrank":
+            return _build({"alternate": True, **(options or {})})
+        model = workers._model()
+        ddp = DDP(model, bucket_cap_mb=0.1)
+        state, fn = commpress.ddp_hook(ddp, "int2ef", bucket_numel=25_000)
+        ddp.register_comm_hook(state, fn)
+        return model, ddp, state, torch.optim.AdamW(model.parameters(), lr=3e-3)
+
+    out = {}
+    if hook == "lowrank":
+        model, ddp, _, opt = build({"seed": rank})
+        out["seed"] = _error_of(lambda: _steps(model, ddp, opt, data, rank, world, 0, 3))
+    model, ddp, state, opt = build()
+    _steps(model, ddp, opt, data, rank, world, 0, 2)
+    older = copy.deepcopy(state.state_dict())
+    _steps(model, ddp, opt, data, rank, world, 2, 2)
+    newer = copy.deepcopy(state.state_dict())
+    everyone = [None] * world
+    dist.all_gather_object(everyone, newer)
+
+    def resume_from(saved):
+        model2, ddp2, state2, opt2 = build()
+        model2.load_state_dict(model.state_dict())
+        state2.load_state_dict(saved)
+        _steps(model2, ddp2, opt2, data, rank, world, 4, 2)
+
+    out["steps"] = _error_of(lambda: resume_from(older if rank == 1 else newer))
+    out["swapped"] = _error_of(lambda: resume_from(everyone[(rank + 1) % world]))
+    out["own"] = _error_of(lambda: resume_from(newer))
+    return out

@@ -136,3 +136,18 @@ def test_the_played_hook_takes_a_codec_spec_like_the_hook():
     assert played.policy == grad_policy("int4:hadamard=128")
     with pytest.raises(ValueError, match="policy='int9' is neither a policy preset"):
         PlayedDDPHook(nn.Linear(4, 4), "int9", ranks=2, ranks_per_node=1)
+
+
+def test_a_parameter_ddp_ignores_is_left_to_ddp_not_waited_for():
+    """DDP never hands a hook a parameter it was told to ignore: a hook bucket holding one
+    never completed, and backward hung past the group's timeout. The hooks leave it out:
+    with codec ``none`` the run is plain DDP's bit for bit (the ignored parameter keeps
+    its local gradient in both), compressed the reduced parameters stay identical."""
+    hooks = [None, "none", "int2ef", "lowrank"]
+    ranks = spawn(ddp_workers.ignored_parameter_runs, 2, (hooks,), ranks_per_node=1,
+                  pg_timeout_s=PG_TIMEOUT_S, timeout=300)
+    for r in ranks:
+        assert r["none"]["every"] == r["None"]["every"]
+    for hook in ("int2ef", "lowrank"):
+        assert ranks[0][hook]["reduced"] == ranks[1][hook]["reduced"], hook
+    assert ranks[0]["None"]["every"] != ranks[1]["None"]["every"]  # the ignored one is local

@@ -6,6 +6,7 @@ import torch
 
 from commpress.integrations.ddp_lowrank import LowRankConfig, update_is_finite
 from commpress.launch import spawn
+from commpress.validate import InputError
 from tests.integrations import lowrank_workers
 
 PG_TIMEOUT_S = 30.0
@@ -99,12 +100,16 @@ def test_a_non_finite_gradient_stays_non_finite_and_does_not_poison_the_memory()
         assert a["params"] == b["params"] and a["grads"] == b["grads"]
 
 
-@pytest.mark.parametrize("field, value", [("rank", 0), ("start_iter", -1),
+@pytest.mark.parametrize("field, value", [("rank", 0), ("rank", True), ("start_iter", -1),
+                                          ("start_iter", True), ("seed", 1.5),
+                                          ("seed", 2**70), ("seed", -1), ("alternate", "no"),
                                           ("min_compression_rate", 0.5),
+                                          ("min_compression_rate", float("nan")),
                                           ("factor_codec", "int7")])
 def test_bad_options_are_refused_naming_the_field(field, value):
-    with pytest.raises(ValueError, match=field if field != "factor_codec" else "int7"):
+    with pytest.raises(InputError, match=field if field != "factor_codec" else "int7") as e:
         LowRankConfig(**{field: value})
+    assert "allowed" in str(e.value)
 
 
 def _factors(p_scale=1.0, q_scale=1.0):
@@ -130,3 +135,20 @@ def test_update_is_finite_agrees_with_a_scan_of_the_whole_result(case, finite):
         result = torch.cat([(ps[0] @ qs[0].t()).reshape(-1), vectors])
     assert bool(torch.isfinite(result).all()) is finite  # the case is what it claims
     assert update_is_finite(result, [2], ps, qs, vectors) is finite
+
+
+@pytest.mark.parametrize("hook", ["lowrank", pytest.param("int2ef", marks=SLOW)])
+def test_ranks_with_other_seeds_steps_or_swapped_states_are_refused(hook):
+    """A per-rank seed or a rank resumed from another step's state would let ``alternate``
+    multiply by unaveraged factors (replicas drifted by ~1e-3, silently); a state loaded
+    on another rank would apply that rank's memory. Each is refused; each rank's own state
+    resumes."""
+    ranks = _spawn(lowrank_workers.disagreeing_states, hook)
+    for rank, r in enumerate(ranks):
+        if hook == "lowrank":
+            assert "CollectiveMismatchError" in r["seed"] and "seed differs" in r["seed"]
+            assert "iter differs" in r["steps"], r["steps"]
+        else:  # int2ef's memory is each rank's own; its step counter is not agreed on
+            assert r["steps"] is None
+        assert "InputError" in r["swapped"] and f"match this run's {rank}" in r["swapped"]
+        assert r["own"] is None

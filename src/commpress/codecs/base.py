@@ -248,11 +248,15 @@ def parse_spec(spec: str) -> dict[str, Any]:
     out: dict[str, Any] = {"name": name.strip()}
     for item in filter(None, (s.strip() for s in rest.split(","))):
         key, sep, value = item.partition("=")
-        if not sep or not key.strip():
+        key = key.strip()
+        if not sep or not key:
             raise InputError(
                 f"codec spec {spec!r}: option {item!r} is not of the form key=value"
             )
-        out[key.strip()] = value.strip()
+        if key in out:
+            raise InputError(f"codec spec {spec!r}: option {key!r} is given twice; allowed: "
+                             "each option once")
+        out[key] = value.strip()
     return out
 
 

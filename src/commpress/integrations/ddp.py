@@ -62,9 +62,9 @@ from commpress.collectives.agreement import release
 from commpress.collectives.comm import group_timeout
 from commpress.integrations.grad_path import GradPath
 from commpress.policy import Policy, list_presets
-from commpress.validate import InputError, check_saved_state
+from commpress.validate import InputError, check_int, check_saved_state
 
-STATE_FORMAT = "commpress.DDPHookState/2"
+STATE_FORMAT = "commpress.DDPHookState/3"
 BUCKET_NUMEL = 1 << 22  # elements per hook bucket, by default
 
 
@@ -166,9 +166,10 @@ class DDPHookState:
             raise TypeError(f"ddp_hook: model must be the torch.nn.Module DDP wraps (or the "
                             f"DDP module); got {type(model).__name__} — call "
                             "commpress.ddp_hook(model, policy)")
-        if not isinstance(bucket_numel, int) or bucket_numel < 1:
-            raise InputError(f"ddp_hook: bucket_numel={bucket_numel!r} is not allowed; "
-                             "allowed: an int >= 1")
+        check_int("ddp_hook: bucket_numel", bucket_numel, ge=1)
+        if not isinstance(overlap, bool):
+            raise InputError(f"ddp_hook: overlap={overlap!r} is not allowed; allowed: True or "
+                             "False")
         module = getattr(model, "module", model)
         # hyperparameters
         self.policy = grad_policy(policy)
@@ -176,7 +177,9 @@ class DDPHookState:
         self.group = _ddp_group(model, group)
         self.overlap = overlap
         # internal state
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        ignored = ddp_ignored(model)
+        named = [(n, p) for n, p in module.named_parameters()
+                 if p.requires_grad and n not in ignored]
         self.buckets = hook_layout(named, bucket_numel,
                                    lambda: GradPath(self.policy, self.topology, label))
         by_name = dict(named)
@@ -193,17 +196,26 @@ class DDPHookState:
 
     # -- checkpoints ---------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
+        """This rank's codec state: error-feedback memory and rounding streams are each
+        rank's own, so the state records the rank and the world size it belongs to."""
         return {"format": STATE_FORMAT, "policy": self.policy.to_dict(), "calls": self.calls,
-                "layout": [b.names for b in self.buckets],
+                **self._identity(), "layout": [b.names for b in self.buckets],
                 "codecs": [b.grad_path.state_dict() for b in self.buckets]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a state this rank saved: another rank's, world size's, policy's or
+        layout's is refused naming the field."""
         check_saved_state(state, STATE_FORMAT, "DDP hook", {
-            "policy": self.policy.to_dict(), "layout": [b.names for b in self.buckets]},
-            "resume with the same policy, model and bucket_numel (they fix the layout)")
+            "policy": self.policy.to_dict(), **self._identity(),
+            "layout": [b.names for b in self.buckets]},
+            "resume each rank from its own state, with the same number of ranks, policy, "
+            "model and bucket_numel (they fix the layout)")
         for b, codecs in zip(self.buckets, state["codecs"]):
             b.grad_path.load_state_dict(codecs)
         self.calls = state["calls"]
+
+    def _identity(self) -> dict[str, int]:
+        return {"rank": dist.get_rank(self.group), "world_size": dist.get_world_size(self.group)}
 
     def __getstate__(self) -> dict[str, Any]:
         d = dict(self.__dict__)
@@ -320,6 +332,15 @@ class DDPHookState:
             hb_index, i = self._where[id(p)]
             if hb_index == j:
                 g.view(-1).copy_(hb.buffer[hb.offsets[i]: hb.offsets[i] + hb.numels[i]])
+
+
+def ddp_ignored(model: nn.Module) -> set[str]:
+    """Names of the parameters DDP leaves out of its reduction (set with
+    ``DDP._set_params_and_buffers_to_ignore_for_model``, or delayed): DDP never hands
+    them to a hook, so a hook bucket holding one would never complete."""
+    if isinstance(model, DistributedDataParallel):
+        return set(model.parameters_to_ignore)
+    return set(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
 
 
 def hook_layout(named: list[tuple[str, nn.Parameter]], bucket_numel: int,

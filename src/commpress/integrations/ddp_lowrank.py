@@ -46,6 +46,7 @@ poison later steps; the decision depends only on decoded values, the same everyw
 
 # No ``from __future__ import annotations``: DDP compares the hook's annotations with
 # ``dist.GradBucket`` and ``torch.futures.Future[torch.Tensor]`` as objects.
+import hashlib
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -55,11 +56,12 @@ import torch.nn as nn
 
 from commpress.codecs import ErrorFeedback
 from commpress.codecs import codec as build_codec
-from commpress.collectives import Topology, hierarchical_all_reduce
+from commpress.collectives import Topology, context, hierarchical_all_reduce
 from commpress.collectives.call import is_exact
+from commpress.collectives.comm import resolve_group
 from commpress.collectives.handle import completed
 from commpress.integrations.ddp import BUCKET_NUMEL, DDPHookState, compressed_allreduce_hook
-from commpress.validate import InputError
+from commpress.validate import MAX_SEED, InputError, check_float, check_int
 
 LABEL = "dp.grad.lowrank"
 
@@ -76,15 +78,16 @@ class LowRankConfig:
     alternate: bool = False  # ACP-SGD: one factor per step, one all-reduce instead of two
 
     def __post_init__(self) -> None:
-        if not isinstance(self.rank, int) or self.rank < 1:
-            raise InputError(f"lowrank_hook: rank={self.rank!r} is not allowed; allowed: an "
-                             "int >= 1")
-        if not isinstance(self.start_iter, int) or self.start_iter < 0:
-            raise InputError(f"lowrank_hook: start_iter={self.start_iter!r} is not allowed; "
-                             "allowed: an int >= 0")
-        if not self.min_compression_rate >= 1:
-            raise InputError(f"lowrank_hook: min_compression_rate={self.min_compression_rate!r}"
-                             " is not allowed; allowed: a number >= 1")
+        check_int("lowrank_hook: rank", self.rank, ge=1)
+        check_int("lowrank_hook: start_iter", self.start_iter, ge=0)
+        check_float("lowrank_hook: min_compression_rate", self.min_compression_rate, ge=1)
+        check_int("lowrank_hook: seed", self.seed, ge=0, le=MAX_SEED)
+        if not isinstance(self.alternate, bool):
+            raise InputError(f"lowrank_hook: alternate={self.alternate!r} is not allowed; "
+                             "allowed: True or False")
+        if not isinstance(self.factor_codec, str):
+            raise InputError(f"lowrank_hook: factor_codec={self.factor_codec!r} is not "
+                             "allowed; allowed: a codec spec such as 'int8'")
         build_codec(self.factor_codec)  # a bad spec fails here, naming the allowed ones
 
 
@@ -130,6 +133,21 @@ class LowRankReducer:
         self.ps = [torch.zeros(x.n, x.r) for x in self.matrices]  # alternate: last P sent
         self.error: torch.Tensor | None = None
         self.device = torch.device("cpu")
+        self._agreed = False  # whether the ranks were checked to hold the same factors
+
+    def _check_same_factors(self, group: dist.ProcessGroup | None) -> None:
+        """Refuse, on every rank, ranks that start from different factors or steps (a
+        per-rank ``seed``, one rank resumed from another step's state): ``alternate``
+        multiplies by this rank's own ``Q`` or ``P`` unaveraged, so replicas would drift
+        apart without an error. Once after construction and after each load: from then on
+        every factor a rank keeps is an average, the same everywhere."""
+        digest = hashlib.blake2b(digest_size=16)
+        for t in (*self.qs, *self.ps):
+            digest.update(t.detach().cpu().contiguous().numpy().tobytes())
+        context(resolve_group(group)).agree("lowrank_hook.state", label=LABEL,
+                                            seed=self.config.seed, iter=self.iter,
+                                            factors=digest.hexdigest())
+        self._agreed = True
 
     def _sends_p(self) -> bool:
         """Alternate scheme: whether this step sends ``P`` (else ``Q``)."""
@@ -175,6 +193,8 @@ class LowRankReducer:
                    async_op: bool = False):
         """Average ``tensor`` (the hook bucket) in place; done when it returns."""
         assert op == "avg", op
+        if not self._agreed:
+            self._check_same_factors(group)
         if self.iter < self.config.start_iter:
             self._reduce(tensor, self.exact, group)
             self.iter += 1
@@ -252,6 +272,7 @@ class LowRankReducer:
                                                                              copy=True)
         self.codec.load_state_dict(state["codec"])
         self.codec_ef.load_state_dict(state["codec_ef"])
+        self._agreed = False
 
 
 FLOAT32_MAX = torch.finfo(torch.float32).max
@@ -332,7 +353,7 @@ def lowrank_hook(model: nn.Module, rank: int = 4, factor_codec: str = "int8",
         factor_codec: codec spec of the factors across nodes ("none" sends fp32).
         start_iter: exact steps before the low-rank ones.
         min_compression_rate: a matrix is approximated only if it shrinks this much.
-        seed: seed of the initial ``Q`` (the same on every rank).
+        seed: seed of the initial ``Q``: the same on every rank (checked at the first step).
         alternate: send ``P`` and ``Q`` on alternate steps (ACP-SGD): one all-reduce per
             step and half the bytes, for a projection on one side at a time.
         group, topology, overlap, bucket_numel: as in :func:`commpress.ddp_hook`.

@@ -10,9 +10,8 @@ import torch
 
 from commpress.model.gpt import PRESETS as MODEL_PRESETS
 from commpress.policy import Policy
-from commpress.validate import InputError, check_float, check_int
+from commpress.validate import MAX_SEED, InputError, check_float, check_int
 
-MAX_SEED = 2**32 - 1
 MAX_TIMEOUT_S = 1_000_000  # about 11.6 days: longer than any wait worth waiting for
 # the --dtype names (of the model, and of the benchmarks' tensors)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
