@@ -1,5 +1,6 @@
 """Opening files a user names: regular files only, their size known before a byte is read;
-writing results as JSON.
+writing files whole or not at all (a temporary file, synced, then renamed); writing results
+as JSON.
 
 A path on the command line (a corpus, a policy, a checkpoint) may be a symlink to
 ``/dev/zero`` or to a FIFO. Reading ``/dev/zero`` to end-of-file never ends and takes
@@ -16,10 +17,15 @@ This module imports nothing from commpress: every layer may use it.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import stat
-from typing import Any, BinaryIO
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from typing import IO, Any, BinaryIO
+
+import torch
 
 from commpress.validate import InputError
 
@@ -84,3 +90,66 @@ def write_json(path: str, obj: Any, default: Any = None) -> None:
     :func:`json.dump`'s, for values JSON has no type for)."""
     with open(path, "w") as f:
         json.dump(obj, f, indent=1, default=default)
+
+
+class _HashingWriter:
+    """A file wrapper that hashes what is written (torch.save writes sequentially) and
+    keeps the first ``OSError`` (torch.save reports a failed write, such as a full disk,
+    as a RuntimeError of its own)."""
+
+    def __init__(self, f) -> None:
+        self.f, self.sha, self.size = f, hashlib.sha256(), 0
+        self.error: OSError | None = None
+
+    def write(self, data) -> int:
+        self.sha.update(data)
+        self.size += len(data)
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = self.error or e
+            raise
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def atomic_save(obj: Any, path: str) -> dict[str, Any]:
+    """``torch.save`` to ``path`` through a temporary file and a rename; returns the
+    file's ``{"sha256", "bytes"}``. A failed write raises its ``OSError`` (its
+    ``filename`` ``path``), the temporary file removed."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with replacing(path, "wb") as f:
+        w = _HashingWriter(f)
+        try:
+            torch.save(obj, w)
+        except RuntimeError:
+            if w.error is None:
+                raise
+            raise w.error from None
+    return {"sha256": w.sha.hexdigest(), "bytes": w.size}
+
+
+def atomic_text(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and a rename."""
+    with replacing(path, "w") as f:
+        f.write(text)
+
+
+@contextmanager
+def replacing(path: str, mode: str) -> Iterator[IO]:
+    """A file opened at a temporary path, synced and renamed to ``path`` when the block
+    ends; on any failure the temporary file is removed and the error re-raised."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    try:
+        with open(tmp, mode) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:
+        with suppress(OSError):
+            os.remove(tmp)
+        if isinstance(e, OSError) and e.filename in (None, tmp):
+            e.filename = path  # the error names the file meant, not the temporary one
+        raise

@@ -104,3 +104,15 @@ def _short(value: object, limit: int = 300) -> str:
     """``repr(value)``, cut to ``limit`` characters (a layout can name every parameter)."""
     text = repr(value)
     return text if len(text) <= limit else f"{text[:limit]}… ({len(text)} characters)"
+
+
+def raise_if_any(problems: list[str | None], rank: int, what: str,
+                 error: type[InputError] = InputError) -> None:
+    """Raise ``error`` if any rank has a problem (``problems``: every rank's, gathered):
+    the first rank's, naming the others that ``what``. Every rank raises the same."""
+    bad = {r: p for r, p in enumerate(problems) if p is not None}
+    if bad:
+        first = min(bad)
+        others = f" (ranks {sorted(bad)} {what})" if len(bad) > 1 else ""
+        raise error(f"{bad[first]}" + ("" if first == rank else f" [reported by rank {first}]")
+                    + others)

@@ -165,8 +165,12 @@ def test_a_torch_lr_scheduler_drives_two_ranks_like_one_adamw():
     weights = [torch.from_numpy(r["weights"]) for r in (*ranks, single)]
     assert torch.equal(weights[0], weights[1])
     # the same AdamW on the averaged gradient: fp32 summation order only. AdamW's first
-    # steps move each weight by ≈ lr, so an unscheduled lr would be off by ~1e-3
-    torch.testing.assert_close(weights[0], weights[2], rtol=0, atol=1e-5)
+    # steps move each weight by ≈ lr, so an unscheduled lr would put most weights ~1e-3
+    # off; where the averaged gradient is ~0 its sign follows the summation order (which
+    # the CPU's kernels choose) and Adam turns a flipped sign into a step of ±lr
+    off = (weights[0] - weights[2]).abs()
+    assert float((off > 1e-5).float().mean()) < 1e-4, int((off > 1e-5).sum())
+    assert float(off.max()) < 2 * 3e-3
 
 
 @pytest.mark.slow

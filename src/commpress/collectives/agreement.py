@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from commpress.collectives.byte_stats import Stats, retire
-from commpress.collectives.comm import Gather, all_gather_single, group_timeout
+from commpress.collectives.comm import Gather, all_gather_single, group_timeout, resolve_group
 
 HEADER_WORDS = 3  # sequence number, 128-bit digest as two int64
 PUBLISH_AFTER_S = 1.0  # a wait longer than this is published for the timeout diagnosis
@@ -186,6 +186,25 @@ class GroupContext:
                 levels = _make_levels(group, self.ranks, self.rank, ranks_per_node)
                 self._levels[ranks_per_node] = levels
             return levels
+
+
+def agree(group: dist.ProcessGroup | None, collective: str, /, **fields: object) -> int:
+    """Check that every rank of ``group`` (default: the world) makes this call with these
+    ``fields`` (:meth:`GroupContext.agree`): for the collectives commpress hands torch
+    directly (a replica check, a buffer broadcast, an adapter's set-up), so that ranks
+    that disagree, or one that never comes, get a named error rather than a hang."""
+    return context(resolve_group(group)).agree(collective, **fields)
+
+
+def all_gather_objects(obj: object, group: dist.ProcessGroup | None, label: str) -> list:
+    """``obj`` of every rank of ``group`` (default: the world), in rank order, after the
+    agreement check: how ranks tell each other that a file could not be read or
+    written, so that every rank fails together."""
+    group = resolve_group(group)
+    agree(group, "all_gather_object", label=label)
+    out: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
 
 
 def describe_call(collective: str, seq: int, fields: dict[str, object]) -> str:

@@ -57,7 +57,9 @@ import torch
 import torch.distributed as dist
 
 from commpress.collectives import Topology
+from commpress.collectives.agreement import agree
 from commpress.collectives.parts import reduce_scatter_parts
+from commpress.integrations import rank_state
 from commpress.integrations.grad_path import GradPath
 from commpress.integrations.weight_gather import gather_weights
 from commpress.policy import Policy
@@ -281,7 +283,8 @@ class DeepSpeedCompression:
         tag = str(tag) if tag is not None else f"global_step{self.engine.global_steps}"
         os.makedirs(os.path.join(save_dir, tag), exist_ok=True)
         # written before DeepSpeed's files: its 'latest' never names a tag without it
-        torch.save(self.state_dict(), self.state_path(os.path.join(save_dir, tag)))
+        rank_state.save(self.state_dict(), self.state_path(os.path.join(save_dir, tag)),
+                        self.group, "commpress.deepspeed")
         return self._originals["save_checkpoint"](save_dir, tag, *args, **kwargs)
 
     def _load_checkpoint(self, load_dir: str, tag: Any = None, *args, **kwargs) -> Any:
@@ -298,11 +301,9 @@ class DeepSpeedCompression:
         if kwargs.get("load_module_only"):
             return load_path, client_state
         path = self.state_path(os.path.dirname(load_path))
-        if not os.path.exists(path):
-            raise InputError(f"commpress.deepspeed: {path} is missing: the checkpoint was "
-                             "saved without commpress's codec state; save it with a "
-                             "compressed engine, or load with load_module_only=True")
-        self.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+        self.load_state_dict(rank_state.load(
+            path, self.group, "commpress.deepspeed", missing="save it with a compressed "
+            "engine, or load with load_module_only=True"))
         return load_path, client_state
 
 
@@ -337,7 +338,11 @@ def compress(engine: DeepSpeedEngine, policy: str | dict | Policy = "none",
         commpress.deepspeed.compress(engine, "sdp4bit")
     """
     _check_engine(engine)
-    compression = DeepSpeedCompression(engine, Policy.resolve(policy), topology or Topology())
+    policy = Policy.resolve(policy)
+    # one rank compressing and another not would meet in mismatched collectives later
+    agree(engine.optimizer.dp_process_group, "deepspeed.compress", label="dp",
+          policy=policy.to_dict(), groups=len(engine.optimizer.bit16_groups_flat))
+    compression = DeepSpeedCompression(engine, policy, topology or Topology())
     compression._install()
     engine.commpress = compression
     log.info("Applied commpress to DeepSpeed ZeRO-%d: policy %s (%s)",

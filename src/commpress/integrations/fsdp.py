@@ -45,6 +45,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatt
 from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo
 
 from commpress.collectives import Topology, all_gather, all_reduce
+from commpress.collectives.agreement import agree
 from commpress.collectives.comm import all_gather_single
 from commpress.integrations.grad_path import GradPath
 from commpress.policy import Policy, Rule
@@ -73,6 +74,7 @@ class CompressedAllGather(_Allocate, AllGather):
         if input_tensor.is_floating_point():
             all_gather(output_tensor, input_tensor, self.codec, group=group, label=self.label)
         else:  # mixed-dtype parameters travel as raw bytes: nothing to quantize
+            agree(group, "all_gather", label=self.label, bytes=input_tensor.numel())
             all_gather_single(output_tensor, input_tensor, group)
 
 

@@ -5,8 +5,9 @@ is CUDA, so ``DDPStrategy(ddp_comm_hook=...)`` on CPU is silently ignored and th
 gradients go through DDP's own all-reduce. :class:`CommpressDDPStrategy` registers
 :func:`commpress.ddp_hook` on every device, keeps the hook's codec state
 (error-feedback residuals, stochastic-rounding counters) in the trainer's checkpoints
-— one file per rank beside the checkpoint, ``<checkpoint>.commpress-rank<r>.pt``,
-since each rank's residuals are its own — and is otherwise Lightning's ``DDPStrategy``.
+— one verified file per rank beside the checkpoint, ``<checkpoint>.commpress-rank<r>.pt``
+(:mod:`commpress.integrations.rank_state`), since each rank's residuals are its own — and
+is otherwise Lightning's ``DDPStrategy``.
 
 accelerate needs no adapter: register the hook on the model ``accelerator.prepare``
 returns (a ``DistributedDataParallel`` when there are several processes)::
@@ -21,9 +22,8 @@ import logging
 import os
 from typing import Any
 
-import torch
-
 from commpress.collectives import Topology
+from commpress.integrations import rank_state
 from commpress.integrations.ddp import BUCKET_NUMEL, DDPHookState, ddp_hook
 from commpress.policy import Policy
 from commpress.validate import InputError
@@ -89,19 +89,15 @@ class CommpressDDPStrategy(DDPStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | os.PathLike,
                         storage_options: Any | None = None) -> None:
         if self.hook_state is not None:
-            os.makedirs(os.path.dirname(os.path.abspath(filepath)), exist_ok=True)
-            torch.save(self.hook_state.state_dict(), self.hook_state_path(filepath))
+            rank_state.save(self.hook_state.state_dict(), self.hook_state_path(filepath),
+                            None, "CommpressDDPStrategy")
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     def load_checkpoint(self, checkpoint_path: str | os.PathLike,
                         weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        path = self.hook_state_path(checkpoint_path)
-        if not os.path.exists(path):
-            raise InputError(f"CommpressDDPStrategy: {path} is missing: the checkpoint was "
-                             "saved without commpress's hook state (by another strategy, or "
-                             "with another number of ranks)")
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = rank_state.load(self.hook_state_path(checkpoint_path), None,
+                                "CommpressDDPStrategy", missing="save it with this strategy")
         if self.hook_state is not None:  # resumed after setup: the hook exists already
             self.hook_state.load_state_dict(state)
         else:

@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from commpress.collectives import CollectiveMismatchError
+from commpress.collectives.agreement import agree
 from commpress.collectives.comm import all_gather_single
 from commpress.integrations.buckets import Bucket, checksum
 
@@ -38,10 +39,12 @@ def sync_initial_state(model: nn.Module, buckets: list[Bucket], group: dist.Proc
               if id(p) not in in_buckets]
     others += [(f"buffer {n!r}", t) for n, t in model.named_buffers()]
     if how == "broadcast":
+        agree(group, "broadcast", label="initial weights", src=src,
+              numels=[b.param_buffer.numel() for b in buckets])
         for b in buckets:
             dist.broadcast(b.param_buffer, src=src, group=group)
             b.reset_master(rank, world)
-        broadcast_coalesced([t for _, t in others], src, group, device)
+        broadcast_coalesced([t for _, t in others], src, group, device, "initial state")
         return
     items = [(f"the bucket holding {b.names[0]!r}", b.param_buffer) for b in buckets]
     names, tensors = zip(*items, *others)
@@ -58,6 +61,7 @@ def sync_initial_state(model: nn.Module, buckets: list[Bucket], group: dist.Proc
 def differing_ranks(tensors: list[torch.Tensor], group: dist.ProcessGroup,
                     device: torch.device) -> tuple[list[int], torch.Tensor]:
     """``group``'s ranks whose ``tensors`` differ from its first rank's, and every checksum."""
+    agree(group, "all_gather", label="replica check", tensors=len(tensors))
     mine = torch.tensor([checksum(t) for t in tensors], dtype=torch.int64, device=device)
     every = mine.new_empty(group.size() * mine.numel())
     all_gather_single(every, mine, group)
@@ -70,17 +74,19 @@ def broadcast_buffers(model: nn.Module, group: dist.ProcessGroup,
                       device: torch.device) -> None:
     """Copy the first rank's buffers to every rank of ``group`` (one collective; none
     without buffers)."""
-    broadcast_coalesced(list(model.buffers()), group_source(group), group, device)
+    broadcast_coalesced(list(model.buffers()), group_source(group), group, device, "buffers")
 
 
 def broadcast_coalesced(tensors: list[torch.Tensor], src: int,
-                        group: dist.ProcessGroup | None, device: torch.device) -> None:
+                        group: dist.ProcessGroup | None, device: torch.device,
+                        label: str) -> None:
     """Broadcast ``tensors`` (any dtypes, shapes, bool included) in one collective: their
     bytes packed into one buffer, copied back in place."""
     if not tensors:
         return
     parts = [t.detach().reshape(-1).contiguous().view(torch.uint8).to(device) for t in tensors]
     flat = torch.cat(parts)
+    agree(group, "broadcast", label=label, src=src, bytes=flat.numel())
     dist.broadcast(flat, src=src, group=group)
     offset = 0
     for t, part in zip(tensors, parts):

@@ -35,6 +35,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from commpress.collectives import Topology
+from commpress.collectives.agreement import agree
 from commpress.collectives.comm import all_gather_single
 from commpress.collectives.handle import completed
 from commpress.integrations.buckets import (
@@ -310,6 +311,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         (an all-reduce's order is the backend's), which ``commpress simulate`` repeats."""
         parts = self.local_grad_sumsq().reshape(1)
         if self.norm_group is not None and dist.get_world_size(self.norm_group) > 1:
+            agree(self.norm_group, "all_gather", label="grad norm")
             mine = parts
             parts = torch.empty(dist.get_world_size(self.norm_group), dtype=mine.dtype,
                                 device=mine.device)

@@ -35,15 +35,15 @@ import logging
 import os
 import re
 import shutil
-from collections.abc import Iterator
-from contextlib import contextmanager, suppress
-from typing import IO, Any
+from contextlib import suppress
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from commpress.files import open_regular, read_regular
-from commpress.validate import InputError
+from commpress.collectives.agreement import all_gather_objects
+from commpress.files import atomic_save, atomic_text, open_regular, read_regular
+from commpress.validate import InputError, raise_if_any
 
 log = logging.getLogger(__name__)
 
@@ -74,68 +74,6 @@ def rank_file(run_dir: str, step: int, rank: int) -> str:
     return os.path.join(step_dir(run_dir, step), rank_name(rank))
 
 
-class _HashingWriter:
-    """A file wrapper that hashes what is written (torch.save writes sequentially) and
-    keeps the first ``OSError`` (torch.save reports a failed write, such as a full disk,
-    as a RuntimeError of its own)."""
-
-    def __init__(self, f) -> None:
-        self.f, self.sha, self.size = f, hashlib.sha256(), 0
-        self.error: OSError | None = None
-
-    def write(self, data) -> int:
-        self.sha.update(data)
-        self.size += len(data)
-        try:
-            return self.f.write(data)
-        except OSError as e:
-            self.error = self.error or e
-            raise
-
-    def flush(self) -> None:
-        self.f.flush()
-
-
-def atomic_save(obj: Any, path: str) -> dict[str, Any]:
-    """``torch.save`` to ``path`` through a temporary file and a rename; returns the
-    file's ``{"sha256", "bytes"}``. A failed write raises its ``OSError`` (its
-    ``filename`` ``path``), the temporary file removed."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with _replacing(path, "wb") as f:
-        w = _HashingWriter(f)
-        try:
-            torch.save(obj, w)
-        except RuntimeError:
-            if w.error is None:
-                raise
-            raise w.error from None
-    return {"sha256": w.sha.hexdigest(), "bytes": w.size}
-
-
-def _atomic_text(path: str, text: str) -> None:
-    with _replacing(path, "w") as f:
-        f.write(text)
-
-
-@contextmanager
-def _replacing(path: str, mode: str) -> Iterator[IO]:
-    """A file opened at a temporary path, synced and renamed to ``path`` when the block
-    ends; on any failure the temporary file is removed and the error re-raised."""
-    tmp = f"{path}.tmp.{os.getpid()}"
-    try:
-        with open(tmp, mode) as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as e:
-        with suppress(OSError):
-            os.remove(tmp)
-        if isinstance(e, OSError) and e.filename in (None, tmp):
-            e.filename = path  # the error names the file meant, not the temporary one
-        raise
-
-
 def remove_stale_temporaries(run_dir: str) -> list[str]:
     """Delete ``*.tmp.*`` files under ``run_dir/ckpt`` left by killed runs (only one run
     holds a run directory at a time, so no live writer owns them)."""
@@ -158,9 +96,9 @@ def write_manifest(run_dir: str, step: int, identity: dict[str, Any],
     after every rank has written its file)."""
     body = {"format": FORMAT, "step": step, "identity": identity, "files": files}
     manifest = dict(body, sha256=_manifest_digest(body))
-    _atomic_text(os.path.join(step_dir(run_dir, step), MANIFEST),
+    atomic_text(os.path.join(step_dir(run_dir, step), MANIFEST),
                  json.dumps(manifest, indent=1, sort_keys=True))
-    _atomic_text(os.path.join(run_dir, "ckpt", LATEST), f"{step}\n")
+    atomic_text(os.path.join(run_dir, "ckpt", LATEST), f"{step}\n")
 
 
 def read_manifest(directory: str) -> dict[str, Any]:
@@ -359,23 +297,7 @@ def verify_file(directory: str, manifest: dict[str, Any], rank: int) -> str:
 
 def _gathered(obj: Any, group: dist.ProcessGroup | None) -> list[Any]:
     """``obj`` of every rank of ``group``, in rank order (``[obj]`` without a group)."""
-    if group is None:
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
-
-
-def _raise_if_any(problems: list[str | None], rank: int, what: str) -> None:
-    """Raise :class:`CheckpointError` on every rank if any rank has a problem: the first
-    rank's, naming the others."""
-    bad = {r: p for r, p in enumerate(problems) if p is not None}
-    if bad:
-        first = min(bad)
-        others = f" (ranks {sorted(bad)} {what})" if len(bad) > 1 else ""
-        raise CheckpointError(f"{bad[first]}"
-                              + ("" if first == rank else f" [reported by rank {first}]")
-                              + others)
+    return [obj] if group is None else all_gather_objects(obj, group, "checkpoint")
 
 
 def _save_failure(run_dir: str, step: int, error: OSError) -> str:
@@ -405,7 +327,7 @@ def save_step(run_dir: str, step: int, rank: int, state: dict[str, Any],
             retire_superseded(run_dir, step)
         except OSError as e:
             problem = _save_failure(run_dir, step, e)
-    _raise_if_any(_gathered(problem, group), rank, "cannot save")
+    raise_if_any(_gathered(problem, group), rank, "cannot save", CheckpointError)
     # Step 2: every rank writes its file
     written, problem = None, None
     try:
@@ -415,7 +337,7 @@ def save_step(run_dir: str, step: int, rank: int, state: dict[str, Any],
     results = _gathered((written, problem), group)
     if rank == 0 and any(p is not None for _, p in results):
         shutil.rmtree(directory, ignore_errors=True)  # every rank is done writing
-    _raise_if_any([p for _, p in results], rank, "cannot save")
+    raise_if_any([p for _, p in results], rank, "cannot save", CheckpointError)
     # Step 3: rank 0 writes the manifest, then `latest` (the commit point)
     if rank == 0:
         try:
@@ -424,7 +346,7 @@ def save_step(run_dir: str, step: int, rank: int, state: dict[str, Any],
         except OSError as e:
             shutil.rmtree(directory, ignore_errors=True)
             problem = _save_failure(run_dir, step, e)
-    _raise_if_any(_gathered(problem, group), rank, "cannot save")
+    raise_if_any(_gathered(problem, group), rank, "cannot save", CheckpointError)
 
 
 def load_agreed(path: str, identity: dict[str, Any], rank: int,
@@ -433,7 +355,7 @@ def load_agreed(path: str, identity: dict[str, Any], rank: int,
     of ``group`` cannot resume, every rank raises :class:`CheckpointError` together (the
     first rank's reason, naming the others)."""
     state, problem = _read_verified(path, identity, rank, warn=rank == 0)
-    _raise_if_any(_gathered(problem, group), rank, "cannot resume")
+    raise_if_any(_gathered(problem, group), rank, "cannot resume", CheckpointError)
     return state
 
 

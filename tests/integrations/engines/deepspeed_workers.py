@@ -169,17 +169,30 @@ def resume(rank, world, directory, steps):
     fresh_engine.commpress.load_state_dict(fresh)
     fresh_codecs = train(fresh_engine, data, steps, steps, rank, world)
     fresh_engine.commpress.undo()
-    # a checkpoint without commpress's files is refused on every rank, not half-loaded
-    os.remove(resumed_engine.commpress.state_path(os.path.join(directory, "half")))
+    # rank 1's file truncated: refused on every rank, naming it; then a checkpoint
+    # without commpress's files: refused on every rank, not half-loaded
+    path = resumed_engine.commpress.state_path(os.path.join(directory, "half"))
     dist.barrier()
-    try:
-        resumed_engine.load_checkpoint(directory, tag="half")
-        refused = None
-    except ValueError as e:
-        refused = str(e)
+    if rank == 1:
+        with open(path, "r+b") as f:
+            f.truncate(os.path.getsize(path) // 2)
+    dist.barrier()
+    truncated = _load_error(resumed_engine, directory)
+    os.remove(path)
+    dist.barrier()
+    refused = _load_error(resumed_engine, directory)
     resumed_engine.commpress.undo()
     return {"first": first, "uninterrupted": uninterrupted, "resumed": resumed,
-            "fresh codecs": fresh_codecs, "residuals": residuals, "refused": refused}
+            "fresh codecs": fresh_codecs, "residuals": residuals, "refused": refused,
+            "truncated": truncated}
+
+
+def _load_error(engine, directory):
+    try:
+        engine.load_checkpoint(directory, tag="half")
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def refusals(rank, world):

@@ -329,6 +329,15 @@ def refusals(corpus, tp: int, pp: int) -> dict:
         setattr(holder, field, saved)
     # exact weights on fp32 parameters are fine
     apply(fp32_model, fp32_optimizer, "tlqhs").remove()
+    # data-parallel ranks that apply other policies are told so at apply, every one
+    import torch.distributed as dist
+
+    mine = "sdp4bit" if dist.get_rank() % 2 == 0 else "hybrid"
+    try:
+        apply(model, optimizer, mine).remove()
+        out["disagreeing"] = None
+    except RuntimeError as e:
+        out["disagreeing"] = f"{type(e).__name__}: {e}"
     return out
 
 

@@ -105,6 +105,8 @@ def test_save_load_continue_equals_an_uninterrupted_run(two_ranks):
         assert resume["fresh codecs"][1] != resume["uninterrupted"][1]
         assert "commpress_rank" in resume["refused"] and "load_module_only" in resume[
             "refused"]
+        assert "commpress_rank00001.pt" in resume["truncated"]
+        assert "is truncated or corrupted" in resume["truncated"]
 
 
 def test_what_is_not_covered_is_refused_and_undo_restores_deepspeed(two_ranks):

@@ -211,6 +211,14 @@ def test_refusals_name_the_reason(dp4):
     assert "unknown policy preset 'sdp5bit'" in out["bad_policy"]
 
 
+def test_ranks_applying_other_policies_are_named_at_apply_on_every_rank(dp4):
+    # before any collective of its own (a replica check would otherwise wait for
+    # Megatron's 30-minute group timeout and end in raw Gloo errors)
+    for rank in dp4:
+        error = rank["refusals"]["disagreeing"]
+        assert error.startswith("CollectiveMismatchError") and "policy differs" in error
+
+
 def test_configurations_that_would_pass_uncompressed_are_refused(dp4):
     out = dp4[0]["refusals"]
     assert "num_distributed_optimizer_instances=2" in out["instances"]

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from megatron.core.distributed import DistributedDataParallel
 
 from commpress.collectives import CollectiveMismatchError, Topology
+from commpress.collectives.agreement import agree
 from commpress.integrations.buckets import tensor_parallel_key
 from commpress.integrations.megatron import data_parallel, model_parallel
 from commpress.integrations.megatron.data_parallel import BucketComm
@@ -148,9 +149,11 @@ def apply(model: Any, optimizer: Any = None, policy: str | dict | Policy = "sdp4
     tp = pp = None
     dgrad_layers: list[torch.nn.Module] = []
     if chunks[0].tp_group.size() > 1:
+        agree(chunks[0].tp_group, "megatron.apply", label="tp", policy=policy.to_dict())
         tp = ActivationComm("tp", chunks[0].tp_group, policy)
     # Step 3: pipeline parallelism
     if chunks[0].pp_group.size() > 1:
+        agree(chunks[0].pp_group, "megatron.apply", label="pp", policy=policy.to_dict())
         pp = ActivationComm("pp", chunks[0].pp_group, policy)
     with REGISTRY.lock:
         if any(id(c.bucket.grad_data) in REGISTRY.buckets for c in buckets.values()):
@@ -281,6 +284,10 @@ def _bucket_comms(chunks: list[DistributedDataParallel], policy: Policy,
         names = {p: n for n, p in chunk.module.named_parameters()}
         for b, buffer in enumerate(chunk.buffers):
             group = buffer.data_parallel_group
+            # before any collective of its own: a rank that applies another policy, or
+            # none, is named rather than left waiting in a replica check or a bucket
+            agree(group, "megatron.apply", label=f"chunk{c}.buffer{b}",
+                  policy=policy.to_dict(), buckets=len(buffer.buckets))
             topology = dp_topology(group, ranks_per_node)
             if topology is None:
                 if needs_nodes:

@@ -1,0 +1,100 @@
+"""Each rank's codec state in a file of its own, beside an engine's checkpoint.
+
+An engine checkpoints the weights its own way; commpress's state — error-feedback
+memory, rounding counters, qWD references — is each rank's own, so each rank writes a
+file. A file is written whole or not at all (a temporary file, synced, then renamed:
+a rank killed mid-save leaves the previous file), and begins with a header line
+naming its format, the SHA-256 and length of what follows, and the rank and world size
+that wrote it. On load a missing, truncated or flipped file, or one another rank wrote,
+is refused; and since ranks that resumed different states would train apart, a rank
+that cannot load makes every rank of the group raise together, naming its file.
+
+Layout: ``commpress.rank-state/1 {"sha256": ..., "bytes": N, "rank": r, "world_size": w}\\n``
+then the ``N`` bytes of ``torch.save(state)``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from commpress.collectives.agreement import all_gather_objects
+from commpress.files import open_regular, replacing
+from commpress.validate import InputError, raise_if_any
+
+MAGIC = b"commpress.rank-state/1 "
+MAX_HEADER_BYTES = 4096
+
+
+def save(state: dict[str, Any], path: str, group: dist.ProcessGroup | None,
+         what: str) -> None:
+    """Write this rank's ``state`` to ``path`` (every rank of ``group`` calls it together);
+    a write that fails on any rank (a full disk) raises :class:`InputError` on every rank,
+    naming the file. ``what`` names the state in messages (``"commpress.deepspeed"``)."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    payload = buffer.getvalue()
+    header = {"sha256": hashlib.sha256(payload).hexdigest(), "bytes": len(payload),
+              "rank": rank, "world_size": world}
+    problem = None
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with replacing(path, "wb") as f:
+            f.write(MAGIC + json.dumps(header, sort_keys=True).encode() + b"\n")
+            f.write(payload)
+    except OSError as e:
+        problem = f"{what}: cannot write {path!r}: {e.strerror or e}"
+    raise_if_any(all_gather_objects(problem, group, f"{what} save"), rank, "cannot save")
+
+
+def load(path: str, group: dist.ProcessGroup | None, what: str,
+         missing: str = "resume from a checkpoint saved with commpress") -> dict[str, Any]:
+    """This rank's state from ``path``, checked against its header; if any rank of
+    ``group`` cannot load its file, every rank raises :class:`InputError` together.
+    ``missing``: the advice given when the file does not exist."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    state, problem = None, None
+    try:
+        state = _read(path, rank, world, what, missing)
+    except InputError as e:
+        problem = str(e)
+    raise_if_any(all_gather_objects(problem, group, f"{what} load"), rank, "cannot resume")
+    return state
+
+
+def _read(path: str, rank: int, world: int, what: str, missing: str) -> dict[str, Any]:
+    try:
+        f, size = open_regular(path, f"{what} state file")
+    except FileNotFoundError:
+        raise InputError(f"{what}: state file {path!r} is missing: the checkpoint was saved "
+                         f"without commpress's state (or by fewer ranks); {missing}") from None
+    with f:
+        line = f.readline(MAX_HEADER_BYTES)
+        if not line.startswith(MAGIC) or not line.endswith(b"\n"):
+            raise InputError(f"{what}: {path!r} is not a commpress rank-state file (expected "
+                             f"it to begin with {MAGIC.decode().strip()!r})")
+        try:
+            header = json.loads(line[len(MAGIC):])
+            expected = int(header["bytes"])
+        except (ValueError, KeyError, TypeError):
+            raise InputError(f"{what}: {path!r} has a corrupt header") from None
+        if size - len(line) != expected:
+            raise InputError(f"{what}: {path!r} is truncated or corrupted: it holds "
+                             f"{size - len(line)} bytes of state, its header says {expected}")
+        payload = f.read(expected)
+    if hashlib.sha256(payload).hexdigest() != header.get("sha256"):
+        raise InputError(f"{what}: {path!r} is corrupted: its SHA-256 does not match its "
+                         "header")
+    saved = (header.get("rank"), header.get("world_size"))
+    if saved != (rank, world):
+        raise InputError(f"{what}: {path!r} was written by rank {saved[0]} of {saved[1]}; "
+                         f"this is rank {rank} of {world}: each rank resumes from its own "
+                         "file, with the same number of ranks")
+    return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)

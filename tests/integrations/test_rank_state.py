@@ -1,0 +1,90 @@
+"""Each rank's state file beside an engine's checkpoint, on two real Gloo ranks: written
+whole, verified on load, and refused on every rank together when any rank's file is
+missing, truncated, flipped, another rank's or not a file at all."""
+
+import os
+
+import torch
+
+from commpress.integrations import rank_state
+from commpress.launch import spawn
+from commpress.validate import InputError
+
+WHAT = "test-state"
+
+
+def _damage(path, how, rank, directory):
+    if how == "truncated":
+        with open(path, "r+b") as f:
+            f.truncate(os.path.getsize(path) - 7)
+    elif how == "flipped":
+        with open(path, "r+b") as f:
+            f.seek(-3, os.SEEK_END)
+            byte = f.read(1)
+            f.seek(-3, os.SEEK_END)
+            f.write(bytes([byte[0] ^ 0x01]))
+    elif how == "missing":
+        os.remove(path)
+    elif how == "swapped":
+        os.replace(path, os.path.join(directory, "spare.pt"))
+        os.replace(os.path.join(directory, "rank0.pt"), path)
+        os.replace(os.path.join(directory, "spare.pt"), os.path.join(directory, "rank0.pt"))
+    elif how == "dev_zero":
+        os.remove(path)
+        os.symlink("/dev/zero", path)
+    elif how == "not_ours":
+        torch.save({"format": "something else"}, path)
+
+
+def save_then_load(rank, world, directory, cases):
+    """For each case: both ranks save; rank 1's file is damaged as the case says (None:
+    left alone); both load. Returns, per case, whether each rank loaded what it saved, or
+    the error it raised."""
+    import torch.distributed as dist
+
+    out = {}
+    for how in cases:
+        where = os.path.join(directory, str(how))
+        os.makedirs(where, exist_ok=True)
+        path = os.path.join(where, f"rank{rank}.pt")
+        state = {"format": "x", "memory": torch.arange(1000.0) * (rank + 1), "calls": 7 + rank}
+        rank_state.save(state, path, None, WHAT)
+        dist.barrier()
+        if rank == 1 and how is not None:
+            _damage(path, how, rank, where)
+        dist.barrier()
+        try:
+            loaded = rank_state.load(path, None, WHAT)
+        except InputError as e:
+            out[str(how)] = {"error": str(e)}
+            continue
+        out[str(how)] = {"equal": torch.equal(loaded["memory"], state["memory"])
+                         and loaded["calls"] == state["calls"], "error": None,
+                         "files": sorted(os.listdir(where))}
+    return out
+
+
+NEEDLES = {
+    "truncated": "is truncated or corrupted",
+    "flipped": "its SHA-256 does not match",
+    "missing": "is missing",
+    "swapped": "was written by rank 1 of 2; this is rank 0 of 2",  # both ranks' files
+    "dev_zero": "is a character device",
+    "not_ours": "is not a commpress rank-state file",
+}
+
+
+def test_a_bad_file_on_one_rank_is_refused_on_every_rank_and_a_good_one_loads(tmp_path):
+    ranks = spawn(save_then_load, 2, (str(tmp_path), [None, *NEEDLES]), pg_timeout_s=30,
+                  timeout=120)
+    for how, needle in NEEDLES.items():
+        for rank, r in enumerate(ranks):
+            error = r[how]["error"]
+            assert error is not None and needle in error, (how, rank, r[how])
+            if how == "swapped":  # every rank refuses its file; all raise the first one's
+                assert "rank0.pt" in error and "(ranks [0, 1] cannot resume)" in error
+            else:
+                assert "rank1.pt" in error
+                assert rank == 1 or "[reported by rank 1]" in error
+    for r in ranks:  # left alone: each rank loads what it saved, no temporary file left
+        assert r["None"]["equal"] and r["None"]["files"] == ["rank0.pt", "rank1.pt"]
