@@ -38,10 +38,11 @@ def test_yaml_and_toml_files(tmp_path):
 
 
 @pytest.mark.parametrize(("d", "needle"), [
-    ({"xp": {}}, "unknown axis 'xp'; allowed: name, dp, tp, pp"),
+    ({"xp": {}}, "unknown axis 'xp'; allowed: name, dp, tp, pp, outer"),
     ({"dp": {"weights": "int4"}}, "unknown kind dp.weights; allowed: dp.grad, dp.param"),
     ({"dp": {"grad": "int5"}}, "dp.grad.codec: unknown codec 'int5'"),
-    ({"tp": {"act": {"intra": "int8"}}}, "levels (intra/inter) are allowed for dp.grad only"),
+    ({"tp": {"act": {"intra": "int8"}}},
+     "levels (intra/inter) are allowed for dp.grad and outer.grad only"),
     ({"tp": {"act": {"codec": "int8", "delta": True}}}, "delta (weight differences, qWD)"),
     ({"dp": {"grad": {"codec": "int8", "ef": True}}}, "unknown field(s) ['ef']"),
     ({"dp": {"grad": {"codec": "int8", "error_feedback": "yes"}}}, "error_feedback='yes'"),

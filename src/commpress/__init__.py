@@ -7,6 +7,11 @@ Public API::
     packet = c.encode(x); x_hat = c.decode(packet)
 """
 
+import importlib
+import importlib.abc
+import importlib.util
+import sys
+
 from commpress.codecs import (
     Codec,
     Delta,
@@ -38,6 +43,7 @@ from commpress.collectives import (
 )
 from commpress.integrations import (
     DDPHookState,
+    DiLoCo,
     NonFiniteGradientError,
     ShardedOptimizer,
     ddp_hook,
@@ -54,19 +60,40 @@ _ENGINES = {"fsdp": "commpress.integrations.fsdp",
             "megatron": "commpress.integrations.megatron",
             "deepspeed": "commpress.integrations.deepspeed",
             "lightning": "commpress.integrations.lightning",
-            "torchtitan": "commpress.integrations.torchtitan"}
+            "torchtitan": "commpress.integrations.torchtitan",
+            "diloco": "commpress.integrations.diloco"}
 
 
 def __getattr__(name: str):
     if name in _ENGINES:
-        import importlib
-
         return importlib.import_module(_ENGINES[name])
     raise AttributeError(f"module 'commpress' has no attribute {name!r}")
 
 
+class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """``import commpress.megatron`` and ``from commpress.deepspeed import compress`` load
+    the adapter's module itself (one module object, whichever name imported it first)."""
+
+    def find_spec(self, fullname, path, target=None):
+        name = fullname.removeprefix("commpress.")
+        if fullname.startswith("commpress.") and name in _ENGINES:
+            return importlib.util.spec_from_loader(fullname, self)
+        return None
+
+    def create_module(self, spec):
+        return importlib.import_module(_ENGINES[spec.name.removeprefix("commpress.")])
+
+    def exec_module(self, module) -> None:
+        pass  # executed by its own import
+
+
+if not any(isinstance(f, _Alias) for f in sys.meta_path):
+    sys.meta_path.append(_Alias())
+
+
 __all__ = [
     "DDPHookState",
+    "DiLoCo",
     "InputError",
     "NonFiniteGradientError",
     "Policy",

@@ -9,11 +9,14 @@ axis  kinds                       collective
 dp    ``grad``, ``param``         gradient reduce-scatter / all-reduce, weight all-gather
 tp    ``act``, ``act_grad``       tensor-parallel all-reduce forward / backward
 pp    ``act``, ``act_grad``       pipeline send/recv forward / backward
+outer ``grad``                    the pseudo-gradient all-reduce across sites
+                                  (:class:`commpress.DiLoCo`)
 ====  ==========================  ===========================================
 
-``dp.grad`` may be split into levels ``intra`` and ``inter`` (node-local and
-cross-node links) for the two-level reduce-scatter. A lookup falls back from
-``dp.grad.inter`` to ``dp.grad`` to exact (``none``).
+``dp.grad`` and ``outer.grad`` may be split into levels ``intra`` and ``inter``
+(node-local and cross-node links; for ``outer``, inside a site and between sites) for
+the two-level collectives. A lookup falls back from ``dp.grad.inter`` to ``dp.grad``
+to exact (``none``).
 
 Presets: ``naive`` and ``hybrid`` are this project's schemes in the spirit of Xu et al.
 (CCGrid 2024) — the same codec everywhere, or aggressive on data-parallel gradients
@@ -46,8 +49,9 @@ from commpress.files import read_regular
 from commpress.validate import InputError
 
 AXES: dict[str, tuple[str, ...]] = {"dp": ("grad", "param"), "tp": ("act", "act_grad"),
-                                    "pp": ("act", "act_grad")}
+                                    "pp": ("act", "act_grad"), "outer": ("grad",)}
 LEVELS = ("intra", "inter")
+LEVELLED = ("dp.grad", "outer.grad")  # the keys that may name intra/inter codecs
 RULE_FIELDS = ("codec", "error_feedback", "delta")
 
 
@@ -143,9 +147,9 @@ class Policy:
                     if extra:
                         raise InputError(f"policy {name!r}: {key} mixes levels with "
                                          f"{sorted(extra)}; allowed keys: intra, inter")
-                    if axis != "dp" or kind != "grad":
+                    if key not in LEVELLED:
                         raise InputError(f"policy {name!r}: levels (intra/inter) are allowed "
-                                         f"for dp.grad only; got {key}")
+                                         f"for {' and '.join(LEVELLED)} only; got {key}")
                     for level, leaf in value.items():
                         rules[f"{key}.{level}"] = _rule(name, f"{key}.{level}", leaf)
                 else:
@@ -253,11 +257,11 @@ class _NoAliasLoader(yaml.SafeLoader):
 def _check_key(key: str) -> None:
     parts = key.split(".")
     ok = (len(parts) in (2, 3) and parts[0] in AXES and parts[1] in AXES[parts[0]]
-          and (len(parts) == 2 or (parts[2] in LEVELS and parts[:2] == ["dp", "grad"])))
+          and (len(parts) == 2 or (parts[2] in LEVELS and ".".join(parts[:2]) in LEVELLED)))
     if not ok:
         allowed = [f"{a}.{k}" for a, ks in AXES.items() for k in ks]
-        raise InputError(f"unknown policy key {key!r}; allowed: {', '.join(allowed)}, "
-                         "dp.grad.intra, dp.grad.inter")
+        allowed += [f"{k}.{level}" for k in LEVELLED for level in LEVELS]
+        raise InputError(f"unknown policy key {key!r}; allowed: {', '.join(allowed)}")
 
 
 def _rule(policy: str, key: str, value: Any) -> Rule:

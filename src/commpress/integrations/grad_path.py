@@ -38,16 +38,19 @@ from commpress.validate import InputError
 
 
 class GradPath:
-    """One bucket's gradient codecs: ``{"single": c}`` or ``{"intra": a, "inter": b}``."""
+    """One bucket's gradient codecs: ``{"single": c}`` or ``{"intra": a, "inter": b}``,
+    from the policy's ``dp.grad`` rules (``axis="outer"``: its ``outer.grad`` rules, the
+    pseudo-gradients of :class:`commpress.DiLoCo`)."""
 
-    def __init__(self, policy: Policy, topology: Topology, label: str = "dp.grad") -> None:
+    def __init__(self, policy: Policy, topology: Topology, label: str = "dp.grad",
+                 axis: str = "dp") -> None:
         self.topology = topology
         self.label = label
-        if policy.two_level():
-            self.codecs = {"intra": policy.codec_for("dp", "grad", "intra"),
-                           "inter": policy.codec_for("dp", "grad", "inter")}
+        if policy.two_level(axis):
+            self.codecs = {"intra": policy.codec_for(axis, "grad", "intra"),
+                           "inter": policy.codec_for(axis, "grad", "inter")}
         else:
-            self.codecs = {"single": policy.codec_for("dp", "grad")}
+            self.codecs = {"single": policy.codec_for(axis, "grad")}
 
     @property
     def two_level(self) -> bool:

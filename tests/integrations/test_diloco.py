@@ -1,0 +1,131 @@
+"""DiLoCo's outer synchronization on real Gloo ranks: each rank a site (or two ranks a
+site), its own batches, different initial weights; gpt-tiny, AdamW inside."""
+
+import numpy as np
+import pytest
+
+from commpress.integrations.diloco import DiLoCoConfig, outer_policy
+from commpress.launch import spawn
+from commpress.validate import InputError
+from tests.integrations import diloco_workers
+from tests.integrations.diloco_workers import H
+
+PG_TIMEOUT_S = 30.0
+PRESETS = ["diloco", "diloco-int8", "diloco-int4", "diloco-int2ef", "diloco-sparse"]
+
+
+def _spawn(fn, *args, world=2, ranks_per_node=1):
+    return spawn(fn, world, args, ranks_per_node=ranks_per_node, pg_timeout_s=PG_TIMEOUT_S,
+                 timeout=300)
+
+
+def _assert_synced(ranks, name, steps, alpha_zero=True):
+    for step in range(steps):
+        records = [r[name]["steps"][step] for r in ranks]
+        assert len({s["global"] for s in records}) == 1, (name, step)  # θ_global: bitwise
+        if alpha_zero and (step + 1) % H == 0:  # just synced: the local weights too
+            assert len({s["local"] for s in records}) == 1, (name, step)
+
+
+def test_every_outer_codec_keeps_global_weights_bitwise_identical_and_trains():
+    steps = 3 * H
+    ranks = _spawn(diloco_workers.train, [(p, {"policy": p}) for p in PRESETS], steps)
+    for name in PRESETS:
+        _assert_synced(ranks, name, steps)
+        record = ranks[0][name]["steps"]
+        assert record[-1]["syncs"] == steps // H and record[-1]["skipped"] == 0
+        assert record[-1]["loss"] < record[0]["loss"] - 0.3, (name, record)
+    # bits per element between sites, as OUTER_PRESETS states them
+    for name, bits in (("diloco-int8", 8.25), ("diloco-int4", 4.25), ("diloco-int2ef", 1.8),
+                       ("diloco-sparse", 1.3)):
+        stats = ranks[0][name]["stats"]
+        inter = {k: s for k, s in stats.items() if k.startswith("outer.grad")}
+        sent = sum(s["wire_bytes"] for s in inter.values())
+        elements = sum(s["elements"] for s in inter.values())
+        assert 8 * sent / elements <= bits, (name, inter)
+
+
+def test_two_sites_of_two_ranks_exact_inside_coded_between():
+    steps = 2 * H
+    runs = [("int2ef", {"policy": "diloco-int2ef", "ranks_per_site": 2})]
+    ranks = _spawn(diloco_workers.train, runs, steps, world=4, ranks_per_node=2)
+    _assert_synced(ranks, "int2ef", steps)
+    labels = set(ranks[0]["int2ef"]["stats"])
+    assert any(k.endswith(".intra") for k in labels) and any(k.endswith(".inter")
+                                                            for k in labels), labels
+
+
+@pytest.mark.parametrize("options", [
+    {"fragments": 2, "delay": 1, "policy": "diloco-int4"},
+    pytest.param({"fragments": 4, "delay": 0, "alpha": 0.5, "policy": "diloco-int2ef"},
+                 marks=pytest.mark.slow)])
+def test_streaming_fragments_with_delay_stay_identical_and_train(options):
+    steps = 3 * H
+    ranks = _spawn(diloco_workers.train, [("streaming", options)], steps)
+    _assert_synced(ranks, "streaming", steps, alpha_zero=False)
+    record = ranks[0]["streaming"]["steps"]
+    # a fragment every H / fragments steps, each applied `delay` steps after it started
+    started = (steps - options["delay"]) // (H // options["fragments"])
+    assert record[-1]["syncs"] == started
+    assert record[-1]["loss"] < record[0]["loss"] - 0.3
+
+
+def test_one_step_exact_diloco_is_sgd_on_the_averaged_gradient():
+    steps = 3
+    ranks = _spawn(diloco_workers.averaged_sgd, steps)
+    single = diloco_workers.single_process_sgd(steps, 2)
+    for step in range(steps):
+        assert np.array_equal(ranks[0][step], ranks[1][step])
+        np.testing.assert_allclose(ranks[0][step], single[step], rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize("options, split", [
+    ({"policy": "diloco-int2ef", "fragments": 2, "delay": 1}, H + 2),  # a fragment in flight
+    pytest.param({"policy": "diloco-sparse"}, H + 1, marks=pytest.mark.slow)])
+def test_resume_is_bitwise_the_uninterrupted_run_and_another_schedule_is_refused(options,
+                                                                                 split):
+    ranks = _spawn(diloco_workers.resume, options, 3 * H, split)
+    for r in ranks:
+        assert r["resumed"] == r["straight"]
+        assert "DiLoCo checkpoint config" in r["refused"] and "'sync_every': 4" in r["refused"]
+    if options.get("delay"):
+        assert ranks[0]["pending"] == 1
+
+
+def test_disagreeing_sites_are_refused_and_a_nan_site_skips_the_outer_step_everywhere():
+    ranks = _spawn(diloco_workers.faults)
+    for r in ranks:
+        assert "config differs" in r["disagree"], r["disagree"]
+        record = r["nan"]
+        # the first sync saw rank 1's NaN: skipped on every rank, the sites restart from
+        # θ_global and the next syncs apply
+        assert [s["skipped"] for s in record[H - 2:H]] == [0, 1]
+        assert record[-1]["syncs"] == 3 and record[-1]["skipped"] == 1
+        assert r["finite"]
+    for step in range(3 * H):
+        assert ranks[0]["nan"][step]["global"] == ranks[1]["nan"][step]["global"]
+
+
+@pytest.mark.parametrize("field, value, needle", [
+    ("sync_every", 0, "sync_every=0 is not allowed"),
+    ("fragments", 3, "allowed: a divisor of sync_every"),
+    ("fragments", 64, "fragments=64 is not allowed"),
+    ("delay", 32, "delay=32 is not allowed; allowed: an integer in [0, 31]"),
+    ("outer_lr", float("nan"), "outer_lr=nan is not allowed"),
+    ("outer_momentum", 1.0, "outer_momentum=1.0 is not allowed"),
+    ("alpha", 2, "alpha=2 is not allowed"),
+    ("nesterov", "yes", "nesterov='yes' is not allowed"),
+])
+def test_bad_options_name_the_field_value_and_allowed(field, value, needle):
+    with pytest.raises(InputError, match=None) as e:
+        DiLoCoConfig(**{field: value})
+    assert needle in str(e.value)
+
+
+def test_presets_and_policies():
+    assert outer_policy("diloco").rule("outer", "grad").exact
+    assert outer_policy("diloco-int2ef").rule("outer", "grad", "inter").error_feedback
+    mine = outer_policy({"name": "mine", "outer": {"grad": "int4"}})
+    assert mine.rule("outer", "grad").codec == "int4"
+    with pytest.raises(InputError, match="allowed: diloco, diloco-int8"):
+        outer_policy("diloco-int3")
