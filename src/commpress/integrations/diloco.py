@@ -119,7 +119,8 @@ class _Fragment:
         # θ_global starts from the (broadcast) local weights
         self.global_ = torch.cat([p.detach().reshape(-1).float() for p in params])
         self.momentum = torch.zeros_like(self.global_)
-        self.path = GradPath(policy, topology, f"{LABEL}.f{index}", axis="outer")
+        # the fragments' codecs are their own objects: one label counts them all
+        self.path = GradPath(policy, topology, LABEL, axis="outer")
 
     def local(self) -> torch.Tensor:
         return torch.cat([p.detach().reshape(-1).float() for p in self.params])

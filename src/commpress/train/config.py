@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from commpress.integrations.diloco import DiLoCoConfig, outer_policy
 from commpress.model.gpt import PRESETS as MODEL_PRESETS
 from commpress.policy import Policy
 from commpress.validate import MAX_SEED, InputError, check_float, check_int
@@ -64,6 +65,15 @@ class TrainConfig:
     engine: str = _opt("sharded", "data parallelism: sharded (commpress ZeRO) or ddp (torch DDP)")
     ddp_hook: str = _opt("commpress",
                          "the DDP hook with --engine ddp: allreduce, fp16, powersgd:R or commpress")
+    outer: str = _opt("none",
+                      "with --engine ddp: DDP inside each node (a site), DiLoCo across sites: "
+                      "none, a DiLoCo preset (diloco, diloco-int8, diloco-int4, diloco-int2ef, "
+                      "diloco-sparse) or a policy file with outer.grad")
+    sync_every: int = _opt(32, "with --outer: inner steps between two syncs (DiLoCo's H)")
+    fragments: int = _opt(1, "with --outer: Streaming DiLoCo's fragments, one synced every "
+                             "sync_every / fragments steps")
+    outer_delay: int = _opt(0, "with --outer: inner steps a fragment's all-reduce overlaps")
+    outer_lr: float = _opt(0.7, "with --outer: learning rate of the outer Nesterov SGD")
     device: str | None = _opt(None, "cpu or cuda; default: cuda when a GPU is visible")
     backend: str | None = _opt(None, "gloo or nccl; default: nccl on cuda, gloo on cpu")
 
@@ -86,6 +96,11 @@ class TrainConfig:
                 hook.startswith("powersgd:") and rank.isdecimal() and int(rank) >= 1):
             raise InputError(f"ddp_hook={hook!r} is not allowed; allowed: allreduce, fp16, "
                              "powersgd:RANK with RANK >= 1 (e.g. powersgd:4), commpress")
+        if self.outer != "none":
+            if self.engine != "ddp":
+                raise InputError(f"outer={self.outer!r} needs engine=ddp (DDP inside a site); "
+                                 f"got engine={self.engine!r}")
+            self.diloco_options()  # a bad preset, schedule or learning rate fails here
         if self.nonfinite not in ("skip", "raise"):
             raise InputError(f"nonfinite={self.nonfinite!r} is not allowed; allowed: skip, raise")
         if self.seq_len > MODEL_PRESETS[self.model].block_size:
@@ -135,7 +150,8 @@ class TrainConfig:
             raise InputError(f"batch_size={self.batch_size} is not divisible by dp × "
                              f"micro_batches = {dp} × {micro}")
         layout = f"dp{dp}tp{self.tp}pp{self.pp}"
-        out = self.out or f"runs/{policy_slug(self.policy)}-{layout}-s{self.seed}"
+        outer = "" if self.outer == "none" else f"-{policy_slug(self.outer)}-H{self.sync_every}"
+        out = self.out or f"runs/{policy_slug(self.policy)}{outer}-{layout}-s{self.seed}"
         device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
         if device == "cuda" and not torch.cuda.is_available():
             raise InputError("device=cuda, but no GPU is visible; allowed here: device=cpu")
@@ -154,6 +170,14 @@ class TrainConfig:
         """Data-parallel ranks per node: tensor-parallel slices, then stages, sit innermost
         (the mesh's order), so a node holds ``node_size / (tp · pp)`` of them."""
         return max(1, self.node_size(local_world) // (self.tp * self.pp))
+
+    def diloco_options(self) -> dict:
+        """The :class:`~commpress.DiLoCo` arguments of ``--outer`` (checked)."""
+        outer_policy(self.outer)
+        DiLoCoConfig(self.sync_every, self.fragments, self.outer_delay, self.outer_lr)
+        return {"policy": self.outer, "sync_every": self.sync_every,
+                "fragments": self.fragments, "delay": self.outer_delay,
+                "outer_lr": self.outer_lr}
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

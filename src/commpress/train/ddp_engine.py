@@ -1,6 +1,7 @@
 """Data parallelism through torch's DDP, for comparing commpress with the hooks users
 would otherwise pick: plain all-reduce, ``fp16_compress_hook``, PowerSGD, or
-commpress's own hook (:func:`commpress.ddp_hook`) — real, or played for ``simulate``.
+commpress's own hook (:func:`commpress.ddp_hook`) — real, or played for ``simulate``;
+and, with ``--outer``, DDP inside each site and :class:`~commpress.DiLoCo` across sites.
 
 The optimizer is torch's AdamW on the full replica; gradients are clipped with
 ``clip_grad_norm_`` and a non-finite norm skips the step (or raises), as in
@@ -23,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from commpress.collectives.byte_stats import record
 from commpress.collectives.topology import Topology
 from commpress.integrations.ddp import DDPHookState, ddp_hook
+from commpress.integrations.diloco import DiLoCo
 from commpress.integrations.played_ddp import PlayedDDPHook
 from commpress.integrations.sharded_optimizer import NonFiniteGradientError
 
@@ -123,7 +125,8 @@ class DDPEngine:
 
     def __init__(self, module: nn.Module, group, policy, hook: str, topology: Topology,
                  lr: float, weight_decay: float, max_grad_norm: float | None,
-                 nonfinite: str, played: PlayedDDPHook | None = None) -> None:
+                 nonfinite: str, played: PlayedDDPHook | None = None,
+                 outer: dict | None = None, outer_group=None) -> None:
         self.module, self.played = module, played
         if played is None:
             self.model = DDP(module, process_group=group, bucket_cap_mb=4)
@@ -131,6 +134,10 @@ class DDPEngine:
         else:
             self.model, self.hook_state = module, played
         self.opt = replica_optimizer(module, lr, weight_decay)
+        # DiLoCo across sites (``group`` is then this rank's site); every inner step counts,
+        # a skipped one too, so that every site syncs at the same steps
+        self.outer = (DiLoCo(module, None, group=outer_group, topology=topology, **outer)
+                      if outer else None)
         self.max_grad_norm = max_grad_norm
         self.nonfinite = nonfinite
         self.skipped_steps = 0
@@ -150,6 +157,8 @@ class DDPEngine:
         what = "simulated DDP step" if self.played is not None else "DDP step"
         stepped = step_replica(self.module, self.opt, self.max_grad_norm, self.nonfinite,
                                f"{what} {self.steps}")
+        if self.outer is not None:
+            self.outer.step()
         self.steps += 1
         self.skipped_steps += not stepped
         return stepped
@@ -158,12 +167,16 @@ class DDPEngine:
         """The commpress hook's thread and process group, after the last step."""
         if isinstance(self.hook_state, DDPHookState):
             self.hook_state.release()
+        if self.outer is not None:
+            self.outer.remove()
 
     def state_dict(self) -> dict:
         state = {"optimizer": self.opt.state_dict(), "steps": self.steps,
                  "skipped_steps": self.skipped_steps}
         if hasattr(self.hook_state, "state_dict"):
             state["hook"] = self.hook_state.state_dict()
+        if self.outer is not None:
+            state["outer"] = self.outer.state_dict()
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -171,3 +184,5 @@ class DDPEngine:
         self.steps, self.skipped_steps = state["steps"], state["skipped_steps"]
         if "hook" in state:
             self.hook_state.load_state_dict(state["hook"])
+        if self.outer is not None:
+            self.outer.load_state_dict(state["outer"])

@@ -9,11 +9,11 @@ from rich.table import Table
 
 from commpress.console import console
 
-AXES = ("dp", "tp", "pp")
+AXES = ("dp", "tp", "pp", "outer")
 
 
 def bytes_per_axis(wire: dict[str, float]) -> dict[str, float]:
-    """Sum per-label byte counts into dp / tp / pp."""
+    """Sum per-label byte counts into dp / tp / pp / outer (DiLoCo across sites)."""
     return {axis: sum((v for label, v in wire.items() if label.split(".")[0] == axis), 0.0)
             for axis in AXES}
 
@@ -71,8 +71,8 @@ def summary_table(summary: dict[str, Any]) -> Table:
 def compare_table(results: dict[str, dict[str, Any]]) -> Table:
     base = results.get("none")
     t = Table(title="policy comparison (same seed, data and steps; bytes: all ranks, whole run)")
-    for col in ("policy", "val loss", "Δ vs none", "step ms", "speedup", "dp bytes sent",
-                "tp bytes sent", "pp bytes sent"):
+    for col in ("policy", "val loss", "Δ vs none", "step ms", "speedup",
+                *(f"{a} bytes sent" for a in AXES)):
         t.add_column(col, justify="left" if col == "policy" else "right")
     for name, s in results.items():
         axes = bytes_per_axis(s["wire_bytes"])

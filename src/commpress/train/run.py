@@ -39,8 +39,9 @@ import torch.distributed as dist
 from torch.optim.lr_scheduler import LambdaLR
 
 from commpress.collectives import reset_stats, stats
+from commpress.collectives.agreement import release
 from commpress.collectives.byte_stats import Stats
-from commpress.collectives.comm import all_gather_single
+from commpress.collectives.comm import all_gather_single, group_timeout
 from commpress.collectives.topology import Topology
 from commpress.files import write_json
 from commpress.integrations.played_ddp import PlayedDDPHook
@@ -65,7 +66,8 @@ from commpress.validate import InputError
 # one-level collectives report under the axis label, two-level ones under label.intra/.inter
 AXIS_LABELS = ("dp.grad", "dp.grad.intra", "dp.grad.inter", "dp.grad.gather",
                "dp.grad.gather.intra", "dp.grad.gather.inter", "dp.param", "dp.param.intra",
-               "dp.param.inter", "tp.act", "tp.act_grad", "pp.act", "pp.act_grad")
+               "dp.param.inter", "tp.act", "tp.act_grad", "pp.act", "pp.act_grad",
+               "outer.grad", "outer.grad.intra", "outer.grad.inter", "outer.grad.gather.intra")
 COUNTERS = ("wire_bytes", "raw_bytes", "elements")
 
 
@@ -143,14 +145,22 @@ class Run:
         # Step 3: the data-parallel optimizer of each stage held
         self.stats = Stats()  # played: the bytes every rank sends, summed over the ranks
         topology = Topology(dp_per_node)
+        self.site_group = None  # --outer: DDP inside this rank's node, DiLoCo across nodes
         if cfg.engine == "ddp":
             hook = (PlayedDDPHook(self.stage, self.policy, ranks=cfg.dp,
                                   ranks_per_node=dp_per_node, stats=self.stats)
                     if played else None)
-            self.opts: list[Any] = [DDPEngine(self.stage, self.dp_group, self.policy,
-                                              cfg.ddp_hook, topology, cfg.lr,
+            outer = cfg.diloco_options() if cfg.outer != "none" else None
+            if outer and played:
+                raise InputError(f"outer={cfg.outer!r}: simulate does not play DiLoCo; "
+                                 "allowed: commpress train --outer …")
+            if outer:
+                self.site_group = site_group(dp_per_node)
+            self.opts: list[Any] = [DDPEngine(self.stage, self.site_group or self.dp_group,
+                                              self.policy, cfg.ddp_hook, topology, cfg.lr,
                                               cfg.weight_decay, cfg.max_grad_norm,
-                                              cfg.nonfinite, played=hook)]
+                                              cfg.nonfinite, played=hook, outer=outer,
+                                              outer_group=self.dp_group)]
         elif played:
             self.opts = [PlayedShardedOptimizer(
                 stage, torch.optim.AdamW, self.policy, ranks=cfg.dp, ranks_per_node=dp_per_node,
@@ -323,6 +333,7 @@ class Run:
                 "batch_size": cfg.batch_size, "seq_len": cfg.seq_len,
                 "micro_batches": cfg.micro_batches, "bucket_numel": cfg.bucket_numel,
                 "engine": cfg.engine, "ddp_hook": cfg.ddp_hook, "data": self.data.fingerprint(),
+                **({"outer": cfg.diloco_options()} if cfg.outer != "none" else {}),
                 **({"simulate": True} if self.played else {})}
 
     def state_dict(self, step: int) -> dict[str, Any]:
@@ -359,6 +370,8 @@ class Run:
             return
         if self.cfg.engine == "ddp":
             self.opts[0].release()
+            if self.site_group is not None:
+                release(self.site_group)
         else:  # the parameters' hooks would keep the optimizer and its dp group alive
             for opt in self.opts:
                 opt.remove_hooks()
@@ -380,6 +393,19 @@ class Run:
         mine.add(self.stats.snapshot())
         mine.add(stats())
         return summed_counters(mine.snapshot(), self.device)
+
+
+def site_group(ranks_per_site: int) -> dist.ProcessGroup:
+    """This rank's site: the group of the ``ranks_per_site`` consecutive ranks of its node
+    (collective: every rank makes every site's group, in order)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mine = None
+    for start in range(0, world, ranks_per_site):
+        group = dist.new_group(list(range(start, start + ranks_per_site)),
+                               timeout=group_timeout())
+        if start <= rank < start + ranks_per_site:
+            mine = group
+    return mine
 
 
 def summed_counters(counters: dict[str, dict[str, float]],
@@ -463,6 +489,8 @@ def write_outputs(cfg: TrainConfig, run: Run, totals: dict) -> dict[str, Any]:
     name = run.policy.name
     if cfg.engine == "ddp":
         name = f"ddp-{cfg.ddp_hook}" + (f"-{name}" if cfg.ddp_hook == "commpress" else "")
+    if cfg.outer != "none":
+        name = f"{name}+{os.path.splitext(os.path.basename(cfg.outer))[0]}-H{cfg.sync_every}"
     summary = {
         "policy": name, "engine": cfg.engine, "ddp_hook": cfg.ddp_hook,
         "dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp,
