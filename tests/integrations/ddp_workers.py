@@ -152,3 +152,21 @@ def ignored_parameter_runs(rank, world, hooks, steps=3):
             reduced.append(workers._hash_params(kept))
         out[str(hook)] = {"every": every, "reduced": reduced}
     return out
+
+
+def uncompressed_warnings(rank, world):
+    """The warnings each rank logs for ``int2ef`` hooks on one node of two ranks (twice),
+    then on two nodes of one rank."""
+    import logging
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logging.getLogger("commpress.integrations.grad_path").addHandler(handler)
+    seen = []
+    for topology in (None, None, commpress.Topology(1)):
+        ddp = DDP(workers._model(), bucket_cap_mb=0.1)
+        state, _ = commpress.ddp_hook(ddp, "int2ef", topology=topology, bucket_numel=25_000)
+        seen.append(len(records))
+        state.release()
+    return {"messages": records, "after_each": seen}

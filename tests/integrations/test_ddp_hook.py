@@ -151,3 +151,15 @@ def test_a_parameter_ddp_ignores_is_left_to_ddp_not_waited_for():
     for hook in ("int2ef", "lowrank"):
         assert ranks[0][hook]["reduced"] == ranks[1][hook]["reduced"], hook
     assert ranks[0]["None"]["every"] != ranks[1]["None"]["every"]  # the ignored one is local
+
+
+def test_a_policy_that_compresses_nothing_on_this_topology_is_said_once_on_rank_0():
+    """``int2ef`` is exact inside a node: under ``torchrun --standalone`` (one node) it
+    sends DDP's own bytes, and a user saw no gain and no reason."""
+    ranks = spawn(ddp_workers.uncompressed_warnings, 2, ranks_per_node=2,
+                  pg_timeout_s=PG_TIMEOUT_S, timeout=120)
+    message = ranks[0]["messages"]
+    assert ranks[0]["after_each"] == [1, 1, 1] and ranks[1]["messages"] == []
+    assert "policy 'int2ef' compresses nothing here" in message[0]
+    assert "2 ranks in 1 node(s) of 2 have no inter-node link" in message[0]
+    assert "'int4:hadamard=128'" in message[0]

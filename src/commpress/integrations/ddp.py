@@ -60,7 +60,7 @@ from commpress.codecs import codec as build_codec
 from commpress.collectives import Topology, context
 from commpress.collectives.agreement import release
 from commpress.collectives.comm import group_timeout
-from commpress.integrations.grad_path import GradPath
+from commpress.integrations.grad_path import GradPath, warn_if_uncompressed
 from commpress.policy import Policy, list_presets
 from commpress.validate import InputError, check_int, check_saved_state
 
@@ -191,6 +191,7 @@ class DDPHookState:
         self._thread: _CommThread | None = None
         self._failure: BaseException | None = None  # the first bucket that failed
         self.hook_group: dist.ProcessGroup | None = self._make_hook_group()
+        warn_if_uncompressed(self.policy, self.topology, self.hook_group, "ddp_hook")
         # stats
         self.calls = 0
 

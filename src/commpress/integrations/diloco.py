@@ -42,7 +42,7 @@ import torch.nn as nn
 from commpress.collectives import Topology
 from commpress.collectives.agreement import agree, release
 from commpress.integrations.ddp import new_hook_group
-from commpress.integrations.grad_path import GradPath
+from commpress.integrations.grad_path import GradPath, warn_if_uncompressed
 from commpress.integrations.replica_sync import broadcast_coalesced, group_source
 from commpress.policy import Policy
 from commpress.validate import InputError, check_float, check_int, check_saved_state
@@ -184,6 +184,7 @@ class DiLoCo:
               policy=self.policy.to_dict(), params=_shapes_digest(params))
         broadcast_coalesced([p.detach() for p in model.parameters()], group_source(self.group),
                             self.group, params[0].device, "DiLoCo initial weights")
+        warn_if_uncompressed(self.policy, self.topology, self.group, "DiLoCo", axis="outer")
         # internal state
         self.fragments = [_Fragment(i, part, self.policy, self.topology)
                           for i, part in enumerate(_split(params, fragments))]

@@ -11,6 +11,7 @@ values it compresses.
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
@@ -35,6 +36,8 @@ from commpress.collectives.topology import levels_used
 from commpress.collectives.transport import Peers, Steps
 from commpress.policy import Policy
 from commpress.validate import InputError
+
+log = logging.getLogger(__name__)
 
 
 class GradPath:
@@ -108,3 +111,34 @@ class GradPath:
                              f"has {sorted(self.codecs)}")
         for k, c in self.codecs.items():
             c.load_state_dict(state[k])
+
+
+_WARNED: set[tuple] = set()
+
+
+def warn_if_uncompressed(policy: Policy, topology: Topology, group: dist.ProcessGroup | None,
+                         what: str, axis: str = "dp") -> bool:
+    """Warn once, on the group's first rank, when the policy's ``axis.grad`` codecs are lossy
+    but none of them runs on this group's topology — ``int2ef`` (exact inside a node) on
+    one node compresses nothing — naming the policy, the topology seen and what to use
+    instead. Returns whether it is so."""
+    world = dist.get_world_size(group)
+    rpn = topology.ranks_per_node_in(world)
+    levels = [None] if not policy.two_level(axis) else ["intra", "inter"]
+    lossy = [lv for lv in levels if not policy.rule(axis, "grad", lv).exact]
+    used = levels_used(policy.two_level(axis), world, rpn)
+    runs = [lv for lv in lossy if (lv or "single") in used]
+    if world == 1 or not lossy or runs:
+        return False
+    key = (what, policy.name, world, rpn)
+    if dist.get_rank(group) == 0 and key not in _WARNED:
+        _WARNED.add(key)
+        nodes = world // rpn
+        log.warning(
+            "%s: policy %r compresses nothing here: its lossy %s.grad codecs are for the %s "
+            "level, and %d ranks in %d node(s) of %d have no %s link (topology from "
+            "LOCAL_WORLD_SIZE or Topology(ranks_per_node)); give the topology of a "
+            "multi-node run, or a one-level codec such as 'int4:hadamard=128'",
+            what, policy.name, axis, "/".join(lv for lv in lossy if lv), world, nodes, rpn,
+            "inter-node" if nodes == 1 else "intra-node")
+    return True

@@ -48,7 +48,7 @@ from commpress.integrations.buckets import (
     load_buckets_state,
     tensor_parallel_key,
 )
-from commpress.integrations.grad_path import GradPath
+from commpress.integrations.grad_path import GradPath, warn_if_uncompressed
 from commpress.integrations.replica_sync import broadcast_buffers, sync_initial_state
 from commpress.integrations.weight_gather import gather_weights
 from commpress.kernels.reference import sum_rows
@@ -171,6 +171,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if self.world > 1:
             sync_initial_state(model, self.buckets, self.group, self.rank, self.world,
                                init_sync)
+            warn_if_uncompressed(self.policy, self.topology, self.group, "ShardedOptimizer")
         self.optimizer = build_optimizer(self.buckets, optimizer_cls, optimizer_kwargs)
         # torch.optim.Optimizer's bookkeeping (step hooks, profiling) over the inner
         # optimizer's very groups and state: what a scheduler writes, the shards use
