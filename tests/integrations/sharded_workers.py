@@ -116,3 +116,16 @@ def scheduled_adamw(rank, world, steps):
     return {"lrs": lrs,
             # numpy: a tensor would travel as shared memory the exiting rank takes along
             "weights": torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()}
+
+
+def ddp_wrapped_refusal(rank, world):
+    """What ShardedOptimizer says of a model still wrapped in DDP."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from tests.integrations.workers import _model
+
+    try:
+        commpress.ShardedOptimizer(DDP(_model()), torch.optim.AdamW, "sdp4bit", lr=1e-3)
+    except ValueError as e:
+        return str(e)
+    return None

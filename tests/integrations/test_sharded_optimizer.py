@@ -185,3 +185,9 @@ def test_batchnorm_buffers_stay_identical_after_every_step(broadcast_buffers):
             assert ranks[0][step]["state"] == ranks[1][step]["state"], step
         else:  # each rank's forward saw its own data: the statistics drift apart
             assert a["1.running_mean"] != b["1.running_mean"]
+
+
+def test_a_model_still_wrapped_in_ddp_is_refused():
+    # DDP would all-reduce every gradient in fp32 too: 564 kB beside the 126 kB of codes
+    message = spawn(sharded_workers.ddp_wrapped_refusal, 1)[0]
+    assert "wrapped in DistributedDataParallel" in message and "model.module" in message

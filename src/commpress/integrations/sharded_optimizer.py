@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel
 
 from commpress.collectives import Topology
 from commpress.collectives.agreement import agree
@@ -446,6 +447,12 @@ def _check_arguments(model, optimizer_cls, policy, nonfinite: str, bucket_numel:
     if not isinstance(model, nn.Module):
         raise TypeError(f"ShardedOptimizer: model must be a torch.nn.Module; got "
                         f"{type(model).__name__}")
+    if isinstance(model, DistributedDataParallel):
+        # DDP would all-reduce every gradient in fp32 as well, on top of the codes
+        raise InputError("ShardedOptimizer: model is wrapped in DistributedDataParallel, "
+                         "which would all-reduce every gradient in fp32 beside commpress's "
+                         "compressed reduce-scatter; allowed: the module itself (model.module)"
+                         " — the sharded optimizer is the data parallelism")
     if optimizer_cls is not None and not (isinstance(optimizer_cls, type)
                                           and issubclass(optimizer_cls, torch.optim.Optimizer)):
         hint = (" (a policy name goes in the third argument or policy=...)"
