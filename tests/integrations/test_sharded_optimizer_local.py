@@ -12,11 +12,15 @@ def _batches(data, n, bs=8):
 
 
 @pytest.mark.parametrize(("cls", "kwargs"), [(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
-                                             (torch.optim.AdamW, {"lr": 3e-3})])
+                                             (torch.optim.AdamW, {"lr": 3e-3}),
+                                             (torch.optim.AdamW, {"lr": 3e-3,
+                                                                  "weight_decay": 0.3})])
 def test_matches_the_plain_torch_optimizer(cls, kwargs):
+    # weight_decay means what it means in the wrapped optimizer: every parameter decays
+    # (an explicit value used to leave biases and norms undecayed)
     data = _data()
     a, b = _model(), _model()
-    opt_a = commpress.ShardedOptimizer(a, cls, "none", decay_1d=True, **kwargs)
+    opt_a = commpress.ShardedOptimizer(a, cls, "none", **kwargs)
     opt_b = cls(b.parameters(), **kwargs)
     for x, y in _batches(data, 5):
         for model, opt in ((a, opt_a), (b, opt_b)):

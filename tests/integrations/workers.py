@@ -74,7 +74,7 @@ def none_policy_losses(rank, world, steps):
     data = _data()
     model = _model()
     opt = commpress.ShardedOptimizer(model, torch.optim.AdamW, "none", lr=3e-3,
-                                     bucket_numel=30_000, weight_decay=0.1)
+                                     bucket_numel=30_000, decay_1d=False, weight_decay=0.1)
     return train_steps(model, opt, data, rank, world, 0, steps)
 
 

@@ -34,7 +34,7 @@ def replicated_digests(rank, world, base, policies, replication_key=None):
                 run.stage, torch.optim.AdamW, run.policy, group=run.mesh.dp_group,
                 topology=kept.topology, bucket_numel=cfg.bucket_numel,
                 norm_group=kept.norm_group, norm_weights=kept.norm_weights, lr=cfg.lr,
-                replication_key=replication_key)]
+                decay_1d=False, replication_key=replication_key)]
         replicated = [p for p in run.stage.parameters() if not is_tp_sharded(p)]
         digests = []
         for step in range(cfg.steps):

@@ -139,14 +139,12 @@ def checksum(t: torch.Tensor) -> int:
 
 def build_optimizer(buckets: list[Bucket], optimizer_cls: type[torch.optim.Optimizer] | None,
                     optimizer_kwargs: dict[str, Any]) -> torch.optim.Optimizer:
-    """The inner optimizer over the buckets' fp32 masters, one group per bucket; a
-    ``weight_decay`` applies to decaying buckets only (not biases and norms)."""
-    kwargs = dict(optimizer_kwargs)
-    weight_decay = kwargs.pop("weight_decay", None)
-    groups = [{"params": [b.master]} if weight_decay is None else
-              {"params": [b.master], "weight_decay": weight_decay if b.decay else 0.0}
+    """The inner optimizer over the buckets' fp32 masters, one group per bucket; the
+    optimizer's weight decay (given or its default) applies to decaying buckets, the
+    others get ``weight_decay=0``."""
+    groups = [{"params": [b.master], **({} if b.decay else {"weight_decay": 0.0})}
               for b in buckets]
-    return (optimizer_cls or torch.optim.AdamW)(groups, **kwargs)
+    return (optimizer_cls or torch.optim.AdamW)(groups, **optimizer_kwargs)
 
 
 def buckets_identity(policy: Policy, buckets: list[Bucket]) -> dict[str, Any]:

@@ -102,7 +102,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         nonfinite: ``"skip"`` the step (logged, counted in ``skipped_steps``) or
             ``"raise"`` :class:`NonFiniteGradientError` on every rank.
         overlap: start each bucket's reduce-scatter as soon as its gradients are ready.
-        decay_1d: also apply weight decay to 1-D parameters (biases, norms).
+        decay_1d: apply the optimizer's weight decay to 1-D parameters (biases, norms) too,
+            as torch's optimizers do (default); False: to matrices only, as GPT recipes
+            set it (1-D parameters get ``weight_decay=0``).
         norm_group: group over which the squared gradient norm is summed (default: the
             data-parallel group; with tensor/pipeline parallelism, the whole world, so
             clipping and the non-finite check see the whole model on every rank).
@@ -128,7 +130,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                  group: dist.ProcessGroup | None = None,
                  topology: Topology | None = None, *, bucket_numel: int = 1 << 22,
                  max_grad_norm: float | None = None, nonfinite: str = "skip",
-                 overlap: bool = True, decay_1d: bool = False,
+                 overlap: bool = True, decay_1d: bool = True,
                  norm_group: dist.ProcessGroup | None = None,
                  norm_weights: dict[str, float] | None = None,
                  replication_key: ReplicationKey = tensor_parallel_key,

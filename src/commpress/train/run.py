@@ -174,7 +174,7 @@ class Run:
                 topology=topology, bucket_numel=cfg.bucket_numel,
                 max_grad_norm=cfg.max_grad_norm, nonfinite=cfg.nonfinite,
                 norm_group=dist.group.WORLD, norm_weights=tp_norm_weights(self.stage, cfg.tp),
-                init_sync="verify", lr=cfg.lr, betas=(0.9, 0.95),
+                init_sync="verify", decay_1d=False, lr=cfg.lr, betas=(0.9, 0.95),
                 weight_decay=cfg.weight_decay)]
         # Step 4: each held data-parallel rank's pipeline (its own pp codecs) and, played
         # with tp > 1, its own state of the tensor-parallel codecs
