@@ -31,6 +31,38 @@ def test_matches_the_plain_torch_optimizer(cls, kwargs):
         torch.testing.assert_close(pa, pb, rtol=1e-5, atol=1e-6)
 
 
+def test_parameters_and_parameter_groups_as_torch_optimizers_take_them():
+    """As ``torch.optim`` and ``ZeroRedundancyOptimizer`` do: a list of parameters, or
+    groups with their own options (here lr and weight decay per group), driven by a
+    scheduler, equal the torch optimizer over the same groups."""
+    data = _data()
+    a, b, c = _model(), _model(), _model()
+
+    def groups(model):
+        matrices = [p for p in model.parameters() if p.dim() >= 2]
+        rest = [p for p in model.parameters() if p.dim() < 2]
+        return [{"params": matrices, "weight_decay": 0.1},
+                {"params": rest, "lr": 1e-3, "weight_decay": 0.0}]
+
+    opts = [commpress.ShardedOptimizer(groups(a), torch.optim.AdamW, "none", lr=3e-3),
+            torch.optim.AdamW(groups(b), lr=3e-3),
+            commpress.ShardedOptimizer(c.parameters(), torch.optim.AdamW, "none", lr=3e-3)]
+    reference = _model()
+    plain = torch.optim.AdamW(reference.parameters(), lr=3e-3)
+    scheds = [torch.optim.lr_scheduler.StepLR(o, 1, 0.5) for o in opts[:2]]
+    for x, y in _batches(data, 4):
+        for model, opt in ((a, opts[0]), (b, opts[1]), (c, opts[2]), (reference, plain)):
+            model(x, y)[1].backward()
+            opt.step()
+            opt.zero_grad()
+        for sched in scheds:
+            sched.step()
+    for mine, theirs in ((a, b), (c, reference)):
+        for pa, pb in zip(mine.parameters(), theirs.parameters()):
+            torch.testing.assert_close(pa, pb, rtol=1e-5, atol=1e-6)
+    assert sorted({g["lr"] for g in opts[0].param_groups}) == [1e-3 / 16, 3e-3 / 16]
+
+
 def test_no_sync_accumulation_equals_one_big_batch():
     data = _data()
     a, b = _model(), _model()
@@ -80,8 +112,13 @@ def test_a_policy_or_an_optimizer_instance_in_the_wrong_place_is_named():
     model = _model()
     with pytest.raises(TypeError, match="pass the class, e.g. torch.optim.AdamW"):
         commpress.ShardedOptimizer(model, torch.optim.AdamW(model.parameters()), "none")
-    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
-        commpress.ShardedOptimizer([torch.nn.Parameter(torch.ones(2))], torch.optim.SGD)
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module, or an iterable"):
+        commpress.ShardedOptimizer(torch.nn.Parameter(torch.ones(2)), torch.optim.SGD)
+    with pytest.raises(TypeError, match="parameter group 0 item 0 is a Tensor"):
+        commpress.ShardedOptimizer([torch.ones(2)], torch.optim.SGD)
+    p = torch.nn.Parameter(torch.ones(2))
+    with pytest.raises(ValueError, match="group 1 item 0 is in an earlier group too"):
+        commpress.ShardedOptimizer([{"params": [p]}, {"params": [p]}], torch.optim.SGD)
     with pytest.raises(ValueError, match="init_sync='copy' is not allowed"):
         commpress.ShardedOptimizer(_model(), torch.optim.SGD, "none", lr=0.1, init_sync="copy")
 

@@ -47,6 +47,7 @@ class Bucket:
     index: int
     dtype: torch.dtype
     decay: bool
+    group: int  # the caller's parameter group (its optimizer options)
     replication: Hashable
     names: list[str]
     params: list[nn.Parameter]
@@ -101,24 +102,30 @@ class Bucket:
 
 def build_buckets(named: list[tuple[str, nn.Parameter]], bucket_numel: int, decay_1d: bool,
                   make_grad_path: Callable[[], GradPath], make_param_codec: Callable[[], Any],
-                  world: int, replication_key: ReplicationKey) -> list[Bucket]:
+                  world: int, replication_key: ReplicationKey,
+                  group_of: dict[str, int] | None = None) -> list[Bucket]:
     """Pack ``named`` parameters (in backward order) into buckets of about
-    ``bucket_numel`` elements, one kind (dtype, decay, replication class) per bucket."""
+    ``bucket_numel`` elements, one kind (parameter group of ``group_of``, by name; dtype,
+    matrix or not, decay, replication class) per bucket."""
     groups: dict[tuple, list[list[tuple[str, nn.Parameter]]]] = {}
     for name, p in named:
-        key = (p.dtype, p.dim() >= 2 or decay_1d, replication_key(name, p))
+        # 1-D parameters (biases, norms) in buckets of their own, decayed or not: their
+        # quantization groups never share a scale with a matrix's
+        key = ((group_of or {}).get(name, 0), p.dtype, p.dim() >= 2, p.dim() >= 2 or decay_1d,
+               replication_key(name, p))
         lists = groups.setdefault(key, [[]])
         if lists[-1] and sum(q.numel() for _, q in lists[-1]) + p.numel() > bucket_numel:
             lists.append([])
         lists[-1].append((name, p))
     buckets = []
-    for (dtype, decay, replication), lists in groups.items():
+    for (group, dtype, _, decay, replication), lists in groups.items():
         for members in lists:
             grad_path, param_codec = make_grad_path(), make_param_codec()
             unit = math.lcm(grad_path.alignment, max(split(param_codec)[0].alignment, 1)) * world
             *offsets, total = itertools.accumulate((p.numel() for _, p in members), initial=0)
             buckets.append(Bucket(
-                index=len(buckets), dtype=dtype, decay=decay, replication=replication,
+                index=len(buckets), dtype=dtype, decay=decay, group=group,
+                replication=replication,
                 names=[n for n, _ in members], params=[p for _, p in members],
                 offsets=offsets, numel=-(-total // unit) * unit, grad_path=grad_path,
                 param_codec=param_codec))
@@ -138,12 +145,15 @@ def checksum(t: torch.Tensor) -> int:
 
 
 def build_optimizer(buckets: list[Bucket], optimizer_cls: type[torch.optim.Optimizer] | None,
-                    optimizer_kwargs: dict[str, Any]) -> torch.optim.Optimizer:
-    """The inner optimizer over the buckets' fp32 masters, one group per bucket; the
-    optimizer's weight decay (given or its default) applies to decaying buckets, the
-    others get ``weight_decay=0``."""
-    groups = [{"params": [b.master], **({} if b.decay else {"weight_decay": 0.0})}
-              for b in buckets]
+                    optimizer_kwargs: dict[str, Any],
+                    group_options: list[dict[str, Any]] | None = None) -> torch.optim.Optimizer:
+    """The inner optimizer over the buckets' fp32 masters, one group per bucket with the
+    options of its parameter group (``group_options``); the optimizer's weight decay
+    (given or its default) applies to decaying buckets, the others get
+    ``weight_decay=0``."""
+    options = group_options or [{}]
+    groups = [{**options[b.group], "params": [b.master],
+               **({} if b.decay else {"weight_decay": 0.0})} for b in buckets]
     return (optimizer_cls or torch.optim.AdamW)(groups, **optimizer_kwargs)
 
 

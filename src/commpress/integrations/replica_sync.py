@@ -27,7 +27,7 @@ def group_source(group: dist.ProcessGroup | None) -> int:
 
 
 @torch.no_grad()
-def sync_initial_state(model: nn.Module, buckets: list[Bucket], group: dist.ProcessGroup,
+def sync_initial_state(model: nn.Module | None, buckets: list[Bucket], group: dist.ProcessGroup,
                        rank: int, world: int, how: str) -> None:
     """Make (``how="broadcast"``) or check (``"verify"``) every replica start from the
     first rank's state: the buckets, and — as DDP does — the frozen parameters and every
@@ -35,9 +35,11 @@ def sync_initial_state(model: nn.Module, buckets: list[Bucket], group: dist.Proc
     src = group_source(group)
     device = buckets[0].param_buffer.device
     in_buckets = {id(p) for b in buckets for p in b.params}
-    others = [(f"parameter {n!r}", p) for n, p in model.named_parameters()
-              if id(p) not in in_buckets]
-    others += [(f"buffer {n!r}", t) for n, t in model.named_buffers()]
+    others = []  # without a module (parameters given): no frozen parameters or buffers
+    if model is not None:
+        others += [(f"parameter {n!r}", p) for n, p in model.named_parameters()
+                   if id(p) not in in_buckets]
+        others += [(f"buffer {n!r}", t) for n, t in model.named_buffers()]
     if how == "broadcast":
         agree(group, "broadcast", label="initial weights", src=src,
               numels=[b.param_buffer.numel() for b in buckets])

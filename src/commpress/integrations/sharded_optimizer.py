@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -90,7 +90,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
     so torch's function finds no gradient, returns 0 and clips nothing.
 
     Args:
-        model: the module to train (its parameters become views into flat buckets).
+        model: the module to train (its parameters become views into flat buckets), or
+            its parameters or parameter groups as torch optimizers (and
+            ``ZeroRedundancyOptimizer``) take them — each group's options (``lr``,
+            ``weight_decay``, …) are its buckets' inner-optimizer options; without a
+            module there are no buffers or frozen parameters to broadcast.
         optimizer_cls: inner optimizer class (default ``torch.optim.AdamW``), run on the
             fp32 master shards.
         policy: preset name, policy file, dict or :class:`~commpress.Policy`.
@@ -124,7 +128,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         **optimizer_kwargs: passed to ``optimizer_cls`` (lr, betas, weight_decay, ...).
     """
 
-    def __init__(self, model: nn.Module,
+    def __init__(self, model: nn.Module | Iterable[torch.Tensor] | Iterable[dict[str, Any]],
                  optimizer_cls: type[torch.optim.Optimizer] | None = None,
                  policy: str | dict | Policy | None = "none",
                  group: dist.ProcessGroup | None = None,
@@ -138,7 +142,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                  **optimizer_kwargs: Any) -> None:
         _check_arguments(model, optimizer_cls, policy, nonfinite, bucket_numel, max_grad_norm,
                          init_sync, broadcast_buffers)
-        self.model = model
+        self.model, named, group_of, group_options = parameter_groups(model)
         self.policy = Policy.resolve(policy)
         self.group = group if group is not None else (dist.group.WORLD if dist.is_initialized()
                                                       else None)
@@ -161,21 +165,21 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._clip_norm: float | None = None
         self._no_sync = False
         self.param_rule = self.policy.rule("dp", "param")
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not named:
             raise InputError("ShardedOptimizer: the model has no parameters that require grad")
         # gradients arrive roughly in reverse registration order during backward
         self.buckets = build_buckets(
             named[::-1], bucket_numel, decay_1d,
             lambda: GradPath(self.policy, self.topology), self.param_rule.build, self.world,
-            replication_key)
+            replication_key, group_of)
         for b in self.buckets:
             b.materialize(self.rank, self.world)
         if self.world > 1:
-            sync_initial_state(model, self.buckets, self.group, self.rank, self.world,
+            sync_initial_state(self.model, self.buckets, self.group, self.rank, self.world,
                                init_sync)
             warn_if_uncompressed(self.policy, self.topology, self.group, "ShardedOptimizer")
-        self.optimizer = build_optimizer(self.buckets, optimizer_cls, optimizer_kwargs)
+        self.optimizer = build_optimizer(self.buckets, optimizer_cls, optimizer_kwargs,
+                                         group_options)
         # torch.optim.Optimizer's bookkeeping (step hooks, profiling) over the inner
         # optimizer's very groups and state: what a scheduler writes, the shards use
         super().__init__(self.optimizer.param_groups, self.optimizer.defaults)
@@ -268,7 +272,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         stepped = self._step()
-        if self.broadcast_buffers and self.world > 1:
+        if self.broadcast_buffers and self.world > 1 and self.model is not None:
             broadcast_buffers(self.model, self.group, self.buckets[0].param_buffer.device)
         return loss if closure is not None else stepped
 
@@ -442,13 +446,47 @@ def norm_of_parts(parts: torch.Tensor) -> float:
     return math.sqrt(value) if value >= 0 else float("nan")
 
 
+def parameter_groups(params: Any) -> tuple[nn.Module | None, list[tuple[str, nn.Parameter]],
+                                           dict[str, int], list[dict[str, Any]]]:
+    """The module (None when given parameters), the trained parameters by name, each name's
+    parameter group and each group's optimizer options: a module's parameters by their
+    names, one group; parameters or groups as torch optimizers take them, named
+    ``group<g>.param<i>`` (no module: no buffers or frozen parameters to keep equal)."""
+    if isinstance(params, nn.Module):
+        return params, [(n, p) for n, p in params.named_parameters() if p.requires_grad], {}, [{}]
+    groups = list(params)
+    if groups and not isinstance(groups[0], dict):
+        groups = [{"params": groups}]
+    named, group_of, options, seen = [], {}, [], set()
+    for g, group in enumerate(groups):
+        if not isinstance(group, dict) or "params" not in group:
+            raise TypeError(f"ShardedOptimizer: parameter group {g} is not a dict with "
+                            f"'params'; got {type(group).__name__}")
+        members = group["params"]
+        members = [members] if isinstance(members, torch.Tensor) else list(members)
+        options.append({k: v for k, v in group.items() if k != "params"})
+        for i, p in enumerate(members):
+            if not isinstance(p, nn.Parameter):
+                raise TypeError(f"ShardedOptimizer: parameter group {g} item {i} is a "
+                                f"{type(p).__name__}; allowed: torch.nn.Parameter")
+            if id(p) in seen:
+                raise InputError(f"ShardedOptimizer: parameter group {g} item {i} is in an "
+                                 "earlier group too; allowed: each parameter in one group")
+            seen.add(id(p))
+            if p.requires_grad:
+                named.append((f"group{g}.param{i}", p))
+                group_of[f"group{g}.param{i}"] = g
+    return None, named, group_of, options
+
+
 def _check_arguments(model, optimizer_cls, policy, nonfinite: str, bucket_numel: int,
                      max_grad_norm: float | None, init_sync: str,
                      broadcast_buffers: bool) -> None:
     """Bad arguments get a message naming them, before anything is built."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"ShardedOptimizer: model must be a torch.nn.Module; got "
-                        f"{type(model).__name__}")
+    if isinstance(model, torch.Tensor) or not isinstance(model, nn.Module | Iterable):
+        raise TypeError(f"ShardedOptimizer: model must be a torch.nn.Module, or an iterable "
+                        f"of parameters or of parameter groups (dicts) as torch optimizers "
+                        f"take; got {type(model).__name__}")
     if isinstance(model, DistributedDataParallel):
         # DDP would all-reduce every gradient in fp32 as well, on top of the codes
         raise InputError("ShardedOptimizer: model is wrapped in DistributedDataParallel, "
