@@ -172,10 +172,11 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     from commpress.console import console
-    from commpress.plan.cost import ClusterSpec, JobSpec, load_codec_throughput, plan
+    from commpress.integrations.diloco import DiLoCoConfig, outer_policy
+    from commpress.plan.cost import ClusterSpec, JobSpec, load_codec_throughput, plan, plan_outer
     from commpress.plan.hardware import GPUS, INTER_LATENCY_US, INTRA_LATENCY_US
     from commpress.plan.models import model_from_arg
-    from commpress.plan.report import break_even_table, plan_table
+    from commpress.plan.report import break_even_table, outer_table, plan_table
 
     gpu = GPUS[args.gpu]
     tp, pp = args.tp, args.pp
@@ -202,6 +203,14 @@ def _cmd_plan(args: argparse.Namespace) -> int:
              f"per node")
     console().print(plan_table(result, title))
     console().print(break_even_table(result))
+    outers = [p.strip() for item in args.outer for p in item.split(",") if p.strip()]
+    if outers:
+        DiLoCoConfig(args.sync_every, args.fragments, args.outer_delay)  # checked by name
+        result["outer"] = {name: plan_outer(cluster, job, outer_policy(name), args.sync_every,
+                                            args.fragments, args.outer_delay)
+                           for name in outers}
+        ddp = plan(cluster, dataclasses.replace(job, zero_stage=0), [])["policies"]["none"]
+        console().print(outer_table(result["outer"], ddp, args.sync_every, cluster.nodes))
     if args.json:
         write_json(args.json, result, default=str)
     return 0
@@ -288,6 +297,15 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--policy", action="append", default=[],
                     help="policies to compare (repeat or comma-separate); none is always "
                          "computed")
+    pl.add_argument("--outer", action="append", default=[],
+                    help="DiLoCo presets across the nodes (repeat or comma-separate): each "
+                         "node a site, DDP inside it; compute utilization per preset")
+    pl.add_argument("--sync-every", type=int, default=32,
+                    help="with --outer: inner steps between syncs, H (default: 32)")
+    pl.add_argument("--fragments", type=int, default=1,
+                    help="with --outer: Streaming DiLoCo's fragments (default: 1)")
+    pl.add_argument("--outer-delay", type=int, default=0,
+                    help="with --outer: inner steps a fragment's all-reduce overlaps")
     pl.add_argument("--codec-throughput", default=None,
                     help="JSON from 'commpress bench codecs --json'")
     pl.add_argument("--json", default=None, help="also write the plan to this JSON file")

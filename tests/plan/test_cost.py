@@ -5,6 +5,7 @@ import os
 import pytest
 
 from commpress import Policy
+from commpress.integrations.diloco import outer_policy
 from commpress.plan import cost
 from commpress.plan.cost import (
     ClusterSpec,
@@ -209,3 +210,25 @@ def test_codec_throughput_that_is_a_fifo_is_refused_at_once(tmp_path):
     os.mkfifo(fifo)
     with pytest.raises(ValueError, match="codec-throughput"):
         cost.load_codec_throughput(str(fifo), "gpu")
+
+
+def test_diloco_utilization_bytes_and_the_delay_that_hides_a_sync():
+    c = ClusterSpec(gpus=4, gpus_per_node=1, intra_GBps=300, inter_GBps=0.0125, tflops=312,
+                    inter_latency_us=0)
+    j = JobSpec(model=model_from_arg("gpt-1.3b"), dp=4, global_batch=64)
+    exact = cost.plan_outer(c, j, outer_policy("diloco"), 32)
+    # one rank per site: a ring all-reduce of the fp32 pseudo-gradient, 2 (S − 1) / S of it
+    # per node, once every H steps
+    p = j.model.params
+    assert exact["inter_bytes_per_step_node"] == pytest.approx(2 * 3 / 4 * 4 * p / 32)
+    coded = {name: cost.plan_outer(c, j, outer_policy(name), 32)
+             for name in ("diloco-int4", "diloco-int2ef")}
+    assert exact["utilization"] < coded["diloco-int4"]["utilization"] \
+        < coded["diloco-int2ef"]["utilization"] < 1
+    assert cost.plan_outer(c, j, outer_policy("diloco"), 128)["utilization"] \
+        > exact["utilization"]
+    streaming = cost.plan_outer(c, j, outer_policy("diloco-int2ef"), 32, fragments=4, delay=7)
+    assert streaming["exposed_sync_s"] < coded["diloco-int2ef"]["exposed_sync_s"] / 4
+    with pytest.raises(ValueError, match="at least 2 nodes"):
+        cost.plan_outer(ClusterSpec(gpus=4, gpus_per_node=4, intra_GBps=300, inter_GBps=1,
+                                    tflops=312), j, outer_policy("diloco"), 32)

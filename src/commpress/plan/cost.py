@@ -430,6 +430,45 @@ def _bandwidth(saved_bytes: float, codec_s: float) -> float | None:
     return saved_bytes / codec_s / 1e9 if codec_s > 0 else math.inf
 
 
+def plan_outer(c: ClusterSpec, j: JobSpec, policy: Policy, sync_every: int,
+               fragments: int = 1, delay: int = 0) -> dict[str, Any]:
+    """DiLoCo across the nodes (:class:`commpress.DiLoCo`): each node a site whose
+    data-parallel ranks run DDP among themselves (exact, on the fast links) on its share
+    of the global batch; every ``sync_every / fragments`` inner steps one fragment's
+    pseudo-gradient is all-reduced — exactly inside the node, each local rank's chunk
+    across the sites with the policy's ``outer.grad.inter`` codec, shared back inside —
+    and what ``delay`` inner steps do not hide is exposed. Utilization: compute over wall
+    time."""
+    sites, G = c.nodes, c.gpus_per_node
+    n_local = max(1, G // (j.tp * j.pp))
+    if sites < 2 or j.dp % sites:
+        raise InputError(f"DiLoCo across {sites} node(s) of dp {j.dp}: allowed: at least 2 "
+                         "nodes, dp a multiple of them")
+    site = ClusterSpec(**{**c.__dict__, "gpus": G})
+    inner_job = JobSpec(**{**j.__dict__, "dp": j.dp // sites, "zero_stage": 0,
+                           "global_batch": j.global_batch // sites})
+    inner = plan_policy(site, inner_job, Policy.preset("none"))
+    chunk = j.model.params / (j.tp * j.pp) / fragments / n_local  # one local rank's share
+    rule = policy.rule("outer", "grad", "inter")
+    stages = [ring(n_local, n_local, chunk * 4, G)] if n_local > 1 else []  # reduce-scatter
+    if rule.codec == "none":
+        stages.append(ring(sites, 1, chunk / sites * 4, G, passes=2))
+    else:
+        stages.append(compressed_all_reduce(sites, 1, rule.codec, chunk, G))
+    if n_local > 1:
+        stages.append(ring(n_local, n_local, chunk * 4, G))  # the exact all-gather inside
+    codec_s = rule_seconds(c, rule, 2 * chunk, 2 * chunk, 4)
+    sync_s = sum(t.time(c) for t in stages) + codec_s
+    step_s = inner["step_time_s"]
+    exposed = max(0.0, sync_s - delay * step_s)
+    wall = sync_every * step_s + fragments * exposed
+    return {"inner_step_s": step_s, "sync_s": sync_s, "exposed_sync_s": exposed,
+            "utilization": sync_every * inner["breakdown"]["compute_s"] / wall,
+            "mean_step_s": wall / sync_every,
+            "inter_bytes_per_step_node": fragments * sum(t.inter_bytes for t in stages)
+            / sync_every}
+
+
 def plan(c: ClusterSpec, j: JobSpec, policies: list[str]) -> dict[str, Any]:
     """``{"policies": {name: {...}}}`` for ``none`` and every requested policy."""
     names = ["none"] + [p for p in policies if p != "none"]

@@ -34,3 +34,21 @@ def break_even_table(result: dict[str, Any]) -> Table:
             t.add_row(name, key, "-" if bw is None else ("any" if bw == float("inf")
                                                           else f"{bw:,.1f}"))
     return t
+
+
+def outer_table(outer: dict[str, Any], ddp: dict[str, Any], sync_every: int,
+                sites: int) -> Table:
+    """DiLoCo presets across the sites beside DDP over the same links."""
+    t = Table(title=f"DiLoCo across {sites} sites (nodes), H = {sync_every}, beside DDP")
+    for col in ("", "s / step", "exposed sync s", "compute utilization",
+                "MB / step / node between sites", "speedup vs DDP"):
+        t.add_column(col, justify="left" if not col else "right")
+    compute = ddp["breakdown"]["compute_s"]
+    t.add_row("DDP (all-reduce)", f"{ddp['step_time_s']:.3f}", "-",
+              f"{100 * compute / ddp['step_time_s']:.1f} %", "-", "1.00x")
+    for name, r in outer.items():
+        t.add_row(name, f"{r['mean_step_s']:.3f}", f"{r['exposed_sync_s']:.2f}",
+                  f"{100 * r['utilization']:.1f} %",
+                  f"{r['inter_bytes_per_step_node'] / 1e6:.2f}",
+                  f"{ddp['step_time_s'] / r['mean_step_s']:.2f}x")
+    return t
