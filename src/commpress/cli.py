@@ -177,9 +177,15 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from commpress.plan.hardware import GPUS, INTER_LATENCY_US, INTRA_LATENCY_US
     from commpress.plan.models import model_from_arg
     from commpress.plan.report import break_even_table, outer_table, plan_table
+    from commpress.validate import check_int
 
     gpu = GPUS[args.gpu]
     tp, pp = args.tp, args.pp
+    outers = [p.strip() for item in args.outer for p in item.split(",") if p.strip()]
+    check_int("--outer-delay", args.outer_delay, ge=0)
+    DiLoCoConfig(args.sync_every, args.fragments, args.outer_delay)  # checked by name
+    for name in outers:
+        outer_policy(name)
     # tp or pp < 1 is JobSpec's to refuse; dp defaults to at least 1, so a layout larger
     # than --gpus is refused by name (dp × tp × pp must equal --gpus)
     dp = args.dp if args.dp is not None else max(1, args.gpus // max(1, tp * pp))
@@ -203,9 +209,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
              f"per node")
     console().print(plan_table(result, title))
     console().print(break_even_table(result))
-    outers = [p.strip() for item in args.outer for p in item.split(",") if p.strip()]
     if outers:
-        DiLoCoConfig(args.sync_every, args.fragments, args.outer_delay)  # checked by name
         result["outer"] = {name: plan_outer(cluster, job, outer_policy(name), args.sync_every,
                                             args.fragments, args.outer_delay)
                            for name in outers}

@@ -100,7 +100,7 @@ class TrainConfig:
             if self.engine != "ddp":
                 raise InputError(f"outer={self.outer!r} needs engine=ddp (DDP inside a site); "
                                  f"got engine={self.engine!r}")
-            self.diloco_options()  # a bad preset, schedule or learning rate fails here
+            outer_policy(self.outer)  # an unknown preset or a bad file fails here
         if self.nonfinite not in ("skip", "raise"):
             raise InputError(f"nonfinite={self.nonfinite!r} is not allowed; allowed: skip, raise")
         if self.seq_len > MODEL_PRESETS[self.model].block_size:
@@ -125,6 +125,9 @@ class TrainConfig:
             check_int(name, getattr(self, name), ge=1, optional=True)
         for name in ("warmup", "eval_every", "checkpoint_every"):
             check_int(name, getattr(self, name), ge=0)
+        # the DiLoCo schedule, with or without --outer: a bad value is never silently kept
+        check_int("outer_delay", self.outer_delay, ge=0)
+        DiLoCoConfig(self.sync_every, self.fragments, self.outer_delay, self.outer_lr)
         # the batch sampler seeds a generator with seed · 1_000_003 + 2 · step, which
         # must fit in 64 bits
         check_int("seed", self.seed, ge=0, le=MAX_SEED)
@@ -172,9 +175,7 @@ class TrainConfig:
         return max(1, self.node_size(local_world) // (self.tp * self.pp))
 
     def diloco_options(self) -> dict:
-        """The :class:`~commpress.DiLoCo` arguments of ``--outer`` (checked)."""
-        outer_policy(self.outer)
-        DiLoCoConfig(self.sync_every, self.fragments, self.outer_delay, self.outer_lr)
+        """The :class:`~commpress.DiLoCo` arguments of ``--outer``."""
         return {"policy": self.outer, "sync_every": self.sync_every,
                 "fragments": self.fragments, "delay": self.outer_delay,
                 "outer_lr": self.outer_lr}
