@@ -170,3 +170,71 @@ def uncompressed_warnings(rank, world):
         seen.append(len(records))
         state.release()
     return {"messages": records, "after_each": seen}
+
+
+def elastic(rank, world, directory, phase):
+    """``phase="save"``: 2 steps of each front-end with stateful codecs, then every rank's
+    state to ``directory``. ``"load"`` (on another number of ranks): each front-end from
+    the state of rank ``rank % saved``; what the strict load said, what the elastic one
+    logged, and the weights after 2 more steps."""
+    import logging
+    import os
+
+    from commpress.integrations.ddp_lowrank import lowrank_hook
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logging.getLogger("commpress.integrations.ddp").addHandler(handler)
+    data = workers._data()
+    out = {}
+    for front in ("int2ef", "lowrank", "diloco"):
+        model = workers._model()
+        opt = None
+        if front == "diloco":
+            opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+            state = commpress.DiLoCo(model, opt, sync_every=2, policy="diloco-int2ef",
+                                     topology=commpress.Topology(1))
+            ddp = model
+        else:
+            ddp = DDP(model, bucket_cap_mb=0.1)
+            state, hook = (commpress.ddp_hook(ddp, "int2ef", topology=commpress.Topology(1),
+                                              bucket_numel=25_000) if front == "int2ef" else
+                           lowrank_hook(ddp, rank=2, start_iter=1, bucket_numel=25_000,
+                                        topology=commpress.Topology(1)))
+            ddp.register_comm_hook(state, hook)
+            opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        path = os.path.join(directory, f"{front}-rank{{}}.pt")
+        start = 0
+        if phase == "load":
+            saved_world = len([f for f in os.listdir(directory)
+                               if f.startswith(f"{front}-rank")])
+            saved = torch.load(path.format(rank % saved_world), weights_only=True)
+            model.load_state_dict(torch.load(os.path.join(directory, f"{front}-model.pt"),
+                                             weights_only=True))
+            try:
+                state.load_state_dict(saved)
+                out[f"{front} strict"] = None
+            except ValueError as e:
+                out[f"{front} strict"] = str(e)
+            state.load_state_dict(saved, elastic=True)
+            start = 2
+        hashes = []
+        for step in range(start, start + 2):
+            x, y = workers._local_batch(data, step, rank, world)
+            logits = ddp(x)
+            F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1)).backward()
+            opt.step()
+            opt.zero_grad()
+            hashes.append(workers._hash_params(model))
+        out[front] = hashes
+        if phase == "save":
+            torch.save(state.state_dict(), path.format(rank))
+            if rank == 0:
+                torch.save(model.state_dict(), os.path.join(directory, f"{front}-model.pt"))
+        if front == "diloco":
+            state.remove()
+        else:
+            state.release()
+    out["logged"] = records
+    return out

@@ -163,3 +163,29 @@ def test_a_policy_that_compresses_nothing_on_this_topology_is_said_once_on_rank_
     assert "policy 'int2ef' compresses nothing here" in message[0]
     assert "2 ranks in 1 node(s) of 2 have no inter-node link" in message[0]
     assert "'int4:hadamard=128'" in message[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("saved, resumed", [(4, 2), (2, 4)])
+def test_an_elastic_resume_on_another_number_of_ranks_starts_the_memory_fresh(tmp_path,
+                                                                               saved, resumed):
+    """DDP hook (int2ef), low-rank hook and DiLoCo: a state of another world is refused
+    unless the user asks for an elastic resume; then what every rank holds alike is kept,
+    the memory starts fresh, rank 0 says so once, and the replicas stay identical."""
+    spawn(ddp_workers.elastic, saved, (str(tmp_path), "save"), ranks_per_node=1,
+          pg_timeout_s=PG_TIMEOUT_S, timeout=300)
+    ranks = spawn(ddp_workers.elastic, resumed, (str(tmp_path), "load"), ranks_per_node=1,
+                  pg_timeout_s=PG_TIMEOUT_S, timeout=300)
+    for front in ("int2ef", "lowrank", "diloco"):
+        for r in ranks:
+            refused = r[f"{front} strict"]
+            assert "checkpoint rank" in refused or "checkpoint world_size" in refused
+            assert "elastic=True" in refused
+            # DiLoCo's sites hold the same weights after a sync (step 4), the hooks' always
+            assert r[front][-1:] == ranks[0][front][-1:], front
+            assert front == "diloco" or r[front] == ranks[0][front], front
+    said = ranks[0]["logged"]
+    # once per kind of state (the two hooks' states are the DDP hook's), on rank 0 only
+    assert [m.split(":")[0] for m in said] == ["DDP hook", "DiLoCo"]
+    assert all(f"saved on {saved} ranks on {resumed}" in m for m in said)
+    assert all(r["logged"] == [] for r in ranks[1:])

@@ -45,6 +45,7 @@ wait on a group that is out of step.
 # ``dist.GradBucket`` and ``torch.futures.Future[torch.Tensor]`` as objects.
 import functools
 import itertools
+import logging
 import queue
 import threading
 from collections.abc import Callable
@@ -65,6 +66,7 @@ from commpress.policy import Policy, list_presets
 from commpress.validate import InputError, check_int, check_saved_state
 
 STATE_FORMAT = "commpress.DDPHookState/3"
+log = logging.getLogger(__name__)
 BUCKET_NUMEL = 1 << 22  # elements per hook bucket, by default
 
 
@@ -203,16 +205,23 @@ class DDPHookState:
                 **self._identity(), "layout": [b.names for b in self.buckets],
                 "codecs": [b.grad_path.state_dict() for b in self.buckets]}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], elastic: bool = False) -> None:
         """Restore a state this rank saved: another rank's, world size's, policy's or
-        layout's is refused naming the field."""
+        layout's is refused naming the field.
+
+        ``elastic=True`` resumes on another number of ranks (or from another rank's
+        state): what every rank holds alike is kept, while the error-feedback memory and
+        rounding streams, laid out for the world that saved them, start fresh (said once,
+        on rank 0)."""
         check_saved_state(state, STATE_FORMAT, "DDP hook", {
-            "policy": self.policy.to_dict(), **self._identity(),
+            "policy": self.policy.to_dict(), **({} if elastic else self._identity()),
             "layout": [b.names for b in self.buckets]},
             "resume each rank from its own state, with the same number of ranks, policy, "
-            "model and bucket_numel (they fix the layout)")
+            "model and bucket_numel (they fix the layout); another number of ranks: "
+            "load_state_dict(state, elastic=True)")
+        memory = not resized(state, self._identity(), "DDP hook")
         for b, codecs in zip(self.buckets, state["codecs"]):
-            b.grad_path.load_state_dict(codecs)
+            b.grad_path.load_state_dict(codecs, memory)
         self.calls = state["calls"]
 
     def _identity(self) -> dict[str, int]:
@@ -333,6 +342,24 @@ class DDPHookState:
             hb_index, i = self._where[id(p)]
             if hb_index == j:
                 g.view(-1).copy_(hb.buffer[hb.offsets[i]: hb.offsets[i] + hb.numels[i]])
+
+
+_SAID: set[tuple] = set()
+
+
+def resized(state: dict[str, Any], mine: dict[str, int], what: str) -> bool:
+    """Whether ``state`` was saved by another rank or world size than ``mine``; if so,
+    say once (on rank 0) that its per-rank memory starts fresh."""
+    saved = {k: state.get(k) for k in mine}
+    if saved == mine:
+        return False
+    key = (what, saved["world_size"], mine["world_size"])
+    if mine["rank"] == 0 and key not in _SAID:
+        _SAID.add(key)
+        log.warning("%s: resuming state saved on %s ranks on %s: error-feedback memory and "
+                    "rounding streams start fresh (they were laid out for the world that "
+                    "saved them)", what, saved["world_size"], mine["world_size"])
+    return True
 
 
 def ddp_ignored(model: nn.Module) -> set[str]:

@@ -259,7 +259,9 @@ class LowRankReducer:
                 "error": None if self.error is None else self.error.clone(),
                 "codec": self.codec.state_dict(), "codec_ef": self.codec_ef.state_dict()}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], memory: bool = True) -> None:
+        """Restore the factors and step (every rank holds them alike) and, unless
+        ``memory=False`` (an elastic resume), this rank's memory and codec state."""
         shapes = [tuple(q.shape) for q in self.qs]
         theirs = [tuple(q.shape) for q in state["qs"]]
         if theirs != shapes:
@@ -268,11 +270,13 @@ class LowRankReducer:
         self.iter = state["iter"]
         self.qs = [q.to(self.device, copy=True) for q in state["qs"]]
         self.ps = [p.to(self.device, copy=True) for p in state["ps"]]
+        self._agreed = False
+        if not memory:
+            return
         self.error = None if state["error"] is None else state["error"].to(self.device,
                                                                              copy=True)
         self.codec.load_state_dict(state["codec"])
         self.codec_ef.load_state_dict(state["codec_ef"])
-        self._agreed = False
 
 
 FLOAT32_MAX = torch.finfo(torch.float32).max
@@ -322,11 +326,11 @@ class LowRankHookState(DDPHookState):
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "lowrank": asdict(self.config)}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], elastic: bool = False) -> None:
         if isinstance(state, dict) and state.get("lowrank") != asdict(self.config):
             raise InputError(f"low-rank hook checkpoint has config {state.get('lowrank')!r}; "
                              f"this run's is {asdict(self.config)!r}")
-        super().load_state_dict(state)
+        super().load_state_dict(state, elastic)
 
     def wire_elements(self) -> int:
         """Elements all-reduced in the next compressed step, over every bucket."""

@@ -41,7 +41,7 @@ import torch.nn as nn
 
 from commpress.collectives import Topology
 from commpress.collectives.agreement import agree, release
-from commpress.integrations.ddp import new_hook_group
+from commpress.integrations.ddp import new_hook_group, resized
 from commpress.integrations.grad_path import GradPath, warn_if_uncompressed
 from commpress.integrations.replica_sync import broadcast_coalesced, group_source
 from commpress.policy import Policy
@@ -281,20 +281,28 @@ class DiLoCo:
                                "codecs": f.path.state_dict()} for f in self.fragments],
                 "pending": {i: (due, r.clone()) for i, (due, r) in self._pending.items()}}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], elastic: bool = False) -> None:
         """Restore :meth:`state_dict`'s state; one of another schedule, policy, rank or
-        world size, or model, is refused naming the field."""
+        world size, or model, is refused naming the field.
+
+        ``elastic=True`` resumes on another number of ranks or sites (any rank's state
+        will do: θ_global, the momentum and the averages in flight are every rank's
+        alike); the error-feedback memory, laid out for the world that saved it, starts
+        fresh (said once, on rank 0)."""
         check_saved_state(state, STATE_FORMAT, "DiLoCo", {
             "config": asdict(self.config), "policy": self.policy.to_dict(),
-            **self._identity(), "fragments": [f.global_.numel() for f in self.fragments]},
+            **({} if elastic else self._identity()),
+            "fragments": [f.global_.numel() for f in self.fragments]},
             "resume with the same sync_every, fragments, delay, outer optimizer, policy, "
-            "model and ranks", views={"fragments": lambda fs: [f["global"].numel()
-                                                                for f in fs]})
+            "model and ranks (another number of ranks: load_state_dict(state, "
+            "elastic=True))", views={"fragments": lambda fs: [f["global"].numel()
+                                                               for f in fs]})
         self.wait()
+        memory = not resized(state, self._identity(), "DiLoCo")
         for f, saved in zip(self.fragments, state["fragments"]):
             f.global_.copy_(saved["global"])
             f.momentum.copy_(saved["momentum"])
-            f.path.load_state_dict(saved["codecs"])
+            f.path.load_state_dict(saved["codecs"], memory)
         device = self.fragments[0].global_.device
         self._pending = {int(i): (due, r.to(device)) for i, (due, r) in
                          state["pending"].items()}

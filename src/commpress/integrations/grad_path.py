@@ -105,12 +105,15 @@ class GradPath:
     def state_dict(self) -> dict[str, Any]:
         return {k: c.state_dict() for k, c in self.codecs.items()}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], memory: bool = True) -> None:
+        """Restore the codecs' state; ``memory=False`` checks it and keeps the codecs
+        fresh (an elastic resume: the memory was laid out for another world)."""
         if set(state) != set(self.codecs):
             raise InputError(f"gradient codec state has levels {sorted(state)}; this policy "
                              f"has {sorted(self.codecs)}")
-        for k, c in self.codecs.items():
-            c.load_state_dict(state[k])
+        if memory:
+            for k, c in self.codecs.items():
+                c.load_state_dict(state[k])
 
 
 _WARNED: set[tuple] = set()
