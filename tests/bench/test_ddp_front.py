@@ -12,6 +12,7 @@ SCRIPT = os.path.join(ROOT, "benchmarks", "ddp_front.py")
 
 
 @pytest.mark.slow
+@pytest.mark.sweep  # a benchmark's smoke run, outside CI
 def test_smallest_grid_writes_its_table_and_plot(tmp_path):
     hooks = "allreduce,powersgd-r1,acp-r4-int8,compute-only"
     proc = subprocess.run(

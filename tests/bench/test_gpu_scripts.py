@@ -24,6 +24,7 @@ def _run(script: str, args: list[str], out: str, **env: str) -> list[dict]:
 
 
 @pytest.mark.slow
+@pytest.mark.sweep  # a benchmark's smoke run, outside CI (kernel checks: tests/kernels)
 def test_gpu_kernels_script_dry_runs_and_its_checks_pass(tmp_path):
     rows = _run("gpu_kernels.py", ["--tune"], str(tmp_path), COMMPRESS_KERNELS="triton")
     checks = [r for r in rows if "ok" in r]
@@ -42,6 +43,7 @@ def test_gpu_kernels_script_dry_runs_and_its_checks_pass(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.sweep  # a benchmark's smoke run, outside CI
 def test_gpu_multirank_script_dry_runs_and_its_checks_pass(tmp_path):
     rows = _run("gpu_multirank.py", ["--model", "gpt-tiny", "--steps", "3"], str(tmp_path))
     by = {}

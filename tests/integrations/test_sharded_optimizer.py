@@ -60,7 +60,8 @@ def test_bf16_model_replicas_stay_identical():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16",
+                                                           marks=pytest.mark.sweep)])
 def test_two_level_weight_gather_gives_the_flat_gather_bits(dtype):
     # exact gradients, 4-bit weight differences: across two nodes each difference is
     # applied by its local index's ranks and the weights shared inside the node; on one

@@ -25,6 +25,7 @@ def test_same_seed_same_loss_trajectory(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.sweep  # outside CI: every step's replicas are compared in the shorter runs too
 def test_replicas_identical_at_every_step_of_a_1000_step_run():
     digests = spawn(workers.long_run_replicas, 2, (1000,), timeout=900)
     assert len(digests[0]) == 1000

@@ -39,7 +39,8 @@ def test_ddp_engine_refuses_tp():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("policy", ["int2ef", "tlq", "none"])
+@pytest.mark.parametrize("policy", ["int2ef", pytest.param("tlq", marks=pytest.mark.sweep),
+                                    pytest.param("none", marks=pytest.mark.sweep)])
 def test_ddp_engine_resume_is_bitwise(tmp_path, policy):
     # DDP re-buckets after the first iteration of every process; the commpress hook's own
     # fixed buckets keep its error-feedback memory, rounding streams and summation order

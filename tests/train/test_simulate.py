@@ -56,6 +56,7 @@ def test_simulate_equals_a_real_4_rank_run(tmp_path, policy):
 
 
 @pytest.mark.slow
+@pytest.mark.sweep  # outside CI: the other presets beside FAST's one per kind of path
 @pytest.mark.parametrize("policy", [p for p in commpress.list_presets() if p not in FAST])
 def test_simulate_equals_a_real_4_rank_run_every_preset(tmp_path, policy):
     _check(policy, *_compare(tmp_path, policy, 20))

@@ -150,6 +150,7 @@ def test_simulate_equals_train_on_a_few_cases():
 
 
 @pytest.mark.slow
+@pytest.mark.sweep  # outside CI (15 min): CI keeps test_simulate.py's one case per layout
 @pytest.mark.parametrize("engine", ["sharded", "ddp"])
 def test_simulate_equals_train_over_seeds_and_corpora(engine):
     # DDP: 4 seeds × 2 corpora × 6 hook paths, which keeps the slow selection in CI's budget
