@@ -1,6 +1,6 @@
 """Training across sites: DDP against DiLoCo with compressed pseudo-gradients.
 
-    python benchmarks/diloco_sites.py [--sites 2,4] [--links 100mbit:40ms,1gbit:20ms]
+    python benchmarks/diloco_sites.py [--sites 2,4] [--links 100mbit,1gbit:20ms]
         [--seeds 0,1,2] [--steps 256] [--sync-every 32] [--model gpt-3m]
         [--rows ddp-allreduce,...] [--fresh]
 
@@ -15,17 +15,17 @@ trainer's ``--engine ddp``); DiLoCo (``--outer``) with each outer preset, H =
 delay 2) for two of them; ``local`` never syncs (``sync_every`` past the last step): the
 compute floor.
 
-Every row computes the same bits whatever the link, so loss is a property of (row,
-seed, steps): it is measured once per seed without shaping (``--steps`` steps, loopback,
-validation loss at the end), and each link only times ``--time-steps`` steps (a
-multiple of H, so that the syncs are in them). Columns: seconds per inner step (mean
-over the timed steps after two, syncs included), compute utilization (``local``'s
-seconds per step ÷ the row's), bytes between sites per inner step and site (commpress's
-counters of the labels that cross sites; the testbed's link counters beside them),
-validation loss at equal tokens (mean ± sample std over the seeds), and training loss at
-equal wall time (each row's loss curve placed on the link's seconds per step, read at
-the wall time the fastest row needs for all its steps; mean over the seeds of the mean
-training loss of the 8 steps before that time).
+Every row computes the same bits whatever the link, so loss is a property of (row, seed,
+steps): it is measured once per seed without shaping (``--steps`` steps, loopback,
+validation loss at the end), and each link only times ``--time-steps`` steps (a multiple
+of H, so that the syncs are in them; DDP rows ``--ddp-time-steps``). Columns: seconds
+per inner step (mean over the timed steps after two, syncs included), compute
+utilization (``local``'s seconds per step ÷ the row's), bytes between sites per inner
+step and site (commpress's counters of the labels that cross sites; the testbed's link
+counters beside them), validation loss at equal tokens (mean ± sample std over the
+seeds), and training loss at equal wall time (each row's loss curve placed on the link's
+seconds per step, read at the wall time the fastest row needs for all its steps; mean
+over the seeds of the mean training loss of the 8 steps before that time).
 
 Writes ``benchmarks/results/diloco_sites.{json,md,png}``; finished runs are cached in
 the JSON (``--fresh`` starts over). Needs root and iproute2 for the timing runs.
@@ -106,7 +106,9 @@ def loss_run(args, row: str, seed: int) -> dict:
 def time_run(args, row: str, sites: int, link: str) -> dict:
     rate, _, delay = link.partition(":")
     out = tempfile.mkdtemp(prefix=f"diloco-time-{row}-")
-    cfg = config(args, row, sites, args.time_steps, 0, out)
+    # DDP's steps are all alike: a few time it; DiLoCo's must include their syncs
+    steps = args.time_steps if "outer" in ROWS[row] else args.ddp_time_steps
+    cfg = config(args, row, sites, steps, 0, out)
     flags = []
     for f in dataclasses.fields(TrainConfig):
         value = getattr(cfg, f.name)
@@ -126,7 +128,7 @@ def time_run(args, row: str, sites: int, link: str) -> dict:
     timed = hist[WARMUP:]
     seconds = (timed[-1]["wall_s"] - hist[WARMUP - 1]["wall_s"]) / len(timed)
     return {"s_per_step": seconds,
-            "bytes_per_step_site": crossing_bytes(summary) / args.time_steps / sites,
+            "bytes_per_step_site": crossing_bytes(summary) / steps / sites,
             "link_mb_node0": (node0["sent_bytes"] + node0["received_bytes"]) / 1e6,
             "load_average": os.getloadavg()[0]}
 
@@ -148,7 +150,9 @@ def report(args, cache: dict, rows: list[str]) -> None:
                 continue
             fastest = min(t["s_per_step"] for r, t in timing.items() if r != "local")
             t_equal = fastest * args.steps
-            lines += [f"## {sites} sites, {link.replace(':', ' + ')} delay", "",
+            rate, _, delay = link.partition(":")
+            lines += [f"## {sites} sites, {rate} per site's link, "
+                      f"{delay + ' added delay' if delay else 'no added delay'}", "",
                       "| row | s / inner step | compute utilization | bytes / step / site "
                       "(link MB, node 0) | val loss at equal tokens | train loss at "
                       f"{t_equal:.0f} s |", "|---|---|---|---|---|---|"]
@@ -208,10 +212,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sites", default="2,4")
     ap.add_argument("--loss-sites", type=int, default=2, help="sites of the loss runs")
-    ap.add_argument("--links", default="100mbit:40ms,1gbit:20ms")
+    ap.add_argument("--links", default="100mbit,1gbit",
+                    help="RATE[:DELAY] per site's link; DELAY needs the kernel's netem")
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--steps", type=int, default=256)
     ap.add_argument("--time-steps", type=int, default=66, help="timed steps (2 + 2·H)")
+    ap.add_argument("--ddp-time-steps", type=int, default=12, help="timed steps of DDP rows")
     ap.add_argument("--sync-every", type=int, default=32)
     ap.add_argument("--model", default="gpt-3m")
     ap.add_argument("--eval-batches", type=int, default=16)
