@@ -49,6 +49,8 @@ from commpress.integrations import (
     ddp_hook,
     lowrank_hook,
 )
+from commpress.integrations.rank_state import load as load_rank_state
+from commpress.integrations.rank_state import save as save_rank_state
 from commpress.policy import Policy, Rule, list_presets
 from commpress.validate import InputError
 
@@ -101,6 +103,8 @@ __all__ = [
     "ShardedOptimizer",
     "ddp_hook",
     "lowrank_hook",
+    "load_rank_state",
+    "save_rank_state",
     "fsdp",
     "list_presets",
     "CollectiveMismatchError",

@@ -6,11 +6,9 @@ import os
 
 import torch
 
-from commpress.integrations import rank_state
+import commpress
 from commpress.launch import spawn
 from commpress.validate import InputError
-
-WHAT = "test-state"
 
 
 def _damage(path, how, rank, directory):
@@ -48,13 +46,13 @@ def save_then_load(rank, world, directory, cases):
         os.makedirs(where, exist_ok=True)
         path = os.path.join(where, f"rank{rank}.pt")
         state = {"format": "x", "memory": torch.arange(1000.0) * (rank + 1), "calls": 7 + rank}
-        rank_state.save(state, path, None, WHAT)
+        commpress.save_rank_state(state, path)  # the public names, the world's group
         dist.barrier()
         if rank == 1 and how is not None:
             _damage(path, how, rank, where)
         dist.barrier()
         try:
-            loaded = rank_state.load(path, None, WHAT)
+            loaded = commpress.load_rank_state(path)
         except InputError as e:
             out[str(how)] = {"error": str(e)}
             continue

@@ -32,11 +32,19 @@ MAGIC = b"commpress.rank-state/1 "
 MAX_HEADER_BYTES = 4096
 
 
-def save(state: dict[str, Any], path: str, group: dist.ProcessGroup | None,
-         what: str) -> None:
-    """Write this rank's ``state`` to ``path`` (every rank of ``group`` calls it together);
-    a write that fails on any rank (a full disk) raises :class:`InputError` on every rank,
-    naming the file. ``what`` names the state in messages (``"commpress.deepspeed"``)."""
+def save(state: dict[str, Any], path: str, group: dist.ProcessGroup | None = None,
+         what: str = "commpress") -> None:
+    """Write this rank's ``state`` to ``path`` (every rank of ``group``, default the world,
+    calls it together, each with its own path); a write that fails on any rank (a full
+    disk) raises :class:`InputError` on every rank, naming the file. ``what`` names the
+    state in messages (``"commpress.deepspeed"``).
+
+    ``commpress.save_rank_state``: beside a checkpoint that rank 0 alone writes (a
+    nanoGPT-style loop), each rank's codec state::
+
+        commpress.save_rank_state(hook_state.state_dict(), f"{out}/commpress-rank{rank}.pt")
+        hook_state.load_state_dict(commpress.load_rank_state(f"{out}/commpress-rank{rank}.pt"))
+    """
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     buffer = io.BytesIO()
     torch.save(state, buffer)
@@ -54,7 +62,7 @@ def save(state: dict[str, Any], path: str, group: dist.ProcessGroup | None,
     raise_if_any(all_gather_objects(problem, group, f"{what} save"), rank, "cannot save")
 
 
-def load(path: str, group: dist.ProcessGroup | None, what: str,
+def load(path: str, group: dist.ProcessGroup | None = None, what: str = "commpress",
          missing: str = "resume from a checkpoint saved with commpress") -> dict[str, Any]:
     """This rank's state from ``path``, checked against its header; if any rank of
     ``group`` cannot load its file, every rank raises :class:`InputError` together.
