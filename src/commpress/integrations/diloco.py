@@ -182,6 +182,8 @@ class DiLoCo:
         # ranks that disagree on the schedule, the policy or the model are told so now
         agree(self.group, "DiLoCo", label=LABEL, config=asdict(self.config),
               policy=self.policy.to_dict(), params=_shapes_digest(params))
+        if self.policy.two_level("outer"):  # the site groups now, not on the thread
+            self.topology.resolve(self.group)
         broadcast_coalesced([p.detach() for p in model.parameters()], group_source(self.group),
                             self.group, params[0].device, "DiLoCo initial weights")
         warn_if_uncompressed(self.policy, self.topology, self.group, "DiLoCo", axis="outer")
