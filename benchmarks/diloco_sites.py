@@ -172,7 +172,7 @@ def report(args, cache: dict, rows: list[str]) -> None:
                              f"| {val_cell} | {at_t} |")
             lines.append("")
     text = "\n".join(lines) + "\n"
-    with open(os.path.join(RESULTS, "diloco_sites.md"), "w") as f:
+    with open(os.path.join(RESULTS, f"{args.name}.md"), "w") as f:
         f.write(text)
     print(text)
     plot(args, cache, rows, seeds)
@@ -204,7 +204,7 @@ def plot(args, cache: dict, rows: list[str], seeds: list[int]) -> None:
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(os.path.join(RESULTS, "diloco_sites.png"), dpi=110)
+    fig.savefig(os.path.join(RESULTS, f"{args.name}.png"), dpi=110)
     plt.close(fig)
 
 
@@ -225,10 +225,11 @@ def main() -> None:
     ap.add_argument("--no-loss", action="store_true", help="time only")
     ap.add_argument("--no-time", action="store_true", help="loss only (no root needed)")
     ap.add_argument("--fresh", action="store_true")
+    ap.add_argument("--name", default="diloco_sites", help="results/NAME.{json,md,png}")
     args = ap.parse_args()
     rows = args.rows.split(",")
     os.makedirs(RESULTS, exist_ok=True)
-    path = os.path.join(RESULTS, "diloco_sites.json")
+    path = os.path.join(RESULTS, f"{args.name}.json")
     cache = {} if args.fresh or not os.path.exists(path) else json.load(open(path))
     jobs = []
     if not args.no_loss:
