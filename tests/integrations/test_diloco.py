@@ -129,3 +129,23 @@ def test_presets_and_policies():
     assert mine.rule("outer", "grad").codec == "int4"
     with pytest.raises(InputError, match="allowed: diloco, diloco-int8"):
         outer_policy("diloco-int3")
+
+
+def test_inner_optimizers_with_master_weights_and_sharded_parameters_are_refused():
+    import torch
+
+    from commpress.integrations.diloco import _check_inner
+
+    class MasterKeeping(torch.optim.SGD):  # as ShardedOptimizer: buckets and a policy
+        buckets, policy = [], None
+
+    params = [torch.nn.Parameter(torch.ones(2))]
+    with pytest.raises(InputError, match="fp32 master shards would undo every sync"):
+        _check_inner(params, MasterKeeping(params, lr=0.1))
+
+    class FlatParameter(torch.nn.Parameter):
+        pass
+
+    with pytest.raises(InputError, match=r"sharded \(FlatParameter: FSDP\)"):
+        _check_inner([FlatParameter(torch.ones(2))], None)
+    _check_inner(params, torch.optim.SGD(params, lr=0.1))  # a plain optimizer is fine

@@ -86,3 +86,19 @@ def test_a_bad_file_on_one_rank_is_refused_on_every_rank_and_a_good_one_loads(tm
                 assert rank == 1 or "[reported by rank 1]" in error
     for r in ranks:  # left alone: each rank loads what it saved, no temporary file left
         assert r["None"]["equal"] and r["None"]["files"] == ["rank0.pt", "rank1.pt"]
+
+
+def test_one_process_without_torch_distributed_and_headers_that_break_parsing(tmp_path):
+    """A single-process loop saves and loads without a process group; a header that makes
+    the parser itself fail (``Infinity`` bytes, nesting past the recursion limit) is
+    refused as bad input, never an exception that would leave the other ranks waiting."""
+    import pytest
+
+    path = str(tmp_path / "state.pt")
+    commpress.save_rank_state({"calls": 3, "memory": torch.ones(4)}, path)
+    assert commpress.load_rank_state(path)["calls"] == 3
+    for header in (b'{"bytes": Infinity, "sha256": "0"}', b"[" * 3000):
+        with open(path, "wb") as f:
+            f.write(b"commpress.rank-state/1 " + header + b"\n")
+        with pytest.raises(InputError, match="state.pt"):
+            commpress.load_rank_state(path)

@@ -283,8 +283,9 @@ class DeepSpeedCompression:
         tag = str(tag) if tag is not None else f"global_step{self.engine.global_steps}"
         os.makedirs(os.path.join(save_dir, tag), exist_ok=True)
         # written before DeepSpeed's files: its 'latest' never names a tag without it
+        # every rank saves (and loads): refused on all of them together, not per dp group
         rank_state.save(self.state_dict(), self.state_path(os.path.join(save_dir, tag)),
-                        self.group, "commpress.deepspeed")
+                        None, "commpress.deepspeed")
         return self._originals["save_checkpoint"](save_dir, tag, *args, **kwargs)
 
     def _load_checkpoint(self, load_dir: str, tag: Any = None, *args, **kwargs) -> Any:
@@ -302,7 +303,7 @@ class DeepSpeedCompression:
             return load_path, client_state
         path = self.state_path(os.path.dirname(load_path))
         self.load_state_dict(rank_state.load(
-            path, self.group, "commpress.deepspeed", missing="save it with a compressed "
+            path, None, "commpress.deepspeed", missing="save it with a compressed "
             "engine, or load with load_module_only=True"))
         return load_path, client_state
 

@@ -174,6 +174,7 @@ class DiLoCo:
         self.policy = outer_policy(policy)
         self.topology = topology or Topology()
         params = [p for p in model.parameters() if p.requires_grad]
+        _check_inner(params, inner_optimizer)
         if len(params) < fragments:
             raise InputError(f"DiLoCo: fragments={fragments} is not allowed for a model of "
                              f"{len(params)} trained parameters; allowed: at most "
@@ -215,11 +216,20 @@ class DiLoCo:
 
     def _start(self, fragment: _Fragment) -> None:
         delta = fragment.global_ - fragment.local()
-        if self._thread is None:
+        step = self.inner_steps
+
+        def all_reduce() -> None:
+            # sites whose inner steps drifted apart (a step one site's GradScaler skipped)
+            # would average pseudo-gradients of different steps: agree on it first, on
+            # the thread that runs the all-reduce
+            agree(self.group, "DiLoCo.sync", label=LABEL, step=step, fragment=fragment.index)
             fragment.path.all_reduce(delta, self.group, op="avg")
+
+        if self._thread is None:
+            all_reduce()
             self._apply(fragment, delta)
             return
-        job = self._thread.submit(fragment.path.all_reduce, delta, self.group, "avg")
+        job = self._thread.submit(all_reduce)
         self._pending[fragment.index] = (self.inner_steps + self.config.delay, (job, delta))
 
     @staticmethod
@@ -317,6 +327,22 @@ class DiLoCo:
     def global_weights(self) -> list[torch.Tensor]:
         """``θ_global`` of each fragment (flat fp32): the same bits on every rank."""
         return [f.global_ for f in self.fragments]
+
+
+def _check_inner(params: list[nn.Parameter], inner_optimizer: Any) -> None:
+    """Refuse what the outer step cannot reach: an inner optimizer that keeps master weights
+    of its own (its next step would write them back over θ_global), and sharded
+    parameters (each rank's shard would be averaged with other shards)."""
+    if hasattr(inner_optimizer, "buckets") and hasattr(inner_optimizer, "policy"):
+        raise InputError("DiLoCo: inner_optimizer is a commpress.ShardedOptimizer, whose fp32 "
+                         "master shards would undo every sync; allowed: an optimizer that steps "
+                         "the parameters themselves (DDP inside a site)")
+    sharded = [type(p).__name__ for p in params
+               if type(p).__name__ in ("FlatParameter", "DTensor") or hasattr(p, "_local_tensor")]
+    if sharded:
+        raise InputError(f"DiLoCo: the model's parameters are sharded ({sharded[0]}: FSDP); "
+                         "allowed: whole parameters on every rank (DDP or one process per "
+                         "site)")
 
 
 def _split(params: list[nn.Parameter], fragments: int) -> list[list[nn.Parameter]]:

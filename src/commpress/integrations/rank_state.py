@@ -45,21 +45,23 @@ def save(state: dict[str, Any], path: str, group: dist.ProcessGroup | None = Non
         commpress.save_rank_state(hook_state.state_dict(), f"{out}/commpress-rank{rank}.pt")
         hook_state.load_state_dict(commpress.load_rank_state(f"{out}/commpress-rank{rank}.pt"))
     """
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    payload = buffer.getvalue()
-    header = {"sha256": hashlib.sha256(payload).hexdigest(), "bytes": len(payload),
-              "rank": rank, "world_size": world}
+    rank, world = _rank_world(group)
     problem = None
-    try:
+    try:  # whatever fails here, every rank must still reach the gather below
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        payload = buffer.getvalue()
+        header = {"sha256": hashlib.sha256(payload).hexdigest(), "bytes": len(payload),
+                  "rank": rank, "world_size": world}
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with replacing(path, "wb") as f:
             f.write(MAGIC + json.dumps(header, sort_keys=True).encode() + b"\n")
             f.write(payload)
     except OSError as e:
         problem = f"{what}: cannot write {path!r}: {e.strerror or e}"
-    raise_if_any(all_gather_objects(problem, group, f"{what} save"), rank, "cannot save")
+    except Exception as e:  # noqa: BLE001 - reported on every rank
+        problem = f"{what}: cannot save {path!r}: {type(e).__name__}: {e}"
+    raise_if_any(_gathered(problem, group, f"{what} save"), rank, "cannot save")
 
 
 def load(path: str, group: dist.ProcessGroup | None = None, what: str = "commpress",
@@ -67,14 +69,29 @@ def load(path: str, group: dist.ProcessGroup | None = None, what: str = "commpre
     """This rank's state from ``path``, checked against its header; if any rank of
     ``group`` cannot load its file, every rank raises :class:`InputError` together.
     ``missing``: the advice given when the file does not exist."""
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    rank, world = _rank_world(group)
     state, problem = None, None
-    try:
+    try:  # whatever fails here, every rank must still reach the gather below
         state = _read(path, rank, world, what, missing)
     except InputError as e:
         problem = str(e)
-    raise_if_any(all_gather_objects(problem, group, f"{what} load"), rank, "cannot resume")
+    except Exception as e:  # noqa: BLE001 - a file that cannot be read, reported everywhere
+        problem = f"{what}: cannot read {path!r}: {type(e).__name__}: {e}"
+    raise_if_any(_gathered(problem, group, f"{what} load"), rank, "cannot resume")
     return state
+
+
+def _rank_world(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """This rank and the world size (one process without torch.distributed: 0 of 1)."""
+    if not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _gathered(problem: str | None, group: dist.ProcessGroup | None, label: str) -> list:
+    if not dist.is_initialized():
+        return [problem]
+    return all_gather_objects(problem, group, label)
 
 
 def _read(path: str, rank: int, world: int, what: str, missing: str) -> dict[str, Any]:
