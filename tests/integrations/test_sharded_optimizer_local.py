@@ -119,6 +119,9 @@ def test_a_policy_or_an_optimizer_instance_in_the_wrong_place_is_named():
     p = torch.nn.Parameter(torch.ones(2))
     with pytest.raises(ValueError, match="group 1 item 0 is in an earlier group too"):
         commpress.ShardedOptimizer([{"params": [p]}, {"params": [p]}], torch.optim.SGD)
+    with pytest.raises(ValueError, match=r"norm_weights names \['head.weight'\].*group<g>"):
+        commpress.ShardedOptimizer([p], torch.optim.SGD, lr=0.1,
+                                   norm_weights={"head.weight": 0.5})
     with pytest.raises(ValueError, match="init_sync='copy' is not allowed"):
         commpress.ShardedOptimizer(_model(), torch.optim.SGD, "none", lr=0.1, init_sync="copy")
 

@@ -167,6 +167,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.param_rule = self.policy.rule("dp", "param")
         if not named:
             raise InputError("ShardedOptimizer: the model has no parameters that require grad")
+        known = {n for n, _ in (self.model.named_parameters() if self.model is not None
+                                else named)}
+        unknown = sorted(set(self.norm_weights) - known)
+        if unknown:  # a weight that names nothing would be dropped from the norm silently
+            raise InputError(f"ShardedOptimizer: norm_weights names {unknown[:3]}, which are not "
+                             "parameters here; allowed: the parameters' names"
+                             + ("" if self.model is not None else
+                                " (given parameters, not a module: group<g>.param<i>)"))
         # gradients arrive roughly in reverse registration order during backward
         self.buckets = build_buckets(
             named[::-1], bucket_numel, decay_1d,
