@@ -184,8 +184,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     outers = [p.strip() for item in args.outer for p in item.split(",") if p.strip()]
     check_int("--outer-delay", args.outer_delay, ge=0)
     DiLoCoConfig(args.sync_every, args.fragments, args.outer_delay)  # checked by name
-    for name in outers:
-        outer_policy(name)
+    outer_policies = {name: outer_policy(name) for name in outers}  # bad names fail first
     # tp or pp < 1 is JobSpec's to refuse; dp defaults to at least 1, so a layout larger
     # than --gpus is refused by name (dp × tp × pp must equal --gpus)
     dp = args.dp if args.dp is not None else max(1, args.gpus // max(1, tp * pp))
@@ -209,10 +208,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
              f"per node")
     console().print(plan_table(result, title))
     console().print(break_even_table(result))
-    if outers:
-        result["outer"] = {name: plan_outer(cluster, job, outer_policy(name), args.sync_every,
+    if outer_policies:
+        result["outer"] = {name: plan_outer(cluster, job, policy, args.sync_every,
                                             args.fragments, args.outer_delay)
-                           for name in outers}
+                           for name, policy in outer_policies.items()}
         ddp = plan(cluster, dataclasses.replace(job, zero_stage=0), [])["policies"]["none"]
         console().print(outer_table(result["outer"], ddp, args.sync_every, cluster.nodes))
     if args.json:

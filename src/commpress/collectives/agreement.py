@@ -199,7 +199,10 @@ def agree(group: dist.ProcessGroup | None, collective: str, /, **fields: object)
 def all_gather_objects(obj: object, group: dist.ProcessGroup | None, label: str) -> list:
     """``obj`` of every rank of ``group`` (default: the world), in rank order, after the
     agreement check: how ranks tell each other that a file could not be read or
-    written, so that every rank fails together."""
+    written, so that every rank fails together. One process without torch.distributed:
+    ``[obj]``."""
+    if not dist.is_initialized():
+        return [obj]
     group = resolve_group(group)
     agree(group, "all_gather_object", label=label)
     out: list = [None] * dist.get_world_size(group)

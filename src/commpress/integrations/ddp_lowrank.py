@@ -56,9 +56,9 @@ import torch.nn as nn
 
 from commpress.codecs import ErrorFeedback
 from commpress.codecs import codec as build_codec
-from commpress.collectives import Topology, context, hierarchical_all_reduce
+from commpress.collectives import Topology, hierarchical_all_reduce
+from commpress.collectives.agreement import agree
 from commpress.collectives.call import is_exact
-from commpress.collectives.comm import resolve_group
 from commpress.collectives.handle import completed
 from commpress.integrations.ddp import BUCKET_NUMEL, DDPHookState, compressed_allreduce_hook
 from commpress.validate import MAX_SEED, InputError, check_float, check_int
@@ -144,9 +144,8 @@ class LowRankReducer:
         digest = hashlib.blake2b(digest_size=16)
         for t in (*self.qs, *self.ps):
             digest.update(t.detach().cpu().contiguous().numpy().tobytes())
-        context(resolve_group(group)).agree("lowrank_hook.state", label=LABEL,
-                                            seed=self.config.seed, iter=self.iter,
-                                            factors=digest.hexdigest())
+        agree(group, "lowrank_hook.state", label=LABEL, seed=self.config.seed,
+              iter=self.iter, factors=digest.hexdigest())
         self._agreed = True
 
     def _sends_p(self) -> bool:

@@ -116,7 +116,14 @@ class GradPath:
                 c.load_state_dict(state[k])
 
 
-_WARNED: set[tuple] = set()
+_SAID: set[tuple] = set()
+
+
+def say_once(logger: logging.Logger, key: tuple, rank: int, message: str, *args) -> None:
+    """Log ``message`` as a warning on rank 0, once per ``key`` in this process."""
+    if rank == 0 and key not in _SAID:
+        _SAID.add(key)
+        logger.warning(message, *args)
 
 
 def warn_if_uncompressed(policy: Policy, topology: Topology, group: dist.ProcessGroup | None,
@@ -127,21 +134,18 @@ def warn_if_uncompressed(policy: Policy, topology: Topology, group: dist.Process
     instead. Returns whether it is so."""
     world = dist.get_world_size(group)
     rpn = topology.ranks_per_node_in(world)
-    levels = [None] if not policy.two_level(axis) else ["intra", "inter"]
+    two_level = policy.two_level(axis)
+    levels = ["intra", "inter"] if two_level else [None]
     lossy = [lv for lv in levels if not policy.rule(axis, "grad", lv).exact]
-    used = levels_used(policy.two_level(axis), world, rpn)
-    runs = [lv for lv in lossy if (lv or "single") in used]
-    if world == 1 or not lossy or runs:
+    used = levels_used(two_level, world, rpn)
+    if world == 1 or not lossy or any((lv or "single") in used for lv in lossy):
         return False
-    key = (what, policy.name, world, rpn)
-    if dist.get_rank(group) == 0 and key not in _WARNED:
-        _WARNED.add(key)
-        nodes = world // rpn
-        log.warning(
-            "%s: policy %r compresses nothing here: its lossy %s.grad codecs are for the %s "
-            "level, and %d ranks in %d node(s) of %d have no %s link (topology from "
-            "LOCAL_WORLD_SIZE or Topology(ranks_per_node)); give the topology of a "
-            "multi-node run, or a one-level codec such as 'int4:hadamard=128'",
-            what, policy.name, axis, "/".join(lv for lv in lossy if lv), world, nodes, rpn,
-            "inter-node" if nodes == 1 else "intra-node")
+    nodes = world // rpn
+    say_once(log, ("uncompressed", what, policy.name, world, rpn), dist.get_rank(group),
+             "%s: policy %r compresses nothing here: its lossy %s.grad codecs are for the %s "
+             "level, and %d ranks in %d node(s) of %d have no %s link (topology from "
+             "LOCAL_WORLD_SIZE or Topology(ranks_per_node)); give the topology of a "
+             "multi-node run, or a one-level codec such as 'int4:hadamard=128'",
+             what, policy.name, axis, "/".join(lv for lv in lossy if lv), world, nodes, rpn,
+             "inter-node" if nodes == 1 else "intra-node")
     return True

@@ -61,7 +61,7 @@ def save(state: dict[str, Any], path: str, group: dist.ProcessGroup | None = Non
         problem = f"{what}: cannot write {path!r}: {e.strerror or e}"
     except Exception as e:  # noqa: BLE001 - reported on every rank
         problem = f"{what}: cannot save {path!r}: {type(e).__name__}: {e}"
-    raise_if_any(_gathered(problem, group, f"{what} save"), rank, "cannot save")
+    raise_if_any(all_gather_objects(problem, group, f"{what} save"), rank, "cannot save")
 
 
 def load(path: str, group: dist.ProcessGroup | None = None, what: str = "commpress",
@@ -77,7 +77,7 @@ def load(path: str, group: dist.ProcessGroup | None = None, what: str = "commpre
         problem = str(e)
     except Exception as e:  # noqa: BLE001 - a file that cannot be read, reported everywhere
         problem = f"{what}: cannot read {path!r}: {type(e).__name__}: {e}"
-    raise_if_any(_gathered(problem, group, f"{what} load"), rank, "cannot resume")
+    raise_if_any(all_gather_objects(problem, group, f"{what} load"), rank, "cannot resume")
     return state
 
 
@@ -86,12 +86,6 @@ def _rank_world(group: dist.ProcessGroup | None) -> tuple[int, int]:
     if not dist.is_initialized():
         return 0, 1
     return dist.get_rank(group), dist.get_world_size(group)
-
-
-def _gathered(problem: str | None, group: dist.ProcessGroup | None, label: str) -> list:
-    if not dist.is_initialized():
-        return [problem]
-    return all_gather_objects(problem, group, label)
 
 
 def _read(path: str, rank: int, world: int, what: str, missing: str) -> dict[str, Any]:
