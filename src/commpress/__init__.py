@@ -63,7 +63,9 @@ _ENGINES = {"fsdp": "commpress.integrations.fsdp",
             "deepspeed": "commpress.integrations.deepspeed",
             "lightning": "commpress.integrations.lightning",
             "torchtitan": "commpress.integrations.torchtitan",
-            "diloco": "commpress.integrations.diloco"}
+            "diloco": "commpress.integrations.diloco",
+            "torchft": "commpress.integrations.torchft",
+            "transformers": "commpress.integrations.transformers"}
 
 
 def __getattr__(name: str):

@@ -41,7 +41,14 @@ import torch
 import torch.distributed as dist
 
 from commpress.collectives.byte_stats import Stats, retire
-from commpress.collectives.comm import Gather, all_gather_single, group_timeout, resolve_group
+from commpress.collectives.comm import (
+    Gather,
+    all_gather_single,
+    group_timeout,
+    rank_in,
+    registered,
+    resolve_group,
+)
 
 HEADER_WORDS = 3  # sequence number, 128-bit digest as two int64
 PUBLISH_AFTER_S = 1.0  # a wait longer than this is published for the timeout diagnosis
@@ -80,11 +87,13 @@ class GroupContext:
 
     def __init__(self, group: dist.ProcessGroup) -> None:
         # identity
-        self.rank = dist.get_rank(group)
-        self.world = dist.get_world_size(group)
-        self.ranks = tuple(dist.get_process_group_ranks(group))
-        self.name = getattr(group, "group_name", "?")
-        self.backend = str(dist.get_backend(group))
+        known = registered(group)  # torchft's groups are not: their own ranks then
+        self.rank = rank_in(group)
+        self.world = group.size()
+        self.ranks = (tuple(dist.get_process_group_ranks(group)) if known
+                      else tuple(range(self.world)))
+        self.name = getattr(group, "group_name", "") or f"unregistered-{id(group):x}"
+        self.backend = str(dist.get_backend(group)) if known else group.name()
         # internal state
         self._lock = threading.RLock()
         self._seq = 0
@@ -201,11 +210,11 @@ def all_gather_objects(obj: object, group: dist.ProcessGroup | None, label: str)
     agreement check: how ranks tell each other that a file could not be read or
     written, so that every rank fails together. One process without torch.distributed:
     ``[obj]``."""
-    if not dist.is_initialized():
+    if group is None and not dist.is_initialized():
         return [obj]
     group = resolve_group(group)
     agree(group, "all_gather_object", label=label)
-    out: list = [None] * dist.get_world_size(group)
+    out: list = [None] * group.size()
     dist.all_gather_object(out, obj, group=group)
     return out
 

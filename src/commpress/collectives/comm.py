@@ -16,10 +16,25 @@ REDUCE_OPS = {"avg": dist.ReduceOp.AVG, "sum": dist.ReduceOp.SUM}
 
 
 def resolve_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    """``group``, or the world. A group the caller hands over may be one torch.distributed
+    never registered (torchft's reconfigurable groups are made outside it)."""
+    if group is not None:
+        return group
     if not dist.is_initialized():
         raise RuntimeError("commpress collectives need torch.distributed to be initialized "
-                           "(torch.distributed.init_process_group)")
-    return group if group is not None else dist.group.WORLD
+                           "(torch.distributed.init_process_group), or a process group")
+    return dist.group.WORLD
+
+
+def registered(group: dist.ProcessGroup) -> bool:
+    """Whether torch.distributed knows ``group`` (made by ``init_process_group`` or
+    ``new_group``, not destroyed)."""
+    return dist.is_initialized() and group in dist.distributed_c10d._world.pg_map
+
+
+def rank_in(group: dist.ProcessGroup) -> int:
+    """This process's rank in ``group``, registered or not."""
+    return dist.get_rank(group) if registered(group) else group.rank()
 
 
 def group_timeout(group: dist.ProcessGroup | None = None) -> timedelta | None:

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from commpress.collectives import chunks
 from commpress.collectives.byte_stats import Stats, count_sent
 from commpress.collectives.call import AnyCodec, begin, end, is_exact, owned_input
-from commpress.collectives.comm import check_sizes
+from commpress.collectives.comm import check_sizes, rank_in
 from commpress.collectives.handle import Handle
 from commpress.collectives.transport import AllGather, Peers, Steps, run_into
 
@@ -62,7 +62,7 @@ def all_gather_steps(flat: torch.Tensor, codec: AnyCodec, peers: Peers, stats: S
 def run_all_gather(output: torch.Tensor, input: torch.Tensor, codec: AnyCodec,
                    group: dist.ProcessGroup, stats: Stats, label: str) -> Handle:
     """The all-gather itself, once ranks agree, over torch.distributed."""
-    peers = Peers(dist.get_rank(group), dist.get_world_size(group), group)
+    peers = Peers(rank_in(group), group.size(), group)
     return run_into(output, lambda out: all_gather_steps(input.reshape(-1), codec, peers, stats,
                                                          label, out=out))
 

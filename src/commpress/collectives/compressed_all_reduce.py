@@ -21,6 +21,7 @@ import torch.distributed as dist
 from commpress.collectives import chunks
 from commpress.collectives.byte_stats import Stats, count_sent
 from commpress.collectives.call import AnyCodec, begin, end, is_exact
+from commpress.collectives.comm import rank_in
 from commpress.collectives.compressed_all_gather import all_gather_steps
 from commpress.collectives.compressed_reduce_scatter import exchange_and_sum
 from commpress.collectives.handle import Handle
@@ -73,7 +74,7 @@ def all_reduce_steps(flat: torch.Tensor, codec: AnyCodec, peers: Peers, stats: S
 def run_all_reduce(tensor: torch.Tensor, codec: AnyCodec, group: dist.ProcessGroup,
                    stats: Stats, label: str, op: str) -> Handle:
     """The all-reduce itself, once ranks agree, over torch.distributed."""
-    peers = Peers(dist.get_rank(group), dist.get_world_size(group), group)
+    peers = Peers(rank_in(group), group.size(), group)
     return run_into(tensor, lambda flat: all_reduce_steps(flat, codec, peers, stats, label, op))
 
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from commpress.collectives import chunks
 from commpress.collectives.byte_stats import Stats, count_sent
 from commpress.collectives.call import AnyCodec, begin, end, is_exact, owned_input
-from commpress.collectives.comm import check_sizes
+from commpress.collectives.comm import check_sizes, rank_in
 from commpress.collectives.handle import Handle
 from commpress.collectives.transport import AllToAll, Peers, Reduce, Rows, Steps, run_into
 
@@ -72,7 +72,7 @@ def reduce_scatter_steps(flat: torch.Tensor, m: int, codec: AnyCodec, peers: Pee
 def run_reduce_scatter(output: torch.Tensor, input: torch.Tensor, codec: AnyCodec,
                        group: dist.ProcessGroup, stats: Stats, label: str, op: str) -> Handle:
     """The reduce-scatter itself, once ranks agree, over torch.distributed."""
-    peers = Peers(dist.get_rank(group), dist.get_world_size(group), group)
+    peers = Peers(rank_in(group), group.size(), group)
     return run_into(output, lambda out: reduce_scatter_steps(
         input.reshape(-1), out.numel(), codec, peers, stats, label, op, out=out))
 

@@ -1,0 +1,133 @@
+"""torchft's fault-tolerant all-reduce, sent as commpress codes.
+
+torchft (PyTorch's fault-tolerance engine) averages across *replica groups* with
+``Manager.allreduce``: its DiLoCo, Streaming DiLoCo, LocalSGD and DDP all go through it,
+and it hands each tensor to the Manager's process group as a SUM. Wrapping that process
+group is the one seam that reaches all of them::
+
+    from torchft import Manager, ProcessGroupGloo
+    import commpress.torchft
+
+    pg = commpress.torchft.compress(ProcessGroupGloo(), policy="diloco-int4")
+    manager = Manager(pg=pg, ...)          # then torchft's DiLoCo / LocalSGD / DDP as before
+
+Floating-point SUM and AVG all-reduces then cross replica groups through
+:func:`commpress.all_reduce` with the policy's between-site codec (``outer.grad``'s
+``inter`` rule, as :class:`commpress.DiLoCo` uses); every other collective is torchft's
+own. Every replica decodes the same bytes, so live replicas keep bitwise-identical
+results; a healing replica's zeroed tensor encodes to exact zeros.
+
+**Quorum changes.** torchft rebuilds the process group (``configure``) whenever the set
+of live replica groups changes; the new members then agree on the policy before their
+first payload, so replicas on different policies get a
+:class:`~commpress.CollectiveMismatchError` (torchft logs it and commits no step).
+The codecs allowed here keep no state that another replica must share: no error-feedback
+memory and no stochastic-rounding counter. Error-feedback memory belongs to one tensor,
+and torchft hands the process group anonymous ones — after a retried step, another
+fragment or a new quorum, a memory would be added to the wrong values, or a rejoining
+replica would apply memory the others dropped. So such policies are refused here;
+:class:`commpress.DiLoCo` keeps them per fragment.
+
+The call is synchronous (it returns once the reduced values are in the tensor), so
+torchft's ``fragment_sync_delay`` overlaps nothing; errors (a replica that died, a
+timeout) are raised into torchft, which reports them and does not commit the step.
+Leave torchft's ``should_quantize`` off: it would quantize before this group sees it.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torchft.process_group import ProcessGroup as TorchftProcessGroup
+from torchft.process_group import ProcessGroupWrapper
+from torchft.work import _DummyWork
+
+from commpress.codecs.error_feedback import split
+from commpress.collectives import all_reduce
+from commpress.collectives.agreement import agree
+from commpress.integrations.diloco import LABEL, outer_policy
+from commpress.policy import Policy
+from commpress.validate import InputError
+
+_OPS = ((dist.ReduceOp.SUM, "sum"), (dist.ReduceOp.AVG, "avg"))
+# torchft's process groups that run collectives in this process on a c10d group
+_IN_PROCESS = ("ProcessGroupGloo",)
+
+
+class CompressedProcessGroup(ProcessGroupWrapper):
+    """A torchft process group whose floating-point SUM/AVG all-reduces are commpress's
+    compressed all-reduce (module docstring). ``pg``: torchft's ``ProcessGroupGloo``;
+    ``policy``: a name of :data:`commpress.OUTER_PRESETS` or a policy with an
+    ``outer.grad`` rule, without error feedback or stochastic rounding."""
+
+    def __init__(self, pg: TorchftProcessGroup, policy: str | dict | Policy = "diloco-int4",
+                 timeout: timedelta = timedelta(seconds=60)) -> None:
+        if type(pg).__name__ not in _IN_PROCESS or not isinstance(pg, ProcessGroupWrapper):
+            raise InputError(f"commpress.torchft: pg={type(pg).__name__} is not allowed; "
+                             f"allowed: torchft's {', '.join(_IN_PROCESS)} (a process group "
+                             "that runs its collectives in this process)")
+        super().__init__(timeout=timeout, pg=pg)
+        self.policy = outer_policy(policy)
+        level = "inter" if self.policy.two_level("outer") else None
+        self.codec = self.policy.codec_for("outer", "grad", level)
+        _check_stateless(self.codec, self.policy.name)
+
+    def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int,
+                  *args: Any, **kwargs: Any) -> None:
+        """torchft's reconfiguration for a new quorum; then the members agree on the policy
+        (before any payload on the new group)."""
+        super().configure(store_addr, replica_id, rank, world_size, *args, **kwargs)
+        agree(self._group(), "torchft.configure", label=LABEL, policy=self.policy.to_dict())
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: object) -> dist.Work:
+        given = getattr(opts, "reduceOp", opts)  # a ReduceOp compares equal, hashes apart
+        op = next((name for reduce_op, name in _OPS if given == reduce_op), None)
+        if op is None or not all(t.is_floating_point() for t in tensors):
+            return super().allreduce(tensors, opts)
+        group = self._group()
+        for t in tensors:
+            all_reduce(t, self.codec, group=group, op=op, label=LABEL)
+        return _DummyWork(tensors)
+
+    def errored(self) -> Exception | None:
+        return self._pg.errored()
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        super().set_timeout(timeout)
+        self._pg.set_timeout(timeout)
+
+    def getBackendName(self) -> str:
+        return f"commpress-{super().getBackendName()}"
+
+    def _group(self) -> dist.ProcessGroup:
+        """The c10d group torchft built for this quorum (not registered with
+        torch.distributed: commpress's collectives take it as it is)."""
+        return self.parent.parent
+
+    def __repr__(self) -> str:
+        return f"CompressedProcessGroup(pg={self._pg!r}, policy={self.policy.name!r})"
+
+
+def compress(pg: TorchftProcessGroup, policy: str | dict | Policy = "diloco-int4",
+             timeout: timedelta = timedelta(seconds=60)) -> CompressedProcessGroup:
+    """``pg`` (torchft's ``ProcessGroupGloo``) with its all-reduces compressed by
+    ``policy``: pass the result to ``torchft.Manager(pg=...)``."""
+    return CompressedProcessGroup(pg, policy, timeout)
+
+
+def _check_stateless(codec: Any, policy: str) -> None:
+    plain, memory = split(codec)
+    if memory is not None:
+        raise InputError(f"commpress.torchft: policy {policy!r} uses error feedback, whose "
+                         "memory belongs to one tensor, and torchft hands the process group "
+                         "anonymous tensors (retried steps, fragments and new quorums would "
+                         "add it to other values); allowed: a policy without error feedback "
+                         "(diloco, diloco-int8, diloco-int4), or commpress.DiLoCo for memory "
+                         "per fragment")
+    if getattr(plain, "rounding", "nearest") != "nearest":
+        raise InputError(f"commpress.torchft: policy {policy!r} rounds stochastically, from "
+                         "a counter a rejoining replica would not share; allowed: "
+                         "rounding=nearest")

@@ -1,0 +1,151 @@
+"""Hugging Face ``transformers.Trainer``: the commpress DDP hook in one line.
+
+The Trainer builds its own accelerator and wraps the model in DDP inside ``train()``, so
+there is no model to register a hook on beforehand, and accelerate's ``comm_hook`` option
+takes only torch's own hooks. :func:`compress` adds a callback that registers
+:func:`commpress.ddp_hook` (or :func:`commpress.lowrank_hook`) on the DDP module when
+training begins, and keeps each rank's codec state in the Trainer's own checkpoints::
+
+    trainer = Trainer(model=model, args=args, train_dataset=ds)
+    commpress.transformers.compress(trainer, "int2ef")
+    trainer.train()                      # or train(resume_from_checkpoint=True)
+
+Each ``checkpoint-<step>/`` gets ``commpress-rank<r>.pt`` per rank (verified files,
+:mod:`commpress.integrations.rank_state`): error-feedback memory and rounding counters
+are each rank's own. Resuming from a checkpoint without them, or with another rank's or
+world's, is refused on every rank naming the file. Gradient accumulation (the Trainer's
+``no_sync`` micro-steps), ``ddp_find_unused_parameters`` and ``max_grad_norm`` work as with
+DDP's own all-reduce. DeepSpeed and FSDP in the Trainer are refused (their adapters are
+``commpress.deepspeed`` and ``commpress.fsdp``); one process has nothing to compress and
+is left alone, said once.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from typing import Any
+
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from commpress.collectives import Topology
+from commpress.integrations import rank_state
+from commpress.integrations.ddp import BUCKET_NUMEL, ddp_hook
+from commpress.integrations.ddp_lowrank import lowrank_hook
+from commpress.policy import Policy
+from commpress.validate import InputError
+
+try:
+    from transformers import Trainer, TrainerCallback
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+except ImportError as e:  # pragma: no cover - the engine tests require it
+    raise ImportError("commpress.transformers needs transformers: pip install -r "
+                      "requirements-engines.txt (transformers==5.24.0)") from e
+
+log = logging.getLogger(__name__)
+WHAT = "commpress.transformers"
+
+
+class Compression(TrainerCallback):
+    """The callback :func:`compress` adds, and its handle: ``hook_state`` (the hook's
+    :meth:`state_dict` / :meth:`load_state_dict`), :meth:`remove`."""
+
+    def __init__(self, trainer: Trainer, policy: str | dict | Policy, lowrank: dict | None,
+                 topology: Topology | None, overlap: bool, bucket_numel: int) -> None:
+        self.trainer = trainer
+        self.policy, self.lowrank = policy, lowrank
+        self.topology, self.overlap, self.bucket_numel = topology, overlap, bucket_numel
+        self.hook_state: Any = None
+        self._ddp: DistributedDataParallel | None = None
+        self._resume: str | None = None  # the checkpoint ``train()`` resumes from
+        self._train = trainer.train
+
+        @functools.wraps(self._train)
+        def train(resume_from_checkpoint: str | bool | None = None, *args: Any,
+                  **kwargs: Any) -> Any:
+            self._resume = _checkpoint_dir(trainer, resume_from_checkpoint)
+            return self._train(resume_from_checkpoint, *args, **kwargs)
+
+        trainer.train = train
+
+    # -- the Trainer's events --------------------------------------------------------
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        ddp = self.trainer.model_wrapped
+        if not isinstance(ddp, DistributedDataParallel):
+            if args.world_size > 1:
+                raise InputError(f"{WHAT}: the Trainer trains {type(ddp).__name__}, not "
+                                 "DistributedDataParallel; allowed: the Trainer's DDP (several "
+                                 "processes, no DeepSpeed or FSDP)")
+            log.warning("%s: one process, no DDP: nothing to compress", WHAT)
+            return
+        if ddp is not self._ddp:  # a second train() keeps the DDP module and its hook
+            self.hook_state, hook = self._hook(ddp)
+            ddp.register_comm_hook(self.hook_state, hook)
+            self._ddp = ddp
+        if self._resume is not None:
+            self.hook_state.load_state_dict(rank_state.load(
+                self._path(self._resume), None, WHAT,
+                missing=f"save the checkpoint with {WHAT}.compress(trainer, ...) applied"))
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.hook_state is None:
+            return
+        folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        os.makedirs(folder, exist_ok=True)  # rank 0 may not have made it yet
+        rank_state.save(self.hook_state.state_dict(), self._path(folder), None, WHAT)
+
+    # -- the handle ------------------------------------------------------------------
+    def remove(self) -> None:
+        """Stop applying the hook at the next ``train()`` (a registered DDP hook stays with
+        its DDP module, as torch keeps it) and give the Trainer back its own ``train``."""
+        self.trainer.train = self._train
+        self.trainer.remove_callback(self)
+
+    def _hook(self, ddp: DistributedDataParallel) -> tuple[Any, Any]:
+        if self.lowrank is not None:
+            return lowrank_hook(ddp, **self.lowrank, topology=self.topology,
+                                overlap=self.overlap, bucket_numel=self.bucket_numel)
+        return ddp_hook(ddp, self.policy, topology=self.topology, overlap=self.overlap,
+                        bucket_numel=self.bucket_numel)
+
+    @staticmethod
+    def _path(checkpoint: str) -> str:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        return os.path.join(checkpoint, f"commpress-rank{rank}.pt")
+
+
+def compress(trainer: Trainer, policy: str | dict | Policy = "int4:hadamard=128", *,
+             lowrank: dict | None = None, topology: Topology | None = None,
+             overlap: bool = True, bucket_numel: int = BUCKET_NUMEL) -> Compression:
+    """Train ``trainer`` with commpress's DDP hook for ``policy`` (preset, policy file or
+    dict, or a codec spec), or with ``lowrank={"rank": 4, ...}`` the low-rank hook (its
+    :func:`~commpress.lowrank_hook` arguments). Call it before ``trainer.train()``."""
+    if not isinstance(trainer, Trainer):
+        raise InputError(f"{WHAT}: trainer must be a transformers.Trainer; got "
+                         f"{type(trainer).__name__}")
+    for flag, adapter in (("is_deepspeed_enabled", "commpress.deepspeed"),
+                          ("is_fsdp_enabled", "commpress.fsdp")):
+        if getattr(trainer, flag, False):
+            raise InputError(f"{WHAT}: the Trainer runs {flag.split('_')[1]}; allowed: the "
+                             f"Trainer's DDP here ({adapter} for that engine)")
+    if lowrank is not None and not isinstance(lowrank, dict):
+        raise InputError(f"{WHAT}: lowrank={lowrank!r} is not allowed; allowed: a dict of "
+                         "lowrank_hook arguments, e.g. {'rank': 4}")
+    if any(isinstance(c, Compression) for c in trainer.callback_handler.callbacks):
+        raise InputError(f"{WHAT}: this Trainer is compressed already; remove() the first "
+                         "one before compressing it again")
+    compression = Compression(trainer, policy, lowrank, topology, overlap, bucket_numel)
+    trainer.add_callback(compression)
+    return compression
+
+
+def _checkpoint_dir(trainer: Trainer, resume: str | bool | None) -> str | None:
+    """The folder ``Trainer.train(resume_from_checkpoint=resume)`` resumes from, as it
+    resolves it (True: the last checkpoint in ``output_dir``)."""
+    if resume is None or resume is False:
+        return None
+    if resume is True:
+        return get_last_checkpoint(trainer.args.output_dir)
+    return os.fspath(resume)

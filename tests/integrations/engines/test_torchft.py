@@ -1,0 +1,130 @@
+"""commpress inside torchft: torchft's own DiLoCo, Manager and lighthouse (started here, in
+this process), two replica groups as two processes on Gloo, the Manager's process group
+compressed by commpress — healthy, with a replica killed inside a compressed all-reduce
+and a new one joining, and with replicas on different policies."""
+
+import multiprocessing
+import queue
+import time
+
+import pytest
+from torchft.coordination import LighthouseServer
+from torchft.process_group import ProcessGroupGloo
+
+import commpress
+from commpress.validate import InputError
+from tests.integrations.engines import torchft_workers as workers
+
+pytestmark = pytest.mark.engine
+SYNCS = 3
+WAIT_S = 240  # for each replica's record; a hang fails here, not at CI's limit
+
+
+def run(policies, syncs=SYNCS, die=None, restart=False):
+    """Replica ``i`` trains with ``policies[i]``; ``die=(i, k)``: replica ``i`` dies inside
+    an all-reduce of its k-th sync and, with ``restart``, a new replica ``i`` joins."""
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2)
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    procs = {}
+
+    def start(i, die_in_sync=None):
+        procs[i] = ctx.Process(target=workers.replica, args=(
+            i, lighthouse.address(), policies[i], syncs, results, die_in_sync))
+        procs[i].start()
+
+    try:
+        for i in range(len(policies)):
+            start(i, die[1] if die and die[0] == i else None)
+        if die:
+            procs[die[0]].join(WAIT_S)
+            exitcode = procs[die[0]].exitcode
+            assert exitcode == 3, f"the replica meant to die exited with {exitcode}"
+            if restart:
+                start(die[0])
+        records = {}
+        deadline = time.monotonic() + WAIT_S
+        while len(records) < len(procs):
+            try:
+                i, record = results.get(timeout=1)
+            except queue.Empty:
+                dead = [i for i, p in procs.items() if p.exitcode not in (None, 0)]
+                assert not dead, f"replica {dead[0]} exited with {procs[dead[0]].exitcode}"
+                assert time.monotonic() < deadline, f"no result within {WAIT_S} s (a hang)"
+                continue
+            assert "exception" not in record, record["exception"]
+            records[i] = record
+        for p in procs.values():
+            p.join(30)
+        return records
+    finally:
+        for p in procs.values():
+            if p.is_alive():
+                p.kill()
+        lighthouse.shutdown()
+
+
+def same_commits(a, b):
+    """Steps both replicas committed (step 0 is before any sync) and whether their weights
+    after each were the same bits."""
+    steps = sorted(set(a["committed"]) & set(b["committed"]) - {0})
+    return steps, all(a["committed"][s] == b["committed"][s] for s in steps)
+
+
+@pytest.fixture(scope="module")
+def healthy():
+    return {"exact": run([None, None]), "int4": run(["diloco-int4"] * 2)}
+
+
+def test_int4_pseudo_gradients_keep_replicas_identical_at_an_eighth_of_the_bytes(healthy):
+    for name, records in healthy.items():
+        steps, identical = same_commits(records[0], records[1])
+        assert steps == list(range(1, SYNCS + 1)), (name, steps)
+        assert identical, name
+        assert records[0]["errors"] == [] and records[1]["errors"] == []
+    stats = healthy["int4"][0]["stats"]["outer.grad"]
+    assert 8 * stats["wire_bytes"] / stats["elements"] < 4.3  # int4 + scales: 4.25, vs 32
+    assert "outer.grad" not in healthy["exact"][0]["stats"]
+    # compressed pseudo-gradients move the weights (not an exact copy) and train as well
+    assert healthy["int4"][0]["committed"][SYNCS] != healthy["exact"][0]["committed"][SYNCS]
+    exact, int4 = healthy["exact"][0]["losses"], healthy["int4"][0]["losses"]
+    assert abs(sum(int4[-H:]) - sum(exact[-H:])) / sum(exact[-H:]) < 0.05
+
+
+H = workers.H
+
+
+def test_a_replica_killed_inside_a_compressed_all_reduce_rejoins_identical():
+    # replica 1 dies in its 2nd sync's all-reduces; replica 0 waits there, times out with
+    # the call named, commits nothing, and a new replica 1 heals from it
+    records = run(["diloco-int4"] * 2, die=(1, 2), restart=True)
+    survivor, newcomer = records[0], records[1]
+    assert survivor["step"] == newcomer["step"] == SYNCS
+    # the survivor committed sync 1 before the death; the newcomer got it from the survivor
+    assert 1 in survivor["committed"] and min(set(newcomer["committed"]) - {0}) > 1
+    assert any("CollectiveTimeoutError" in e or "Connection" in e for e in survivor["errors"]), \
+        survivor["errors"]
+    steps, identical = same_commits(survivor, newcomer)
+    assert steps and identical, steps
+
+
+def test_replicas_on_different_policies_commit_nothing_and_say_why():
+    records = run(["diloco-int4", "diloco-int8"], syncs=1)
+    for record in records.values():
+        assert record["step"] == 0
+        assert any("CollectiveMismatchError" in e and "differs" in e
+                   for e in record["errors"]), record["errors"]
+
+
+@pytest.mark.parametrize("policy", ["diloco-int2ef", "diloco-sparse"])
+def test_policies_with_memory_are_refused_naming_why(policy):
+    with pytest.raises(InputError, match="error feedback"):
+        commpress.torchft.compress(ProcessGroupGloo(), policy)
+
+
+def test_only_in_process_groups_are_taken():
+    with pytest.raises(InputError, match="pg=str is not allowed"):
+        commpress.torchft.compress("gloo", "diloco-int4")
+    import commpress.torchft as by_import  # the name users import
+
+    assert by_import is commpress.torchft

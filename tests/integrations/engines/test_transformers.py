@@ -1,0 +1,69 @@
+"""commpress inside Hugging Face's Trainer (``commpress.transformers.compress``): a tiny
+GPT2LMHeadModel from a config, two Gloo ranks on CPU, the Trainer's own DDP, against the
+Trainer without commpress."""
+
+import pytest
+
+import commpress
+from commpress.launch import LaunchError, spawn
+from commpress.validate import InputError
+from tests.integrations.engines import transformers_workers as workers
+
+pytestmark = pytest.mark.engine
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    directory = str(tmp_path_factory.mktemp("hf"))
+    return spawn(workers.everything, 2, (directory,), timeout=900)
+
+
+def test_codec_none_is_the_trainers_own_ddp_bit_for_bit(two_ranks):
+    for rank in two_ranks:
+        assert rank["none"]["losses"] == rank["stock"]["losses"]
+        assert rank["none"]["hash"] == rank["stock"]["hash"]
+        assert rank["none"]["stats"]["dp.grad"]["calls"] > 0  # the hook ran
+
+
+@pytest.mark.parametrize("run", ["int2ef", "accumulate unused", "lowrank"])
+def test_compressed_runs_keep_replicas_identical_and_train(two_ranks, run):
+    first, second = (rank[run] for rank in two_ranks)
+    assert first["hash"] == second["hash"]
+    assert first["step"] == workers.STEPS
+    stock = two_ranks[0]["stock"]["losses"]
+    assert first["losses"][-1] < first["losses"][0]
+    assert abs(first["losses"][-1] - stock[-1]) / stock[-1] < 0.05
+    assert first["hash"] != two_ranks[0]["stock"]["hash"]
+
+
+def test_int2ef_sends_a_fraction_of_the_bytes(two_ranks):
+    stats = two_ranks[0]["int2ef"]["stats"]["dp.grad.inter"]  # each rank a node
+    assert stats["wire_bytes"] < stats["raw_bytes"] / 16  # 1.725 bits of 32
+
+
+def test_accumulation_reduces_once_per_optimizer_step(two_ranks):
+    # gradient_accumulation_steps=2: DDP's no_sync micro-steps call no hook
+    calls = two_ranks[0]["accumulate unused"]["stats"]["dp.grad.inter"]["calls"]
+    assert calls == two_ranks[0]["int2ef"]["stats"]["dp.grad.inter"]["calls"] == workers.STEPS
+
+
+def test_checkpoints_carry_each_ranks_state_and_resume_bit_for_bit(two_ranks):
+    assert {"commpress-rank0.pt", "commpress-rank1.pt"} <= set(two_ranks[0]["files in checkpoint"])
+    for rank in two_ranks:
+        assert rank["int2ef saved"]["hash"] == rank["int2ef"]["hash"]  # saving changes nothing
+        assert rank["int2ef resumed"]["hash"] == rank["int2ef saved"]["hash"]
+        # the log of the first half comes from the checkpoint, the rest from the resumed run
+        assert rank["int2ef resumed"]["losses"] == rank["int2ef saved"]["losses"]
+
+
+def test_a_checkpoint_without_the_state_is_refused_on_every_rank(tmp_path):
+    results = spawn(workers.resume_without_state, 2, (str(tmp_path),), timeout=600,
+                    allow_errors=True)
+    for r in results:
+        assert isinstance(r, LaunchError)
+        assert "commpress-rank" in str(r) and "compress(trainer" in str(r)
+
+
+def test_what_is_not_a_trainer_is_refused():
+    with pytest.raises(InputError, match="trainer must be a transformers.Trainer"):
+        commpress.transformers.compress(object(), "int2ef")

@@ -1,0 +1,101 @@
+"""Replica groups of a torchft job (one process each, module level: picklable): torchft's
+own DiLoCo over its Manager, the Manager's process group plain or compressed by commpress.
+The lighthouse runs in the test's process."""
+
+import os
+import traceback
+from datetime import timedelta
+
+import torch
+from torch.distributed import TCPStore
+
+import commpress
+from tests.integrations import workers
+
+H = 4  # inner steps per sync
+TIMEOUT = timedelta(seconds=10)
+
+
+def _pg(policy):
+    from torchft.process_group import ProcessGroupGloo
+
+    inner = ProcessGroupGloo(timeout=TIMEOUT)
+    return inner if policy is None else commpress.torchft.compress(inner, policy)
+
+
+def replica(replica_id, lighthouse, policy, syncs, results, die_in_sync=None):
+    """Train until ``syncs`` syncs have committed; put the record on ``results``.
+    ``die_in_sync=k``: this process exits inside the second all-reduce of its k-th sync
+    (one per parameter), before a byte of it is sent: the other replica is then waiting
+    in the same call."""
+    try:
+        results.put((replica_id, _train(replica_id, lighthouse, policy, syncs, die_in_sync)))
+    except Exception:  # noqa: BLE001 - the test shows it
+        results.put((replica_id, {"exception": traceback.format_exc()}))
+
+
+def _train(replica_id, lighthouse, policy, syncs, die_in_sync):
+    from torchft.local_sgd import DiLoCo
+    from torchft.manager import Manager
+
+    torch.set_num_threads(1)
+    data = workers._data()
+    model = workers._model(seed=replica_id)  # different starts: healing must fix that
+    inner = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    pg = _pg(policy)
+    if die_in_sync is not None:
+        _die_in_call(pg, (die_in_sync - 1) * len(list(model.parameters())) + 2)
+    store = TCPStore("localhost", 0, 1, is_master=True)
+    manager = Manager(
+        pg=pg, min_replica_size=2, use_async_quorum=False,
+        load_state_dict=lambda s: (model.load_state_dict(s["model"]),
+                                   inner.load_state_dict(s["inner"])),
+        state_dict=lambda: {"model": model.state_dict(), "inner": inner.state_dict()},
+        replica_id=str(replica_id), store_addr="localhost", store_port=store.port,
+        rank=0, world_size=1, lighthouse_addr=lighthouse, timeout=TIMEOUT,
+        quorum_timeout=timedelta(seconds=120), connect_timeout=TIMEOUT)
+    record = {"committed": {}, "errors": [], "losses": []}
+    should_commit = manager.should_commit
+
+    def watched_commit(*args, **kwargs):
+        if manager.errored() is not None:
+            error = manager.errored().original_exception
+            record["errors"].append(f"{type(error).__name__}: {error}")
+        return should_commit(*args, **kwargs)
+
+    manager.should_commit = watched_commit
+    commpress.reset_stats()
+    step = 0
+    try:
+        with DiLoCo(manager, [model], inner, outer, sync_every=H, backup_device=torch.device("cpu"),
+                    pin_memory=False):
+            # after DiLoCo's own hook: the weights each commit left, with its step
+            inner.register_step_post_hook(lambda *_: record["committed"].setdefault(
+                manager.current_step(), workers._hash_params(model)))
+            while manager.current_step() < syncs and step < 4 * H * syncs:
+                x, y = workers._local_batch(data, step, replica_id, 2)
+                _, loss = model(x, y)
+                loss.backward()
+                inner.step()
+                inner.zero_grad()
+                record["losses"].append(loss.item())
+                step += 1
+        record["stats"] = commpress.stats()
+        record["step"] = manager.current_step()
+    finally:
+        manager.shutdown(wait=False)
+    return record
+
+
+def _die_in_call(pg, n):
+    calls = [0]
+    allreduce = pg.allreduce
+
+    def dying(tensors, opts):
+        calls[0] += 1
+        if calls[0] == n:
+            os._exit(3)
+        return allreduce(tensors, opts)
+
+    pg.allreduce = dying

@@ -1,0 +1,101 @@
+"""Per-rank Hugging Face Trainer runs for the engine tests (module level: picklable): a
+tiny GPT2LMHeadModel built from a config (no download) on real text, the Trainer's own
+DDP on the Gloo group :func:`commpress.launch.spawn` initialized."""
+
+import hashlib
+import logging
+import os
+import warnings
+
+import torch
+
+import commpress
+from commpress.collectives import Topology
+from commpress.train.data import TextData, load_tokens
+
+SEQ, BATCH, STEPS = 32, 4, 6
+
+
+class _Samples(torch.utils.data.Dataset):
+    def __init__(self, data, n):
+        x, _ = data.batch("train", n, SEQ, 0, 0)
+        self.x = x
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.x[i], "labels": self.x[i]}
+
+
+def _hash(model):
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _quiet():
+    warnings.filterwarnings("ignore")
+    for name in ("transformers", "accelerate"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def _trainer(data, out_dir, steps, *, accumulate=1, unused=False, save_steps=None):
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=data.vocab_size, n_positions=SEQ, n_embd=64,
+                                       n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0,
+                                       attn_pdrop=0.0))
+    if unused:  # a parameter no loss reaches: DDP needs find_unused_parameters
+        model.unused = torch.nn.Linear(4, 4)
+    args = TrainingArguments(
+        output_dir=out_dir, per_device_train_batch_size=BATCH, max_steps=steps,
+        learning_rate=3e-3, lr_scheduler_type="linear", warmup_steps=2, logging_steps=1,
+        save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
+        report_to=[], use_cpu=True, ddp_backend="gloo", seed=0, data_seed=0,
+        gradient_accumulation_steps=accumulate, max_grad_norm=1.0,
+        ddp_find_unused_parameters=unused, dataloader_num_workers=0, disable_tqdm=True)
+    return Trainer(model=model, args=args, train_dataset=_Samples(data, 256))
+
+
+def _run(data, out_dir, steps, policy=None, *, lowrank=None, resume=None, **options):
+    trainer = _trainer(data, out_dir, steps, **options)
+    if policy is not None or lowrank is not None:
+        # each rank a node of its own: int2ef's inter-node codes on two processes
+        commpress.transformers.compress(trainer, policy or "none", lowrank=lowrank,
+                                        topology=Topology(1))
+    commpress.reset_stats()
+    trainer.train(resume_from_checkpoint=resume)
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    return {"losses": losses, "hash": _hash(trainer.model), "stats": commpress.stats(),
+            "step": trainer.state.global_step,
+            "files": sorted(f for f in os.listdir(out_dir) if f.startswith("checkpoint"))}
+
+
+def everything(rank, world, directory):
+    """Every case on one pair of ranks (one start-up)."""
+    _quiet()
+    data = TextData(load_tokens(max_bytes=200_000))
+    d = lambda name: os.path.join(directory, name)  # noqa: E731 - a short path helper
+    out = {"stock": _run(data, d("stock"), STEPS),
+           "none": _run(data, d("none"), STEPS, "none"),
+           "int2ef": _run(data, d("int2ef"), STEPS, "int2ef"),
+           "int2ef saved": _run(data, d("saved"), STEPS, "int2ef", save_steps=STEPS // 2),
+           "accumulate unused": _run(data, d("acc"), STEPS, "int2ef", accumulate=2,
+                                     unused=True),
+           "lowrank": _run(data, d("lowrank"), STEPS, lowrank={"rank": 2, "start_iter": 1})}
+    out["files in checkpoint"] = sorted(os.listdir(
+        os.path.join(d("saved"), f"checkpoint-{STEPS // 2}")))
+    out["int2ef resumed"] = _run(data, d("saved"), STEPS, "int2ef",
+                                 resume=os.path.join(d("saved"), f"checkpoint-{STEPS // 2}"))
+    return out
+
+
+def resume_without_state(rank, world, directory):
+    """A checkpoint saved without commpress, resumed with it: refused."""
+    _quiet()
+    data = TextData(load_tokens(max_bytes=200_000))
+    _run(data, directory, 2, save_steps=1)
+    _run(data, directory, 2, "int2ef", resume=True)
