@@ -98,8 +98,14 @@ class Compression(TrainerCallback):
 
     # -- the handle ------------------------------------------------------------------
     def remove(self) -> None:
-        """Stop applying the hook at the next ``train()`` (a registered DDP hook stays with
-        its DDP module, as torch keeps it) and give the Trainer back its own ``train``."""
+        """Undo :func:`compress` before training has begun: the Trainer's own ``train`` and
+        callbacks again. Once the hook is registered it stays on the Trainer's DDP module
+        (torch cannot unregister a communication hook), and its state in the checkpoints
+        with it: refused then."""
+        if self._ddp is not None:
+            raise InputError(f"{WHAT}: remove() after training began is not allowed: the "
+                             "Trainer's DDP module keeps the hook (torch cannot unregister "
+                             "one); build a new Trainer to train without commpress")
         self.trainer.train = self._train
         self.trainer.remove_callback(self)
 

@@ -64,6 +64,12 @@ def test_a_checkpoint_without_the_state_is_refused_on_every_rank(tmp_path):
         assert "commpress-rank" in str(r) and "compress(trainer" in str(r)
 
 
+def test_remove_undoes_compress_before_training_and_is_refused_after(two_ranks):
+    assert two_ranks[0]["remove before"] == {"train restored": True, "callback gone": True}
+    assert "remove() after training began is not allowed" in two_ranks[0]["int2ef"]["remove after"]
+    assert two_ranks[0]["stock"]["remove after"] is None
+
+
 def test_what_is_not_a_trainer_is_refused():
     with pytest.raises(InputError, match="trainer must be a transformers.Trainer"):
         commpress.transformers.compress(object(), "int2ef")

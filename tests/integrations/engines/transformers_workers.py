@@ -70,8 +70,39 @@ def _run(data, out_dir, steps, policy=None, *, lowrank=None, resume=None, **opti
     trainer.train(resume_from_checkpoint=resume)
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     return {"losses": losses, "hash": _hash(trainer.model), "stats": commpress.stats(),
-            "step": trainer.state.global_step,
+            "step": trainer.state.global_step, "remove after": _remove(trainer),
             "files": sorted(f for f in os.listdir(out_dir) if f.startswith("checkpoint"))}
+
+
+def _compression(trainer):
+    found = [c for c in trainer.callback_handler.callbacks
+             if type(c).__name__ == "Compression"]
+    return found[0] if found else None
+
+
+def _remove(trainer):
+    """What remove() says once training has begun (None: nothing to remove)."""
+    compression = _compression(trainer)
+    if compression is None:
+        return None
+    try:
+        compression.remove()
+    except commpress.InputError as e:
+        return str(e)
+    return "removed"
+
+
+def remove_before_training(data, out_dir):
+    """compress() then remove() before train(): the Trainer is as it was."""
+    trainer = _trainer(data, out_dir, 1)
+    train = trainer.train
+    compression = commpress.transformers.compress(trainer, "int2ef")
+    compressed_train = trainer.train
+    compression.remove()
+    again = commpress.transformers.compress(trainer, "int2ef")  # allowed once removed
+    again.remove()
+    return {"train restored": trainer.train == train and compressed_train != train,
+            "callback gone": _compression(trainer) is None}
 
 
 def everything(rank, world, directory):
@@ -86,6 +117,7 @@ def everything(rank, world, directory):
            "accumulate unused": _run(data, d("acc"), STEPS, "int2ef", accumulate=2,
                                      unused=True),
            "lowrank": _run(data, d("lowrank"), STEPS, lowrank={"rank": 2, "start_iter": 1})}
+    out["remove before"] = remove_before_training(data, d("remove"))
     out["files in checkpoint"] = sorted(os.listdir(
         os.path.join(d("saved"), f"checkpoint-{STEPS // 2}")))
     out["int2ef resumed"] = _run(data, d("saved"), STEPS, "int2ef",
