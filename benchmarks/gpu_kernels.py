@@ -13,9 +13,10 @@
    host µs per call (calls queued without synchronizing) and whether any call
    synchronizes with the host (``torch.cuda.set_sync_debug_mode("error")``).
 3. Speed: ``bench_codecs`` on CUDA (copy roofline, torch.compile reference, every
-   codec), ``dequant_reduce_requant`` (k = 4 chunks, 8 → 4 bits) and the fused
-   ``dequantize_sum`` (k = 4 int4 chunks, Hadamard 128) in GB/s; fp32 products as
-   "ieee" and "tf32x3" (``KernelConfig.fp32_dot``), with their agreement.
+   codec and the cross-site presets' codecs between sites), ``dequant_reduce_requant``
+   (k = 4 chunks, 8 → 4 bits) and the fused ``dequantize_sum`` (k = 4 int4 chunks,
+   Hadamard 128) in GB/s; fp32 products as "ieee" and "tf32x3"
+   (``KernelConfig.fp32_dot``), with their agreement.
 4. ``--tune``: every (tile, warps) candidate of the quantize, dequantize, fp8, trits
    and dequantize-reduce-requantize kernels, with registers and spills per compiled
    kernel where Triton reports them; prints the best as the ``TUNED`` table of
@@ -42,6 +43,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 from commpress.bench.codecs import DEFAULT_CPU, DEFAULT_CUDA, bench_codecs  # noqa: E402
 from commpress.bench.timing import median_seconds  # noqa: E402
 from commpress.codecs import codec as build_codec  # noqa: E402
+from commpress.integrations.diloco import OUTER_PRESETS  # noqa: E402
 from commpress.kernels import reference as ref  # noqa: E402
 from commpress.kernels import triton_int, triton_topk  # noqa: E402
 from commpress.kernels import triton_quant as tq  # noqa: E402
@@ -205,6 +207,13 @@ def _host_row(spec: str, x: torch.Tensor, dev: torch.device, sync, emit, calls: 
             finally:
                 torch.cuda.set_sync_debug_mode("default")
     emit(row)
+
+
+def outer_codecs(listed: list[str]) -> list[str]:
+    """The cross-site presets' codecs between sites that the codec table lacks."""
+    specs = [p["outer"]["grad"]["inter"] for p in OUTER_PRESETS.values() if p]
+    specs = [s["codec"] if isinstance(s, dict) else s for s in specs]
+    return [s for s in dict.fromkeys(specs) if s not in listed]
 
 
 def drr_speed(numel: int, device: str = "cuda") -> dict:
@@ -402,7 +411,8 @@ def main() -> None:
         guarded(emit, "dequant_reduce_requant",
                 lambda: emit({"dequant_reduce_requant": drr_speed(numel, args.device)}))
         guarded(emit, "fp32_dot", partial(fp32_dot_speed, numel, args.device, emit))
-        for spec in DEFAULT_CPU if small else DEFAULT_CUDA:  # one at a time: a failure is a row
+        specs = DEFAULT_CPU if small else DEFAULT_CUDA
+        for spec in specs + outer_codecs(specs):  # one at a time: a failure is a row
             guarded(emit, f"bench {spec}", partial(_bench_row, spec, args.device, numel,
                                                    2 if small else 20, not small, emit))
     if args.tune or args.tune_only:
