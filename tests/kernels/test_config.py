@@ -105,6 +105,23 @@ def test_tiles_hold_the_group_and_the_block():
         assert resolve("trits_quantize", 2, 128, 0).tile == 16 * 128  # tl.dot: 16 groups
 
 
+def test_the_gpu_measurements_apply_on_cuda_only_and_overrides_win():
+    on_gpu = resolve("quantize", 4, 128, 128, "cuda")
+    assert (on_gpu.tile, on_gpu.warps, on_gpu.row_kernels) == (8192, 4, False)
+    assert resolve("dequantize_sum", 4, 128, 128, "cuda").fp32_dot == "tf32x3"
+    on_cpu = resolve("quantize", 4, 128, 128, "cpu")
+    assert (on_cpu.tile, on_cpu.warps, on_cpu.row_kernels) == (config.TILE_ELEMENTS,
+                                                                config.DEFAULT_WARPS, True)
+    untuned = resolve("quantize", 4, 256, 0, "cuda")  # not measured: the defaults
+    assert (untuned.tile, untuned.row_kernels) == (config.TILE_ELEMENTS, True)
+    with override_kernels(tile=2048, row_kernels=True, fp32_dot="ieee"):
+        assert resolve("quantize", 4, 128, 128, "cuda").tile == 2048
+        assert resolve("quantize", 4, 128, 128, "cuda").row_kernels is True
+        assert resolve("dequantize_sum", 4, 128, 128, "cuda").fp32_dot == "ieee"
+    for key in config.TUNED:  # every entry is a valid configuration of a known kernel
+        assert resolve(*key, "cuda").backend in config.BACKENDS
+
+
 def _calls(fn) -> set[str]:
     """The names of the Python functions ``fn`` runs (the interpreter runs each Triton
     kernel's own function)."""

@@ -40,8 +40,9 @@ KERNELS_ENV = "COMMPRESS_KERNELS"
 KERNEL_CHOICES = ("auto", "reference", "triton")
 BACKENDS = ("reference", "triton")
 # How fp32 operands multiply in tl.dot on the GPU: "ieee" (CUDA cores) or "tf32x3" (three
-# tf32 tensor-core products, about fp32's accuracy); not yet measured on the H200, which
-# ``benchmarks/gpu_kernels.py`` times both ways.
+# tf32 tensor-core products, about fp32's accuracy). On the H200 ieee encoded fp32
+# gradients faster (472 against 244 GB/s), tf32x3 decoded-and-summed 22x faster (545
+# against 25 GB/s), both with the reference's codes and sums (TUNED).
 FP32_DOTS = ("ieee", "tf32x3")
 KERNELS = ("quantize", "dequantize", "dequantize_sum", "dequant_reduce_requant",
            "fp8_quantize", "fp8_dequantize", "trits_quantize", "trits_dequantize", "topk")
@@ -49,6 +50,10 @@ KERNELS = ("quantize", "dequantize", "dequantize_sum", "dequant_reduce_requant",
 # interpreter quick on CPU and is the untuned start on the GPU.
 TILE_ELEMENTS = 4096
 DEFAULT_WARPS = 4
+# The widest Hadamard block of the Triton kernels: an fp32 product with a 256-wide block
+# holds its 256 KB matrix in shared memory, more than a Hopper GPU has (227 KB); wider
+# blocks run in the reference.
+MAX_HADAMARD = 128
 # top-k: tiles of a histogram pass per program (fewer programs → fewer atomic adds)
 HISTOGRAM_TILES = 4
 # The reference runs long tensors in pieces of about this many elements: its several
@@ -59,9 +64,27 @@ HISTOGRAM_TILES = 4
 # BLAS), so a code at a rounding tie may differ. Real and played runs call with the
 # same sizes, so they still agree bit for bit.
 REFERENCE_PIECE = 1 << 20
-# (kernel, bits, group, hadamard) → (tile elements, warps), measured on the H200 with
-# ``benchmarks/gpu_kernels.py --tune``; not yet measured, so empty (defaults apply).
-TUNED: Mapping[tuple[str, int, int, int], tuple[int, int]] = MappingProxyType({})
+# (kernel, bits, group, hadamard) → the KernelConfig choices that beat the defaults on
+# the H200 (``benchmarks/gpu_kernels.py --tune``: 64 Mi bf16 elements, tiles 2048–16384
+# × 4 or 8 warps, median of 10; BENCHMARKS.md). Where the best was within 2 % of the
+# default (4096 elements, 4 warps) the default stays. CUDA only: the interpreter keeps
+# the defaults. With Hadamard blocks the flat-tile kernels beat the row kernels by
+# 3–8 % at their best tiles; dequantize-reduce-requantize keeps the row kernels (2.1x
+# the flat ones), dequantize-sum too (545 GB/s with tf32x3; flat measured only with
+# ieee products, 110).
+TUNED: Mapping[tuple[str, int, int, int], Mapping[str, object]] = MappingProxyType({
+    ("quantize", 4, 128, 128): {"tile": 8192, "warps": 4, "row_kernels": False},  # 843 GB/s
+    ("dequantize", 4, 128, 128): {"tile": 8192, "warps": 4, "row_kernels": False},  # 1141
+    ("quantize", 8, 128, 128): {"tile": 16384, "warps": 8, "row_kernels": False},  # 1123
+    ("dequantize", 8, 128, 128): {"tile": 16384, "warps": 8, "row_kernels": False},  # 1413
+    ("fp8_quantize", 8, 128, 128): {"tile": 8192, "warps": 4},  # 830 (default 554)
+    ("fp8_dequantize", 8, 128, 128): {"tile": 8192, "warps": 4},  # 1232 (default 465)
+    ("quantize", 2, 128, 0): {"tile": 8192, "warps": 8},  # 1316 (default 1066)
+    ("dequantize", 2, 128, 0): {"tile": 16384, "warps": 4},  # 1870 (default 1470)
+    ("trits_quantize", 2, 128, 0): {"tile": 8192, "warps": 4},  # 957 (default 871)
+    ("trits_dequantize", 2, 128, 0): {"tile": 8192, "warps": 4},  # 887 (default 820)
+    ("dequantize_sum", 4, 128, 128): {"fp32_dot": "tf32x3"},  # 545 (ieee 25)
+})
 
 
 @dataclass(frozen=True)
@@ -154,7 +177,7 @@ def supports(bits: int, group: int, hadamard: int, trits: bool = False) -> bool:
         return False
     if trits and not (bits == 2 and 16 <= group <= 256):
         return False
-    if hadamard and (not pow2(hadamard) or hadamard < 16):
+    if hadamard and (not pow2(hadamard) or not 16 <= hadamard <= MAX_HADAMARD):
         return False
     return max(group, hadamard) <= TILE_ELEMENTS
 
@@ -230,10 +253,11 @@ def resolve(kernel: str, bits: int = 0, group: int = 0, hadamard: int = 0,
 def _resolve(kernel: str, bits: int, group: int, hadamard: int, device_type: str,
              overrides: tuple[tuple[str, object], ...]) -> KernelConfig:
     _check_choice("kernel", kernel, KERNELS)
-    chosen = dict(overrides)
+    tuned = TUNED.get((kernel, bits, group, hadamard), {}) if device_type == "cuda" else {}
+    chosen = {**tuned, **dict(overrides)}
     choice = chosen.pop("kernels", environment().kernels)
-    tile, warps = TUNED.get((kernel, bits, group, hadamard), (TILE_ELEMENTS, DEFAULT_WARPS))
-    tile, warps = chosen.pop("tile", tile), chosen.pop("warps", warps)
+    tile = chosen.pop("tile", TILE_ELEMENTS)
+    warps = chosen.pop("warps", DEFAULT_WARPS)
     if kernel.startswith("trits"):  # tl.dot needs 16 groups per tile
         tile = max(tile, 16 * group)
     backend = _backend(choice, kernel, bits, group, hadamard, device_type)

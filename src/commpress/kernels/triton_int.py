@@ -105,14 +105,18 @@ def pack_rows(u, BITS: tl.constexpr):
     ``j`` of a byte at bits ``j·BITS``: splits of the row, no reshape across rows."""
     ROWS: tl.constexpr = u.shape[0]
     W: tl.constexpr = u.shape[1]
+    # one return: Triton types every return of a function alike, taken branch or not
     if BITS == 8:
-        return u.to(tl.uint8)
-    a, b = tl.split(tl.reshape(u, (ROWS, W // 2, 2)))  # even, odd elements
-    if BITS == 4:
-        return (a | (b << 4)).to(tl.uint8)
-    a0, a2 = tl.split(tl.reshape(a, (ROWS, W // 4, 2)))
-    a1, a3 = tl.split(tl.reshape(b, (ROWS, W // 4, 2)))
-    return (a0 | (a1 << 2) | (a2 << 4) | (a3 << 6)).to(tl.uint8)
+        packed = u
+    elif BITS == 4:
+        a, b = tl.split(tl.reshape(u, (ROWS, W // 2, 2)))  # even, odd elements
+        packed = a | (b << 4)
+    else:
+        a, b = tl.split(tl.reshape(u, (ROWS, W // 2, 2)))
+        a0, a2 = tl.split(tl.reshape(a, (ROWS, W // 4, 2)))
+        a1, a3 = tl.split(tl.reshape(b, (ROWS, W // 4, 2)))
+        packed = a0 | (a1 << 2) | (a2 << 4) | (a3 << 6)
+    return packed.to(tl.uint8)
 
 
 @triton.jit

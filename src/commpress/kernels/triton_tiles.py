@@ -36,7 +36,7 @@ def dot(a, b, DOT: tl.constexpr):
     """``a @ b``, fp32 out, at precision ``DOT`` (see ``triton_launch.dot_precision``):
     ``""`` multiplies in ``b``'s dtype (for operands it holds exactly), else fp32
     operands at that ``input_precision``."""
-    if DOT:
+    if DOT != "":  # a constexpr str: Triton compiles `if` on bool or int only
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=DOT)
     return tl.dot(a.to(b.dtype), b)
 
@@ -96,7 +96,8 @@ def group_levels(g, base, k1, k2, BITS: tl.constexpr, STOCHASTIC: tl.constexpr,
     if STOCHASTIC:
         idx = (base + tl.arange(0, ROWS)[:, None] * GROUP
                + tl.arange(0, GROUP)[None, :]).to(tl.uint32)
-        h = hash32(hash32(idx ^ k1.to(tl.uint32)) ^ k2.to(tl.uint32))
+        # tl.cast, not .to: Triton passes an integer argument equal to 1 as a constant
+        h = hash32(hash32(idx ^ tl.cast(k1, tl.uint32)) ^ tl.cast(k2, tl.uint32))
         v = v + (h >> 8).to(tl.float32) * (1.0 / 16777216.0)
     else:
         v = v + 0.5
