@@ -388,6 +388,9 @@ def main() -> None:
                     help="elements per timed tensor (default: 256 Mi on cuda, 16 Ki on cpu)")
     ap.add_argument("--device", default="cuda",
                     help="cuda; or cpu with TRITON_INTERPRET=1: a dry run on small sizes")
+    ap.add_argument("--codecs", nargs="+", default=None,
+                    help="codec specs for the codec table, in this order (default: every "
+                         "codec, then the cross-site presets' codecs)")
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--tune-only", action="store_true",
                     help="skip the checks and speeds (a second run, after one without --tune)")
@@ -412,7 +415,8 @@ def main() -> None:
                 lambda: emit({"dequant_reduce_requant": drr_speed(numel, args.device)}))
         guarded(emit, "fp32_dot", partial(fp32_dot_speed, numel, args.device, emit))
         specs = DEFAULT_CPU if small else DEFAULT_CUDA
-        for spec in specs + outer_codecs(specs):  # one at a time: a failure is a row
+        specs = args.codecs or specs + outer_codecs(specs)
+        for spec in specs:  # one at a time: a failure is a row
             guarded(emit, f"bench {spec}", partial(_bench_row, spec, args.device, numel,
                                                    2 if small else 20, not small, emit))
     if args.tune or args.tune_only:

@@ -36,19 +36,18 @@ INTRA_LATENCY_US = 2.0
 INTER_LATENCY_US = 5.0
 
 # Codec throughput defaults, (encode, decode) GB/s of bytes read + written, used when no
-# ``commpress bench codecs --json`` file is given. GPU: kernels measured on an H200 with
-# benchmarks/gpu_kernels.py before the row-kernel rewrite, 256 Mi bf16 elements
-# (BENCHMARKS.md, "Codecs on the GPU"): int8/int4/int2 group 128; int with Hadamard-128:
-# encode 672, and for decode the measured dequantize-reduce-requantize kernel (685),
-# because the gradient paths decode Hadamard codes as a plain dequantize, a sum and one
-# rotation — not with the fused Hadamard decode kernel (10 GB/s: register spills); fp8,
-# top-1 %, trits; casts at the measured device-to-device copy rate. "other" (zfp, sign,
-# nf2: eager torch or host libraries) was not measured: a guess, labelled so. CPU:
-# measured on the 2-core development machine (BENCHMARKS.md, "Codecs on the CPU").
+# ``commpress bench codecs --json`` file is given. GPU: the Triton kernels measured on an
+# H200 with benchmarks/gpu_kernels.py (BENCHMARKS.md, "On the GPU (H200)"): int8/int4/
+# int2 group 128, fp8, top-1 % and casts (the device-to-device copy) on 256 Mi bf16
+# elements; int with Hadamard-128 and trits on 64 Mi at their tuned tiles, Hadamard's
+# decode at the gradient paths' fused decode-and-sum (545; a plain decode ran 1141).
+# "other" (zfp, sign, nf2: eager torch or host libraries) was not measured: a guess,
+# labelled so. CPU: measured on the 2-core development machine (BENCHMARKS.md, "Codecs
+# on the CPU").
 CODEC_GBps: dict[str, dict[str, tuple[float, float]]] = {
-    "gpu": {"int8": (2174.0, 4145.0), "int4": (2156.0, 3272.0), "int2": (1948.0, 3100.0),
-            "int_hadamard": (672.0, 685.0), "trits": (59.0, 97.0), "cast": (3840.0, 3840.0),
-            "fp8": (106.0, 409.0), "topk": (66.0, 564.0), "other": (100.0, 100.0)},
+    "gpu": {"int8": (2597.0, 3688.0), "int4": (2116.0, 2862.0), "int2": (1463.0, 2292.0),
+            "int_hadamard": (843.0, 545.0), "trits": (957.0, 887.0), "cast": (3960.0, 3960.0),
+            "fp8": (1594.0, 1801.0), "topk": (149.0, 1072.0), "other": (100.0, 100.0)},
     "cpu": {"int8": (10.1, 13.1), "int4": (7.1, 5.7), "int2": (6.1, 6.9),
             "int_hadamard": (2.2, 2.1), "trits": (1.0, 1.0), "cast": (101.5, 102.7),
             "fp8": (1.3, 1.5), "topk": (0.3, 38.0), "other": (0.3, 0.3)},
