@@ -47,13 +47,14 @@ def init_sync_cases(rank, world, cases):
 
 
 def clip_method_and_max_grad_norm(rank, world, policy, steps, max_norm):
-    """The same steps clipped by ``opt.clip_grad_norm_`` and by ``max_grad_norm``:
-    weight hashes after each step, and the norms the method returned."""
+    """The same steps clipped by ``opt.clip_grad_norm_``, by ``max_grad_norm`` and by
+    ``torch.nn.utils.clip_grad_norm_(model.parameters())``: weight hashes after each
+    step, and the norms the calls returned."""
     from tests.integrations.workers import _data, _hash_params, _local_batch, _model
 
     data = _data()
     out = {}
-    for how in ("method", "argument"):
+    for how in ("method", "argument", "torch"):
         model = _model()
         opt = commpress.ShardedOptimizer(
             model, torch.optim.AdamW, policy, lr=3e-3, bucket_numel=30_000,
@@ -64,6 +65,9 @@ def clip_method_and_max_grad_norm(rank, world, policy, steps, max_norm):
             model(x, y)[1].backward()
             if how == "method":
                 norms.append(opt.clip_grad_norm_(max_norm).item())
+            elif how == "torch":  # nanoGPT's and accelerate's call
+                norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(),
+                                                            max_norm).item())
             opt.step()
             opt.zero_grad()
             hashes.append(_hash_params(model))

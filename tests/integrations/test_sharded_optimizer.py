@@ -155,6 +155,9 @@ def test_clip_grad_norm_method_clips_the_global_norm_like_max_grad_norm():
     assert all(n > max_norm for n in ranks[0]["method"]["norms"])
     for r in ranks:
         assert r["method"]["hashes"] == r["argument"]["hashes"]
+        # torch's own function on model.parameters(): the same global norm and bits, not
+        # the 0 it would return for parameters whose .grad is None
+        assert r["torch"] == r["method"]
     assert ranks[0]["method"]["hashes"] == ranks[1]["method"]["hashes"]
 
 

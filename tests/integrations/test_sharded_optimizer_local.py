@@ -160,15 +160,47 @@ def test_clip_grad_norm_method_is_the_max_grad_norm_step_and_torchs_norm():
         torch.testing.assert_close(pa, pp, rtol=1e-5, atol=1e-6)
 
 
-def test_torchs_clip_grad_norm_finds_no_gradients_as_documented():
-    # the documented misuse: gradients live in the flat buckets, param.grad is None
-    data = _data()
-    model = _model()
-    opt = commpress.ShardedOptimizer(model, torch.optim.SGD, "none", lr=1.0)
-    _one_backward(model, data)
-    assert all(p.grad is None for p in model.parameters())
-    assert "torch.nn.utils.clip_grad_norm_" in type(opt).__doc__
-    assert opt.clip_grad_norm_(1e9).item() > 0
+def _two_linear_models():
+    torch.manual_seed(0)
+    return torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+
+
+def test_torch_clip_grad_norm_refuses_part_of_an_optimizer_or_two_of_them():
+    a, b = _two_linear_models()
+    opt_a = commpress.ShardedOptimizer(a, torch.optim.SGD, "none", lr=0.1)
+    opt_b = commpress.ShardedOptimizer(b, torch.optim.SGD, "none", lr=0.1)
+    (a(torch.ones(2, 4)).sum() + b(torch.ones(2, 4)).sum()).backward()
+    with pytest.raises(commpress.InputError, match="1 of the 2 parameters of a ShardedOptimizer"):
+        torch.nn.utils.clip_grad_norm_([a.weight], 1.0)
+    with pytest.raises(commpress.InputError, match="several ShardedOptimizers"):
+        torch.nn.utils.clip_grad_norm_([*a.parameters(), *b.parameters()], 1.0)
+    loose = torch.nn.Parameter(torch.ones(3))
+    loose.grad = torch.ones(3)
+    with pytest.raises(commpress.InputError, match="1 parameters with .grad outside it"):
+        torch.nn.utils.clip_grad_norm_([*a.parameters(), loose], 1.0)
+    with pytest.raises(commpress.InputError, match="norm_type=1.0 is not allowed"):
+        torch.nn.utils.clip_grad_norm_(a.parameters(), 1.0, norm_type=1.0)
+    # parameters no optimizer holds: torch's function, unchanged
+    assert float(torch.nn.utils.clip_grad_norm_([loose], 100.0)) == pytest.approx(3 ** 0.5)
+    # the held ones: the optimizer's norm (one rank: its own gradient's), never 0
+    norm = float(torch.nn.utils.clip_grad.clip_grad_norm_(a.parameters(), 1e9))
+    assert norm > 0 and norm == pytest.approx(float(opt_a.clip_grad_norm_(1e9)))
+    opt_a.step()
+    opt_b.step()
+
+
+def test_torch_clip_grad_norm_sees_grad_again_after_remove_hooks_and_stops_on_nonfinite():
+    a, _ = _two_linear_models()
+    opt = commpress.ShardedOptimizer(a, torch.optim.SGD, "none", lr=0.1)
+    a(torch.full((2, 4), float("nan"))).sum().backward()
+    with pytest.raises(RuntimeError, match="non-finite"):
+        torch.nn.utils.clip_grad_norm_(a.parameters(), 1.0, error_if_nonfinite=True)
+    opt.zero_grad()
+    opt.remove_hooks()
+    a(torch.ones(2, 4)).sum().backward()  # into .grad again: torch's own norm
+    want = torch.cat([p.grad.reshape(-1) for p in a.parameters()]).norm()
+    assert float(torch.nn.utils.clip_grad_norm_(a.parameters(), 1e9)) == pytest.approx(
+        float(want))
 
 
 def test_clip_grad_norm_refuses_a_later_backward_and_bad_arguments():

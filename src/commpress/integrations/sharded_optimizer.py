@@ -39,6 +39,7 @@ from commpress.collectives import Topology
 from commpress.collectives.agreement import agree
 from commpress.collectives.comm import all_gather_single
 from commpress.collectives.handle import completed
+from commpress.integrations import clip_guard
 from commpress.integrations.buckets import (
     Bucket,
     ReplicationKey,
@@ -84,10 +85,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     Gradient clipping: pass ``max_grad_norm`` (every step), or call
     ``opt.clip_grad_norm_(max_norm)`` between ``backward()`` and ``step()`` (it returns
-    the total norm, as torch's does). Not ``torch.nn.utils.clip_grad_norm_(
-    model.parameters(), ...)``: the gradients live in the flat buckets, not in
-    ``param.grad`` (None after backward), and only ``step()`` reduces them across ranks,
-    so torch's function finds no gradient, returns 0 and clips nothing.
+    the total norm, as torch's does). The gradients live in the flat buckets, not in
+    ``param.grad`` (None after backward), and only ``step()`` reduces them across ranks;
+    so ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` is routed to
+    ``opt.clip_grad_norm_`` while the optimizer holds them (all of its parameters or
+    none: see :mod:`commpress.integrations.clip_guard`).
 
     Args:
         model: the module to train (its parameters become views into flat buckets), or
@@ -196,6 +198,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
                        for b in self.buckets for p in b.params]
         self._where = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
+        clip_guard.hold(self, [p for b in self.buckets for p in b.params])
         log.info("ShardedOptimizer: %d buckets, %d parameters, world %d, policy %s",
                  len(self.buckets), sum(b.numel for b in self.buckets), self.world,
                  self.policy.name)
@@ -209,6 +212,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        clip_guard.release(p for b in self.buckets for p in b.params)
 
     # -- backward ---------------------------------------------------------------------
     @torch.no_grad()
