@@ -133,3 +133,34 @@ def ddp_wrapped_refusal(rank, world):
     except ValueError as e:
         return str(e)
     return None
+
+
+def consolidated_resume(rank, world, policy, path, first, then, load):
+    """Train ``first`` steps (when ``load`` is False: then consolidate to rank 0 and save
+    it to ``path``), or load ``path`` elastically and train ``then`` steps: per step the
+    weight hash and the global loss."""
+    from tests.integrations.workers import _data, _global_loss, _hash_params, _local_batch, _model
+
+    data = _data()
+    model = _model()
+    opt = commpress.ShardedOptimizer(model, torch.optim.AdamW, policy, lr=3e-3,
+                                     bucket_numel=30_000)
+    steps = range(first) if not load else range(first, first + then)
+    if load:
+        opt.load_state_dict(torch.load(path, weights_only=False), elastic=True)
+    out = {"hashes": [], "losses": []}
+    for step in steps:
+        x, y = _local_batch(data, step, rank, world)
+        loss = model(x, y)[1]
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out["hashes"].append(_hash_params(model))
+        out["losses"].append(_global_loss(loss, world))
+    if not load:
+        state = opt.consolidate_state_dict(to=0)
+        assert (state is None) == (rank != 0)
+        if rank == 0:
+            torch.save(state, path)
+        out["steps"] = opt.steps
+    return out

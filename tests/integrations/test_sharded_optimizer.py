@@ -195,3 +195,34 @@ def test_a_model_still_wrapped_in_ddp_is_refused():
     # DDP would all-reduce every gradient in fp32 too: 564 kB beside the 126 kB of codes
     message = spawn(sharded_workers.ddp_wrapped_refusal, 1)[0]
     assert "wrapped in DistributedDataParallel" in message and "model.module" in message
+
+
+def _consolidated_runs(tmp_path, policy, saved_on, loaded_on):
+    """The uninterrupted run on ``saved_on`` ranks, and the same run consolidated after
+    2 of its 4 steps and resumed on each world of ``loaded_on``."""
+    path = str(tmp_path / "consolidated.pt")
+    straight = spawn(sharded_workers.consolidated_resume, saved_on,
+                     (policy, str(tmp_path / "unused.pt"), 4, 0, False))
+    spawn(sharded_workers.consolidated_resume, saved_on, (policy, path, 2, 0, False))
+    return straight, {w: spawn(sharded_workers.consolidated_resume, w,
+                               (policy, path, 2, 2, True)) for w in loaded_on}
+
+
+def test_a_consolidated_state_resumes_on_the_same_or_another_number_of_ranks(tmp_path):
+    straight, resumed = _consolidated_runs(tmp_path, "none", 2, (2, 4))
+    # the same world: bit for bit the uninterrupted run (exact codecs carry no state)
+    assert [r["hashes"] for r in resumed[2]] == [r["hashes"][2:] for r in straight]
+    # four ranks: identical replicas, the loss of the two-rank run up to summation order
+    for step in range(2):
+        assert len({r["hashes"][step] for r in resumed[4]}) == 1
+        assert resumed[4][0]["losses"][step] == pytest.approx(
+            straight[0]["losses"][2 + step], rel=1e-4)
+
+
+@pytest.mark.slow
+def test_a_consolidated_sdp4bit_state_resumes_on_fewer_ranks(tmp_path):
+    straight, resumed = _consolidated_runs(tmp_path, "sdp4bit", 4, (2,))
+    for step in range(2):
+        assert len({r["hashes"][step] for r in resumed[2]}) == 1
+        assert resumed[2][0]["losses"][step] == pytest.approx(
+            straight[0]["losses"][2 + step], rel=0.02)

@@ -334,3 +334,30 @@ def test_a_scheduler_still_reaches_the_shards_after_load_state_dict():
     opt.step()
     sched.step()
     assert {g["lr"] for g in opt.optimizer.param_groups} == {1.5e-3}
+
+
+def test_a_consolidated_state_is_refused_without_elastic_and_for_another_policy_or_model():
+    data = _data()
+    model = _model()
+    opt = commpress.ShardedOptimizer(model, torch.optim.AdamW, "none", lr=0.1)
+    _one_backward(model, data)
+    opt.step()
+    full = opt.consolidate_state_dict()
+    assert full["steps"] == 1 and len(full["buckets"]) == len(opt.buckets)
+    with pytest.raises(ValueError, match="format"):
+        opt.load_state_dict(full)  # a consolidated state is not this rank's own
+    with pytest.raises(ValueError, match="format"):
+        opt.load_state_dict(opt.state_dict(), elastic=True)  # one rank's shard only
+    with pytest.raises(ValueError, match="to=1"):
+        opt.consolidate_state_dict(to=1)
+    other = commpress.ShardedOptimizer(_model(), torch.optim.AdamW, "int2ef", lr=0.1)
+    with pytest.raises(ValueError, match="policy"):
+        other.load_state_dict(full, elastic=True)
+    smaller = commpress.ShardedOptimizer(torch.nn.Linear(4, 4), torch.optim.AdamW, "none")
+    with pytest.raises(ValueError, match="other parameters than this run's"):
+        smaller.load_state_dict(full, elastic=True)
+    fresh_model = _model(seed=1)
+    fresh = commpress.ShardedOptimizer(fresh_model, torch.optim.AdamW, "none", lr=0.1)
+    fresh.load_state_dict(full, elastic=True)
+    assert all(torch.equal(a, b) for a, b in zip(fresh_model.parameters(), model.parameters()))
+    assert torch.equal(fresh.state_dict()["master"][0], opt.state_dict()["master"][0])

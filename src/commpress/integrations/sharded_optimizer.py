@@ -47,10 +47,11 @@ from commpress.integrations.buckets import (
     buckets_state,
     build_buckets,
     build_optimizer,
+    checksum,
     load_buckets_state,
     tensor_parallel_key,
 )
-from commpress.integrations.grad_path import GradPath, warn_if_uncompressed
+from commpress.integrations.grad_path import GradPath, say_once, warn_if_uncompressed
 from commpress.integrations.replica_sync import broadcast_buffers, sync_initial_state
 from commpress.integrations.weight_gather import gather_weights
 from commpress.kernels.reference import sum_rows
@@ -60,6 +61,7 @@ from commpress.validate import InputError, check_float, check_int, check_saved_s
 log = logging.getLogger(__name__)
 
 STATE_FORMAT = "commpress.ShardedOptimizer/1"
+CONSOLIDATED_FORMAT = "commpress.ShardedOptimizer.consolidated/1"
 NONFINITE_CHOICES = ("skip", "raise")
 INIT_SYNC_CHOICES = ("broadcast", "verify")
 
@@ -401,13 +403,64 @@ class ShardedOptimizer(torch.optim.Optimizer):
         }
 
     @torch.no_grad()
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def consolidate_state_dict(self, to: int = 0) -> dict[str, Any] | None:
+        """The whole optimizer, on rank ``to`` of the group (None on the others): every
+        bucket's fp32 master weights, inner-optimizer state and options, the weights and
+        the step counters, unsharded, so any number of ranks can load it
+        (``load_state_dict(state, elastic=True)``). Every rank must call it (it gathers
+        the shards). Unlike torch's ``ZeroRedundancyOptimizer`` it returns the state
+        rather than keeping it for ``state_dict()``, which stays this rank's resumable
+        state. The codecs' state (error-feedback memory, rounding streams) is each rank's
+        own, laid out for this world, and is not in it."""
+        check_int("consolidate_state_dict: to", to, ge=0, le=self.world - 1)
+        inner = self.optimizer.state_dict()
+        buckets = []
+        for i, b in enumerate(self.buckets):
+            size = b.offsets[-1] + b.params[-1].numel()
+            shards = {"master": b.master.detach()}
+            scalars = {}
+            for key, value in inner["state"].get(i, {}).items():
+                if isinstance(value, torch.Tensor) and value.shape == b.master.shape:
+                    shards[key] = value
+                else:  # a step count, kept alike by every rank
+                    scalars[key] = value
+            full = {k: self._gather_shard(v, f"consolidate bucket {i} {k}")[:size].clone()
+                    for k, v in shards.items()}
+            buckets.append({"names": b.names, "master": full.pop("master"), "state": full,
+                            "scalars": scalars, "params": b.param_buffer[:size].clone(),
+                            "options": {k: v for k, v in inner["param_groups"][i].items()
+                                        if k != "params"}})
+        if self.rank != to:
+            return None
+        return {"format": CONSOLIDATED_FORMAT, "policy": self.policy.to_dict(),
+                "world_size": self.world, "buckets": buckets, "steps": self.steps,
+                "skipped_steps": self.skipped_steps}
+
+    def _gather_shard(self, shard: torch.Tensor, label: str) -> torch.Tensor:
+        if self.world == 1:
+            return shard
+        agree(self.group, "all_gather", label=label, numel=shard.numel(),
+              dtype=str(shard.dtype))
+        out = shard.new_empty(shard.numel() * self.world)
+        all_gather_single(out, shard.contiguous(), self.group)
+        return out
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, Any], elastic: bool = False) -> None:
         """Restore a state saved by the same rank of a run with the same world size,
-        policy and model; anything else is refused with the reason."""
+        policy and model; anything else is refused with the reason.
+
+        ``elastic=True`` loads a :meth:`consolidate_state_dict` (every rank the same one)
+        on any number of ranks: masters, inner-optimizer state and options, weights and
+        counters are resharded; the codecs start fresh (their state was each rank's own;
+        said once, on rank 0)."""
+        if elastic:
+            return self._load_consolidated(state)
         check_saved_state(state, STATE_FORMAT, "ShardedOptimizer", {
             "world_size": self.world, "rank": self.rank, **buckets_identity(
-                self.policy, self.buckets)}, "resharding is not supported: resume with the same "
-            "world size, policy and model")
+                self.policy, self.buckets)}, "resume with the same world size, policy and "
+            "model; another world size: load_state_dict(consolidated, elastic=True) with "
+            "the state consolidate_state_dict() returned")
         load_buckets_state(self.buckets, self.optimizer, state)
         # torch's load_state_dict makes new group dicts: share them again (a scheduler
         # writing the old ones would no longer reach the shards)
@@ -419,6 +472,50 @@ class ShardedOptimizer(torch.optim.Optimizer):
             b.param_codec.load_state_dict(pcodec)
         self.steps = state["steps"]
         self.skipped_steps = state["skipped_steps"]
+
+    def _load_consolidated(self, state: dict[str, Any]) -> None:
+        check_saved_state(state, CONSOLIDATED_FORMAT, "ShardedOptimizer (consolidated)", {
+            "policy": self.policy.to_dict()}, "load a consolidate_state_dict() of a run "
+            "with the same policy and model")
+        saved = state["buckets"]
+        if [b["names"] for b in saved] != [b.names for b in self.buckets]:
+            raise InputError("ShardedOptimizer (consolidated): the buckets hold other "
+                             "parameters than this run's; load it with the same model, "
+                             "parameter groups and bucket_numel")
+        if self.world > 1:  # every rank the same state, or replicas would part silently
+            agree(self.group, "load_state_dict", label="consolidated", steps=state["steps"],
+                  digest=[checksum(b["master"]) for b in saved])
+        inner = self.optimizer.state_dict()
+        for i, (b, s) in enumerate(zip(self.buckets, saved, strict=True)):
+            size = b.offsets[-1] + b.params[-1].numel()
+            for key in ("master", "params", *s["state"]):
+                t = s[key] if key in ("master", "params") else s["state"][key]
+                if not isinstance(t, torch.Tensor) or t.shape != (size,):
+                    raise InputError(f"ShardedOptimizer (consolidated): bucket {i} {key} is "
+                                     f"not a tensor of {size} elements")
+            lo = b.shard(self.rank, self.world)
+            b.param_buffer.zero_()[:size].copy_(s["params"])
+            b.master.data.copy_(_padded(s["master"], b.numel)[lo])
+            inner["state"][i] = {**s["scalars"], **{
+                k: _padded(v, b.numel)[lo].clone() for k, v in s["state"].items()}}
+            inner["param_groups"][i] = {**s["options"],
+                                        "params": inner["param_groups"][i]["params"]}
+            # fresh codecs: this rank's memory of the old world means nothing here
+            b.grad_path, b.param_codec = GradPath(self.policy, self.topology), \
+                self.param_rule.build()
+        self.optimizer.load_state_dict(inner)
+        self.param_groups = self.optimizer.param_groups
+        self.state = self.optimizer.state
+        self.steps, self.skipped_steps = state["steps"], state["skipped_steps"]
+        say_once(log, ("consolidated", id(self)), self.rank,
+                 "ShardedOptimizer: loaded a state consolidated on %s ranks into %s: the "
+                 "codecs start fresh (error-feedback memory, rounding streams)",
+                 state.get("world_size"), self.world)
+
+
+def _padded(t: torch.Tensor, numel: int) -> torch.Tensor:
+    """``t`` followed by zeros up to ``numel`` elements (a bucket's padding)."""
+    return torch.cat([t, t.new_zeros(numel - t.numel())]) if t.numel() < numel else t
 
 
 def skips_nonfinite(norm: float, nonfinite: str, where: str) -> bool:
