@@ -361,3 +361,14 @@ def test_a_consolidated_state_is_refused_without_elastic_and_for_another_policy_
     fresh.load_state_dict(full, elastic=True)
     assert all(torch.equal(a, b) for a, b in zip(fresh_model.parameters(), model.parameters()))
     assert torch.equal(fresh.state_dict()["master"][0], opt.state_dict()["master"][0])
+
+
+def test_an_old_optimizers_release_leaves_the_new_ones_routing():
+    a, _ = _two_linear_models()
+    old = commpress.ShardedOptimizer(a, torch.optim.SGD, "none", lr=0.1)
+    old.remove_hooks()
+    new = commpress.ShardedOptimizer(a, torch.optim.SGD, "none", lr=0.1)
+    old.remove_hooks()  # again, after the new one took the parameters
+    a(torch.ones(2, 4)).sum().backward()
+    norm = float(torch.nn.utils.clip_grad_norm_(a.parameters(), 1e9))
+    assert norm > 0 and norm == pytest.approx(float(new.clip_grad_norm_(1e9)))

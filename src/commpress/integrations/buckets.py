@@ -62,6 +62,11 @@ class Bucket:
     ready: set = field(default_factory=set)
     handle: Handle | None = None
 
+    @property
+    def used(self) -> int:
+        """Elements its parameters fill (``numel`` less the padding)."""
+        return self.offsets[-1] + self.params[-1].numel()
+
     def shard(self, rank: int, world: int) -> slice:
         size = self.numel // world
         return slice(rank * size, (rank + 1) * size)

@@ -16,7 +16,6 @@ torch.nn.utils import clip_grad_norm_``) keeps torch's original: call
 
 from __future__ import annotations
 
-import functools
 import weakref
 from collections.abc import Iterable
 from typing import Any, Protocol
@@ -51,10 +50,12 @@ def hold(holder: GradientHolder, params: Iterable[torch.Tensor]) -> None:
     _install()
 
 
-def release(params: Iterable[torch.Tensor]) -> None:
-    """``params``' gradients are in ``param.grad`` again: torch's function sees them."""
+def release(holder: GradientHolder, params: Iterable[torch.Tensor]) -> None:
+    """``holder`` gives ``params``' gradients back to ``param.grad``: torch's function
+    sees them again (those another holder took since stay routed to it)."""
     for p in params:
-        _HOLDERS.pop(p, None)
+        if _holder_of(p) is holder:
+            del _HOLDERS[p]
 
 
 def _holder_of(p: torch.Tensor) -> GradientHolder | None:
@@ -62,10 +63,10 @@ def _holder_of(p: torch.Tensor) -> GradientHolder | None:
     return ref() if ref is not None else None
 
 
-@functools.wraps(_TORCH_CLIP)
 def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm: float,
                     norm_type: float = 2.0, error_if_nonfinite: bool = False,
                     foreach: bool | None = None) -> torch.Tensor:
+    """torch's ``clip_grad_norm_``, except over parameters a holder holds (module doc)."""
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     held = [(p, h) for p in params if (h := _holder_of(p)) is not None]
     if not held:

@@ -214,7 +214,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
-        clip_guard.release(p for b in self.buckets for p in b.params)
+        clip_guard.release(self, (p for b in self.buckets for p in b.params))
 
     # -- backward ---------------------------------------------------------------------
     @torch.no_grad()
@@ -416,7 +416,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         inner = self.optimizer.state_dict()
         buckets = []
         for i, b in enumerate(self.buckets):
-            size = b.offsets[-1] + b.params[-1].numel()
             shards = {"master": b.master.detach()}
             scalars = {}
             for key, value in inner["state"].get(i, {}).items():
@@ -424,10 +423,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     shards[key] = value
                 else:  # a step count, kept alike by every rank
                     scalars[key] = value
-            full = {k: self._gather_shard(v, f"consolidate bucket {i} {k}")[:size].clone()
+            full = {k: self._gather_shard(v, f"consolidate bucket {i} {k}")[:b.used].clone()
                     for k, v in shards.items()}
             buckets.append({"names": b.names, "master": full.pop("master"), "state": full,
-                            "scalars": scalars, "params": b.param_buffer[:size].clone(),
+                            "scalars": scalars, "params": b.param_buffer[:b.used].clone(),
                             "options": {k: v for k, v in inner["param_groups"][i].items()
                                         if k != "params"}})
         if self.rank != to:
@@ -485,24 +484,23 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if self.world > 1:  # every rank the same state, or replicas would part silently
             agree(self.group, "load_state_dict", label="consolidated", steps=state["steps"],
                   digest=[checksum(b["master"]) for b in saved])
+        for i, (b, s) in enumerate(zip(self.buckets, saved, strict=True)):  # before writing
+            for key, t in (("master", s["master"]), ("params", s["params"]), *s["state"].items()):
+                if not isinstance(t, torch.Tensor) or t.shape != (b.used,):
+                    raise InputError(f"ShardedOptimizer (consolidated): bucket {i} {key} is "
+                                     f"not a tensor of {b.used} elements")
         inner = self.optimizer.state_dict()
         for i, (b, s) in enumerate(zip(self.buckets, saved, strict=True)):
-            size = b.offsets[-1] + b.params[-1].numel()
-            for key in ("master", "params", *s["state"]):
-                t = s[key] if key in ("master", "params") else s["state"][key]
-                if not isinstance(t, torch.Tensor) or t.shape != (size,):
-                    raise InputError(f"ShardedOptimizer (consolidated): bucket {i} {key} is "
-                                     f"not a tensor of {size} elements")
             lo = b.shard(self.rank, self.world)
-            b.param_buffer.zero_()[:size].copy_(s["params"])
+            b.param_buffer.zero_()[:b.used].copy_(s["params"])
             b.master.data.copy_(_padded(s["master"], b.numel)[lo])
             inner["state"][i] = {**s["scalars"], **{
                 k: _padded(v, b.numel)[lo].clone() for k, v in s["state"].items()}}
             inner["param_groups"][i] = {**s["options"],
                                         "params": inner["param_groups"][i]["params"]}
             # fresh codecs: this rank's memory of the old world means nothing here
-            b.grad_path, b.param_codec = GradPath(self.policy, self.topology), \
-                self.param_rule.build()
+            b.grad_path = GradPath(self.policy, self.topology)
+            b.param_codec = self.param_rule.build()
         self.optimizer.load_state_dict(inner)
         self.param_groups = self.optimizer.param_groups
         self.state = self.optimizer.state
