@@ -47,14 +47,15 @@ def init_sync_cases(rank, world, cases):
 
 
 def clip_method_and_max_grad_norm(rank, world, policy, steps, max_norm):
-    """The same steps clipped by ``opt.clip_grad_norm_``, by ``max_grad_norm`` and by
-    ``torch.nn.utils.clip_grad_norm_(model.parameters())``: weight hashes after each
-    step, and the norms the calls returned."""
+    """The same steps clipped by ``opt.clip_grad_norm_``, by ``max_grad_norm``, by
+    ``torch.nn.utils.clip_grad_norm_(model.parameters())`` and by torch's function over
+    the optimizer's ``param_groups`` (Lightning's call): weight hashes after each step,
+    and the norms the calls returned."""
     from tests.integrations.workers import _data, _hash_params, _local_batch, _model
 
     data = _data()
     out = {}
-    for how in ("method", "argument", "torch"):
+    for how in ("method", "argument", "torch", "groups"):
         model = _model()
         opt = commpress.ShardedOptimizer(
             model, torch.optim.AdamW, policy, lr=3e-3, bucket_numel=30_000,
@@ -68,6 +69,9 @@ def clip_method_and_max_grad_norm(rank, world, policy, steps, max_norm):
             elif how == "torch":  # nanoGPT's and accelerate's call
                 norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(),
                                                             max_norm).item())
+            elif how == "groups":  # Lightning's: the optimizer's own parameters
+                grouped = [p for g in opt.param_groups for p in g["params"]]
+                norms.append(torch.nn.utils.clip_grad_norm_(grouped, max_norm).item())
             opt.step()
             opt.zero_grad()
             hashes.append(_hash_params(model))
@@ -135,6 +139,31 @@ def ddp_wrapped_refusal(rank, world):
     return None
 
 
+def consolidated_refusals(rank, opt, saved):
+    """What every rank says when one rank's consolidated state is broken, when the ranks
+    load different ones, and when they consolidate to different ranks."""
+    import copy
+
+    out = {}
+    broken = copy.deepcopy(saved)
+    broken["buckets"][0]["master"] = broken["buckets"][0]["master"][:-1]
+    other_step = {**saved, "steps": saved["steps"] + 1}
+    for case, mine in (("broken", broken if rank == 1 else saved),
+                       ("malformed", {**saved, "buckets": None} if rank == 1 else saved),
+                       ("different", other_step if rank == 1 else saved)):
+        try:
+            opt.load_state_dict(mine, elastic=True)
+            out[case] = None
+        except commpress.InputError as e:
+            out[case] = str(e)
+    try:
+        opt.consolidate_state_dict(to=rank)
+        out["to"] = None
+    except RuntimeError as e:
+        out["to"] = str(e)
+    return out
+
+
 def consolidated_resume(rank, world, policy, path, first, then, load):
     """Train ``first`` steps (when ``load`` is False: then consolidate to rank 0 and save
     it to ``path``), or load ``path`` elastically and train ``then`` steps: per step the
@@ -146,9 +175,12 @@ def consolidated_resume(rank, world, policy, path, first, then, load):
     opt = commpress.ShardedOptimizer(model, torch.optim.AdamW, policy, lr=3e-3,
                                      bucket_numel=30_000)
     steps = range(first) if not load else range(first, first + then)
-    if load:
-        opt.load_state_dict(torch.load(path, weights_only=False), elastic=True)
     out = {"hashes": [], "losses": []}
+    if load:
+        saved = torch.load(path, weights_only=False)
+        if world == 2:
+            out["refused"] = consolidated_refusals(rank, opt, saved)
+        opt.load_state_dict(saved, elastic=True)
     for step in steps:
         x, y = _local_batch(data, step, rank, world)
         loss = model(x, y)[1]

@@ -158,6 +158,7 @@ def test_clip_grad_norm_method_clips_the_global_norm_like_max_grad_norm():
         # torch's own function on model.parameters(): the same global norm and bits, not
         # the 0 it would return for parameters whose .grad is None
         assert r["torch"] == r["method"]
+        assert r["groups"] == r["method"]  # the fp32 masters in param_groups, likewise
     assert ranks[0]["method"]["hashes"] == ranks[1]["method"]["hashes"]
 
 
@@ -210,6 +211,16 @@ def _consolidated_runs(tmp_path, policy, saved_on, loaded_on):
 
 def test_a_consolidated_state_resumes_on_the_same_or_another_number_of_ranks(tmp_path):
     straight, resumed = _consolidated_runs(tmp_path, "none", 2, (2, 4))
+    # one rank's state broken or malformed, or the ranks' states differing: every rank
+    # refuses together (none waits for the other), naming the rank; likewise for ranks
+    # that consolidate to different ranks
+    for r in resumed[2]:
+        refused = r["refused"]
+        assert "bucket 0 master is not a tensor of" in refused["broken"]
+        assert "not a consolidated state (TypeError" in refused["malformed"]
+        assert "the ranks were given different states" in refused["different"]
+        assert "to differs (rank 0: 0; rank 1: 1)" in refused["to"]
+    assert "[reported by rank 1]" in resumed[2][0]["refused"]["broken"]
     # the same world: bit for bit the uninterrupted run (exact codecs carry no state)
     assert [r["hashes"] for r in resumed[2]] == [r["hashes"][2:] for r in straight]
     # four ranks: identical replicas, the loss of the two-rank run up to summation order

@@ -178,13 +178,19 @@ def test_torch_clip_grad_norm_refuses_part_of_an_optimizer_or_two_of_them():
     loose.grad = torch.ones(3)
     with pytest.raises(commpress.InputError, match="1 parameters with .grad outside it"):
         torch.nn.utils.clip_grad_norm_([*a.parameters(), loose], 1.0)
+    with pytest.raises(commpress.InputError, match="mixed with its param_groups' master"):
+        torch.nn.utils.clip_grad_norm_([a.weight, opt_a.param_groups[0]["params"][0]], 1.0)
     with pytest.raises(commpress.InputError, match="norm_type=1.0 is not allowed"):
         torch.nn.utils.clip_grad_norm_(a.parameters(), 1.0, norm_type=1.0)
     # parameters no optimizer holds: torch's function, unchanged
     assert float(torch.nn.utils.clip_grad_norm_([loose], 100.0)) == pytest.approx(3 ** 0.5)
-    # the held ones: the optimizer's norm (one rank: its own gradient's), never 0
+    # the held ones: the optimizer's norm (one rank: its own gradient's), never 0; the
+    # same through its param_groups (fp32 masters), a tensor limit or inf (measure only)
     norm = float(torch.nn.utils.clip_grad.clip_grad_norm_(a.parameters(), 1e9))
     assert norm > 0 and norm == pytest.approx(float(opt_a.clip_grad_norm_(1e9)))
+    masters = [p for g in opt_a.param_groups for p in g["params"]]
+    assert float(torch.nn.utils.clip_grad_norm_(masters, torch.tensor(1e9))) == norm
+    assert float(torch.nn.utils.clip_grad_norm_(a.parameters(), float("inf"))) == norm
     opt_a.step()
     opt_b.step()
 
@@ -207,8 +213,9 @@ def test_clip_grad_norm_refuses_a_later_backward_and_bad_arguments():
     data = _data()
     model = _model()
     opt = commpress.ShardedOptimizer(model, torch.optim.SGD, "none", lr=0.1)
-    with pytest.raises(ValueError, match="max_norm=0 is not allowed; allowed: a number > 0"):
-        opt.clip_grad_norm_(0)
+    for bad in (0, True, float("nan"), torch.tensor([1.0, 2.0])):
+        with pytest.raises(ValueError, match="is not allowed; allowed: a number > 0"):
+            opt.clip_grad_norm_(bad)
     with pytest.raises(ValueError, match="norm_type=inf is not allowed; allowed: 2.0"):
         opt.clip_grad_norm_(1.0, norm_type=float("inf"))
     _one_backward(model, data)
@@ -372,3 +379,31 @@ def test_an_old_optimizers_release_leaves_the_new_ones_routing():
     a(torch.ones(2, 4)).sum().backward()
     norm = float(torch.nn.utils.clip_grad_norm_(a.parameters(), 1e9))
     assert norm > 0 and norm == pytest.approx(float(new.clip_grad_norm_(1e9)))
+
+
+class _SGDWithHistory(torch.optim.SGD):
+    """SGD that keeps a short history per parameter: state that is not elementwise."""
+
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p].setdefault("history", torch.zeros(3))
+        return super().step(closure)
+
+
+def test_consolidating_state_that_is_not_elementwise_is_refused():
+    data = _data()
+    model = _model()
+    opt = commpress.ShardedOptimizer(model, _SGDWithHistory, "none", lr=0.1)
+    _one_backward(model, data)
+    opt.step()
+    with pytest.raises(commpress.InputError, match="'history' has shape \\(3,\\), neither"):
+        opt.consolidate_state_dict()
+    adam = commpress.ShardedOptimizer(_model(), torch.optim.Adam, "none", lr=0.1)
+    _one_backward(adam.model, data)
+    adam.step()
+    full = adam.consolidate_state_dict()  # moments elementwise, the step a scalar
+    assert set(full["buckets"][0]["state"]) == {"exp_avg", "exp_avg_sq"}
+    assert set(full["buckets"][0]["scalars"]) == {"step"}
+    assert all(t.device.type == "cpu" for b in full["buckets"] for t in b["state"].values())
+

@@ -128,35 +128,43 @@ def _cases():
 
 def _tuned_cases(n: int):
     """Each configuration of the H200's TUNED table, compiled with its choices (on the
-    CPU tensors here :func:`~commpress.kernels.config.resolve` would not apply them)."""
+    CPU tensors here :func:`~commpress.kernels.config.resolve` would not apply them), for
+    bf16 and fp32 values in and out (fp32 operands take the ``fp32_dot`` products)."""
     from commpress.kernels import reference as ref
     from commpress.kernels import triton_quant as tq
     from commpress.kernels.config import TUNED
 
-    x = torch.randn(n).to(torch.bfloat16)
     chunks = lambda bits, group: [ref.quantize_rotated(  # noqa: E731
         torch.randn(n // 4), bits=bits, group=group, scale_dtype=torch.float32, keys=None)
         for _ in range(4)]
-    calls = {
-        "quantize": lambda b, g, h: tq.quantize(x, bits=b, group=g, hadamard=h),
-        "dequantize": lambda b, g, h: tq.dequantize(
-            *ref.quantize(x, bits=b, group=g, hadamard=h), n, bits=b, group=g, hadamard=h),
-        "fp8_quantize": lambda b, g, h: tq.fp8_quantize(x, group=g, hadamard=h),
-        "fp8_dequantize": lambda b, g, h: tq.fp8_dequantize(
-            *ref.fp8_quantize(x, group=g, hadamard=h), n, group=g, hadamard=h),
-        "trits_quantize": lambda b, g, h: tq.trits_quantize(x, group=g, hadamard=h),
-        "trits_dequantize": lambda b, g, h: tq.trits_dequantize(
-            *ref.trits_quantize(x, group=g, hadamard=h), n, group=g, hadamard=h),
-        "dequantize_sum": lambda b, g, h: tq.dequantize_sum(
-            *(torch.stack(t) for t in zip(*chunks(b, g))), bits=b, group=g, hadamard=h),
-        "dequant_reduce_requant": lambda b, g, h: tq.dequant_reduce_requant(
-            *(torch.stack(t) for t in zip(*chunks(8, g))), bits_in=8, group_in=g,
-            bits_out=b, group_out=g),
-    }
-    for (kernel, bits, group, had), choices in TUNED.items():
-        yield dict(choices), f"{kernel} int{bits} group {group} h{had} as tuned", (
-            lambda kernel=kernel, bits=bits, group=group, had=had:
-            calls[kernel](bits, group, had))
+    for dtype in (torch.bfloat16, torch.float32):
+        x = torch.randn(n).to(dtype)
+        calls = {
+            "quantize": lambda b, g, h, x=x: tq.quantize(x, bits=b, group=g, hadamard=h),
+            "dequantize": lambda b, g, h, x=x: tq.dequantize(
+                *ref.quantize(x, bits=b, group=g, hadamard=h), n, bits=b, group=g,
+                hadamard=h, out_dtype=x.dtype),
+            "fp8_quantize": lambda b, g, h, x=x: tq.fp8_quantize(x, group=g, hadamard=h),
+            "fp8_dequantize": lambda b, g, h, x=x: tq.fp8_dequantize(
+                *ref.fp8_quantize(x, group=g, hadamard=h), n, group=g, hadamard=h,
+                out_dtype=x.dtype),
+            "trits_quantize": lambda b, g, h, x=x: tq.trits_quantize(x, group=g, hadamard=h),
+            "trits_dequantize": lambda b, g, h, x=x: tq.trits_dequantize(
+                *ref.trits_quantize(x, group=g, hadamard=h), n, group=g, hadamard=h,
+                out_dtype=x.dtype),
+            "dequantize_sum": lambda b, g, h, x=x: tq.dequantize_sum(
+                *(torch.stack(t) for t in zip(*chunks(b, g))), bits=b, group=g, hadamard=h),
+            "dequant_reduce_requant": lambda b, g, h, x=x: tq.dequant_reduce_requant(
+                *(torch.stack(t) for t in zip(*chunks(8, g))), bits_in=8, group_in=g,
+                bits_out=b, group_out=g),
+        }
+        name = str(dtype).removeprefix("torch.")
+        for (kernel, bits, group, had), choices in TUNED.items():
+            if kernel in ("dequant_reduce_requant", "dequantize_sum") and dtype != torch.float32:
+                continue  # codes in; codes or fp32 out: no value dtype to vary
+            yield dict(choices), f"{kernel} int{bits} group {group} h{had} {name} as tuned", (
+                lambda call=calls[kernel], bits=bits, group=group, had=had:
+                call(bits, group, had))
 
 
 def main() -> int:

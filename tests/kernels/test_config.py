@@ -105,7 +105,23 @@ def test_tiles_hold_the_group_and_the_block():
         assert resolve("trits_quantize", 2, 128, 0).tile == 16 * 128  # tl.dot: 16 groups
 
 
-def test_the_gpu_measurements_apply_on_cuda_only_and_overrides_win():
+def test_the_gpu_measurements_apply_on_the_gpu_they_were_taken_on_only(monkeypatch):
+    for hip, capability, tuned in ((None, (9, 0), True), (None, (8, 0), False),
+                                   ("6.2", (9, 0), False)):  # A100, ROCm: the defaults
+        with monkeypatch.context() as m:
+            m.setattr(torch.version, "hip", hip)
+            m.setattr(torch.cuda, "is_available", lambda: True)
+            m.setattr(torch.cuda, "get_device_capability", lambda index=None, c=capability: c)
+            config.tuned_device.cache_clear()
+            assert config.tuned_device("cuda", 0) is tuned
+            assert config.tuned_device("cpu", None) is False
+    config.tuned_device.cache_clear()
+    assert config.tuned_device("cuda", 0) is False  # no GPU on this machine
+
+
+def test_the_gpu_measurements_apply_where_tuned_and_overrides_win(monkeypatch):
+    monkeypatch.setattr(config, "tuned_device", lambda device_type, index:
+                        device_type == "cuda")
     on_gpu = resolve("quantize", 4, 128, 128, "cuda")
     assert (on_gpu.tile, on_gpu.warps, on_gpu.row_kernels) == (8192, 4, False)
     assert resolve("dequantize_sum", 4, 128, 128, "cuda").fp32_dot == "tf32x3"

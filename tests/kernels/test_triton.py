@@ -291,7 +291,7 @@ def test_trits_supported_groups():
 @pytest.mark.parametrize("k", [1, 2, 4])
 @pytest.mark.parametrize(("bits", "group", "had"), [(8, 128, 128), (4, 128, 128), (4, 32, 128),
                                                     (8, 64, 0), (2, 128, 16)])
-def test_dequantize_sum_matches_reference(k, bits, group, had):
+def test_dequantize_sum_matches_reference(k, bits, group, had, fp32_dot="ieee"):
     # TLq-HS step 5 fused: decode k chunks, sum in row order, rotate back once
     chunk = 4096 + 2 * max(group, had)
     enc = [ref.quantize_rotated(torch.randn(chunk) * (i + 1), bits=bits, group=group,
@@ -300,7 +300,9 @@ def test_dequantize_sum_matches_reference(k, bits, group, had):
     scales = torch.stack([e[1] for e in enc])
     scales[0, 3] = float("nan")  # a non-finite group stays non-finite in the sum
     d_ref = ref.dequantize_sum(codes, scales, bits=bits, group=group, hadamard=had)
-    d_tri = triton_quant.dequantize_sum(codes, scales, bits=bits, group=group, hadamard=had)
+    with override_kernels(fp32_dot=fp32_dot):
+        d_tri = triton_quant.dequantize_sum(codes, scales, bits=bits, group=group,
+                                            hadamard=had)
     assert d_tri.dtype == torch.float32 and d_tri.shape == d_ref.shape
     if not had:  # the same additions in the same order
         assert torch.equal(d_ref.isnan(), d_tri.isnan())
@@ -309,3 +311,11 @@ def test_dequantize_sum_matches_reference(k, bits, group, had):
     summed = ref.sum_rows(torch.stack([ref.dequantize_rotated(c, s, bits=bits, group=group)
                                        for c, s in zip(codes, scales)]))
     _assert_decodes_close(d_ref, d_tri, summed, had)
+
+
+@pytest.mark.parametrize("rows", [True, False])
+def test_dequantize_sum_with_tf32x3_products_matches_reference(rows):
+    # the H200's choice for this kernel (TUNED): three tf32 products stand for one fp32
+    with override_kernels(row_kernels=rows):
+        test_dequantize_sum_matches_reference(2, 4, 128, 128, fp32_dot="tf32x3")
+

@@ -36,7 +36,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
 from commpress.collectives import Topology
-from commpress.collectives.agreement import agree
+from commpress.collectives.agreement import agree, all_gather_objects
 from commpress.collectives.comm import all_gather_single
 from commpress.collectives.handle import completed
 from commpress.integrations import clip_guard
@@ -56,7 +56,13 @@ from commpress.integrations.replica_sync import broadcast_buffers, sync_initial_
 from commpress.integrations.weight_gather import gather_weights
 from commpress.kernels.reference import sum_rows
 from commpress.policy import Policy
-from commpress.validate import InputError, check_float, check_int, check_saved_state
+from commpress.validate import (
+    InputError,
+    check_float,
+    check_int,
+    check_saved_state,
+    raise_if_any,
+)
 
 log = logging.getLogger(__name__)
 
@@ -200,7 +206,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
                        for b in self.buckets for p in b.params]
         self._where = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
-        clip_guard.hold(self, [p for b in self.buckets for p in b.params])
+        clip_guard.hold(self, *self._clip_views())
         log.info("ShardedOptimizer: %d buckets, %d parameters, world %d, policy %s",
                  len(self.buckets), sum(b.numel for b in self.buckets), self.world,
                  self.policy.name)
@@ -214,7 +220,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
-        clip_guard.release(self, (p for b in self.buckets for p in b.params))
+        clip_guard.release(self, *self._clip_views())
+
+    def _clip_views(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The two ways a loop names all of this optimizer's parameters to torch's
+        ``clip_grad_norm_``: the model's, and the masters in ``param_groups``."""
+        return ([p for b in self.buckets for p in b.params], [b.master for b in self.buckets])
 
     # -- backward ---------------------------------------------------------------------
     @torch.no_grad()
@@ -263,9 +274,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         with the same arithmetic as ``max_grad_norm`` (the smaller limit wins when both
         are set). A non-finite norm is returned as is and ``step()`` skips or raises.
         """
-        if not (isinstance(max_norm, int | float) and max_norm > 0):
+        if isinstance(max_norm, torch.Tensor) and max_norm.numel() == 1:
+            max_norm = max_norm.item()  # torch's function takes a one-element tensor too
+        if not (isinstance(max_norm, int | float) and not isinstance(max_norm, bool)
+                and max_norm > 0):  # inf: measure the norm, clip nothing (as torch's)
             raise InputError(f"clip_grad_norm_: max_norm={max_norm!r} is not allowed; "
-                             "allowed: a number > 0")
+                             "allowed: a number > 0 (inf: the norm, no clipping)")
         if norm_type != 2.0:
             raise InputError(f"clip_grad_norm_: norm_type={norm_type!r} is not allowed; "
                              "allowed: 2.0 (the global norm is the 2-norm)")
@@ -406,43 +420,69 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def consolidate_state_dict(self, to: int = 0) -> dict[str, Any] | None:
         """The whole optimizer, on rank ``to`` of the group (None on the others): every
         bucket's fp32 master weights, inner-optimizer state and options, the weights and
-        the step counters, unsharded, so any number of ranks can load it
-        (``load_state_dict(state, elastic=True)``). Every rank must call it (it gathers
-        the shards). Unlike torch's ``ZeroRedundancyOptimizer`` it returns the state
-        rather than keeping it for ``state_dict()``, which stays this rank's resumable
-        state. The codecs' state (error-feedback memory, rounding streams) is each rank's
-        own, laid out for this world, and is not in it."""
+        the step counters, unsharded and on the CPU, so any number of ranks can load it
+        (``load_state_dict(state, elastic=True)``). Every rank must call it, with the
+        same ``to``; the shards are gathered to that rank one at a time, so no rank holds
+        more than one bucket's worth on its device. Unlike torch's
+        ``ZeroRedundancyOptimizer`` it returns the state rather than keeping it for
+        ``state_dict()``, which stays this rank's resumable state. The codecs' state
+        (error-feedback memory, rounding streams) is each rank's own, laid out for this
+        world, and is not in it.
+
+        The inner optimizer's state must be elementwise (a tensor per element of the
+        shard: Adam's moments, SGD's momentum) or scalars every rank holds alike (a step
+        count, checked); anything else (a factored second moment) is refused."""
         check_int("consolidate_state_dict: to", to, ge=0, le=self.world - 1)
         inner = self.optimizer.state_dict()
+        split = [_elementwise_and_scalars(i, b.master, inner["state"].get(i, {}))
+                 for i, b in enumerate(self.buckets)]
+        if self.world > 1:  # one rank's scalars stand for all: they must be all alike
+            agree(self.group, "gather", label="consolidate", to=to,
+                  scalars=repr([{k: v.item() if isinstance(v, torch.Tensor) else v
+                                 for k, v in scalars.items()} for _, scalars in split]))
         buckets = []
-        for i, b in enumerate(self.buckets):
-            shards = {"master": b.master.detach()}
-            scalars = {}
-            for key, value in inner["state"].get(i, {}).items():
-                if isinstance(value, torch.Tensor) and value.shape == b.master.shape:
-                    shards[key] = value
-                else:  # a step count, kept alike by every rank
-                    scalars[key] = value
-            full = {k: self._gather_shard(v, f"consolidate bucket {i} {k}")[:b.used].clone()
-                    for k, v in shards.items()}
-            buckets.append({"names": b.names, "master": full.pop("master"), "state": full,
-                            "scalars": scalars, "params": b.param_buffer[:b.used].clone(),
-                            "options": {k: v for k, v in inner["param_groups"][i].items()
-                                        if k != "params"}})
+        for i, (b, (shards, scalars)) in enumerate(zip(self.buckets, split, strict=True)):
+            full = {k: self._gather_shard(v, to, f"consolidate bucket {i} {k}")
+                    for k, v in {"master": b.master.detach(), **shards}.items()}
+            if self.rank == to:
+                buckets.append({
+                    "names": b.names, "master": full.pop("master")[:b.used],
+                    "state": {k: v[:b.used] for k, v in full.items()}, "scalars": scalars,
+                    "params": b.param_buffer[:b.used].cpu(),
+                    "options": {k: v for k, v in inner["param_groups"][i].items()
+                                if k != "params"}})
         if self.rank != to:
             return None
         return {"format": CONSOLIDATED_FORMAT, "policy": self.policy.to_dict(),
                 "world_size": self.world, "buckets": buckets, "steps": self.steps,
                 "skipped_steps": self.skipped_steps}
 
-    def _gather_shard(self, shard: torch.Tensor, label: str) -> torch.Tensor:
+    def _check_consolidated(self, state: dict[str, Any]) -> tuple[int, list[str]]:
+        """Refuse a consolidated state this run cannot load; its steps and checksums."""
+        check_saved_state(state, CONSOLIDATED_FORMAT, "ShardedOptimizer (consolidated)", {
+            "policy": self.policy.to_dict()}, "load a consolidate_state_dict() of a run "
+            "with the same policy and model")
+        saved = state["buckets"]
+        if [b["names"] for b in saved] != [b.names for b in self.buckets]:
+            raise InputError("ShardedOptimizer (consolidated): the buckets hold other "
+                             "parameters than this run's; load it with the same model, "
+                             "parameter groups and bucket_numel")
+        for i, (b, s) in enumerate(zip(self.buckets, saved, strict=True)):
+            for key, t in (("master", s["master"]), ("params", s["params"]), *s["state"].items()):
+                if not isinstance(t, torch.Tensor) or t.shape != (b.used,):
+                    raise InputError(f"ShardedOptimizer (consolidated): bucket {i} {key} is "
+                                     f"not a tensor of {b.used} elements")
+        return state["steps"], [checksum(b["master"]) for b in saved]
+
+    def _gather_shard(self, shard: torch.Tensor, to: int, label: str) -> torch.Tensor | None:
+        """Every rank's ``shard`` end to end, on the CPU of rank ``to``; None elsewhere."""
         if self.world == 1:
-            return shard
-        agree(self.group, "all_gather", label=label, numel=shard.numel(),
-              dtype=str(shard.dtype))
-        out = shard.new_empty(shard.numel() * self.world)
-        all_gather_single(out, shard.contiguous(), self.group)
-        return out
+            return shard.detach().cpu().clone()
+        agree(self.group, "gather", label=label, numel=shard.numel(), dtype=str(shard.dtype))
+        parts = ([shard.new_empty(shard.numel()) for _ in range(self.world)]
+                 if self.rank == to else None)
+        dist.gather(shard.contiguous(), parts, group=self.group, group_dst=to)
+        return torch.cat([p.cpu() for p in parts]) if parts is not None else None
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any], elastic: bool = False) -> None:
@@ -473,22 +513,22 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.skipped_steps = state["skipped_steps"]
 
     def _load_consolidated(self, state: dict[str, Any]) -> None:
-        check_saved_state(state, CONSOLIDATED_FORMAT, "ShardedOptimizer (consolidated)", {
-            "policy": self.policy.to_dict()}, "load a consolidate_state_dict() of a run "
-            "with the same policy and model")
+        problem, fingerprint = None, None
+        try:  # whatever is wrong here, every rank must still reach the gather below
+            fingerprint = self._check_consolidated(state)
+        except InputError as e:
+            problem = str(e)
+        except Exception as e:  # noqa: BLE001 - a malformed state, refused on every rank
+            problem = (f"ShardedOptimizer (consolidated): not a consolidated state "
+                       f"({type(e).__name__}: {e})")
+        seen = (all_gather_objects((problem, fingerprint), self.group, "load consolidated")
+                if self.world > 1 else [(problem, fingerprint)])
+        raise_if_any([p for p, _ in seen], self.rank, "cannot load it")
+        if any(f != fingerprint for _, f in seen):  # replicas would part silently
+            raise InputError("ShardedOptimizer (consolidated): the ranks were given "
+                             f"different states (steps and checksums: {[f for _, f in seen]}); "
+                             "allowed: the same consolidate_state_dict() on every rank")
         saved = state["buckets"]
-        if [b["names"] for b in saved] != [b.names for b in self.buckets]:
-            raise InputError("ShardedOptimizer (consolidated): the buckets hold other "
-                             "parameters than this run's; load it with the same model, "
-                             "parameter groups and bucket_numel")
-        if self.world > 1:  # every rank the same state, or replicas would part silently
-            agree(self.group, "load_state_dict", label="consolidated", steps=state["steps"],
-                  digest=[checksum(b["master"]) for b in saved])
-        for i, (b, s) in enumerate(zip(self.buckets, saved, strict=True)):  # before writing
-            for key, t in (("master", s["master"]), ("params", s["params"]), *s["state"].items()):
-                if not isinstance(t, torch.Tensor) or t.shape != (b.used,):
-                    raise InputError(f"ShardedOptimizer (consolidated): bucket {i} {key} is "
-                                     f"not a tensor of {b.used} elements")
         inner = self.optimizer.state_dict()
         for i, (b, s) in enumerate(zip(self.buckets, saved, strict=True)):
             lo = b.shard(self.rank, self.world)
@@ -509,6 +549,26 @@ class ShardedOptimizer(torch.optim.Optimizer):
                  "ShardedOptimizer: loaded a state consolidated on %s ranks into %s: the "
                  "codecs start fresh (error-feedback memory, rounding streams)",
                  state.get("world_size"), self.world)
+
+
+def _elementwise_and_scalars(i: int, master: torch.Tensor, state: dict[str, Any]
+                             ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Bucket ``i``'s inner-optimizer ``state``: the tensors laid out like its shard, and
+    the scalars (numbers, one-element tensors)."""
+    shards, scalars = {}, {}
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor) and value.shape == master.shape:
+            shards[key] = value
+        elif isinstance(value, torch.Tensor) and value.numel() != 1:
+            raise InputError(
+                f"ShardedOptimizer.consolidate_state_dict: bucket {i}'s optimizer state "
+                f"{key!r} has shape {tuple(value.shape)}, neither one value per element of "
+                f"the shard ({tuple(master.shape)}) nor a scalar, so it cannot be resharded; "
+                "allowed: an elementwise optimizer (SGD, Adam, AdamW, ...), or "
+                "state_dict() per rank on the same number of ranks")
+        else:
+            scalars[key] = value
+    return shards, scalars
 
 
 def _padded(t: torch.Tensor, numel: int) -> torch.Tensor:

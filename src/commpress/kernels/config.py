@@ -67,7 +67,8 @@ REFERENCE_PIECE = 1 << 20
 # (kernel, bits, group, hadamard) → the KernelConfig choices that beat the defaults on
 # the H200 (``benchmarks/gpu_kernels.py --tune``: 64 Mi bf16 elements, tiles 2048–16384
 # × 4 or 8 warps, median of 10; BENCHMARKS.md). Where the best was within 2 % of the
-# default (4096 elements, 4 warps) the default stays. CUDA only: the interpreter keeps
+# default (4096 elements, 4 warps) the default stays. Only on the GPU they were measured
+# on (compute capability TUNED_ON, CUDA not ROCm); other GPUs and the interpreter keep
 # the defaults. With Hadamard blocks the flat-tile kernels beat the row kernels by
 # 3–8 % at their best tiles; dequantize-reduce-requantize keeps the row kernels (2.1x
 # the flat ones), dequantize-sum too (545 GB/s with tf32x3; flat measured only with
@@ -85,6 +86,9 @@ TUNED: Mapping[tuple[str, int, int, int], Mapping[str, object]] = MappingProxyTy
     ("trits_dequantize", 2, 128, 0): {"tile": 8192, "warps": 4},  # 887 (default 820)
     ("dequantize_sum", 4, 128, 128): {"fp32_dot": "tf32x3"},  # 545 (ieee 25)
 })
+
+
+TUNED_ON = (9, 0)
 
 
 @dataclass(frozen=True)
@@ -245,15 +249,25 @@ def resolve(kernel: str, bits: int = 0, group: int = 0, hadamard: int = 0,
     """The :class:`KernelConfig` of ``kernel`` (one of :data:`KERNELS`) for a
     configuration on ``device`` (cached: the same object every call, until an
     override changes the choices)."""
-    device_type = device.type if isinstance(device, torch.device) else torch.device(device).type
-    return _resolve(kernel, bits, group, hadamard, device_type, _OVERRIDES.current())
+    device = torch.device(device)
+    return _resolve(kernel, bits, group, hadamard, device.type,
+                    tuned_device(device.type, device.index), _OVERRIDES.current())
+
+
+@functools.lru_cache(maxsize=64)
+def tuned_device(device_type: str, index: int | None) -> bool:
+    """Whether :data:`TUNED` applies on this device: a CUDA GPU of the compute
+    capability the measurements were taken on."""
+    if device_type != "cuda" or torch.version.hip is not None or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability(index) == TUNED_ON
 
 
 @functools.lru_cache(maxsize=4096)
 def _resolve(kernel: str, bits: int, group: int, hadamard: int, device_type: str,
-             overrides: tuple[tuple[str, object], ...]) -> KernelConfig:
+             tuned_here: bool, overrides: tuple[tuple[str, object], ...]) -> KernelConfig:
     _check_choice("kernel", kernel, KERNELS)
-    tuned = TUNED.get((kernel, bits, group, hadamard), {}) if device_type == "cuda" else {}
+    tuned = TUNED.get((kernel, bits, group, hadamard), {}) if tuned_here else {}
     chosen = {**tuned, **dict(overrides)}
     choice = chosen.pop("kernels", environment().kernels)
     tile = chosen.pop("tile", TILE_ELEMENTS)
