@@ -30,6 +30,7 @@ def _torchrun(script, tmp_path, name, *flags, ranks=2):
     return json.loads(report.read_text())
 
 
+@pytest.mark.slow
 @pytest.mark.sweep
 def test_the_nanogpt_loop_compresses_and_resumes_bit_for_bit(tmp_path):
     # int2ef with each rank a node, DDP buckets small enough for several per step
@@ -46,6 +47,7 @@ def test_the_nanogpt_loop_compresses_and_resumes_bit_for_bit(tmp_path):
                                                     "commpress-rank1.pt"]
 
 
+@pytest.mark.slow
 @pytest.mark.sweep
 def test_the_zero_loop_matches_torchs_and_resumes_on_two_or_one_ranks(tmp_path):
     steps = ("--steps", "6")
@@ -61,6 +63,7 @@ def test_the_zero_loop_matches_torchs_and_resumes_on_two_or_one_ranks(tmp_path):
     assert len(one["losses"]) == 3 and all(x < straight["losses"][0] for x in one["losses"])
 
 
+@pytest.mark.slow
 @pytest.mark.sweep
 def test_the_hf_trainer_script_keeps_codec_state_in_its_checkpoints(tmp_path):
     flags = ("--ranks-per-node", "1", "--steps", "6", "--save-steps", "3",
