@@ -86,9 +86,7 @@ TUNED: Mapping[tuple[str, int, int, int], Mapping[str, object]] = MappingProxyTy
     ("trits_dequantize", 2, 128, 0): {"tile": 8192, "warps": 4},  # 887 (default 820)
     ("dequantize_sum", 4, 128, 128): {"fp32_dot": "tf32x3"},  # 545 (ieee 25)
 })
-
-
-TUNED_ON = (9, 0)
+TUNED_ON = (9, 0)  # the H200's compute capability
 
 
 @dataclass(frozen=True)
@@ -249,7 +247,7 @@ def resolve(kernel: str, bits: int = 0, group: int = 0, hadamard: int = 0,
     """The :class:`KernelConfig` of ``kernel`` (one of :data:`KERNELS`) for a
     configuration on ``device`` (cached: the same object every call, until an
     override changes the choices)."""
-    device = torch.device(device)
+    device = device if isinstance(device, torch.device) else torch.device(device)  # per call
     return _resolve(kernel, bits, group, hadamard, device.type,
                     tuned_device(device.type, device.index), _OVERRIDES.current())
 
