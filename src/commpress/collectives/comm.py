@@ -3,6 +3,8 @@ and the byte exchanges (all-to-all, all-gather) that the compressed collectives 
 
 from __future__ import annotations
 
+import atexit
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -15,9 +17,32 @@ ReduceOpName = str  # "avg" | "sum"
 REDUCE_OPS = {"avg": dist.ReduceOp.AVG, "sum": dist.ReduceOp.SUM}
 
 
+# A Gloo worker thread drops its finished work (and the last reference to the work's
+# tensors) just after the work's future completes. If the interpreter is finalizing by then,
+# the tensor's Python object cannot take the GIL and the process aborts ("terminate called
+# without an active exception", SIGABRT) after the script's last line, on any rank whose
+# worker was a little late. A short wait at exit, while the interpreter is still whole and
+# the GIL free, lets every worker finish first. The hazard is torch's; the wait is armed
+# once commpress has been handed or found a process group.
+EXIT_GRACE_S = 0.2
+_exit_grace_armed = False
+
+
+def _wait_for_gloo_workers() -> None:
+    time.sleep(EXIT_GRACE_S)
+
+
+def _arm_exit_grace() -> None:
+    global _exit_grace_armed
+    if not _exit_grace_armed:
+        _exit_grace_armed = True
+        atexit.register(_wait_for_gloo_workers)
+
+
 def resolve_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     """``group``, or the world. A group the caller hands over may be one torch.distributed
     never registered (torchft's reconfigurable groups are made outside it)."""
+    _arm_exit_grace()
     if group is not None:
         return group
     if not dist.is_initialized():
