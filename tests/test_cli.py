@@ -81,3 +81,34 @@ def test_every_numeric_option_refuses_out_of_range_values_in_one_line(capsys, co
         assert err.startswith("error:") and err.count("\n") == 1, (argv, err)
         assert "allowed" in err and any(n in err for n in names), (argv, err)
         assert value.lstrip("-") in err, (argv, err)
+
+
+PATH_DESTS = ("json", "out", "resume", "data", "codec_throughput")
+
+
+def _path_options():
+    return [(command, action.option_strings[0]) for command, action in _options()
+            if action.dest in PATH_DESTS]
+
+
+def test_path_options_are_found():
+    commands = {command for command, _ in _path_options()}
+    assert {"train", "compare", "simulate", "plan", "bench codecs"} <= commands
+
+
+@pytest.mark.parametrize(("command", "flag"), _path_options(), ids=lambda v: str(v))
+def test_every_path_option_refuses_a_blank_path(capsys, command, flag):
+    """``--resume "$CKPT"`` with the variable unset must not start a fresh run in silence,
+    nor ``--json ''`` write nothing: a blank path ends with an error naming the option."""
+    from commpress.cli import main
+
+    for value in ("", "  "):
+        argv = [*command.split(), flag, value, *COMMAND_TAIL.get(command, [])]
+        try:
+            rc = main(argv)
+        except SystemExit as exit:  # argparse's own refusal
+            rc = exit.code
+        assert rc == 2, argv
+        err = capsys.readouterr().err
+        assert "allowed: a non-empty path" in err, (argv, err)
+        assert flag in err or flag.lstrip("-").replace("-", "_") in err, (argv, err)

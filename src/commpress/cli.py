@@ -88,6 +88,13 @@ def _optional(base: type):
     return parse
 
 
+def _path(text: str) -> str:
+    """An argparse type for a file to write: a blank one is refused, not ignored."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} is not allowed; allowed: a non-empty path")
+    return text
+
+
 def _add_train_options(p: argparse.ArgumentParser, skip: tuple[str, ...] = (),
                        helps: dict[str, str] | None = None) -> None:
     """One flag per TrainConfig field; the field's help text (or ``helps``' for this
@@ -239,14 +246,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     tr = sub.add_parser("train", help="train the reference GPT with dp × tp × pp and a policy")
     _add_train_options(tr)
-    tr.add_argument("--json", default=None, help="also write the summary to this JSON file")
+    tr.add_argument("--json", type=_path, default=None,
+                    help="also write the summary to this JSON file")
     tr.set_defaults(fn=_cmd_train)
 
     cmp = sub.add_parser("compare", help="the same run under several policies, side by side")
     cmp.add_argument("--policies", default="none,naive,hybrid,sdp4bit,zeropp",
                      help="comma-separated policies (default: none,naive,hybrid,sdp4bit,zeropp)")
     _add_train_options(cmp, skip=("policy",))
-    cmp.add_argument("--json", default=None, help="write every summary to this JSON file")
+    cmp.add_argument("--json", type=_path, default=None,
+                     help="write every summary to this JSON file")
     cmp.set_defaults(fn=_cmd_compare)
 
     sim = sub.add_parser("simulate", help="one process plays an N-rank data-parallel run: the "
@@ -257,7 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="comma-separated policies to compare (a table and plots); "
                           "default: --policy alone")
     _add_train_options(sim, skip=SIMULATE_SKIPS, helps=SIMULATE_HELPS)
-    sim.add_argument("--json", default=None, help="also write the summary to this JSON file")
+    sim.add_argument("--json", type=_path, default=None,
+                     help="also write the summary to this JSON file")
     sim.set_defaults(fn=_cmd_simulate)
 
     pl = sub.add_parser("plan", help="predict step time and speedup of policies on a cluster")
@@ -309,9 +319,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="with --outer: Streaming DiLoCo's fragments (default: 1)")
     pl.add_argument("--outer-delay", type=int, default=0,
                     help="with --outer: inner steps a fragment's all-reduce overlaps")
-    pl.add_argument("--codec-throughput", default=None,
+    pl.add_argument("--codec-throughput", type=_path, default=None,
                     help="JSON from 'commpress bench codecs --json'")
-    pl.add_argument("--json", default=None, help="also write the plan to this JSON file")
+    pl.add_argument("--json", type=_path, default=None,
+                    help="also write the plan to this JSON file")
     pl.set_defaults(fn=_cmd_plan)
 
     tb = sub.add_parser("testbed", help="run train/compare on an emulated multi-node cluster "
@@ -346,7 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="timed calls per codec and direction (default: 10)")
     bc.add_argument("--no-reference", action="store_true",
                     help="skip the torch.compile reference quantizer")
-    bc.add_argument("--json", default=None, help="write the rows as JSON to this path")
+    bc.add_argument("--json", type=_path, default=None, help="write the rows as JSON to this path")
     bc.set_defaults(fn=_cmd_bench_codecs)
 
     bcol = bsub.add_parser("collectives", help="compressed collectives beside torch's own "
@@ -368,7 +379,7 @@ def build_parser() -> argparse.ArgumentParser:
     bcol.add_argument("--dtype", default="fp32", choices=sorted(DTYPES),
                       help="element dtype (default: fp32)")
     bcol.add_argument("--iters", type=int, default=5, help="timed calls per row (default: 5)")
-    bcol.add_argument("--json", default=None, help="write the rows to this JSON file")
+    bcol.add_argument("--json", type=_path, default=None, help="write the rows to this JSON file")
     bcol.set_defaults(fn=_cmd_bench_collectives)
     return p
 

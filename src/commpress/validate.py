@@ -66,6 +66,19 @@ def check_float(name: str, value: object, *, gt: float | None = None, ge: float 
                      f"{_allowed('a finite number', _range(gt=gt, ge=ge, lt=lt, le=le), optional)}")
 
 
+def check_path(name: str, value: object, *, optional: bool = False) -> None:
+    """Raise :class:`InputError` unless ``value`` is a non-blank path string (or None when
+    ``optional``): an empty ``--resume "$CKPT"`` from an unset variable must not start a
+    fresh run, nor an empty ``--json`` write nothing, in silence.
+    """
+    if value is None and optional:
+        return
+    if isinstance(value, str) and value.strip():
+        return
+    raise InputError(f"{name}={value!r} is not allowed; allowed: "
+                     f"{_allowed('a non-empty path', '', optional)}")
+
+
 def _allowed(kind: str, bounds: str, optional: bool) -> str:
     return " ".join(part for part in (kind, bounds, "or none" if optional else "") if part)
 

@@ -11,7 +11,7 @@ import torch
 from commpress.integrations.diloco import DiLoCoConfig, outer_policy
 from commpress.model.gpt import PRESETS as MODEL_PRESETS
 from commpress.policy import Policy
-from commpress.validate import MAX_SEED, InputError, check_float, check_int
+from commpress.validate import MAX_SEED, InputError, check_float, check_int, check_path
 
 MAX_TIMEOUT_S = 1_000_000  # about 11.6 days: longer than any wait worth waiting for
 # the --dtype names (of the model, and of the benchmarks' tensors)
@@ -83,6 +83,8 @@ class TrainConfig:
             raise InputError(f"model={self.model!r} is not allowed; allowed: "
                              f"{', '.join(MODEL_PRESETS)}")
         self._check_numbers()
+        for name in ("data", "out", "resume"):
+            check_path(name, getattr(self, name), optional=True)
         if self.dtype not in DTYPES:
             raise InputError(f"dtype={self.dtype!r} is not allowed; allowed: {', '.join(DTYPES)}")
         if self.engine not in ("sharded", "ddp"):
