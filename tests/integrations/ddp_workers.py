@@ -185,7 +185,7 @@ def elastic(rank, world, directory, phase):
     records = []
     handler = logging.Handler()
     handler.emit = lambda record: records.append(record.getMessage())
-    logging.getLogger("commpress.integrations.ddp").addHandler(handler)
+    logging.getLogger("commpress.integrations.grad_path").addHandler(handler)
     data = workers._data()
     out = {}
     for front in ("int2ef", "lowrank", "diloco"):

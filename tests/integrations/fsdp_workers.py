@@ -90,3 +90,40 @@ def fsdp_codec_state_mismatch(rank, world, policy, other_policy):
         except ValueError as e:
             errors[case] = str(e)
     return {"modules": state["modules"], "errors": errors}
+
+
+def fsdp_elastic(rank, world, policy, ckpt_dir, phase):
+    """``phase="save"``: 2 steps, then a DCP checkpoint with the codec state. ``"load"``
+    (on another number of ranks): the strict load's error; then the elastic load and 2
+    steps; then, on a fresh model, the checkpoint without the codec state and the same 2
+    steps. Returns the losses and weights' hashes, and what was logged."""
+    import logging
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logging.getLogger("commpress").addHandler(handler)
+    data = _data()
+    model, compression = _fsdp_model(policy)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    app = {"train": _TrainState(model, opt), "comm": compression}
+    if phase == "save":
+        train_steps(model, opt, data, rank, world, 0, 2)
+        dcp.save(app, checkpoint_id=ckpt_dir)
+        return {"hash": _full_params_hash(model)}
+    out = {}
+    try:
+        dcp.load(app, checkpoint_id=ckpt_dir)
+        out["strict"] = None
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException, every rank's errors
+        out["strict"] = str(e)
+    dcp.load({**app, "comm": compression.elastic()}, checkpoint_id=ckpt_dir)
+    out["loaded"] = _full_params_hash(model)
+    out["elastic"] = train_steps(model, opt, data, rank, world, 2, 2), _full_params_hash(model)
+    fresh, _ = _fsdp_model(policy)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=3e-3)
+    dcp.load({"train": _TrainState(fresh, fresh_opt)}, checkpoint_id=ckpt_dir)
+    out["without codecs"] = (train_steps(fresh, fresh_opt, data, rank, world, 2, 2),
+                             _full_params_hash(fresh))
+    out["logged"] = [m for m in records if "start fresh" in m]
+    return out

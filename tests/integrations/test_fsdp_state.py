@@ -44,3 +44,30 @@ def test_fsdp_codec_state_of_other_modules_or_another_policy_is_refused():
     assert "'blocks.0'" in message and "'blocks.1'" in message
     assert "FSDP codec checkpoint policy {'name': 'int2ef'" in result["errors"]["policy"]
     assert "does not match this run's {'name': 'sdp4bit'" in result["errors"]["policy"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("saved, resumed", [(4, 2), (2, 4)])
+def test_an_elastic_resume_on_another_number_of_ranks_starts_the_codecs_fresh(tmp_path, saved,
+                                                                              resumed):
+    """DCP reshards the model and the optimizer; the codec state of another world is refused
+    (by commpress on fewer ranks, by DCP on more) unless loaded through ``comm.elastic()``, which then continues exactly as a run that
+    saved no codec state would (fresh memory, nothing of the old world applied), said once."""
+    ckpt = str(tmp_path / "ckpt")
+    (at_save, *_) = spawn(fsdp_workers.fsdp_elastic, saved, ("int2ef", ckpt, "save"),
+                          ranks_per_node=1)
+    ranks = spawn(fsdp_workers.fsdp_elastic, resumed, ("int2ef", ckpt, "load"),
+                  ranks_per_node=1)
+    for r in ranks:
+        if resumed < saved:
+            assert f"world_size {saved} does not match this run's {resumed}" in r["strict"]
+            assert "comm.elastic()" in r["strict"]
+        else:  # the new ranks' entries are not in the checkpoint: DCP refuses, naming them
+            assert f"Missing key in checkpoint state_dict: comm.rank{saved}." in r["strict"]
+        assert r["loaded"] == at_save["hash"]
+        assert r["elastic"] == r["without codecs"] == ranks[0]["elastic"]
+    assert ranks[0]["logged"] == [f"commpress FSDP codec: resuming state saved on {saved} "
+                                  f"ranks on {resumed}: error-feedback memory and rounding "
+                                  "streams start fresh (they were laid out for the world that "
+                                  "saved them)"]
+    assert all(r["logged"] == [] for r in ranks[1:])

@@ -61,7 +61,7 @@ from commpress.codecs import codec as build_codec
 from commpress.collectives import Topology, context
 from commpress.collectives.agreement import release
 from commpress.collectives.comm import group_timeout
-from commpress.integrations.grad_path import GradPath, say_once, warn_if_uncompressed
+from commpress.integrations.grad_path import GradPath, resized, warn_if_uncompressed
 from commpress.policy import Policy, list_presets
 from commpress.validate import InputError, check_int, check_saved_state
 
@@ -342,19 +342,6 @@ class DDPHookState:
             hb_index, i = self._where[id(p)]
             if hb_index == j:
                 g.view(-1).copy_(hb.buffer[hb.offsets[i]: hb.offsets[i] + hb.numels[i]])
-
-
-def resized(state: dict[str, Any], mine: dict[str, int], what: str) -> bool:
-    """Whether ``state`` was saved by another rank or world size than ``mine``; if so,
-    say once (on rank 0) that its per-rank memory starts fresh."""
-    saved = {k: state.get(k) for k in mine}
-    if saved == mine:
-        return False
-    say_once(log, ("resized", what, saved["world_size"], mine["world_size"]), mine["rank"],
-             "%s: resuming state saved on %s ranks on %s: error-feedback memory and "
-             "rounding streams start fresh (they were laid out for the world that saved "
-             "them)", what, saved["world_size"], mine["world_size"])
-    return True
 
 
 def ddp_ignored(model: nn.Module) -> set[str]:

@@ -47,7 +47,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPM
 from commpress.collectives import Topology, all_gather, all_reduce
 from commpress.collectives.agreement import agree
 from commpress.collectives.comm import all_gather_single
-from commpress.integrations.grad_path import GradPath
+from commpress.integrations.grad_path import GradPath, resized
 from commpress.policy import Policy, Rule
 from commpress.validate import InputError, check_saved_state
 
@@ -256,7 +256,9 @@ class FSDPCompression:
     own key ``rank<r>``, as torchtitan keys its data loaders' state: a checkpoint
     holds every rank's, and a tensor entry shared by name would be written by one rank
     only. Inside, the state is keyed by the FSDP module's fully-qualified name (``""``
-    for the root). Loading needs the same policy, world size and FSDP modules.
+    for the root). Loading needs the same policy, world size and FSDP modules; on another
+    number of ranks give ``dcp.load`` :meth:`elastic` instead, which starts the codecs
+    fresh (DCP itself reshards the model and the optimizer).
 
     Example::
 
@@ -297,19 +299,38 @@ class FSDPCompression:
         return {"format": STATE_FORMAT, "world_size": self.world,
                 "modules": list(self.modules), f"rank{self.rank}": buffer.getvalue()}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], elastic: bool = False) -> None:
         """Restore the codec state; another policy, world size or set of FSDP modules is
-        refused with the difference named."""
+        refused with the difference named.
+
+        ``elastic=True`` resumes on another number of ranks (DCP reshards the model and the
+        optimizer): the policy and modules are still checked, and the codecs start fresh —
+        their error-feedback memory and rounding streams were laid out for the world that
+        saved them (said once, on rank 0). With DCP, load :meth:`elastic` in its place."""
         check_saved_state(state, STATE_FORMAT, "commpress FSDP codec",
-                          {"world_size": self.world}, "resume with the same world size")
+                          {} if elastic else {"world_size": self.world},
+                          "resume with the same world size; on another number of ranks "
+                          "load comm.elastic() with DCP, or load_state_dict(state, "
+                          "elastic=True)")
         _check_module_names(state["modules"], list(self.modules))
         key = f"rank{self.rank}"
-        if key not in state:
-            saved = sorted(k for k in state if k.startswith("rank"))
-            raise InputError(f"FSDP codec checkpoint holds the state of {saved}, not this "
+        saved_keys = sorted(k for k in state if k.startswith("rank"))
+        fresh = elastic and (state["world_size"] != self.world or key not in state)
+        if fresh:
+            if not saved_keys:
+                raise InputError("FSDP codec checkpoint holds no rank's state; save it with "
+                                 "the FSDPCompression of a compressed model")
+            key = saved_keys[0]  # only its policy is read
+        elif key not in state:
+            raise InputError(f"FSDP codec checkpoint holds the state of {saved_keys}, not this "
                              f"rank's ({key!r}); load each rank's own state")
         entry = torch.load(io.BytesIO(state[key]), map_location=self.device, weights_only=True)
         _check_same("policy", entry["policy"], self.policy.to_dict())
+        if fresh:
+            resized({"rank": None, "world_size": state["world_size"]},
+                    {"rank": self.rank, "world_size": self.world}, "commpress FSDP codec")
+            self._fresh_codecs()
+            return
         codec_states = entry["codecs"]
         _check_module_names(list(codec_states), list(self.modules))
         for name, (gather, scatter) in self.modules.items():
@@ -320,6 +341,43 @@ class FSDPCompression:
             scatter.grad_path.load_state_dict(saved["grad"])
             if scatter.replicate is not None:
                 scatter.replicate.codec.load_state_dict(saved["replicate"])
+
+    def elastic(self) -> _ElasticLoad:
+        """The ``Stateful`` to give ``dcp.load`` in this one's place when the checkpoint
+        was saved on another number of ranks: it reads only what every rank saved alike
+        (and rank 0's entry, for its policy), then starts the codecs fresh as
+        ``load_state_dict(state, elastic=True)`` does. Example::
+
+            dcp.load({"app": app_state, "comm": comm.elastic()}, checkpoint_id=path)
+        """
+        return _ElasticLoad(self)
+
+    def _fresh_codecs(self) -> None:
+        for gather, scatter in self.modules.values():
+            gather.codec = _param_codec(self.policy)
+            scatter.grad_path = GradPath(self.policy, scatter.grad_path.topology,
+                                         scatter.grad_path.label)
+            if scatter.replicate is not None:
+                scatter.replicate.codec = self.policy.codec_for("dp", "grad", "inter")
+
+
+class _ElasticLoad:
+    """:meth:`FSDPCompression.elastic`: the keys every saved world has, for ``dcp.load``."""
+
+    def __init__(self, compression: FSDPCompression) -> None:
+        self.compression = compression
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"format": STATE_FORMAT, "world_size": 0, "modules": [], "rank0": b""}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.compression.load_state_dict(state, elastic=True)
+
+
+def _param_codec(policy: Policy) -> Any:
+    """The weights' codec: ``dp.param``'s, or exact where it asks for differences."""
+    rule = policy.rule("dp", "param")
+    return Rule().build() if rule.delta else rule.build()
 
 
 def _check_same(key: str, saved: Any, mine: Any) -> None:
@@ -362,8 +420,7 @@ def compress(model: nn.Module, policy: str | dict | Policy = "sdp4bit",
     for name, module in model.named_modules():
         if not isinstance(module, FSDPModule):
             continue
-        param_codec = Rule().build() if param_rule.delta else param_rule.build()
-        gather = CompressedAllGather(param_codec)
+        gather = CompressedAllGather(_param_codec(policy))
         scatter = CompressedReduceScatter(GradPath(policy, topology),
                                           _replicate_all_reduce(module, policy, in_flight))
         module.set_custom_all_gather(gather)

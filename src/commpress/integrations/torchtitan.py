@@ -16,6 +16,9 @@ The codec state (error-feedback residuals, rounding counters) is a DCP ``Statefu
 add it to the checkpointer's states so it is saved and loaded with the model::
 
     trainer.checkpointer.states["commpress"] = comm
+
+Resuming on another number of ranks (torchtitan's checkpoints reshard through DCP), put
+``comm.elastic()`` there instead: the codecs then start fresh, said once.
 """
 
 from __future__ import annotations
