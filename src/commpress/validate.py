@@ -66,6 +66,13 @@ def check_float(name: str, value: object, *, gt: float | None = None, ge: float 
                      f"{_allowed('a finite number', _range(gt=gt, ge=ge, lt=lt, le=le), optional)}")
 
 
+def check_bool(name: str, value: object) -> None:
+    """Raise :class:`InputError` unless ``value`` is ``True`` or ``False`` (``"no"`` would
+    otherwise switch a mode on)."""
+    if not isinstance(value, bool):
+        raise InputError(f"{name}={value!r} is not allowed; allowed: True or False")
+
+
 def check_path(name: str, value: object, *, optional: bool = False) -> None:
     """Raise :class:`InputError` unless ``value`` is a non-blank path string (or None when
     ``optional``): an empty ``--resume "$CKPT"`` from an unset variable must not start a

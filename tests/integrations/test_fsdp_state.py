@@ -51,8 +51,9 @@ def test_fsdp_codec_state_of_other_modules_or_another_policy_is_refused():
 def test_an_elastic_resume_on_another_number_of_ranks_starts_the_codecs_fresh(tmp_path, saved,
                                                                               resumed):
     """DCP reshards the model and the optimizer; the codec state of another world is refused
-    (by commpress on fewer ranks, by DCP on more) unless loaded through ``comm.elastic()``, which then continues exactly as a run that
-    saved no codec state would (fresh memory, nothing of the old world applied), said once."""
+    (by commpress on fewer ranks, by DCP on more) unless loaded through ``comm.elastic()``,
+    which then continues exactly as a run that saved no codec state would (fresh memory,
+    nothing of the old world applied), said once."""
     ckpt = str(tmp_path / "ckpt")
     (at_save, *_) = spawn(fsdp_workers.fsdp_elastic, saved, ("int2ef", ckpt, "save"),
                           ranks_per_node=1)

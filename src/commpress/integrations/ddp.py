@@ -63,7 +63,7 @@ from commpress.collectives.agreement import release
 from commpress.collectives.comm import group_timeout
 from commpress.integrations.grad_path import GradPath, resized, warn_if_uncompressed
 from commpress.policy import Policy, list_presets
-from commpress.validate import InputError, check_int, check_saved_state
+from commpress.validate import InputError, check_bool, check_int, check_saved_state
 
 STATE_FORMAT = "commpress.DDPHookState/3"
 log = logging.getLogger(__name__)
@@ -169,9 +169,7 @@ class DDPHookState:
                             f"DDP module); got {type(model).__name__} — call "
                             "commpress.ddp_hook(model, policy)")
         check_int("ddp_hook: bucket_numel", bucket_numel, ge=1)
-        if not isinstance(overlap, bool):
-            raise InputError(f"ddp_hook: overlap={overlap!r} is not allowed; allowed: True or "
-                             "False")
+        check_bool("ddp_hook: overlap", overlap)
         module = getattr(model, "module", model)
         # hyperparameters
         self.policy = grad_policy(policy)

@@ -61,7 +61,7 @@ from commpress.collectives.agreement import agree
 from commpress.collectives.call import is_exact
 from commpress.collectives.handle import completed
 from commpress.integrations.ddp import BUCKET_NUMEL, DDPHookState, compressed_allreduce_hook
-from commpress.validate import MAX_SEED, InputError, check_float, check_int
+from commpress.validate import MAX_SEED, InputError, check_bool, check_float, check_int
 
 LABEL = "dp.grad.lowrank"
 
@@ -82,9 +82,7 @@ class LowRankConfig:
         check_int("lowrank_hook: start_iter", self.start_iter, ge=0)
         check_float("lowrank_hook: min_compression_rate", self.min_compression_rate, ge=1)
         check_int("lowrank_hook: seed", self.seed, ge=0, le=MAX_SEED)
-        if not isinstance(self.alternate, bool):
-            raise InputError(f"lowrank_hook: alternate={self.alternate!r} is not allowed; "
-                             "allowed: True or False")
+        check_bool("lowrank_hook: alternate", self.alternate)
         if not isinstance(self.factor_codec, str):
             raise InputError(f"lowrank_hook: factor_codec={self.factor_codec!r} is not "
                              "allowed; allowed: a codec spec such as 'int8'")

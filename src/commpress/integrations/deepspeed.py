@@ -57,13 +57,13 @@ import torch
 import torch.distributed as dist
 
 from commpress.collectives import Topology
-from commpress.collectives.agreement import agree
+from commpress.collectives.agreement import agree, all_gather_objects
 from commpress.collectives.parts import reduce_scatter_parts
 from commpress.integrations import rank_state
-from commpress.integrations.grad_path import GradPath
+from commpress.integrations.grad_path import GradPath, resized, say_once
 from commpress.integrations.weight_gather import gather_weights
 from commpress.policy import Policy
-from commpress.validate import InputError, check_saved_state
+from commpress.validate import InputError, check_bool, check_saved_state
 
 try:
     import deepspeed
@@ -96,12 +96,14 @@ class DeepSpeedCompression:
     rank's partition of the weights as last gathered); stats (``buckets_reduced``).
     """
 
-    def __init__(self, engine: DeepSpeedEngine, policy: Policy, topology: Topology) -> None:
+    def __init__(self, engine: DeepSpeedEngine, policy: Policy, topology: Topology,
+                 elastic: bool = False) -> None:
         self.engine = engine
         self.optimizer = engine.optimizer
         # hyperparameters
         self.policy = policy
         self.topology = topology
+        self.elastic = elastic
         self.group = self.optimizer.dp_process_group
         self.param_rule = policy.rule("dp", "param")
         # internal state
@@ -261,22 +263,41 @@ class DeepSpeedCompression:
                 "param_codecs": [c.state_dict() for c in self.param_codecs],
                 "buckets_reduced": self.buckets_reduced}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore codec state saved by the same data-parallel rank of the same run."""
+    def load_state_dict(self, state: dict[str, Any], elastic: bool = False) -> None:
+        """Restore codec state saved by the same data-parallel rank of the same run.
+
+        ``elastic=True`` accepts a state of another data-parallel size or rank (DeepSpeed's
+        universal checkpoints reshard its own state): the policy
+        and parameter groups are still checked, and the codecs start fresh — their memory
+        was laid out for the world that saved them (said once, on rank 0)."""
+        mine = {"world_size": dist.get_world_size(self.group),
+                "dp_rank": dist.get_rank(self.group)}
         check_saved_state(state, STATE_FORMAT, "commpress.deepspeed", {
-            "policy": self.policy.to_dict(), "world_size": dist.get_world_size(self.group),
-            "dp_rank": dist.get_rank(self.group), "param_codecs": len(self.param_codecs)},
-            "resume with the same policy, data-parallel size and parameter groups",
+            "policy": self.policy.to_dict(), **({} if elastic else mine),
+            "param_codecs": len(self.param_codecs)},
+            "resume with the same policy, data-parallel size and parameter groups; on "
+            "another data-parallel size: compress(engine, policy, elastic=True)",
             views={"param_codecs": len})
+        if resized({"rank": state["dp_rank"], "world_size": state["world_size"]},
+                   {"rank": mine["dp_rank"], "world_size": mine["world_size"]},
+                   "commpress.deepspeed"):
+            self._fresh_codecs()
+            self.buckets_reduced = state["buckets_reduced"]
+            return
         for codec, saved in zip(self.param_codecs, state["param_codecs"]):
             codec.load_state_dict(saved)
         self.grad_paths = {}
         self._pending = dict(state["grad_codecs"])  # applied as each bucket comes
         self.buckets_reduced = state["buckets_reduced"]
 
-    def state_path(self, checkpoint_dir: str) -> str:
-        """This rank's codec-state file inside a checkpoint's tag directory."""
-        return os.path.join(checkpoint_dir, f"commpress_rank{dist.get_rank():05d}.pt")
+    def _fresh_codecs(self) -> None:
+        self.grad_paths, self._pending = {}, {}
+        self.param_codecs = [self.param_rule.build() for _ in self.param_codecs]
+
+    def state_path(self, checkpoint_dir: str, rank: int | None = None) -> str:
+        """This rank's (or ``rank``'s) codec-state file inside a checkpoint's tag directory."""
+        rank = dist.get_rank() if rank is None else rank
+        return os.path.join(checkpoint_dir, f"commpress_rank{rank:05d}.pt")
 
     def _save_checkpoint(self, save_dir: str, tag: Any = None, *args, **kwargs) -> Any:
         # DeepSpeed's default tag, fixed here so both files land in one directory
@@ -301,11 +322,38 @@ class DeepSpeedCompression:
             self._own_weights = self._own_partitions()
         if kwargs.get("load_module_only"):
             return load_path, client_state
-        path = self.state_path(os.path.dirname(load_path))
-        self.load_state_dict(rank_state.load(
-            path, None, "commpress.deepspeed", missing="save it with a compressed "
-            "engine, or load with load_module_only=True"))
+        checkpoint_dir = os.path.dirname(load_path)
+        state = self._saved_state(checkpoint_dir)
+        if state is None:
+            say_once(log, ("no state", checkpoint_dir), dist.get_rank(),
+                     "commpress.deepspeed: %s holds no commpress state (a universal "
+                     "checkpoint?): error-feedback memory and rounding streams start fresh",
+                     checkpoint_dir)
+            self._fresh_codecs()
+        else:
+            self.load_state_dict(state, self.elastic)
         return load_path, client_state
+
+    def _saved_state(self, checkpoint_dir: str) -> dict[str, Any] | None:
+        """This rank's saved state. With ``elastic``, rank 0's first (every rank reads it),
+        which tells whether the data-parallel size changed: then it stands for every rank's,
+        whose memory would not apply anyway (a new rank has no file of its own); and None
+        when no rank has a file (a universal checkpoint: ``ds_to_universal`` copies only
+        DeepSpeed's own files)."""
+        what, missing = ("commpress.deepspeed", "save it with a compressed engine, load with "
+                         "load_module_only=True, or, on another data-parallel size (a "
+                         "universal checkpoint), compress(engine, policy, elastic=True)")
+        if self.elastic:
+            first = self.state_path(checkpoint_dir, 0)
+            if not any(all_gather_objects(os.path.exists(first), None,
+                                          "commpress.deepspeed elastic load")):
+                return None
+            state = rank_state.load(first, None, what, missing, own=False)
+            if state.get("world_size") != dist.get_world_size(self.group):
+                return state
+        return rank_state.load(self.state_path(checkpoint_dir), None, what, missing,
+                               other_world="on another data-parallel size: compress(engine, "
+                               "policy, elastic=True)")
 
 
 def _gather_dispatch(groups_flat, partitioned_param_groups, dp_process_group,
@@ -319,7 +367,8 @@ def _gather_dispatch(groups_flat, partitioned_param_groups, dp_process_group,
 
 
 def compress(engine: DeepSpeedEngine, policy: str | dict | Policy = "none",
-             topology: Topology | None = None) -> DeepSpeedCompression:
+             topology: Topology | None = None, *, elastic: bool = False
+             ) -> DeepSpeedCompression:
     """Compress a DeepSpeed ZeRO-1/2 engine's gradient reduce-scatter and weight
     all-gather with ``policy``; returns the :class:`DeepSpeedCompression` (``undo()``).
 
@@ -331,6 +380,10 @@ def compress(engine: DeepSpeedEngine, policy: str | dict | Policy = "none",
         engine: what ``deepspeed.initialize`` returned first (ZeRO stage 1 or 2).
         policy: preset name, policy file, dict or :class:`~commpress.Policy`.
         topology: node layout for two levels (default from ``LOCAL_WORLD_SIZE``).
+        elastic: let ``engine.load_checkpoint`` resume a checkpoint saved on another
+            data-parallel size (DeepSpeed reshards its own state through a universal
+            checkpoint: ``ds_to_universal``, ``checkpoint.load_universal``): the codecs
+            then start fresh, said once. Without it such a checkpoint is refused by name.
 
     Example::
 
@@ -339,11 +392,12 @@ def compress(engine: DeepSpeedEngine, policy: str | dict | Policy = "none",
         commpress.deepspeed.compress(engine, "sdp4bit")
     """
     _check_engine(engine)
+    check_bool("elastic", elastic)
     policy = Policy.resolve(policy)
     # one rank compressing and another not would meet in mismatched collectives later
     agree(engine.optimizer.dp_process_group, "deepspeed.compress", label="dp",
           policy=policy.to_dict(), groups=len(engine.optimizer.bit16_groups_flat))
-    compression = DeepSpeedCompression(engine, policy, topology or Topology())
+    compression = DeepSpeedCompression(engine, policy, topology or Topology(), elastic)
     compression._install()
     engine.commpress = compression
     log.info("Applied commpress to DeepSpeed ZeRO-%d: policy %s (%s)",

@@ -45,7 +45,7 @@ from commpress.integrations.ddp import new_hook_group
 from commpress.integrations.grad_path import GradPath, resized, warn_if_uncompressed
 from commpress.integrations.replica_sync import broadcast_coalesced, group_source
 from commpress.policy import Policy
-from commpress.validate import InputError, check_float, check_int, check_saved_state
+from commpress.validate import InputError, check_bool, check_float, check_int, check_saved_state
 
 STATE_FORMAT = "commpress.DiLoCo/1"
 LABEL = "outer.grad"
@@ -98,9 +98,7 @@ class DiLoCoConfig:
         check_float("DiLoCo: outer_lr", self.outer_lr, gt=0)
         check_float("DiLoCo: outer_momentum", self.outer_momentum, ge=0, lt=1)
         check_float("DiLoCo: alpha", self.alpha, ge=0, le=1)
-        if not isinstance(self.nesterov, bool):
-            raise InputError(f"DiLoCo: nesterov={self.nesterov!r} is not allowed; allowed: "
-                             "True or False")
+        check_bool("DiLoCo: nesterov", self.nesterov)
 
     def sync_offset(self, fragment: int) -> int:
         """Fragment ``fragment`` starts its all-reduce after inner steps ``t`` with

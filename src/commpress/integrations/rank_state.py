@@ -65,14 +65,17 @@ def save(state: dict[str, Any], path: str, group: dist.ProcessGroup | None = Non
 
 
 def load(path: str, group: dist.ProcessGroup | None = None, what: str = "commpress",
-         missing: str = "resume from a checkpoint saved with commpress") -> dict[str, Any]:
+         missing: str = "resume from a checkpoint saved with commpress",
+         own: bool = True, other_world: str = "") -> dict[str, Any]:
     """This rank's state from ``path``, checked against its header; if any rank of
     ``group`` cannot load its file, every rank raises :class:`InputError` together.
-    ``missing``: the advice given when the file does not exist."""
+    ``missing``: the advice given when the file does not exist; ``other_world``: when
+    another rank or world wrote it. ``own=False`` accepts such a file (an elastic resume
+    reads rank 0's), still verified."""
     rank, world = _rank_world(group)
     state, problem = None, None
     try:  # whatever fails here, every rank must still reach the gather below
-        state = _read(path, rank, world, what, missing)
+        state = _read(path, None if not own else (rank, world), what, missing, other_world)
     except InputError as e:
         problem = str(e)
     except Exception as e:  # noqa: BLE001 - a file that cannot be read, reported everywhere
@@ -88,7 +91,8 @@ def _rank_world(group: dist.ProcessGroup | None) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def _read(path: str, rank: int, world: int, what: str, missing: str) -> dict[str, Any]:
+def _read(path: str, identity: tuple[int, int] | None, what: str, missing: str,
+          other_world: str) -> dict[str, Any]:
     try:
         f, size = open_regular(path, f"{what} state file")
     except FileNotFoundError:
@@ -112,8 +116,9 @@ def _read(path: str, rank: int, world: int, what: str, missing: str) -> dict[str
         raise InputError(f"{what}: {path!r} is corrupted: its SHA-256 does not match its "
                          "header")
     saved = (header.get("rank"), header.get("world_size"))
-    if saved != (rank, world):
+    if identity is not None and saved != identity:
         raise InputError(f"{what}: {path!r} was written by rank {saved[0]} of {saved[1]}; "
-                         f"this is rank {rank} of {world}: each rank resumes from its own "
-                         "file, with the same number of ranks")
+                         f"this is rank {identity[0]} of {identity[1]}: each rank resumes "
+                         "from its own file, with the same number of ranks"
+                         + (f"; {other_world}" if other_world else ""))
     return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)

@@ -187,9 +187,9 @@ def resume(rank, world, directory, steps):
             "truncated": truncated}
 
 
-def _load_error(engine, directory):
+def _load_error(engine, directory, tag="half"):
     try:
-        engine.load_checkpoint(directory, tag="half")
+        engine.load_checkpoint(directory, tag=tag)
     except ValueError as e:
         return str(e)
     return None
@@ -226,4 +226,62 @@ def refusals(rank, world):
                        "average_tensor", "allreduce_and_scatter", "allreduce_no_retain")),
                    "checkpoints restored": "save_checkpoint" not in vars(engine)}
     del deepspeed
+    return out
+
+
+def elastic(rank, world, directory, load_tag, save_tag, start, copy_state):
+    """From step ``start``: resume ``load_tag`` (saved on another data-parallel size;
+    None: start fresh), converted to a universal checkpoint by rank 0 (``copy_state``:
+    commpress's files copied beside), three ways: compressed as before (refused),
+    compressed with ``elastic=True``, and stock DeepSpeed compressed only after its load
+    (fresh codecs, the control); each trains 2 steps. Saves the elastic run as
+    ``save_tag``."""
+    import argparse
+    import contextlib
+    import glob
+    import io
+    import shutil
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logging.getLogger("commpress").addHandler(handler)
+    data = TextData(load_tokens(max_bytes=200_000))
+    cfg = config(world=world)
+    out = {}
+    if load_tag is None:
+        engine = engine_for(cfg, STATEFUL)
+        train(engine, data, start, 2, rank, world)
+    else:
+        universal = f"{load_tag}_universal"
+        if rank == 0:
+            from deepspeed.checkpoint import ds_to_universal
+            args = argparse.Namespace(
+                input_folder=os.path.join(directory, load_tag),
+                output_folder=os.path.join(directory, universal), num_extract_workers=1,
+                num_merge_workers=1, keep_temp_folder=False, strict=True,
+                inject_missing_state=True)
+            with contextlib.redirect_stdout(io.StringIO()):
+                ds_to_universal.main(args)
+            for f in glob.glob(os.path.join(directory, load_tag, "commpress_rank*.pt")):
+                if copy_state:
+                    shutil.copy(f, os.path.join(directory, universal))
+        dist.barrier()
+        cfg["checkpoint"] = {"load_universal": True}
+        strict = engine_for(cfg, STATEFUL)
+        out["strict"] = _load_error(strict, directory, universal)
+        strict.commpress.undo()
+        control = engine_for(cfg)
+        control.load_checkpoint(directory, tag=universal)
+        out["loaded"] = weights_hash(control)
+        commpress.deepspeed.compress(control, STATEFUL)
+        out["control"] = train(control, data, start, 2, rank, world)
+        control.commpress.undo()
+        engine = engine_for(cfg)
+        commpress.deepspeed.compress(engine, STATEFUL, elastic=True)
+        engine.load_checkpoint(directory, tag=universal)
+        out["elastic"] = train(engine, data, start, 2, rank, world)
+    engine.save_checkpoint(directory, tag=save_tag)
+    engine.commpress.undo()
+    out["logged"] = [m for m in records if "start fresh" in m]
     return out

@@ -151,3 +151,29 @@ def test_two_nodes_two_levels_for_gradients_and_weights():
     # across nodes each rank sends about a quarter of the model per step (its node's
     # sums for the one rank of its local index on the other node), padded to groups
     assert stock["numel"] / 4 <= stats["dp.grad.inter"]["elements"] / 2 <= stock["numel"] / 3
+
+
+def test_an_elastic_resume_on_another_data_parallel_size_starts_the_codecs_fresh(tmp_path):
+    """4 ranks → 2 → 4 through DeepSpeed's universal checkpoints: the codec state of
+    another size (4 → 2: commpress's files copied beside) or none at all (2 → 4) is refused
+    unless ``compress(..., elastic=True)``; then the run continues exactly as one
+    compressed only after DeepSpeed's load (fresh codecs, qWD references from the loaded
+    weights), with identical replicas, said once on rank 0."""
+    directory = str(tmp_path)
+    spawn(workers.elastic, 4, (directory, None, "four", 0, False), timeout=600)
+    two = spawn(workers.elastic, 2, (directory, "four", "two", 2, True), timeout=600)
+    four = spawn(workers.elastic, 4, (directory, "two", "again", 4, False), timeout=600)
+    for ranks in (two, four):
+        for r in ranks:
+            assert r["loaded"] == ranks[0]["loaded"]
+            assert r["elastic"] == r["control"] == ranks[0]["elastic"]
+            assert "elastic=True" in r["strict"]
+        assert all(r["logged"] == [] for r in ranks[1:])
+    # 4 → 2: the files were written by the ranks of 4 (rank 0 reports for all)
+    assert "was written by rank 0 of 4; this is rank 0 of 2" in two[0]["strict"]
+    assert two[0]["logged"] == [
+        "commpress.deepspeed: resuming state saved on 4 ranks on 2: error-feedback memory "
+        "and rounding streams start fresh (they were laid out for the world that saved them)"]
+    # 2 → 4: the universal checkpoint holds no commpress file
+    assert "commpress_rank00000.pt' is missing" in four[0]["strict"]
+    assert len(four[0]["logged"]) == 1 and "holds no commpress state" in four[0]["logged"][0]
