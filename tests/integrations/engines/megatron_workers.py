@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 SEQ, BATCH, MICRO = 32, 8, 2  # global batch of 8 sequences, micro-batches of 2
 
@@ -406,5 +407,60 @@ def fp32_accumulation(corpus, tp: int, pp: int) -> str:
 
 
 
+# -- elastic resume ------------------------------------------------------------------------
+
+def elastic(corpus, tp: int, pp: int, policy, directory: str, load_tag, save_tag: str,
+            start: int) -> dict:
+    """From step ``start``: with ``load_tag`` (saved on another number of ranks), the
+    weights loaded (Megatron's masters reloaded from them: its own optimizer state is
+    dist_checkpointing's to reshard) and the codec state loaded two ways — as it is
+    (refused) and elastic — then, as the control, applied without any codec state; each
+    trains 2 steps. Saves the weights (rank 0) and every rank's codec state as
+    ``save_tag``."""
+    import logging
+    import os
+
+    import commpress
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logging.getLogger("commpress").addHandler(handler)
+    rank = dist.get_rank()
+
+    def fresh(tag):
+        model, optimizer = build(tp, pp)
+        if tag is not None:
+            model.module.load_state_dict(torch.load(os.path.join(directory, tag, "model.pt"),
+                                                    weights_only=True))
+            optimizer.reload_model_params()
+        return model, optimizer, commpress.megatron.apply(model, optimizer, policy)
+
+    out = {}
+    model, optimizer, comm = fresh(load_tag)
+    if load_tag is not None:
+        saved = os.path.join(directory, load_tag, "comm-rank{}.pt")
+        own = saved.format(rank) if os.path.exists(saved.format(rank)) else saved.format(0)
+        try:
+            comm.load_state_dict(torch.load(own, weights_only=True))
+            out["strict"] = None
+        except ValueError as e:
+            out["strict"] = str(e)
+        comm.load_state_dict(torch.load(saved.format(0), weights_only=True), elastic=True)
+    out["elastic"] = train(model, optimizer, corpus, start, 2)
+    if load_tag is not None:
+        control, control_opt, control_comm = fresh(load_tag)
+        out["control"] = train(control, control_opt, corpus, start, 2)
+        control_comm.remove()
+    os.makedirs(os.path.join(directory, save_tag), exist_ok=True)
+    torch.save(comm.state_dict(), os.path.join(directory, save_tag, f"comm-rank{rank}.pt"))
+    if rank == 0:
+        torch.save(model.module.state_dict(), os.path.join(directory, save_tag, "model.pt"))
+    dist.barrier()
+    comm.remove()
+    out["logged"] = [m for m in records if "start fresh" in m]
+    return out
+
+
 JOBS = {"train": run_policy, "resume": resume, "refusals": refusals, "scoped": scoped,
-        "fp32_accumulation": fp32_accumulation}
+        "fp32_accumulation": fp32_accumulation, "elastic": elastic}

@@ -272,3 +272,33 @@ def test_wire_layout_round_trips_and_never_mixes_kinds_in_a_group(rows, unit):
         row = torch.empty(numel // rows)
         layout.row_from_wire(wire[r], r, row)
         assert torch.equal(row, values.view(rows, -1)[r])
+
+
+def test_an_elastic_resume_on_another_number_of_ranks_starts_the_codecs_fresh(tmp_path):
+    """4 ranks → 2 → 4 (data-parallel sizes 4, 2, 4): the codec state of another world is
+    refused unless ``load_state_dict(state, elastic=True)``; then the run continues exactly
+    as one applied with no codec state (fresh codecs; qWD references follow the loaded
+    weights), replicas identical, said once on rank 0."""
+    def run(world, load_tag, save_tag, start):
+        job = ("elastic", "elastic", dict(policy=STATEFUL, directory=str(tmp_path),
+                                          load_tag=load_tag, save_tag=save_tag, start=start))
+        ranks = [r["elastic"] for r in spawn(workers.scenario, world, (1, 1, [job]),
+                                             ranks_per_node=2, timeout=900)]
+        for r in ranks:  # the steps' losses and weights, not their times
+            for run_ in ("elastic", "control"):
+                r[run_] = [(s["losses"], s["hash"]) for s in r.get(run_, [])]
+        return ranks
+
+    run(4, None, "four", 0)
+    for ranks, saved, world in ((run(2, "four", "two", 2), 4, 2),
+                                (run(4, "two", "again", 4), 2, 4)):
+        for r in ranks:
+            assert f"world_size {saved} does not match this run's {world}" in r["strict"]
+            assert "elastic=True" in r["strict"]
+            assert r["elastic"] == r["control"]
+            assert [h for _, h in r["elastic"]] == [h for _, h in ranks[0]["elastic"]]
+        assert ranks[0]["logged"] == [
+            f"commpress Megatron codec: resuming state saved on {saved} ranks on {world}: "
+            "error-feedback memory and rounding streams start fresh (they were laid out for "
+            "the world that saved them)"]
+        assert all(r["logged"] == [] for r in ranks[1:])

@@ -14,6 +14,7 @@ from megatron.core.distributed import DistributedDataParallel
 from commpress.collectives import CollectiveMismatchError, Topology
 from commpress.collectives.agreement import agree
 from commpress.integrations.buckets import tensor_parallel_key
+from commpress.integrations.grad_path import resized
 from commpress.integrations.megatron import data_parallel, model_parallel
 from commpress.integrations.megatron.data_parallel import BucketComm
 from commpress.integrations.megatron.layout import identical_mask
@@ -86,13 +87,29 @@ class MegatronCompression:
                 "tp": None if self.tp is None else self.tp.state_dict(),
                 "pp": None if self.pp is None else self.pp.state_dict()}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], elastic: bool = False) -> None:
         """Restore a state saved by this rank of a run with the same policy, world size and
-        model; anything else is refused with the difference named."""
-        check_saved_state(state, STATE_FORMAT, "commpress Megatron codec", {
-            "policy": self.policy.to_dict(), "world_size": self.world, "rank": self.rank,
-            "buckets": sorted(self.buckets)}, "resume with the same policy, world size and "
-            "model (each rank loads its own state)", views={"buckets": sorted})
+        model; anything else is refused with the difference named.
+
+        ``elastic=True`` resumes on another number of ranks (Megatron's distributed
+        checkpoints reshard the model and optimizer) from any rank's state, rank 0's say:
+        the policy is still checked, and the codecs start fresh — their memory was laid out
+        for the world that saved them (said once, on rank 0); qWD references follow the
+        loaded weights at the next reduce-scatter, as after any load."""
+        what = "commpress Megatron codec"
+        advice = ("resume with the same policy, world size and model (each rank loads its "
+                  "own state); on another number of ranks: load_state_dict(state, "
+                  "elastic=True)")
+        check_saved_state(state, STATE_FORMAT, what, {"policy": self.policy.to_dict()}, advice)
+        mine = {"rank": self.rank, "world_size": self.world}
+        if elastic and resized(state, mine, what):
+            for comm in (*self.buckets.values(), self.tp, self.pp):
+                if comm is not None:
+                    comm.fresh_codecs(self.policy)
+            return
+        check_saved_state(state, STATE_FORMAT, what, {
+            "world_size": self.world, "rank": self.rank, "buckets": sorted(self.buckets)},
+            advice, views={"buckets": sorted})
         for key, comm in self.buckets.items():
             comm.load_state_dict(state["buckets"][key])
         for axis in ("tp", "pp"):

@@ -63,9 +63,8 @@ class BucketComm:
         self.rank, self.world = group.rank(), group.size()
         self.topology = topology
         # internal state
-        self.grad_path = GradPath(policy, topology)
         self.param_rule = policy.rule("dp", "param")
-        self.param_codec = self.param_rule.build()
+        self.fresh_codecs(policy)
         # per kind ("grad", "param"): elements equal on every TP rank, when the bucket
         # mixes them with others (see layout.py)
         self.identical = identical
@@ -73,6 +72,11 @@ class BucketComm:
         if distributed_optimizer and self.param_rule.delta:
             self.reference = self.shard(bucket.param_data).clone()
         self._layouts: dict[tuple[int, int], Layout] = {}
+
+    def fresh_codecs(self, policy: Policy) -> None:
+        """New gradient and weight codecs, with no state (an elastic resume)."""
+        self.grad_path = GradPath(policy, self.topology)
+        self.param_codec = self.param_rule.build()
 
     def shard(self, t: torch.Tensor) -> torch.Tensor:
         """This rank's slice of a bucket tensor (Megatron's ``shard_buffer``)."""

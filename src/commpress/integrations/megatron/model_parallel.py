@@ -47,7 +47,11 @@ class ActivationComm:
 
     def __init__(self, axis: str, group: dist.ProcessGroup, policy: Policy) -> None:
         self.axis, self.group = axis, group
-        self.codecs = {kind: policy.codec_for(axis, kind) for kind in KINDS}
+        self.fresh_codecs(policy)
+
+    def fresh_codecs(self, policy: Policy) -> None:
+        """New codecs, with no state (an elastic resume)."""
+        self.codecs = {kind: policy.codec_for(self.axis, kind) for kind in KINDS}
 
     def label(self, kind: str) -> str:
         return f"{self.axis}.{kind}"
