@@ -102,3 +102,52 @@ def test_one_process_without_torch_distributed_and_headers_that_break_parsing(tm
             f.write(b"commpress.rank-state/1 " + header + b"\n")
         with pytest.raises(InputError, match="state.pt"):
             commpress.load_rank_state(path)
+
+
+def elastic_resume(rank, world, directory, phase):
+    """``phase="save"``: each rank's state. ``"load"``: the state each rank resumes from,
+    strictly and elastically; elastically from a folder with no state too; what was said."""
+    import logging
+
+    from commpress.integrations import rank_state
+
+    def path_of(r):
+        return os.path.join(directory, f"rank{r}.pt")
+
+    if phase == "save":
+        commpress.save_rank_state({"saved by": rank}, path_of(rank))
+        return None
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logging.getLogger("commpress").addHandler(handler)
+    out = {}
+    try:
+        out["strict"] = rank_state.resume(path_of, "test", "save it", False, "OPTION=True")
+    except InputError as e:
+        out["strict"] = str(e)
+    out["elastic"] = rank_state.resume(path_of, "test", "save it", True, "OPTION=True")
+    out["none saved"] = rank_state.resume(lambda r: os.path.join(directory, "no", f"{r}.pt"),
+                                          "test", "save it", True, "OPTION=True")
+    out["said"] = records
+    return out
+
+
+def test_an_elastic_resume_reads_rank_0s_file_only_when_the_world_changed(tmp_path):
+    """Saved on 2 ranks: resumed on 3, strictly every rank refuses (rank 2 has no file,
+    the others' are of another world) naming the option; elastically every rank takes rank
+    0's state. Resumed on 2 elastically, each rank its own. No state at all: None, said
+    once on rank 0."""
+    spawn(elastic_resume, 2, (str(tmp_path), "save"), pg_timeout_s=30, timeout=120)
+    three = spawn(elastic_resume, 3, (str(tmp_path), "load"), pg_timeout_s=30, timeout=120)
+    for r in three:
+        assert "rank0.pt' was written by rank 0 of 2; this is rank 0 of 3" in r["strict"]
+        assert "on another number of ranks: OPTION=True" in r["strict"]
+        assert "(ranks [0, 1, 2] cannot resume)" in r["strict"]
+        assert r["elastic"] == {"saved by": 0}
+        assert r["none saved"] is None
+    assert len(three[0]["said"]) == 1 and "no commpress state beside" in three[0]["said"][0]
+    assert three[1]["said"] == three[2]["said"] == []
+    two = spawn(elastic_resume, 2, (str(tmp_path), "load"), pg_timeout_s=30, timeout=120)
+    assert [r["elastic"] for r in two] == [{"saved by": 0}, {"saved by": 1}]
+    assert [r["strict"] for r in two] == [{"saved by": 0}, {"saved by": 1}]

@@ -57,10 +57,10 @@ import torch
 import torch.distributed as dist
 
 from commpress.collectives import Topology
-from commpress.collectives.agreement import agree, all_gather_objects
+from commpress.collectives.agreement import agree
 from commpress.collectives.parts import reduce_scatter_parts
 from commpress.integrations import rank_state
-from commpress.integrations.grad_path import GradPath, resized, say_once
+from commpress.integrations.grad_path import GradPath, resized
 from commpress.integrations.weight_gather import gather_weights
 from commpress.policy import Policy
 from commpress.validate import InputError, check_bool, check_saved_state
@@ -325,35 +325,20 @@ class DeepSpeedCompression:
         checkpoint_dir = os.path.dirname(load_path)
         state = self._saved_state(checkpoint_dir)
         if state is None:
-            say_once(log, ("no state", checkpoint_dir), dist.get_rank(),
-                     "commpress.deepspeed: %s holds no commpress state (a universal "
-                     "checkpoint?): error-feedback memory and rounding streams start fresh",
-                     checkpoint_dir)
             self._fresh_codecs()
         else:
             self.load_state_dict(state, self.elastic)
         return load_path, client_state
 
     def _saved_state(self, checkpoint_dir: str) -> dict[str, Any] | None:
-        """This rank's saved state. With ``elastic``, rank 0's first (every rank reads it),
-        which tells whether the data-parallel size changed: then it stands for every rank's,
-        whose memory would not apply anyway (a new rank has no file of its own); and None
-        when no rank has a file (a universal checkpoint: ``ds_to_universal`` copies only
-        DeepSpeed's own files)."""
+        """This rank's saved state; with ``elastic``, :func:`rank_state.load_elastic`'s
+        (None: the checkpoint holds none, as a universal one made by ``ds_to_universal``,
+        which copies only DeepSpeed's own files)."""
         what, missing = ("commpress.deepspeed", "save it with a compressed engine, load with "
                          "load_module_only=True, or, on another data-parallel size (a "
                          "universal checkpoint), compress(engine, policy, elastic=True)")
-        if self.elastic:
-            first = self.state_path(checkpoint_dir, 0)
-            if not any(all_gather_objects(os.path.exists(first), None,
-                                          "commpress.deepspeed elastic load")):
-                return None
-            state = rank_state.load(first, None, what, missing, own=False)
-            if state.get("world_size") != dist.get_world_size(self.group):
-                return state
-        return rank_state.load(self.state_path(checkpoint_dir), None, what, missing,
-                               other_world="on another data-parallel size: compress(engine, "
-                               "policy, elastic=True)")
+        return rank_state.resume(lambda r: self.state_path(checkpoint_dir, r), what, missing,
+                                 self.elastic, "compress(engine, policy, elastic=True)")
 
 
 def _gather_dispatch(groups_flat, partitioned_param_groups, dp_process_group,

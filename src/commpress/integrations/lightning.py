@@ -26,7 +26,7 @@ from commpress.collectives import Topology
 from commpress.integrations import rank_state
 from commpress.integrations.ddp import BUCKET_NUMEL, DDPHookState, ddp_hook
 from commpress.policy import Policy
-from commpress.validate import InputError
+from commpress.validate import InputError, check_bool
 
 try:
     from lightning.pytorch.strategies import DDPStrategy
@@ -46,6 +46,8 @@ class CommpressDDPStrategy(DDPStrategy):
         topology: node layout for two-level policies (default from ``LOCAL_WORLD_SIZE``).
         overlap: run the hook's collectives on a communication thread during backward.
         bucket_numel: elements per hook bucket.
+        elastic: let a checkpoint saved on another number of ranks resume: the codecs then
+            start fresh, said once (without it such a checkpoint is refused by name).
         **kwargs: passed to ``DDPStrategy`` (``find_unused_parameters``, timeout, …).
 
     Example::
@@ -58,13 +60,16 @@ class CommpressDDPStrategy(DDPStrategy):
 
     def __init__(self, policy: str | dict | Policy = "none", *,
                  topology: Topology | None = None, overlap: bool = True,
-                 bucket_numel: int = BUCKET_NUMEL, **kwargs: Any) -> None:
+                 bucket_numel: int = BUCKET_NUMEL, elastic: bool = False,
+                 **kwargs: Any) -> None:
         for taken in ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper"):
             if kwargs.get(taken) is not None:
                 raise InputError(f"CommpressDDPStrategy: {taken} is not allowed: the strategy "
                                  "registers commpress's hook; choose its codecs with policy")
+        check_bool("CommpressDDPStrategy: elastic", elastic)
         super().__init__(**kwargs)
         self.policy = policy
+        self.elastic = elastic
         self.topology = topology
         self.overlap = overlap
         self.bucket_numel = bucket_numel
@@ -76,15 +81,17 @@ class CommpressDDPStrategy(DDPStrategy):
         self.hook_state, hook = ddp_hook(self.model, self.policy, topology=self.topology,
                                          overlap=self.overlap, bucket_numel=self.bucket_numel)
         if self._loaded_hook_state is not None:
-            self.hook_state.load_state_dict(self._loaded_hook_state)
+            self.hook_state.load_state_dict(self._loaded_hook_state, self.elastic)
             self._loaded_hook_state = None
         self.model.register_comm_hook(self.hook_state, hook)
         log.info("Applied commpress's DDP hook: policy %s on %s",
                  self.hook_state.policy.name, self.root_device)
 
     # -- checkpoints: each rank's codec state beside the checkpoint ---------------------
-    def hook_state_path(self, checkpoint_path: str | os.PathLike) -> str:
-        return f"{os.fspath(checkpoint_path)}.commpress-rank{self.global_rank}.pt"
+    def hook_state_path(self, checkpoint_path: str | os.PathLike, rank: int | None = None
+                        ) -> str:
+        rank = self.global_rank if rank is None else rank
+        return f"{os.fspath(checkpoint_path)}.commpress-rank{rank}.pt"
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | os.PathLike,
                         storage_options: Any | None = None) -> None:
@@ -96,10 +103,11 @@ class CommpressDDPStrategy(DDPStrategy):
     def load_checkpoint(self, checkpoint_path: str | os.PathLike,
                         weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        state = rank_state.load(self.hook_state_path(checkpoint_path), None,
-                                "CommpressDDPStrategy", missing="save it with this strategy")
-        if self.hook_state is not None:  # resumed after setup: the hook exists already
-            self.hook_state.load_state_dict(state)
-        else:
+        what, missing = "CommpressDDPStrategy", "save it with this strategy"
+        state = rank_state.resume(lambda r: self.hook_state_path(checkpoint_path, r), what,
+                                  missing, self.elastic, f"{what}(..., elastic=True)")
+        if state is not None and self.hook_state is not None:  # resumed after setup
+            self.hook_state.load_state_dict(state, self.elastic)
+        else:  # None: elastic, and no state was saved: the hook's codecs start fresh
             self._loaded_hook_state = state
         return checkpoint

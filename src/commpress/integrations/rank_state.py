@@ -18,7 +18,9 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -26,7 +28,10 @@ import torch.distributed as dist
 
 from commpress.collectives.agreement import all_gather_objects
 from commpress.files import open_regular, replacing
+from commpress.integrations.grad_path import say_once
 from commpress.validate import InputError, raise_if_any
+
+log = logging.getLogger(__name__)
 
 MAGIC = b"commpress.rank-state/1 "
 MAX_HEADER_BYTES = 4096
@@ -66,22 +71,62 @@ def save(state: dict[str, Any], path: str, group: dist.ProcessGroup | None = Non
 
 def load(path: str, group: dist.ProcessGroup | None = None, what: str = "commpress",
          missing: str = "resume from a checkpoint saved with commpress",
-         own: bool = True, other_world: str = "") -> dict[str, Any]:
+         other_world: str = "") -> dict[str, Any]:
     """This rank's state from ``path``, checked against its header; if any rank of
     ``group`` cannot load its file, every rank raises :class:`InputError` together.
     ``missing``: the advice given when the file does not exist; ``other_world``: when
-    another rank or world wrote it. ``own=False`` accepts such a file (an elastic resume
-    reads rank 0's), still verified."""
+    another rank or world wrote it."""
+    return _load(path, group, what, missing, other_world, own=True)[0]
+
+
+def resume(path_of: Callable[[int], str], what: str, missing: str, elastic: bool,
+           elastic_option: str, group: dist.ProcessGroup | None = None
+           ) -> dict[str, Any] | None:
+    """The state an adapter resumes from: this rank's file ``path_of(rank)``, or with
+    ``elastic`` :func:`load_elastic`'s (rank 0's file is ``path_of(0)``).
+    ``elastic_option`` says how the user asks for an elastic resume (named when a file
+    of another world is refused)."""
+    rank = _rank_world(group)[0]
+    if elastic:
+        return load_elastic(path_of(rank), path_of(0), group, what, missing)
+    return load(path_of(rank), group, what, missing,
+                other_world=f"on another number of ranks: {elastic_option}")
+
+
+def load_elastic(path: str, first: str, group: dist.ProcessGroup | None = None,
+                 what: str = "commpress", missing: str = "resume from a checkpoint saved "
+                 "with commpress") -> dict[str, Any] | None:
+    """An elastic resume's state: ``first`` (rank 0's file, read by every rank, verified)
+    when another world wrote it — it then stands for every rank's, whose memory would not
+    apply anyway, and a new rank has no file of its own —, else this rank's own from
+    ``path``. None, said once, when no rank has ``first``: a checkpoint without commpress's
+    state (a universal or resharded copy of one); the codecs then start fresh."""
     rank, world = _rank_world(group)
-    state, problem = None, None
+    if not any(all_gather_objects(os.path.exists(first), group, f"{what} elastic load")):
+        say_once(log, ("no state", what, first), rank, "%s: no commpress state beside the "
+                 "checkpoint (%s is missing): error-feedback memory and rounding streams "
+                 "start fresh", what, first)
+        return None
+    state, saved = _load(first, group, what, missing, "", own=False)
+    if saved[1] != world:
+        return state
+    return load(path, group, what, missing)
+
+
+def _load(path: str, group: dist.ProcessGroup | None, what: str, missing: str,
+          other_world: str, own: bool) -> tuple[dict[str, Any], tuple[Any, Any]]:
+    """The state in ``path`` and the (rank, world size) that wrote it; ``own``: refuse
+    another rank's or world's. Every rank of ``group`` raises together if any cannot."""
+    rank, world = _rank_world(group)
+    loaded, problem = (None, None), None
     try:  # whatever fails here, every rank must still reach the gather below
-        state = _read(path, None if not own else (rank, world), what, missing, other_world)
+        loaded = _read(path, (rank, world) if own else None, what, missing, other_world)
     except InputError as e:
         problem = str(e)
     except Exception as e:  # noqa: BLE001 - a file that cannot be read, reported everywhere
         problem = f"{what}: cannot read {path!r}: {type(e).__name__}: {e}"
     raise_if_any(all_gather_objects(problem, group, f"{what} load"), rank, "cannot resume")
-    return state
+    return loaded
 
 
 def _rank_world(group: dist.ProcessGroup | None) -> tuple[int, int]:
@@ -92,7 +137,7 @@ def _rank_world(group: dist.ProcessGroup | None) -> tuple[int, int]:
 
 
 def _read(path: str, identity: tuple[int, int] | None, what: str, missing: str,
-          other_world: str) -> dict[str, Any]:
+          other_world: str) -> tuple[dict[str, Any], tuple[Any, Any]]:
     try:
         f, size = open_regular(path, f"{what} state file")
     except FileNotFoundError:
@@ -121,4 +166,4 @@ def _read(path: str, identity: tuple[int, int] | None, what: str, missing: str,
                          f"this is rank {identity[0]} of {identity[1]}: each rank resumes "
                          "from its own file, with the same number of ranks"
                          + (f"; {other_world}" if other_world else ""))
-    return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+    return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True), saved

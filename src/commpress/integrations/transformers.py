@@ -35,7 +35,7 @@ from commpress.integrations import rank_state
 from commpress.integrations.ddp import BUCKET_NUMEL, ddp_hook
 from commpress.integrations.ddp_lowrank import lowrank_hook
 from commpress.policy import Policy
-from commpress.validate import InputError
+from commpress.validate import InputError, check_bool
 
 try:
     from transformers import Trainer, TrainerCallback
@@ -53,10 +53,12 @@ class Compression(TrainerCallback):
     :meth:`state_dict` / :meth:`load_state_dict`), :meth:`remove`."""
 
     def __init__(self, trainer: Trainer, policy: str | dict | Policy, lowrank: dict | None,
-                 topology: Topology | None, overlap: bool, bucket_numel: int) -> None:
+                 topology: Topology | None, overlap: bool, bucket_numel: int,
+                 elastic: bool) -> None:
         self.trainer = trainer
         self.policy, self.lowrank = policy, lowrank
         self.topology, self.overlap, self.bucket_numel = topology, overlap, bucket_numel
+        self.elastic = elastic
         self.hook_state: Any = None
         self._ddp: DistributedDataParallel | None = None
         self._resume: str | None = None  # the checkpoint ``train()`` resumes from
@@ -85,9 +87,12 @@ class Compression(TrainerCallback):
             ddp.register_comm_hook(self.hook_state, hook)
             self._ddp = ddp
         if self._resume is not None:
-            self.hook_state.load_state_dict(rank_state.load(
-                self._path(self._resume), None, WHAT,
-                missing=f"save the checkpoint with {WHAT}.compress(trainer, ...) applied"))
+            missing = f"save the checkpoint with {WHAT}.compress(trainer, ...) applied"
+            saved = rank_state.resume(lambda r: self._path(self._resume, r), WHAT, missing,
+                                      self.elastic, f"{WHAT}.compress(trainer, ..., "
+                                      "elastic=True)")
+            if saved is not None:
+                self.hook_state.load_state_dict(saved, self.elastic)
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.hook_state is None:
@@ -117,17 +122,22 @@ class Compression(TrainerCallback):
                         bucket_numel=self.bucket_numel)
 
     @staticmethod
-    def _path(checkpoint: str) -> str:
-        rank = dist.get_rank() if dist.is_initialized() else 0
+    def _path(checkpoint: str, rank: int | None = None) -> str:
+        if rank is None:
+            rank = dist.get_rank() if dist.is_initialized() else 0
         return os.path.join(checkpoint, f"commpress-rank{rank}.pt")
 
 
 def compress(trainer: Trainer, policy: str | dict | Policy = "int4:hadamard=128", *,
              lowrank: dict | None = None, topology: Topology | None = None,
-             overlap: bool = True, bucket_numel: int = BUCKET_NUMEL) -> Compression:
+             overlap: bool = True, bucket_numel: int = BUCKET_NUMEL,
+             elastic: bool = False) -> Compression:
     """Train ``trainer`` with commpress's DDP hook for ``policy`` (preset, policy file or
     dict, or a codec spec), or with ``lowrank={"rank": 4, ...}`` the low-rank hook (its
-    :func:`~commpress.lowrank_hook` arguments). Call it before ``trainer.train()``."""
+    :func:`~commpress.lowrank_hook` arguments). Call it before ``trainer.train()``.
+    ``elastic=True`` lets ``train(resume_from_checkpoint=...)`` resume a checkpoint saved
+    on another number of ranks, the codecs starting fresh (said once); without it such a
+    checkpoint is refused by name."""
     if not isinstance(trainer, Trainer):
         raise InputError(f"{WHAT}: trainer must be a transformers.Trainer; got "
                          f"{type(trainer).__name__}")
@@ -142,7 +152,9 @@ def compress(trainer: Trainer, policy: str | dict | Policy = "int4:hadamard=128"
     if any(isinstance(c, Compression) for c in trainer.callback_handler.callbacks):
         raise InputError(f"{WHAT}: this Trainer is compressed already; remove() the first "
                          "one before compressing it again")
-    compression = Compression(trainer, policy, lowrank, topology, overlap, bucket_numel)
+    check_bool(f"{WHAT}: elastic", elastic)
+    compression = Compression(trainer, policy, lowrank, topology, overlap, bucket_numel,
+                              elastic)
     trainer.add_callback(compression)
     return compression
 

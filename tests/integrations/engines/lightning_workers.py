@@ -103,6 +103,9 @@ def lightning_fit(rank, world, strategy, steps, start=0, ckpt_path=None, save_to
     return {"losses": [_mean(loss, world) for loss, _ in seen], "hashes": [h for _, h in seen]}
 
 
+EF = {"name": "ef", "dp": {"grad": {"codec": "int2", "error_feedback": True}}}
+
+
 def lightning_runs(rank, world, directory, steps):
     from lightning.pytorch.strategies import DDPStrategy
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -122,11 +125,10 @@ def lightning_runs(rank, world, directory, steps):
     out["int4"]["stats"] = commpress.stats()
     # save after `steps`, resume for `steps` more: equals 2·steps uninterrupted
     ckpt = os.path.join(directory, "half.ckpt")
-    ef = {"name": "ef", "dp": {"grad": {"codec": "int2", "error_feedback": True}}}
-    out["ef uninterrupted"] = lightning_fit(rank, world, CommpressDDPStrategy(ef), 2 * steps)
-    lightning_fit(rank, world, CommpressDDPStrategy(ef), steps, save_to=ckpt)
+    out["ef uninterrupted"] = lightning_fit(rank, world, CommpressDDPStrategy(EF), 2 * steps)
+    lightning_fit(rank, world, CommpressDDPStrategy(EF), steps, save_to=ckpt)
     dist.barrier()
-    out["ef resumed"] = lightning_fit(rank, world, CommpressDDPStrategy(ef), steps, start=steps,
+    out["ef resumed"] = lightning_fit(rank, world, CommpressDDPStrategy(EF), steps, start=steps,
                                       ckpt_path=ckpt)
     return out
 
@@ -169,3 +171,34 @@ def accelerate_runs(rank, world, steps):
 def everything(rank, world, directory, steps):
     return {"lightning": lightning_runs(rank, world, directory, steps),
             "accelerate": accelerate_runs(rank, world, steps)}
+
+
+def lightning_elastic(rank, world, ckpt, directory, steps):
+    """``ckpt`` (saved on another number of ranks, at global step ``steps``) resumed with
+    ``CommpressDDPStrategy``: as it is (refused), with ``elastic=True``, and with it from a
+    copy without commpress's files (the codecs fresh by construction: the control)."""
+    import logging
+    import shutil
+
+    from commpress.integrations.lightning import CommpressDDPStrategy
+
+    _quiet()
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logging.getLogger("commpress").addHandler(handler)
+    stripped = os.path.join(directory, "stripped.ckpt")
+    if rank == 0:
+        shutil.copy(ckpt, stripped)
+    dist.barrier()
+    out = {}
+    try:
+        lightning_fit(rank, world, CommpressDDPStrategy(EF), steps, start=steps, ckpt_path=ckpt)
+        out["strict"] = None
+    except ValueError as e:
+        out["strict"] = str(e)
+    for name, path in (("elastic", ckpt), ("control", stripped)):
+        out[name] = lightning_fit(rank, world, CommpressDDPStrategy(EF, elastic=True), steps,
+                                  start=steps, ckpt_path=path)
+    out["said"] = [m for m in records if "start fresh" in m]
+    return out

@@ -17,8 +17,12 @@ def close(a, b, rel):
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    directory = str(tmp_path_factory.mktemp("lightning"))
+def directory(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("lightning"))
+
+
+@pytest.fixture(scope="module")
+def two_ranks(directory):
     return spawn(workers.everything, 2, (directory, STEPS), timeout=900)
 
 
@@ -59,3 +63,23 @@ def test_lightning_checkpoint_carries_the_hook_state(two_ranks):
         # int2 with error feedback: resumed after STEPS equals the uninterrupted run
         assert runs["ef resumed"]["hashes"] == runs["ef uninterrupted"]["hashes"][STEPS:]
         assert runs["ef resumed"]["losses"] == runs["ef uninterrupted"]["losses"][STEPS:]
+
+
+def test_a_checkpoint_of_two_ranks_resumes_on_four_only_when_elastic(two_ranks, directory,
+                                                                     tmp_path):
+    """Refused as it is, naming ``elastic=True``; with it, the fit continues exactly as
+    from the same checkpoint without commpress's files (fresh codecs), replicas identical,
+    said once on rank 0."""
+    import os
+
+    ckpt = os.path.join(directory, "half.ckpt")
+    ranks = spawn(workers.lightning_elastic, 4, (ckpt, str(tmp_path), STEPS), timeout=600)
+    for r in ranks:
+        assert "was written by rank 0 of 2; this is rank 0 of 4" in r["strict"]
+        assert "CommpressDDPStrategy(..., elastic=True)" in r["strict"]
+        assert r["elastic"]["hashes"] == r["control"]["hashes"] == ranks[0]["elastic"]["hashes"]
+        assert len(r["elastic"]["hashes"]) == STEPS
+    said = ranks[0]["said"]
+    assert said[0].startswith("DDP hook: resuming state saved on 2 ranks on 4")
+    assert "no commpress state beside" in said[1] and len(said) == 2
+    assert all(r["said"] == [] for r in ranks[1:])

@@ -13,8 +13,12 @@ pytestmark = pytest.mark.engine
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    directory = str(tmp_path_factory.mktemp("hf"))
+def directory(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("hf"))
+
+
+@pytest.fixture(scope="module")
+def two_ranks(directory):
     return spawn(workers.everything, 2, (directory,), timeout=900)
 
 
@@ -73,3 +77,23 @@ def test_remove_undoes_compress_before_training_and_is_refused_after(two_ranks):
 def test_what_is_not_a_trainer_is_refused():
     with pytest.raises(InputError, match="trainer must be a transformers.Trainer"):
         commpress.transformers.compress(object(), "int2ef")
+
+
+def test_a_checkpoint_of_two_ranks_resumes_on_four_only_when_elastic(two_ranks, directory,
+                                                                     tmp_path):
+    """Refused as it is, naming ``elastic=True``; with it, the run continues exactly as
+    from the same checkpoint without commpress's files (fresh codecs), replicas identical,
+    said once on rank 0."""
+    import os
+
+    checkpoint = os.path.join(directory, "saved", f"checkpoint-{workers.STEPS // 2}")
+    ranks = spawn(workers.elastic_resume, 4, (checkpoint, str(tmp_path)), timeout=600)
+    for r in ranks:
+        assert "was written by rank 0 of 2; this is rank 0 of 4" in r["strict"]
+        assert "compress(trainer, ..., elastic=True)" in r["strict"]
+        assert r["elastic"] == r["control"] == ranks[0]["elastic"]
+        assert r["elastic"]["step"] == workers.STEPS
+    said = ranks[0]["said"]
+    assert said[0].startswith("DDP hook: resuming state saved on 2 ranks on 4")
+    assert "no commpress state beside" in said[1] and len(said) == 2
+    assert all(r["said"] == [] for r in ranks[1:])

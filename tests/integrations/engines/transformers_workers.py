@@ -131,3 +131,35 @@ def resume_without_state(rank, world, directory):
     data = TextData(load_tokens(max_bytes=200_000))
     _run(data, directory, 2, save_steps=1)
     _run(data, directory, 2, "int2ef", resume=True)
+
+
+def elastic_resume(rank, world, checkpoint, directory):
+    """``checkpoint`` (saved on another number of ranks) resumed: as it is (refused), with
+    ``elastic=True``, and with ``elastic=True`` from a copy without commpress's files (the
+    codecs fresh by construction: the control)."""
+    import shutil
+
+    _quiet()
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logging.getLogger("commpress").addHandler(handler)
+    data = TextData(load_tokens(max_bytes=200_000))
+    stripped = os.path.join(directory, "stripped", os.path.basename(checkpoint))
+    if rank == 0:
+        shutil.copytree(checkpoint, stripped,
+                        ignore=shutil.ignore_patterns("commpress-rank*"))
+    torch.distributed.barrier()
+    out = {}
+    try:
+        _run(data, os.path.join(directory, "strict"), STEPS, "int2ef", resume=checkpoint)
+        out["strict"] = None
+    except ValueError as e:
+        out["strict"] = str(e)
+    for name, resume in (("elastic", checkpoint), ("control", stripped)):
+        trainer = _trainer(data, os.path.join(directory, name), STEPS)
+        commpress.transformers.compress(trainer, "int2ef", topology=Topology(1), elastic=True)
+        trainer.train(resume_from_checkpoint=resume)
+        out[name] = {"hash": _hash(trainer.model), "step": trainer.state.global_step}
+    out["said"] = [m for m in records if "start fresh" in m]
+    return out
