@@ -150,3 +150,33 @@ def hsdp_overlap(rank, world, policy):
             fsdp.InFlight.add, fsdp._untouched_until_step = add, real
         out[mode] = {"grads": grads, "in_flight": in_flight}
     return out
+
+
+def hsdp_remove(rank, world, policy, steps):
+    """Stock HSDP; compressed then removed before training; compressed for half the
+    steps, then removed; a second compress refused, one after remove() accepted."""
+    data = _data()
+    out = {}
+    for name in ("stock", "removed at once", "removed midway"):
+        model, compression = hsdp_model(world, None if name == "stock" else policy)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        half = steps // 2 if name == "removed midway" else 0
+        losses = train_steps(model, opt, data, rank, world, 0, half)
+        if compression is not None:
+            compression.remove()
+            compression.remove()  # idempotent
+        commpress.reset_stats()
+        losses += train_steps(model, opt, data, rank, world, half, steps - half)
+        out[name] = {"losses": losses, "local": local_shards_hash(model),
+                     "stats": sorted(commpress.stats())}
+    again = commpress.fsdp.compress(model, policy)  # allowed once removed
+    try:
+        commpress.fsdp.compress(model, policy)
+        out["twice"] = None
+    except commpress.InputError as e:
+        out["twice"] = str(e)
+    commpress.reset_stats()
+    out["again"] = train_steps(model, opt, data, rank, world, steps, 1)
+    out["again stats"] = sorted(commpress.stats())
+    again.remove()
+    return out

@@ -103,3 +103,19 @@ def test_hsdp_replicate_all_reduce_overlaps_backward_with_the_same_bits():
             assert all((ga == gb).all() for ga, gb in zip(a, b))
     assert all((a == b).all() for a, b in zip(out[0]["overlap"]["grads"][1],
                                               out[1]["overlap"]["grads"][1]))
+
+
+def test_remove_gives_fsdp_its_own_collectives_and_mesh_back():
+    """``remove()`` before training: stock HSDP bit for bit; midway: no commpress
+    collective after it and the replicas stay identical; compressing a compressed model is
+    refused, compressing it again after ``remove()`` is not."""
+    ranks = spawn(hsdp_workers.hsdp_remove, WORLD, ("sdp4bit", 4), ranks_per_node=PER_NODE)
+    for r in ranks:
+        assert r["removed at once"]["losses"] == r["stock"]["losses"]
+        assert r["removed at once"]["local"] == r["stock"]["local"]
+        assert r["removed midway"]["stats"] == []  # nothing of commpress's after remove()
+        assert "compressed already; remove() the first" in r["twice"]
+        assert "dp.grad.inter" in r["again stats"]
+    for rank in range(PER_NODE):  # the replicas: the same shard on the two nodes
+        assert ranks[rank]["removed midway"]["local"] == ranks[rank + PER_NODE][
+            "removed midway"]["local"]

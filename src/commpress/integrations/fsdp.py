@@ -192,14 +192,6 @@ class InFlight:
             raise errors[0]
 
 
-@dataclass
-class _ShardOnlyMeshInfo(FSDPMeshInfo):
-    """An HSDP mesh as FSDP's reduction sees it once commpress owns the replicate
-    all-reduce: shard dimension only (``hsdp`` keeps the original)."""
-
-    hsdp: HSDPMeshInfo | None = None
-
-
 def _replicate_all_reduce(module: FSDPModule, policy: Policy,
                           in_flight: InFlight) -> ReplicateAllReduce | None:
     """The replicate all-reduce of an HSDP module's parameter group, after switching
@@ -209,23 +201,22 @@ def _replicate_all_reduce(module: FSDPModule, policy: Policy,
         return None
     param_group = param_groups[0]
     mesh_info = param_group.mesh_info
-    if isinstance(mesh_info, _ShardOnlyMeshInfo):  # compressed before
-        mesh_info = mesh_info.hsdp
-    elif not isinstance(mesh_info, HSDPMeshInfo):
+    if not isinstance(mesh_info, HSDPMeshInfo):
         return None
-    elif mesh_info.shard_mesh_size == 1:
+    if mesh_info.shard_mesh_size == 1:
         raise InputError(
             "commpress.fsdp.compress: HSDP mesh with a shard dimension of size 1 "
             f"(mesh {tuple(mesh_info.mesh.shape)}) is replication only and FSDP calls no "
             "reduce-scatter to compress; allowed: a shard dimension of size >= 2 (for pure "
             "replication use DDP with commpress.ddp_hook)")
-    else:
-        shard_only = _ShardOnlyMeshInfo(
-            mesh=mesh_info.mesh, shard_mesh_dim=mesh_info.shard_mesh_dim,
-            dp_mesh_dims=mesh_info.dp_mesh_dims, spmd_mesh=mesh_info.spmd_mesh, hsdp=mesh_info)
-        shard_only.reduce_scatter_process_group = mesh_info.reduce_scatter_process_group
-        if param_group.post_forward_mesh_info is mesh_info:  # reshard_after_forward=True
-            param_group.post_forward_mesh_info = shard_only
+    # the mesh as FSDP's reduction sees it once commpress owns the replicate all-reduce:
+    # the shard dimension only (remove() puts the HSDP one back)
+    shard_only = FSDPMeshInfo(
+        mesh=mesh_info.mesh, shard_mesh_dim=mesh_info.shard_mesh_dim,
+        dp_mesh_dims=mesh_info.dp_mesh_dims, spmd_mesh=mesh_info.spmd_mesh)
+    shard_only.reduce_scatter_process_group = mesh_info.reduce_scatter_process_group
+    if param_group.post_forward_mesh_info is mesh_info:  # reshard_after_forward=True
+        param_group.post_forward_mesh_info = shard_only
         param_group.mesh_info = shard_only
     return ReplicateAllReduce(policy.codec_for("dp", "grad", "inter"),
                               mesh_info.replicate_process_group, param_group, in_flight)
@@ -269,7 +260,7 @@ class FSDPCompression:
 
     def __init__(self, policy: Policy, modules: dict[str, tuple[CompressedAllGather,
                                                                  CompressedReduceScatter]],
-                 device: torch.device) -> None:
+                 device: torch.device, stock: list[_Stock]) -> None:
         # hyperparameters
         self.policy = policy
         self.rank = dist.get_rank() if dist.is_initialized() else 0
@@ -277,9 +268,23 @@ class FSDPCompression:
         self.device = device
         # internal state: the collectives hold their codecs (and so the codec state)
         self.modules = modules
+        self._stock = stock  # what remove() gives back
+        self.removed = False
 
     def __len__(self) -> int:
         return len(self.modules)
+
+    def remove(self) -> None:
+        """Give every FSDP module its own collectives back (HSDP its own replicate
+        all-reduce and mesh): training goes on as stock FSDP2 does. Call it between steps;
+        the codec state stays readable. Idempotent."""
+        if self.removed:
+            return
+        for stock in self._stock:
+            stock.restore()
+        self.removed = True
+        log.info("Removed commpress %s from %d FSDP modules", self.policy.name,
+                 len(self.modules))
 
     def codec_states(self) -> dict[str, dict[str, Any]]:
         """This rank's codec state by FSDP module name: ``{"param": ..., "grad": ...}``."""
@@ -361,6 +366,28 @@ class FSDPCompression:
                 scatter.replicate.codec = self.policy.codec_for("dp", "grad", "inter")
 
 
+@dataclass
+class _Stock:
+    """One FSDP parameter group's own collectives and meshes, as before :func:`compress`."""
+
+    param_group: Any
+    all_gather: Any
+    reduce_scatter: Any
+    mesh_info: Any
+    post_forward_mesh_info: Any
+
+    @classmethod
+    def of(cls, param_group: Any) -> _Stock:
+        return cls(param_group, param_group._all_gather_comm, param_group._reduce_scatter_comm,
+                   param_group.mesh_info, param_group.post_forward_mesh_info)
+
+    def restore(self) -> None:
+        group = self.param_group
+        group._all_gather_comm, group._reduce_scatter_comm = self.all_gather, self.reduce_scatter
+        group.mesh_info, group.post_forward_mesh_info = (self.mesh_info,
+                                                         self.post_forward_mesh_info)
+
+
 class _ElasticLoad:
     """:meth:`FSDPCompression.elastic`: the keys every saved world has, for ``dcp.load``."""
 
@@ -416,10 +443,17 @@ def compress(model: nn.Module, policy: str | dict | Policy = "sdp4bit",
         log.warning("commpress.fsdp: policy %s asks for weight differences (qWD) on dp.param, "
                     "which FSDP2 cannot keep; weights are all-gathered exactly", policy.name)
     modules: dict[str, tuple[CompressedAllGather, CompressedReduceScatter]] = {}
+    stock: list[_Stock] = []
     in_flight = InFlight()
     for name, module in model.named_modules():
         if not isinstance(module, FSDPModule):
             continue
+        for param_group in module._get_fsdp_state()._fsdp_param_groups:
+            if isinstance(param_group._all_gather_comm, CompressedAllGather):
+                raise InputError(f"commpress.fsdp.compress: FSDP module {name!r} is compressed "
+                                 "already; remove() the first compression before compressing "
+                                 "it again")
+            stock.append(_Stock.of(param_group))
         gather = CompressedAllGather(_param_codec(policy))
         scatter = CompressedReduceScatter(GradPath(policy, topology),
                                           _replicate_all_reduce(module, policy, in_flight))
@@ -434,5 +468,5 @@ def compress(model: nn.Module, policy: str | dict | Policy = "sdp4bit",
         log.info("commpress.fsdp: HSDP replicate all-reduce of %d FSDP modules through "
                  "the inter-node codec (dp.grad.inter)", hsdp)
     log.info("Applied commpress %s to %d FSDP modules", policy.name, len(modules))
-    return FSDPCompression(policy, modules, device)
+    return FSDPCompression(policy, modules, device, stock)
 

@@ -18,7 +18,8 @@ add it to the checkpointer's states so it is saved and loaded with the model::
     trainer.checkpointer.states["commpress"] = comm
 
 Resuming on another number of ranks (torchtitan's checkpoints reshard through DCP), put
-``comm.elastic()`` there instead: the codecs then start fresh, said once.
+``comm.elastic()`` there instead: the codecs then start fresh, said once. ``comm.remove()``
+gives FSDP its own collectives back.
 """
 
 from __future__ import annotations
