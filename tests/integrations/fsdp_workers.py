@@ -127,3 +127,54 @@ def fsdp_elastic(rank, world, policy, ckpt_dir, phase):
                              _full_params_hash(fresh))
     out["logged"] = [m for m in records if "start fresh" in m]
     return out
+
+
+def fsdp_nan_on_one_rank(rank, world, policies):
+    """Per policy (None: stock FSDP2): rank 1's loss is NaN at the first step; whether
+    each rank's gradient shards stayed finite at each of 2 steps, and its weights after."""
+    from tests.integrations.workers import _local_batch
+
+    data = _data()
+    out = {}
+    for policy in policies:
+        model = _model()
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        if policy is not None:
+            commpress.fsdp.compress(model, policy)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        finite = []
+        for step in range(2):
+            x, y = _local_batch(data, step, rank, world)
+            _, loss = model(x, y)
+            (loss * float("nan") if rank == 1 and step == 0 else loss).backward()
+            finite.append(all(bool(torch.isfinite(p.grad.to_local()).all())
+                              for p in model.parameters()))
+            opt.step()
+            opt.zero_grad()
+        weights = all(bool(torch.isfinite(p.full_tensor()).all()) for p in model.parameters())
+        out[str(policy)] = {"grads finite": finite, "weights finite": weights}
+    return out
+
+
+def fsdp_disagreeing_ranks(rank, world, case):
+    """``case="one"``: rank 0 compresses, rank 1 trains stock FSDP2; ``"policy"``: the
+    ranks compress with other policies. What each rank raised, and how soon."""
+    import time
+
+    data = _data()
+    model = _model()
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    start = time.monotonic()
+    try:
+        if case == "policy" or rank == 0:
+            commpress.fsdp.compress(model, "int2ef" if rank == 0 else "sdp4bit")
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        train_steps(model, opt, data, rank, world, 0, 1)
+        error = None
+    except Exception as e:  # noqa: BLE001 - what the rank saw, for the test
+        error = f"{type(e).__name__}: {e}"
+    return {"error": error, "seconds": time.monotonic() - start}

@@ -72,3 +72,34 @@ def test_an_elastic_resume_on_another_number_of_ranks_starts_the_codecs_fresh(tm
                                   "streams start fresh (they were laid out for the world that "
                                   "saved them)"]
     assert all(r["logged"] == [] for r in ranks[1:])
+
+
+def test_a_nan_on_one_rank_stays_non_finite_on_every_rank_as_in_stock_fsdp():
+    """Rank 1's loss NaN once: every rank's reduced gradient shards are non-finite, as in
+    stock FSDP2, for every kind of codec (none, error feedback across nodes, 4-bit
+    Hadamard, ZeRO++'s); no codec turns it finite (2 ranks, each a node)."""
+    policies = [None, "none", "int2ef", "sdp4bit", "zeropp"]
+    ranks = spawn(fsdp_workers.fsdp_nan_on_one_rank, 2, (policies,), ranks_per_node=1)
+    for r in ranks:
+        for policy in map(str, policies):
+            assert r[policy] == r["None"] == {"grads finite": [False, False],
+                                              "weights finite": False}, policy
+
+
+@pytest.mark.slow
+def test_ranks_that_compress_differently_or_not_at_all_are_named_at_compress():
+    """Ranks on other policies raise the mismatch at ``compress`` on every rank. A rank
+    that does not compress goes on to FSDP's own all-gather, which commpress's header
+    exchange used to meet (a Gloo abort, "Received data size doesn't match"): the
+    compressing rank now names it within the timeout, and the other fails as it leaves."""
+    policy = spawn(fsdp_workers.fsdp_disagreeing_ranks, 2, ("policy",), ranks_per_node=1,
+                   pg_timeout_s=10)
+    for r in policy:
+        assert "CollectiveMismatchError: commpress.fsdp.compress" in r["error"]
+        assert "policy differs" in r["error"]
+    one = spawn(fsdp_workers.fsdp_disagreeing_ranks, 2, ("one",), ranks_per_node=1,
+                pg_timeout_s=10, timeout=120)
+    assert "CollectiveTimeoutError: commpress.fsdp.compress" in one[0]["error"]
+    assert "ranks [1] never reached it" in one[0]["error"]
+    assert one[0]["seconds"] < 10 + 5
+    assert one[1]["error"] is not None and one[1]["seconds"] < 10 + 15

@@ -35,6 +35,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import TypeVar
 
 import torch
@@ -97,6 +98,7 @@ class GroupContext:
         # internal state
         self._lock = threading.RLock()
         self._seq = 0
+        self._meetings = 0  # rendezvous() calls on this group
         self._p2p: dict[tuple[str, int, int], int] = defaultdict(int)
         self._p2p_inboxes: dict[tuple[int, int], object] = {}
         self._levels: dict[int, Levels] = {}
@@ -203,6 +205,37 @@ def agree(group: dist.ProcessGroup | None, collective: str, /, **fields: object)
     directly (a replica check, a buffer broadcast, an adapter's set-up), so that ranks
     that disagree, or one that never comes, get a named error rather than a hang."""
     return context(resolve_group(group)).agree(collective, **fields)
+
+
+def rendezvous(group: dist.ProcessGroup | None, collective: str, /) -> None:
+    """Wait until every rank of ``group`` (default: the world) reaches this call, through
+    the default store rather than the group itself; raise :class:`CollectiveTimeoutError`
+    naming the ranks that did not within the group's timeout (or the world group's, if
+    shorter: an engine's cloned groups get torch's 30-minute default). For an adapter's
+    set-up: a rank that never calls it goes on to the engine's own collectives on the same
+    group, which a header exchange over the group would meet — a hang, or a Gloo abort on
+    the size mismatch — where this names the rank instead."""
+    if group is None and not dist.is_initialized():
+        return
+    ctx = context(resolve_group(group))
+    if ctx.world == 1:
+        return
+    with ctx._lock:
+        meeting = ctx._meetings
+        ctx._meetings += 1
+    keys = [f"commpress/meet/{ctx.name}/{meeting}/{r}" for r in range(ctx.world)]
+    timeouts = [t for t in (group_timeout(resolve_group(group)), group_timeout(None)) if t]
+    timeout = min(timeouts) if timeouts else timedelta(minutes=30)
+    store = dist.distributed_c10d._get_default_store()
+    store.set(keys[ctx.rank], collective)
+    try:
+        store.wait(keys, timeout)
+    except Exception as e:  # noqa: BLE001 - the store's timeout error, named below
+        missing = [ctx.ranks[r] for r, key in enumerate(keys) if not store.check([key])]
+        raise CollectiveTimeoutError(
+            f"commpress.{collective} (on group {ctx.name}) timed out after "
+            f"{timeout.total_seconds():.0f} s: ranks {missing} never reached it (every rank "
+            f"must call it, with the same arguments). Cause: {type(e).__name__}: {e}") from e
 
 
 def all_gather_objects(obj: object, group: dist.ProcessGroup | None, label: str) -> list:

@@ -57,7 +57,7 @@ import torch
 import torch.distributed as dist
 
 from commpress.collectives import Topology
-from commpress.collectives.agreement import agree
+from commpress.collectives.agreement import agree, rendezvous
 from commpress.collectives.parts import reduce_scatter_parts
 from commpress.integrations import rank_state
 from commpress.integrations.grad_path import GradPath, resized
@@ -379,7 +379,9 @@ def compress(engine: DeepSpeedEngine, policy: str | dict | Policy = "none",
     _check_engine(engine)
     check_bool("elastic", elastic)
     policy = Policy.resolve(policy)
-    # one rank compressing and another not would meet in mismatched collectives later
+    # a rank that does not compress goes on to DeepSpeed's own collectives on this group:
+    # meet through the store first, then agree over the group
+    rendezvous(engine.optimizer.dp_process_group, "deepspeed.compress")
     agree(engine.optimizer.dp_process_group, "deepspeed.compress", label="dp",
           policy=policy.to_dict(), groups=len(engine.optimizer.bit16_groups_flat))
     compression = DeepSpeedCompression(engine, policy, topology or Topology(), elastic)

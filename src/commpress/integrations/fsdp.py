@@ -45,7 +45,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatt
 from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo
 
 from commpress.collectives import Topology, all_gather, all_reduce
-from commpress.collectives.agreement import agree
+from commpress.collectives.agreement import agree, rendezvous
 from commpress.collectives.comm import all_gather_single
 from commpress.integrations.grad_path import GradPath, resized
 from commpress.policy import Policy, Rule
@@ -217,7 +217,7 @@ def _replicate_all_reduce(module: FSDPModule, policy: Policy,
     shard_only.reduce_scatter_process_group = mesh_info.reduce_scatter_process_group
     if param_group.post_forward_mesh_info is mesh_info:  # reshard_after_forward=True
         param_group.post_forward_mesh_info = shard_only
-        param_group.mesh_info = shard_only
+    param_group.mesh_info = shard_only
     return ReplicateAllReduce(policy.codec_for("dp", "grad", "inter"),
                               mesh_info.replicate_process_group, param_group, in_flight)
 
@@ -401,6 +401,22 @@ class _ElasticLoad:
         self.compression.load_state_dict(state, elastic=True)
 
 
+def _agree_on_compress(model: nn.Module, policy: Policy) -> None:
+    """Every rank of the model's data-parallel groups (the shard group, and HSDP's
+    replicate group) compresses the same FSDP modules with the same policy. A rank that
+    does not goes on to FSDP's own collectives on those groups, so the ranks first meet
+    through the store (naming one that never comes), then agree over each group."""
+    names = [name for name, module in model.named_modules() if isinstance(module, FSDPModule)]
+    groups = next(([info.shard_process_group] + ([info.replicate_process_group]
+                                                  if isinstance(info, HSDPMeshInfo) else [])
+                   for module in model.modules() if isinstance(module, FSDPModule)
+                   for info in (g.mesh_info for g in
+                                module._get_fsdp_state()._fsdp_param_groups)), [])
+    for group in groups:
+        rendezvous(group, "fsdp.compress")
+        agree(group, "fsdp.compress", label="dp", policy=policy.to_dict(), modules=names)
+
+
 def _param_codec(policy: Policy) -> Any:
     """The weights' codec: ``dp.param``'s, or exact where it asks for differences."""
     rule = policy.rule("dp", "param")
@@ -438,6 +454,7 @@ def compress(model: nn.Module, policy: str | dict | Policy = "sdp4bit",
     """
     policy = Policy.resolve(policy)
     topology = topology or Topology()
+    _agree_on_compress(model, policy)
     param_rule = policy.rule("dp", "param")
     if param_rule.delta:
         log.warning("commpress.fsdp: policy %s asks for weight differences (qWD) on dp.param, "
@@ -445,10 +462,15 @@ def compress(model: nn.Module, policy: str | dict | Policy = "sdp4bit",
     modules: dict[str, tuple[CompressedAllGather, CompressedReduceScatter]] = {}
     stock: list[_Stock] = []
     in_flight = InFlight()
+    by_state: dict[int, tuple[CompressedAllGather, CompressedReduceScatter]] = {}
     for name, module in model.named_modules():
         if not isinstance(module, FSDPModule):
             continue
-        for param_group in module._get_fsdp_state()._fsdp_param_groups:
+        state = module._get_fsdp_state()
+        if id(state) in by_state:  # fully_shard([a, b]): modules that share one FSDP state
+            modules[name] = by_state[id(state)]
+            continue
+        for param_group in state._fsdp_param_groups:
             if isinstance(param_group._all_gather_comm, CompressedAllGather):
                 raise InputError(f"commpress.fsdp.compress: FSDP module {name!r} is compressed "
                                  "already; remove() the first compression before compressing "
@@ -459,7 +481,7 @@ def compress(model: nn.Module, policy: str | dict | Policy = "sdp4bit",
                                           _replicate_all_reduce(module, policy, in_flight))
         module.set_custom_all_gather(gather)
         module.set_custom_reduce_scatter(scatter)
-        modules[name] = (gather, scatter)
+        modules[name] = by_state[id(state)] = (gather, scatter)
     if not modules:
         raise InputError("commpress.fsdp.compress: no FSDPModule found; call fully_shard first")
     device = next(model.parameters()).device

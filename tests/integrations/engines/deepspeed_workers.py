@@ -285,3 +285,18 @@ def elastic(rank, world, directory, load_tag, save_tag, start, copy_state):
     engine.commpress.undo()
     out["logged"] = [m for m in records if "start fresh" in m]
     return out
+
+
+def one_rank_compresses(rank, world):
+    """Rank 0 compresses, rank 1 trains stock DeepSpeed: what each raised, how soon."""
+    import time
+
+    data = TextData(load_tokens(max_bytes=200_000))
+    start = time.monotonic()
+    try:
+        engine = engine_for(config(world=world), "sdp4bit" if rank == 0 else None)
+        train(engine, data, 0, 1, rank, world)
+        error = None
+    except Exception as e:  # noqa: BLE001 - what the rank saw, for the test
+        error = f"{type(e).__name__}: {e}"
+    return {"error": error, "seconds": time.monotonic() - start}

@@ -177,3 +177,15 @@ def test_an_elastic_resume_on_another_data_parallel_size_starts_the_codecs_fresh
     # 2 → 4: the universal checkpoint holds no commpress file
     assert "commpress_rank00000.pt' is missing" in four[0]["strict"]
     assert len(four[0]["logged"]) == 1 and "no commpress state beside" in four[0]["logged"][0]
+
+
+def test_one_rank_compressing_and_the_other_not_is_named_within_the_timeout():
+    """The stock rank goes on to DeepSpeed's own all-reduce on the data-parallel group,
+    which commpress's apply-time header exchange used to meet: both ranks hung past 200 s
+    (DeepSpeed's cloned group waits 30 minutes). The compressing rank now names the other
+    within the launch timeout; the other fails as it leaves."""
+    ranks = spawn(workers.one_rank_compresses, 2, (), pg_timeout_s=10, timeout=300)
+    assert "CollectiveTimeoutError: commpress.deepspeed.compress" in ranks[0]["error"]
+    assert "ranks [1] never reached it" in ranks[0]["error"]
+    assert ranks[1]["error"] is not None
+    assert all(r["seconds"] < 60 for r in ranks)
