@@ -22,11 +22,10 @@ from commpress.codecs import codec as build_codec
 from commpress.codecs.error_feedback import split
 from commpress.collectives.agreement import GroupContext, context
 from commpress.collectives.byte_stats import Stats
+from commpress.collectives.chunks import AnyCodec
 from commpress.collectives.comm import check_op, describe, resolve_group
 from commpress.collectives.handle import Handle
 from commpress.validate import InputError
-
-AnyCodec = Codec | ErrorFeedback
 
 
 def resolve_codec(codec: Any) -> AnyCodec:

@@ -22,7 +22,6 @@ from commpress.collectives.transport import AllGather, Peers, Steps, run_into
 def all_gather_steps(flat: torch.Tensor, codec: AnyCodec, peers: Peers, stats: Stats,
                      label: str, *, rng_stream: int | None = None, key: str | None = None,
                      count_call: bool = True, out: torch.Tensor | None = None,
-                     eager: bool = False,
                      then: Callable[[torch.Tensor], object] = lambda values: values) -> Steps:
     """One rank's all-gather of ``flat`` → ``then(values)``, ``values`` every rank's
     ``m`` elements as ``(peers.size, m)`` (fp32 when compressed, decoded from the same
@@ -36,7 +35,7 @@ def all_gather_steps(flat: torch.Tensor, codec: AnyCodec, peers: Peers, stats: S
         return then(flat.view(1, m))
     if is_exact(codec):
         count_sent(stats, label, (n - 1) * m, (n - 1) * m * itemsize, itemsize)
-        request = AllGather(peers, stats, label, eager, flat.contiguous(), True,
+        request = AllGather(peers, stats, label, False, flat.contiguous(), True,
                             lambda rows: then(rows.view(n, m)), out)
         del flat
         return (yield request)
@@ -56,7 +55,8 @@ def all_gather_steps(flat: torch.Tensor, codec: AnyCodec, peers: Peers, stats: S
         with stats.timed(label, "decode_s", row.device):
             return then(chunks.decode_rows(codec, rows, m_pad, dtype)[:, :m])
 
-    return (yield AllGather(peers, stats, label, eager, row, chunks.splittable(codec), decode))
+    return (yield AllGather(peers, stats, label, False, row, chunks.splittable(codec),
+                            decode))
 
 
 def run_all_gather(output: torch.Tensor, input: torch.Tensor, codec: AnyCodec,

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from commpress.collectives.byte_stats import Stats
+from commpress.collectives.chunks import Rows
 from commpress.collectives.comm import (
     REDUCE_OPS,
     Exchange,
@@ -37,8 +38,6 @@ from commpress.collectives.comm import (
     reduce_scatter_single,
 )
 from commpress.collectives.handle import Handle, completed
-
-Rows = torch.Tensor | list[torch.Tensor]
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch.optim.lr_scheduler import LambdaLR
 
 from commpress.collectives import reset_stats, stats
-from commpress.collectives.agreement import release
+from commpress.collectives.agreement import all_gather_objects, release
 from commpress.collectives.byte_stats import Stats
 from commpress.collectives.comm import all_gather_single, group_timeout
 from commpress.collectives.topology import Topology
@@ -63,11 +63,6 @@ from commpress.train.data import TextData, load_tokens
 from commpress.train.ddp_engine import DDPEngine
 from commpress.validate import InputError
 
-# one-level collectives report under the axis label, two-level ones under label.intra/.inter
-AXIS_LABELS = ("dp.grad", "dp.grad.intra", "dp.grad.inter", "dp.grad.gather",
-               "dp.grad.gather.intra", "dp.grad.gather.inter", "dp.param", "dp.param.intra",
-               "dp.param.inter", "tp.act", "tp.act_grad", "pp.act", "pp.act_grad",
-               "outer.grad", "outer.grad.intra", "outer.grad.inter", "outer.grad.gather.intra")
 COUNTERS = ("wire_bytes", "raw_bytes", "elements")
 
 
@@ -385,14 +380,14 @@ class Run:
     def totals(self) -> dict[str, dict[str, float]]:
         """Every rank's counters, summed (collective over the processes of a run)."""
         if not self.played:
-            return summed_counters(stats(), self.device)
+            return summed_counters(stats())
         if self.cfg.tp == 1:
             return self.stats.snapshot()
         # the slices' played bytes and their layers' real tensor-parallel all-reduces
         mine = Stats()
         mine.add(self.stats.snapshot())
         mine.add(stats())
-        return summed_counters(mine.snapshot(), self.device)
+        return summed_counters(mine.snapshot())
 
 
 def site_group(ranks_per_site: int) -> dist.ProcessGroup:
@@ -408,16 +403,17 @@ def site_group(ranks_per_site: int) -> dist.ProcessGroup:
     return mine
 
 
-def summed_counters(counters: dict[str, dict[str, float]],
-                    device: torch.device) -> dict[str, dict[str, float]]:
+def summed_counters(counters: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
     """Per-label wire/raw bytes and elements of ``counters`` (this rank's), summed over
-    all ranks."""
-    vec = torch.tensor([float(counters.get(label, {}).get(c, 0)) for label in AXIS_LABELS
-                        for c in COUNTERS], dtype=torch.float64, device=device)
-    dist.all_reduce(vec)
-    vals = vec.view(len(AXIS_LABELS), len(COUNTERS)).tolist()
-    return {label: dict(zip(COUNTERS, row)) for label, row in zip(AXIS_LABELS, vals)
-            if row[0] > 0}
+    all ranks in rank order: every label some rank sent bytes under, whichever it is."""
+    mine = {label: {c: float(v.get(c, 0)) for c in COUNTERS} for label, v in counters.items()}
+    total: dict[str, dict[str, float]] = {}
+    for theirs in all_gather_objects(mine, None, "stats totals"):
+        for label, values in theirs.items():
+            row = total.setdefault(label, dict.fromkeys(COUNTERS, 0.0))
+            for c in COUNTERS:
+                row[c] += values[c]
+    return {label: row for label, row in sorted(total.items()) if row["wire_bytes"] > 0}
 
 
 def run_steps(run: Run, writer: bool) -> dict[str, Any] | None:
