@@ -24,11 +24,12 @@ def _full_params_hash(model: nn.Module) -> str:
 
 
 def _fsdp_model(policy):
+    """gpt-tiny sharded block by block, compressed with ``policy`` (None: stock FSDP2)."""
     model = _model()
     for block in model.blocks:
         fully_shard(block)
     fully_shard(model)
-    compression = commpress.fsdp.compress(model, policy)
+    compression = commpress.fsdp.compress(model, policy) if policy is not None else None
     return model, compression
 
 
@@ -137,12 +138,7 @@ def fsdp_nan_on_one_rank(rank, world, policies):
     data = _data()
     out = {}
     for policy in policies:
-        model = _model()
-        for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
-        if policy is not None:
-            commpress.fsdp.compress(model, policy)
+        model, _ = _fsdp_model(policy)
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
         finite = []
         for step in range(2):
@@ -164,14 +160,10 @@ def fsdp_disagreeing_ranks(rank, world, case):
     import time
 
     data = _data()
-    model = _model()
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
     start = time.monotonic()
     try:
-        if case == "policy" or rank == 0:
-            commpress.fsdp.compress(model, "int2ef" if rank == 0 else "sdp4bit")
+        model, _ = _fsdp_model("int2ef" if rank == 0 else "sdp4bit" if case == "policy"
+                               else None)
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
         train_steps(model, opt, data, rank, world, 0, 1)
         error = None
