@@ -60,3 +60,39 @@ def test_played_steps_do_not_read_their_input_once_they_wait(rule, m):
     for a, b in zip(kept, overwritten, strict=True):
         assert torch.isfinite(a).all()  # NaN written over an input never arrives
         assert torch.equal(a, b)
+
+
+# relative error bounds of one call: 8 and 4 bits; ternary codes and top-k 10 % leave most
+# of the signal to their error-feedback memory (a biased codec: under the signal's norm)
+@pytest.mark.parametrize("rpn,rule,bound", [
+    (4, "int8", 0.05),
+    (2, {"intra": "int8:hadamard=128", "inter": "int4:hadamard=128"}, 0.3),  # fused
+    pytest.param(2, {"intra": "none", "inter": EF_INT2}, 1.0, marks=pytest.mark.slow),
+    pytest.param(4, "topk:ratio=0.1", 1.0, marks=pytest.mark.slow),  # variable-size rows
+    pytest.param(4, "none", 0.0, marks=pytest.mark.slow),
+])
+def test_reduce_scatter_of_uneven_parts_sums_each_ranks_part_and_plays_bit_for_bit(
+        rpn, rule, bound):
+    """Parts of any length — empty, shorter than a quantization group, unaligned — reach
+    only their rank, summed within the codec's error (exactly for ``none``), equal when
+    played; ranks whose lengths differ are told so."""
+    world, calls, sizes = 4, 2, [300, 0, 7, 130]
+    real = spawn(workers.real_reduce_scatter_parts, world, (rule, sizes, calls, rpn),
+                 ranks_per_node=rpn)
+    played = workers.played_reduce_scatter_parts(world, rule, sizes, calls, rpn)
+    offsets = [sum(sizes[:r]) for r in range(world)]
+    for c in range(calls):
+        inputs = [workers.played_inputs(r, sum(sizes), torch.float32, calls)[c]
+                  for r in range(world)]
+        for r, (results, mismatch) in enumerate(real):
+            assert results[c] == played[c][r]
+            exact = inputs[0][offsets[r]:offsets[r] + sizes[r]].clone()
+            for x in inputs[1:]:
+                exact += x[offsets[r]:offsets[r] + sizes[r]]
+            got = torch.tensor(results[c])
+            assert got.shape == exact.shape
+            if rule == "none":
+                assert torch.equal(got, exact)
+            elif c == 0:  # later calls carry error-feedback memory
+                assert (got - exact).norm() <= bound * exact.norm(), (r, rule)
+            assert "sizes differs" in mismatch

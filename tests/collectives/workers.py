@@ -379,6 +379,38 @@ def played_reduce_scatters(world, grad_rule, m, inputs, calls, rpn, overwrite):
         overwrite) for r in range(world)]
 
 
+def real_reduce_scatter_parts(rank, world, grad_rule, sizes, calls, rpn):
+    """This rank's results of ``calls`` successive reduce-scatters of uneven parts
+    (``sizes[r]`` elements for rank ``r``), op sum, as lists; then what a call whose
+    lengths differ on rank 0 raised."""
+    from commpress.collectives import Topology
+
+    codecs = _grad_codecs(grad_rule)
+    levels = ({"codec": codecs["single"]} if "single" in codecs else
+              {"intra": codecs["intra"], "inter": codecs["inter"], "topology": Topology(rpn)})
+    out = []
+    for x in played_inputs(rank, sum(sizes), torch.float32, calls):
+        out.append(commpress.reduce_scatter_parts(list(x.split(sizes)), op="sum", label="g",
+                                                  **levels).tolist())
+    try:
+        commpress.reduce_scatter_parts([torch.zeros(n + (rank == 0)) for n in sizes],
+                                       **levels)
+    except commpress.CollectiveMismatchError as e:
+        return out, str(e)
+    return out, None
+
+
+def played_reduce_scatter_parts(world, grad_rule, sizes, calls, rpn):
+    """The same calls played in this process: every call's results, by rank, as lists."""
+    from commpress.collectives.byte_stats import Stats
+    from commpress.collectives.hierarchical import reduce_scatter_levels_steps
+
+    inputs = [played_inputs(r, sum(sizes), torch.float32, calls) for r in range(world)]
+    return [{r: t.tolist() for r, t in results.items()} for results in _played_calls(
+        world, grad_rule, rpn, inputs, calls, lambda x, codecs, used, peers, r:
+        reduce_scatter_levels_steps(x, sizes, codecs, used, *peers, Stats(), "g", "sum", r))]
+
+
 def near_dtype_max(rank, world, specs):
     """bf16 ±max through every collective: which results are all finite."""
     top = torch.finfo(torch.bfloat16).max

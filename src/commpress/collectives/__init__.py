@@ -34,6 +34,7 @@ from commpress.collectives.hierarchical import (
     hierarchical_all_gather,
     hierarchical_all_reduce,
     hierarchical_reduce_scatter,
+    reduce_scatter_parts,
 )
 from commpress.collectives.p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
 from commpress.collectives.topology import Topology
@@ -57,6 +58,7 @@ __all__ = [
     "isend",
     "recv",
     "reduce_scatter",
+    "reduce_scatter_parts",
     "reset_stats",
     "send",
     "stats",

@@ -13,6 +13,8 @@ around the encode; everything else is the codec's own (:func:`split`).
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from commpress.codecs import Codec, ErrorFeedback, Packet, packet_to_bytes
@@ -53,13 +55,33 @@ def packet_of_rows(codec: AnyCodec, rows: torch.Tensor, m_pad: int,
     return Packet(tuple(tensors), n * m_pad, (n, m_pad), torch.float32)
 
 
-def encode_rows(codec: AnyCodec, x: torch.Tensor, *, rng_stream: int, key: str) -> Rows:
-    """Encode ``x`` of shape ``(n, m_pad)`` into byte rows, one per chunk."""
-    n = x.shape[0]
+def rows_of_parts(codec: AnyCodec, packet: Packet, padded: list[int]) -> Rows:
+    """A splittable packet of parts of ``padded`` elements laid end to end (each a multiple
+    of the codec's alignment) as one byte row per part: a ``(n, row_bytes)`` tensor when
+    the parts are equal (:func:`rows_of_packet`), else a list."""
+    if len(set(padded)) == 1:
+        return rows_of_packet(packet, len(padded))
+    a = split(codec)[0].alignment
+    bounds = list(itertools.accumulate((p // a for p in padded), initial=0))
+    # each tensor splits into bounds[-1] equal pieces of ``a`` elements (the alignment's
+    # contract); a part's row holds its pieces of every tensor, as rows_of_packet's do
+    pieces = [t.contiguous().view(torch.uint8).view(bounds[-1], -1) for t in packet.tensors]
+    return [torch.cat([t[lo:hi].reshape(-1) for t in pieces])
+            for lo, hi in zip(bounds, bounds[1:])]
+
+
+def encode_rows(codec: AnyCodec, x: torch.Tensor, *, rng_stream: int, key: str,
+                padded: list[int] | None = None) -> Rows:
+    """Encode ``x`` into byte rows, one per chunk: ``x`` of shape ``(n, m_pad)``, or 1-D
+    holding parts of ``padded`` elements end to end (uneven parts, each a multiple of
+    the codec's alignment). A splittable codec encodes everything in one call."""
+    if padded is None:
+        padded = [x.shape[1]] * x.shape[0]
+    x = x.reshape(-1)
     if splittable(codec):
-        return rows_of_packet(encode(codec, x.reshape(-1), rng_stream=rng_stream, key=key), n)
-    return [packet_to_bytes(encode(codec, x[i], rng_stream=rng_stream, key=f"{key}#{i}"))
-            for i in range(n)]
+        return rows_of_parts(codec, encode(codec, x, rng_stream=rng_stream, key=key), padded)
+    return [packet_to_bytes(encode(codec, part, rng_stream=rng_stream, key=f"{key}#{i}"))
+            for i, part in enumerate(x.split(padded))]
 
 
 def _row_packet(codec: AnyCodec, row: torch.Tensor, m_pad: int,
@@ -96,6 +118,20 @@ def row_bytes(rows: Rows, skip: int) -> tuple[int, int]:
     if isinstance(rows, list):
         return sum(r.numel() for i, r in enumerate(rows) if i != skip), len(rows) - 1
     return rows[0].numel() * (rows.shape[0] - 1), rows.shape[0] - 1
+
+
+def pad_parts(flat: torch.Tensor, sizes: list[int], padded: list[int]) -> torch.Tensor:
+    """``flat``'s parts of ``sizes`` elements (end to end; the last ones may be short)
+    laid out 1-D at their ``padded`` lengths, zero-padded. No copy when none is padded."""
+    if len(set(sizes)) == 1 and len(set(padded)) == 1:
+        return pad_chunks(flat, len(sizes), sizes[0], padded[0]).reshape(-1)
+    out = flat.new_zeros(sum(padded))
+    src = dst = 0
+    for size, pad in zip(sizes, padded):
+        piece = flat[src:src + size]
+        out[dst:dst + piece.numel()] = piece
+        src, dst = src + size, dst + pad
+    return out
 
 
 def pad_chunks(flat: torch.Tensor, n: int, m: int, m_pad: int) -> torch.Tensor:

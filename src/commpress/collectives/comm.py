@@ -94,27 +94,36 @@ class Exchange:
     """An all-to-all of per-destination byte rows, started at construction.
 
     ``rows`` is either a ``(world, row_bytes)`` uint8 tensor (fixed-rate codecs: every
-    row has the same size) or a list of ``world`` 1-D uint8 tensors of any sizes
-    (variable-rate codecs: sizes are exchanged first). ``wait()`` returns what each
-    source rank sent this rank, in the same form.
+    row has the same size) or a list of ``world`` 1-D uint8 tensors of any sizes. For a
+    list, every source's row for this rank has ``received`` bytes when given (uneven
+    parts of a fixed-rate codec), else the sizes are exchanged first (variable-rate
+    codecs). ``wait()`` returns what each source rank sent this rank: a ``(world, ·)``
+    tensor, or a list of sizes exchanged.
     """
 
-    def __init__(self, rows: torch.Tensor | list[torch.Tensor], group) -> None:
+    def __init__(self, rows: torch.Tensor | list[torch.Tensor], group,
+                 received: int | None = None) -> None:
         self.group = group
+        self.sizes: list[int] | None = None
         if isinstance(rows, torch.Tensor):
-            self.sizes = None
             self.recv = torch.empty_like(rows)
             self.work = dist.all_to_all_single(self.recv, rows, group=group, async_op=True)
-        else:
-            send_sizes = [r.numel() for r in rows]
+            return
+        send_sizes = [r.numel() for r in rows]
+        if received is None:
             sizes_t = torch.tensor(send_sizes, dtype=torch.int64, device=rows[0].device)
             recv_sizes_t = torch.empty_like(sizes_t)
             dist.all_to_all_single(recv_sizes_t, sizes_t, group=group)
             self.sizes = recv_sizes_t.tolist()
             self.recv = torch.empty(sum(self.sizes), dtype=torch.uint8, device=rows[0].device)
-            self.work = dist.all_to_all_single(
-                self.recv, torch.cat(rows), output_split_sizes=self.sizes,
-                input_split_sizes=send_sizes, group=group, async_op=True)
+            recv_sizes = self.sizes
+        else:
+            self.recv = torch.empty(len(rows), received, dtype=torch.uint8,
+                                    device=rows[0].device)
+            recv_sizes = [received] * len(rows)
+        self.work = dist.all_to_all_single(
+            self.recv.view(-1), torch.cat(rows), output_split_sizes=recv_sizes,
+            input_split_sizes=send_sizes, group=group, async_op=True)
 
     def wait(self) -> torch.Tensor | list[torch.Tensor]:
         self.work.wait()

@@ -58,10 +58,11 @@ def all_reduce_steps(flat: torch.Tensor, codec: AnyCodec, peers: Peers, stats: S
                                             then=lambda values: values[0] + values[1])
         return (total / 2 if op == "avg" else total)[:numel].to(dtype)
     # Step 1-3: encode once, chunk i for rank i; all-to-all; decode and sum in fp32
-    m_pad = chunks.padded_chunk(codec, chunk)
-    x = chunks.pad_chunks(flat, n, chunk, m_pad)
+    padded = [chunks.padded_chunk(codec, chunk)] * n
+    x = chunks.pad_parts(flat, [chunk] * n, padded)
     del flat
-    shard = yield from exchange_and_sum(x, codec, peers, stats, label, rng_stream=peers.rank)
+    shard = yield from exchange_and_sum(x, padded, codec, peers, stats, label,
+                                        rng_stream=peers.rank)
     if op == "avg":
         shard /= n
     # Step 4-6: encode that shard once (in the tensor's dtype, like the input), all-gather

@@ -22,48 +22,65 @@ from commpress.collectives.handle import Handle
 from commpress.collectives.transport import AllToAll, Peers, Reduce, Rows, Steps, run_into
 
 
-def send_rows(rows: Rows, peers: Peers, stats: Stats, label: str, m_pad: int,
-              itemsize: int, eager: bool = False) -> Steps:
-    """Count and send byte rows (row ``i`` to peer ``i``) → the rows received."""
-    sent, count = chunks.row_bytes(rows, skip=peers.rank)
-    count_sent(stats, label, count * m_pad, sent, itemsize)
-    return (yield AllToAll(peers, stats, label, eager, rows))
+def send_rows(rows: Rows, peers: Peers, stats: Stats, label: str, padded: list[int],
+              itemsize: int, eager: bool = False, received: int | None = None) -> Steps:
+    """Count and send byte rows (row ``i``, the codes of ``padded[i]`` elements, to peer
+    ``i``) → the rows received (``received``: bytes from each peer, when known)."""
+    sent, _ = chunks.row_bytes(rows, skip=peers.rank)
+    elements = sum(p for i, p in enumerate(padded) if i != peers.rank)
+    count_sent(stats, label, elements, sent, itemsize)
+    return (yield AllToAll(peers, stats, label, eager, rows, received))
 
 
-def exchange_and_sum(x: torch.Tensor, codec: AnyCodec, peers: Peers, stats: Stats, label: str,
-                     *, rng_stream: int, eager: bool = False) -> Steps:
-    """Encode ``x`` (``(peers, m_pad)``: row ``i`` for peer ``i``) once, exchange, decode
-    what every peer sent this rank and sum in fp32, in peer order → ``(m_pad,)``."""
-    m_pad, dtype, itemsize, device = x.shape[1], x.dtype, x.element_size(), x.device
+def exchange_and_sum(x: torch.Tensor, padded: list[int], codec: AnyCodec, peers: Peers,
+                     stats: Stats, label: str, *, rng_stream: int,
+                     eager: bool = False) -> Steps:
+    """Encode ``x`` — the parts for each peer, ``padded[i]`` elements for peer ``i``, end
+    to end — once, exchange, decode what every peer sent this rank and sum in fp32, in
+    peer order → ``(padded[peers.rank],)``."""
+    dtype, itemsize, device = x.dtype, x.element_size(), x.device
     with stats.timed(label, "encode_s", device):
-        rows = chunks.encode_rows(codec, x, rng_stream=rng_stream, key=label)
+        rows = chunks.encode_rows(codec, x, rng_stream=rng_stream, key=label, padded=padded)
     del x  # only codes are kept while the peers answer
-    received = yield from send_rows(rows, peers, stats, label, m_pad, itemsize, eager)
+    mine = padded[peers.rank]
+    received = yield from send_rows(rows, peers, stats, label, padded, itemsize, eager,
+                                    received=fixed_width(rows, codec, peers.rank))
     with stats.timed(label, "decode_s", device):
-        return chunks.decode_sum_rows(codec, received, m_pad, dtype)
+        return chunks.decode_sum_rows(codec, received, mine, dtype)
 
 
-def reduce_scatter_steps(flat: torch.Tensor, m: int, codec: AnyCodec, peers: Peers,
-                         stats: Stats, label: str, op: str, *, out: torch.Tensor | None = None,
-                         eager: bool = False) -> Steps:
-    """One rank's reduce-scatter of ``flat`` (``peers.size × m``) → its ``m`` values (fp32
-    when compressed; ``out`` itself when exact and given)."""
+def fixed_width(rows: Rows, codec: AnyCodec, me: int) -> int | None:
+    """Bytes every peer sends this rank, when uneven rows of a fixed-rate codec make it
+    known (each peer's row for this rank encodes as many elements as this rank's own)."""
+    return rows[me].numel() if isinstance(rows, list) and chunks.splittable(codec) else None
+
+
+def reduce_scatter_steps(flat: torch.Tensor, sizes: int | list[int], codec: AnyCodec,
+                         peers: Peers, stats: Stats, label: str, op: str, *,
+                         out: torch.Tensor | None = None, eager: bool = False) -> Steps:
+    """One rank's reduce-scatter of ``flat``, the parts for each peer end to end:
+    ``sizes`` elements each (an int), or ``sizes[i]`` for peer ``i`` (uneven parts, any
+    length, zero included) → its ``sizes[rank]`` values (fp32 when compressed; ``out``
+    itself when exact, even and given). Each part is padded to the codec's alignment
+    alone, so a rank receives only its elements, each encoded once."""
     n = peers.size
     if n == 1:
         return flat
-    if is_exact(codec):
+    sizes = [sizes] * n if isinstance(sizes, int) else list(sizes)
+    m = sizes[peers.rank]
+    if is_exact(codec) and len(set(sizes)) == 1:
         count_sent(stats, label, (n - 1) * m, (n - 1) * m * flat.element_size(),
                    flat.element_size())
         request = Reduce(peers, stats, label, eager, flat, op, True, out)
         del flat
         return (yield request)
-    # Step 1-2: encode once, chunk i for rank i; all-to-all
-    m_pad = chunks.padded_chunk(codec, m)
-    x = chunks.pad_chunks(flat, n, m, m_pad)
+    # Step 1-2: encode once, part i for rank i; all-to-all
+    padded = [chunks.padded_chunk(codec, size) for size in sizes]
+    x = chunks.pad_parts(flat, sizes, padded)
     del flat
-    # Step 3: decode the chunks received and sum them in fp32, in rank order
-    total = yield from exchange_and_sum(x, codec, peers, stats, label, rng_stream=peers.rank,
-                                        eager=eager)
+    # Step 3: decode the parts received and sum them in fp32, in rank order
+    total = yield from exchange_and_sum(x, padded, codec, peers, stats, label,
+                                        rng_stream=peers.rank, eager=eager)
     if op == "avg":
         total /= n
     return total[:m]

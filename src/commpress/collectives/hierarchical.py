@@ -53,12 +53,14 @@ from commpress.collectives.compressed_all_gather import all_gather_steps, run_al
 from commpress.collectives.compressed_all_reduce import all_reduce_steps
 from commpress.collectives.compressed_reduce_scatter import (
     exchange_and_sum,
+    fixed_width,
     reduce_scatter_steps,
     send_rows,
 )
 from commpress.collectives.handle import Handle
 from commpress.collectives.topology import Topology, level_label, levels_used
-from commpress.collectives.transport import AllToAll, Peers, Steps, run_into
+from commpress.collectives.transport import AllToAll, Peers, Steps, run, run_into
+from commpress.validate import InputError
 
 EXACT = resolve_codec("none")
 
@@ -66,7 +68,8 @@ EXACT = resolve_codec("none")
 def begin_two_level(collective: str, group: dist.ProcessGroup | None, label: str | None,
                     intra, inter, topology: Topology | None, *,
                     tensors: dict[str, torch.Tensor], op: str | None = None,
-                    check=None) -> tuple[Call, tuple[str, ...], tuple[Peers, Peers, Peers]]:
+                    check=None, **fields: object
+                    ) -> tuple[Call, tuple[str, ...], tuple[Peers, Peers, Peers]]:
     """The prologue of a two-level collective: agree on everything, including the node
     size, *before* the sub-groups are made (ranks that disagree on it would otherwise
     wait for each other in ``new_group``). Returns the call, the levels used
@@ -77,7 +80,7 @@ def begin_two_level(collective: str, group: dist.ProcessGroup | None, label: str
     world = dist.get_world_size(resolve_group(group))
     rpn = topology.ranks_per_node_in(world)
     call = begin(collective, group, label, {"intra": intra, "inter": inter}, op=op,
-                 tensors=tensors, check=check, ranks_per_node=rpn)
+                 tensors=tensors, check=check, ranks_per_node=rpn, **fields)
     levels = call.ctx.levels(call.group, rpn)
     peers = (Peers(call.rank, call.world, call.group),
              Peers(levels.local_rank, levels.ranks_per_node, levels.intra),
@@ -118,17 +121,89 @@ def hierarchical_reduce_scatter(
         call.rank)), async_op)
 
 
-def reduce_scatter_levels_steps(flat: torch.Tensor, m: int, codecs: dict[str, AnyCodec],
-                                used: tuple[str, ...], peers: Peers, intra: Peers,
-                                inter: Peers, stats: Stats, label: str, op: str,
-                                rank: int) -> Steps:
-    """A reduce-scatter on the levels ``used`` (:func:`levels_used`): one level over
-    ``peers`` with that level's codec and label, or TLq-HS over ``intra``/``inter``."""
+def reduce_scatter_levels_steps(flat: torch.Tensor, sizes: int | list[int],
+                                codecs: dict[str, AnyCodec], used: tuple[str, ...],
+                                peers: Peers, intra: Peers, inter: Peers, stats: Stats,
+                                label: str, op: str, rank: int) -> Steps:
+    """A reduce-scatter (even or uneven ``sizes``, :func:`reduce_scatter_steps`) on the
+    levels ``used`` (:func:`levels_used`): one level over ``peers`` with that level's
+    codec and label, or TLq-HS over ``intra``/``inter``."""
     if len(used) == 1:
-        return reduce_scatter_steps(flat, m, codecs[used[0]], peers, stats,
+        return reduce_scatter_steps(flat, sizes, codecs[used[0]], peers, stats,
                                     level_label(label, used[0]), op)
-    return two_level_reduce_scatter_steps(flat, m, codecs["intra"], codecs["inter"], intra,
-                                          inter, stats, label, op, rank)
+    return two_level_reduce_scatter_steps(flat, sizes, codecs["intra"], codecs["inter"],
+                                          intra, inter, stats, label, op, rank)
+
+
+def reduce_scatter_parts(
+    parts: list[torch.Tensor],
+    codec="none",
+    *,
+    intra=None,
+    inter=None,
+    topology: Topology | None = None,
+    group: dist.ProcessGroup | None = None,
+    op: str = "avg",
+    label: str | None = None,
+    async_op: bool = False,
+) -> torch.Tensor | Handle:
+    """Reduce-scatter with uneven parts: the sum (``op="sum"``) or mean (``"avg"``) over
+    ranks of the part each rank holds for this rank, in fp32.
+
+    :func:`commpress.reduce_scatter` needs ``world`` equal chunks. An engine that owns
+    parameters by ranges (DeepSpeed's ZeRO partitions a flat buffer; a gradient bucket
+    covers some ranks' ranges and not others) has parts of any length per rank, zero
+    included. Padding them to the longest would send the longest part to every rank —
+    up to ``world`` times the bytes of the engine's own reduction — so each part is
+    padded to the codec's alignment alone and one all-to-all with uneven rows moves
+    them: a rank receives only its elements, each encoded once. The steps are those of
+    the even reduce-scatter (one encode for all parts of a fixed-rate codec; with
+    ``intra``/``inter``, TLq-HS with its fused re-quantization).
+
+    Args:
+        parts: ``world`` 1-D tensors of one floating dtype; ``parts[r]`` is what this rank
+            contributes to rank ``r``. Every rank passes the same lengths (checked).
+        codec: the codec of a one-level call.
+        intra, inter: the codecs of a two-level call (both, instead of ``codec``).
+        topology: node layout for two levels (default from ``LOCAL_WORLD_SIZE``).
+        label: key for :func:`commpress.stats` (``label.intra`` / ``label.inter`` with
+            two levels; default ``"reduce_scatter_parts"``).
+
+    Returns:
+        ``len(parts[rank])`` fp32 values (a :class:`Handle` with ``async_op``).
+
+    Example::
+
+        mine = commpress.reduce_scatter_parts([slice_for_0, slice_for_1], "int4",
+                                              label="dp.grad")
+    """
+    if (intra is None) != (inter is None):
+        raise InputError("reduce_scatter_parts: two levels need both intra and inter codecs; "
+                         f"got intra={intra!r}, inter={inter!r}")
+    world = dist.get_world_size(resolve_group(group))
+    if not isinstance(parts, list | tuple) or len(parts) != world:
+        raise InputError(f"reduce_scatter_parts: parts={type(parts).__name__} of "
+                         f"{len(parts) if isinstance(parts, list | tuple) else '?'} is not "
+                         f"allowed; allowed: a list of one 1-D tensor per rank ({world})")
+    if len({p.dtype for p in parts}) != 1:
+        raise InputError("reduce_scatter_parts: parts of dtypes "
+                         f"{sorted({str(p.dtype) for p in parts})} are not allowed; allowed: "
+                         "one floating dtype")
+    sizes = [p.numel() for p in parts]
+    tensors = {"parts": parts[0]}
+    if intra is None:
+        call = begin("reduce_scatter_parts", group, label, {"single": codec}, op=op,
+                     tensors=tensors, sizes=sizes)
+        whole = Peers(call.rank, call.world, call.group)
+        used, peers = ("single",), (whole, whole, whole)
+    else:
+        call, used, peers = begin_two_level("reduce_scatter_parts", group, label, intra,
+                                            inter, topology, op=op, tensors=tensors,
+                                            sizes=sizes)
+    flat = torch.cat([p.reshape(-1) for p in parts])
+    return end(run(reduce_scatter_levels_steps(flat, sizes, call.codecs, used, *peers,
+                                               call.stats, call.label, op, call.rank)),
+               async_op)
 
 
 def all_reduce_levels_steps(flat: torch.Tensor, codecs: dict[str, AnyCodec],
@@ -143,20 +218,31 @@ def all_reduce_levels_steps(flat: torch.Tensor, codecs: dict[str, AnyCodec],
                                       stats, label, op, gather_out=gather_out)
 
 
-def two_level_reduce_scatter_steps(flat: torch.Tensor, m: int, intra: AnyCodec,
-                                   inter: AnyCodec, intra_peers: Peers, inter_peers: Peers,
-                                   stats: Stats, label: str, op: str, rank: int) -> Steps:
-    """One rank's TLq-HS reduce-scatter of ``flat`` (``world × m``) → its ``m`` values in
-    fp32; ``rank`` (in the whole group) seeds its random streams."""
+def two_level_reduce_scatter_steps(flat: torch.Tensor, sizes: int | list[int],
+                                   intra: AnyCodec, inter: AnyCodec, intra_peers: Peers,
+                                   inter_peers: Peers, stats: Stats, label: str, op: str,
+                                   rank: int) -> Steps:
+    """One rank's TLq-HS reduce-scatter of ``flat``, the parts for each rank end to end
+    (``sizes`` as in :func:`reduce_scatter_steps`: even or uneven) → its values in fp32;
+    ``rank`` (in the whole group) seeds its random streams."""
     L, nodes = intra_peers.size, inter_peers.size
     n, itemsize, device = L * nodes, flat.element_size(), flat.device
+    local, node = intra_peers.rank, inter_peers.rank
+    sizes = [sizes] * n if isinstance(sizes, int) else list(sizes)
     (intra_codec, intra_memory), (inter_codec, inter_memory) = split(intra), split(inter)
+    # every part aligned to both codecs: the node sums re-encode part by part
     unit = math.lcm(max(intra_codec.alignment, 1), max(inter_codec.alignment, 1))
-    m_pad = -(-m // unit) * unit
-    # (nodes, L, m) chunks → (L, nodes, m): local rank l gets chunks l, L + l, 2L + l, …
-    x = chunks.pad_chunks(flat, n, m, m_pad)
-    x = x.view(nodes, L, m_pad).transpose(0, 1).reshape(L, nodes * m_pad)
+    padded = [-(-size // unit) * unit for size in sizes]
+    x = chunks.pad_parts(flat, sizes, padded)
     del flat
+    # local rank l gets the parts of ranks l, L + l, 2L + l, … (node-major → local-major)
+    if len(set(padded)) == 1:
+        x = x.view(nodes, L, padded[0]).transpose(0, 1).reshape(-1)
+    else:
+        by_rank = x.split(padded)
+        x = torch.cat([by_rank[nd * L + lr] for lr in range(L) for nd in range(nodes)])
+    for_local = [sum(padded[nd * L + lr] for nd in range(nodes)) for lr in range(L)]
+    for_node = [padded[nd * L + local] for nd in range(nodes)]  # this rank's node sums
     lab_intra, lab_inter = f"{label}.intra", f"{label}.inter"
     # Step 1-3: encode for and exchange inside the node, reduce the node's contributions
     # and re-encode for the slow link. Eager, not in wait(): the fast intra-node exchange
@@ -165,27 +251,31 @@ def two_level_reduce_scatter_steps(flat: torch.Tensor, m: int, intra: AnyCodec,
     if intra_memory is None and inter_memory is None and intra_codec.requantizes_into(
             inter_codec):
         with stats.timed(lab_intra, "encode_s", device):
-            rows = chunks.encode_rows(intra, x, rng_stream=rank, key=lab_intra)
+            rows = chunks.encode_rows(intra, x, rng_stream=rank, key=lab_intra,
+                                      padded=for_local)
         del x
-        received = yield from send_rows(rows, intra_peers, stats, lab_intra, nodes * m_pad,
-                                        itemsize, eager=True)
+        received = yield from send_rows(rows, intra_peers, stats, lab_intra, for_local,
+                                        itemsize, eager=True,
+                                        received=fixed_width(rows, intra, local))
         with stats.timed(lab_inter, "encode_s", device):
-            packet = chunks.packet_of_rows(intra, received, nodes * m_pad, torch.float32)
-            rows = chunks.rows_of_packet(
-                intra_codec.sum_requantize(packet, inter_codec, rng_stream=rank), nodes)
+            packet = chunks.packet_of_rows(intra, received, for_local[local], torch.float32)
+            rows = chunks.rows_of_parts(
+                inter, intra_codec.sum_requantize(packet, inter_codec, rng_stream=rank),
+                for_node)
         del received, packet
         # Step 4-5: exchange across nodes, decode, sum (and the inverse rotation, once)
-        received = yield from send_rows(rows, inter_peers, stats, lab_inter, m_pad, itemsize)
+        received = yield from send_rows(rows, inter_peers, stats, lab_inter, for_node,
+                                        itemsize, received=fixed_width(rows, inter, node))
         with stats.timed(lab_inter, "decode_s", device):
-            total = chunks.decode_sum_rows(inter, received, m_pad, torch.float32)
+            total = chunks.decode_sum_rows(inter, received, for_node[node], torch.float32)
     else:
-        partial = yield from exchange_and_sum(x, intra, intra_peers, stats, lab_intra,
-                                              rng_stream=rank, eager=True)
-        total = yield from exchange_and_sum(partial.view(nodes, m_pad), inter, inter_peers,
-                                            stats, lab_inter, rng_stream=rank)
+        partial = yield from exchange_and_sum(x, for_local, intra, intra_peers, stats,
+                                              lab_intra, rng_stream=rank, eager=True)
+        total = yield from exchange_and_sum(partial, for_node, inter, inter_peers, stats,
+                                            lab_inter, rng_stream=rank)
     if op == "avg":
         total /= n
-    return total[:m]
+    return total[:sizes[rank]]
 
 
 def hierarchical_all_gather(

@@ -110,7 +110,8 @@ class Played:
             gathered = first.then(torch.stack(rows) if first.fixed else rows)
             answer = lambda i: gathered  # noqa: E731 - the same bytes for every member
         elif isinstance(first, AllToAll):
-            answer = lambda i: _received([r.rows for _, _, r in members], i)  # noqa: E731
+            answer = lambda i: _received([r.rows for _, _, r in members], i,  # noqa: E731
+                                         first.received is not None)
         else:
             total = self._sums.pop(key).total
             total = total / n if first.op == "avg" else total
@@ -119,10 +120,12 @@ class Played:
             self._advance(rank, steps, answer(i))
 
 
-def _received(rows_by_source: list, index: int):
-    """What a destination gets: row ``index`` of every source, in source order."""
+def _received(rows_by_source: list, index: int, stacked: bool):
+    """What a destination gets: row ``index`` of every source, in source order (stacked
+    for fixed-size rows, as the real transport returns them)."""
     picked = [rows[index] for rows in rows_by_source]
-    return picked if isinstance(rows_by_source[0], list) else torch.stack(picked)
+    return torch.stack(picked) if stacked or isinstance(rows_by_source[0], torch.Tensor) else (
+        picked)
 
 
 def played_transfer(send_codec: AnyCodec, recv_codec: AnyCodec, tensor: torch.Tensor, *,

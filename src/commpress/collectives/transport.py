@@ -65,9 +65,13 @@ class Request:
 @dataclass
 class AllToAll(Request):
     """Send ``rows[i]`` to peer ``i`` → what each peer sent this rank, in peer order:
-    a ``(size, width)`` tensor (any dtype) or a list of 1-D uint8 tensors."""
+    a ``(size, width)`` tensor (any dtype) or a list of 1-D uint8 tensors. Rows of
+    uneven sizes with a known ``received`` size (every peer sends this rank that many
+    bytes: uneven parts of a fixed-rate codec) arrive as a ``(size, received)`` tensor,
+    with no exchange of sizes first."""
 
     rows: Rows = None
+    received: int | None = None
 
 
 @dataclass
@@ -146,7 +150,7 @@ def _start(r: Request) -> Any:
     with r.stats.timed(r.label, "comm_s", device):
         group = r.peers.group
         if isinstance(r, AllToAll):
-            return Exchange(r.rows, group)
+            return Exchange(r.rows, group, r.received)
         if isinstance(r, AllGather):
             if r.out is not None:
                 return all_gather_single(r.out, r.row, group, async_op=True)

@@ -9,7 +9,7 @@
   all-reduce of the whole bucket) or ``allreduce_no_retain`` (one ``dist.reduce`` per
   owner). The adapter lets DeepSpeed's own code cut and divide, takes the slices it
   hands over instead of sending them, and moves them in one compressed reduce-scatter
-  with uneven parts (:mod:`commpress.collectives.parts`): each slice is encoded once with
+  with uneven parts (:func:`commpress.reduce_scatter_parts`): each slice is encoded once with
   the ``dp.grad`` codec and sent to its owner only, who decodes and sums the ranks'
   slices in fp32, in rank order, and writes them where DeepSpeed's reduction would
   have. With ``intra``/``inter`` codecs and several nodes, two levels: the node's
@@ -58,7 +58,6 @@ import torch.distributed as dist
 
 from commpress.collectives import Topology
 from commpress.collectives.agreement import agree, rendezvous
-from commpress.collectives.parts import reduce_scatter_parts
 from commpress.integrations import rank_state
 from commpress.integrations.grad_path import GradPath, resized
 from commpress.integrations.weight_gather import gather_weights
@@ -165,11 +164,9 @@ class DeepSpeedCompression:
         for dst, view, _ in pieces:
             by_rank[dst].append(view.reshape(-1))
         parts = [torch.cat(views) if views else tensor.new_empty(0) for views in by_rank]
-        codecs = self._grad_path(tensor, comm_dtype).codecs
         # DeepSpeed has divided by the world size already: a sum, as its reduction
-        reduced = reduce_scatter_parts(parts, codecs.get("single"), intra=codecs.get("intra"),
-                                       inter=codecs.get("inter"), topology=self.topology,
-                                       group=self.group, op="sum", label="dp.grad")
+        reduced = self._grad_path(tensor, comm_dtype).reduce_scatter_parts(parts, self.group,
+                                                                          op="sum")
         reduced = reduced.to(comm_dtype)
         # as DeepSpeed's reduction: the owner's slices (and its fp32 partition buffer, if
         # any) receive the reduced values; other ranks' slices are left as they are

@@ -26,6 +26,7 @@ from commpress.collectives import (
     hierarchical_all_reduce,
     hierarchical_reduce_scatter,
     reduce_scatter,
+    reduce_scatter_parts,
 )
 from commpress.collectives.byte_stats import Stats
 from commpress.collectives.hierarchical import (
@@ -75,6 +76,14 @@ class GradPath:
                                            group=group, op=op, label=self.label,
                                            async_op=async_op)
 
+    def reduce_scatter_parts(self, parts: list[torch.Tensor], group: dist.ProcessGroup | None,
+                             op: str = "avg") -> torch.Tensor:
+        """:func:`commpress.reduce_scatter_parts` of uneven ``parts`` with these codecs."""
+        return reduce_scatter_parts(parts, self.codecs.get("single", "none"),
+                                    intra=self.codecs.get("intra"),
+                                    inter=self.codecs.get("inter"), topology=self.topology,
+                                    group=group, op=op, label=self.label)
+
     def all_reduce(self, tensor: torch.Tensor, group: dist.ProcessGroup | None, op: str = "avg",
                    async_op: bool = False) -> torch.Tensor | Handle:
         if not self.two_level:
@@ -84,15 +93,16 @@ class GradPath:
                                        inter=self.codecs["inter"], topology=self.topology,
                                        group=group, op=op, label=self.label, async_op=async_op)
 
-    def reduce_scatter_steps(self, flat: torch.Tensor, m: int,
+    def reduce_scatter_steps(self, flat: torch.Tensor, sizes: int | list[int],
                              peers: tuple[Peers, Peers, Peers], stats: Stats,
                              op: str = "avg") -> Steps:
-        """The steps of :meth:`reduce_scatter` for one rank, given its peers in the whole
+        """The steps of :meth:`reduce_scatter` (``sizes`` an int) or of
+        :meth:`reduce_scatter_parts` (a list) for one rank, given its peers in the whole
         group, inside its node and across nodes (what a played rank runs)."""
         whole, intra, inter = peers
         used = levels_used(self.two_level, whole.size, intra.size)
-        return reduce_scatter_levels_steps(flat, m, self.codecs, used, whole, intra, inter,
-                                           stats, self.label, op, whole.rank)
+        return reduce_scatter_levels_steps(flat, sizes, self.codecs, used, whole, intra,
+                                           inter, stats, self.label, op, whole.rank)
 
     def all_reduce_steps(self, flat: torch.Tensor, peers: tuple[Peers, Peers, Peers],
                          stats: Stats, op: str = "avg") -> Steps:

@@ -114,32 +114,7 @@ def runs(rank, world, cases, steps):
 def everything(rank, world, cases, directory, steps):
     """The cases, the refusals and a resumed run, in one set of ranks."""
     return {"cases": runs(rank, world, cases, steps), "refusals": refusals(rank, world),
-            "resume": resume(rank, world, directory, steps), "parts": parts(rank, world)}
-
-
-def parts(rank, world):
-    """reduce_scatter_parts alone: uneven and empty parts, exact and int8; and ranks
-    that disagree on the parts' lengths."""
-    from commpress.collectives.parts import reduce_scatter_parts
-
-    sizes = [300, 0] if world == 2 else [300, 0, 7, 130][:world]
-    gen = torch.Generator().manual_seed(rank)
-    mine = [torch.randn(n, generator=gen) for n in sizes]
-    every = [torch.empty(sum(sizes)) for _ in range(world)]
-    dist.all_gather(every, torch.cat(mine))
-    offsets = [sum(sizes[:r]) for r in range(world)]
-    expected = sum(e[offsets[rank]:offsets[rank] + sizes[rank]] for e in every)
-    out = {}
-    for codec in ("none", "int8"):
-        got = reduce_scatter_parts(mine, codec, op="sum")
-        out[codec] = float((got - expected).abs().max()) if got.numel() else 0.0
-        out[codec + " scale"] = float(expected.abs().max()) if got.numel() else 0.0
-    try:
-        reduce_scatter_parts([torch.zeros(n + (rank == 0)) for n in sizes])
-        out["mismatch"] = None
-    except commpress.CollectiveMismatchError as e:
-        out["mismatch"] = str(e)
-    return out
+            "resume": resume(rank, world, directory, steps)}
 
 
 # error feedback, stochastic rounding and qWD: a resumed run is the same run only if
@@ -300,3 +275,4 @@ def one_rank_compresses(rank, world):
     except Exception as e:  # noqa: BLE001 - what the rank saw, for the test
         error = f"{type(e).__name__}: {e}"
     return {"error": error, "seconds": time.monotonic() - start}
+
