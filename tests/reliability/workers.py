@@ -1,14 +1,11 @@
 """Rank functions for the reliability tests."""
 
-import os
-import signal
-import time
-
 import torch
 import torch.distributed as dist
 
 import commpress
 from tests.integrations.workers import _data, _hash_params, _local_batch, _model
+from tests.reliability.killing import Killer
 
 
 def killed_mid_step(rank, world, victim):
@@ -17,21 +14,18 @@ def killed_mid_step(rank, world, victim):
     model = _model()
     opt = commpress.ShardedOptimizer(model, torch.optim.AdamW, "sdp4bit", lr=1e-3,
                                      bucket_numel=20_000)
-    t_kill = None
-    try:
+    killer = Killer(rank, victim, at_step=3)
+
+    def loop():
         for step in range(1000):
             x, y = _local_batch(data, step, rank, world)
             _, loss = model(x, y)
             loss.backward()
-            if step == 3:
-                if rank == victim:
-                    os.kill(os.getpid(), signal.SIGKILL)
-                t_kill = time.monotonic()
+            killer.mid_step(step)
             opt.step()
             opt.zero_grad()
-    except Exception as e:  # noqa: BLE001 - the survivors' outcome is the result
-        return {"error": f"{type(e).__name__}: {e}", "seconds": time.monotonic() - t_kill}
-    return {"error": None, "seconds": None}
+
+    return killer.survive(loop)
 
 
 def nonfinite_gradient(rank, world, mode):

@@ -433,14 +433,41 @@ def _watch() -> None:
 
 def _waiting_ranks(ctx: GroupContext, seq: int) -> set[int] | None:
     """Group ranks that published a wait in call ``seq``; None if the store is gone."""
-    _publish(ctx, seq)
+    return _reported(ctx, lambda rank: _store_key(ctx, seq, rank))
+
+
+def _reported(ctx: GroupContext, key_of: Callable[[int], str]) -> set[int] | None:
+    """Publish this rank's ``key_of(rank)``, then the group ranks whose key is in the
+    store within GRACE_S (all of them, as soon as they are); None if the store is gone."""
     try:
         store = dist.distributed_c10d._get_default_store()
+        store.set(key_of(ctx.rank), b"1")
         deadline = time.monotonic() + GRACE_S
         while True:
-            found = {r for r in range(ctx.world) if store.check([_store_key(ctx, seq, r)])}
+            found = {r for r in range(ctx.world) if store.check([key_of(r)])}
             if len(found) == ctx.world or time.monotonic() > deadline:
                 return found
             time.sleep(0.2)
     except Exception:  # noqa: BLE001 - the store died with its host rank
         return None
+
+
+def transfer_failed(group: dist.ProcessGroup, label: str,
+                    cause: Exception) -> CollectiveTimeoutError:
+    """The error for a payload transfer on ``group`` that failed after every rank had
+    agreed to the call (a peer died mid-call, or its connection broke): each rank that
+    sees the failure reports it in the store and looks for the others' reports; the
+    ranks that never report are named (dead, or stuck outside this collective)."""
+    ctx = context(group)
+    reported = _reported(ctx, lambda rank: f"commpress/failed/{ctx.name}/{rank}")
+    where = f"commpress transfer (label {label!r}, after call #{ctx._seq - 1} on group {ctx.name})"
+    if reported is None:
+        who = "could not tell which rank failed (the store is unreachable: rank 0 is gone?)"
+    else:
+        missing = [ctx.ranks[r] for r in range(ctx.world) if r not in reported]
+        seen = sorted(ctx.ranks[r] for r in reported)
+        who = (f"ranks {missing} never finished it (dead, or stuck elsewhere); ranks {seen} "
+               "saw the transfer fail" if missing else
+               f"every rank ({seen}) saw the transfer fail: a connection broke")
+    return CollectiveTimeoutError(f"{where} failed: {who}. Cause: {type(cause).__name__}: "
+                                  f"{cause}")

@@ -21,13 +21,15 @@ played transport holds every rank's suspended steps at once.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from commpress.collectives.agreement import transfer_failed
 from commpress.collectives.byte_stats import Stats
 from commpress.collectives.chunks import Rows
 from commpress.collectives.comm import (
@@ -145,9 +147,19 @@ def run_into(target: torch.Tensor, steps_of: Callable[[torch.Tensor], Steps]) ->
     return run(steps_of(flat), then)
 
 
+@contextmanager
+def _named_failure(r: Request) -> Iterator[None]:
+    """A transfer that fails (a peer died mid-call) raises an error naming the ranks
+    that never finished it, not the backend's bare connection error."""
+    try:
+        yield
+    except RuntimeError as e:
+        raise transfer_failed(r.peers.group, r.label, e) from e
+
+
 def _start(r: Request) -> Any:
     device = _device(r)
-    with r.stats.timed(r.label, "comm_s", device):
+    with r.stats.timed(r.label, "comm_s", device), _named_failure(r):
         group = r.peers.group
         if isinstance(r, AllToAll):
             return Exchange(r.rows, group, r.received)
@@ -163,7 +175,7 @@ def _start(r: Request) -> Any:
 
 
 def _finish(r: Request, transfer: Any) -> Any:
-    with r.stats.timed(r.label, "comm_s", _device(r)):
+    with r.stats.timed(r.label, "comm_s", _device(r)), _named_failure(r):
         received = transfer.wait()
     if isinstance(r, AllGather):
         if r.out is not None:

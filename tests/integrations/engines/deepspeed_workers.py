@@ -276,3 +276,22 @@ def one_rank_compresses(rank, world):
         error = f"{type(e).__name__}: {e}"
     return {"error": error, "seconds": time.monotonic() - start}
 
+
+def killed_mid_step(rank, world, victim):
+    """sdp4bit ZeRO-2; the victim SIGKILLs itself between its forward and backward."""
+    from tests.reliability.killing import Killer
+
+    data = TextData(load_tokens(max_bytes=200_000))
+    engine = engine_for(config(world=world), "sdp4bit")
+    killer = Killer(rank, victim, at_step=2)
+    per = BATCH // world
+
+    def loop():
+        for step in range(1000):
+            x, y = data.batch("train", BATCH, SEQ, 0, step)
+            _, loss = engine(x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per])
+            killer.mid_step(step)
+            engine.backward(loss)
+            engine.step()
+
+    return killer.survive(loop)

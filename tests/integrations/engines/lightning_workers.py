@@ -53,7 +53,7 @@ def _quiet():
 
 # -- Lightning --------------------------------------------------------------------------
 
-def _lightning_module(rank, world, steps_seen):
+def _lightning_module(rank, world, steps_seen, killer=None):
     import lightning as L
 
     data = TextData(load_tokens(max_bytes=200_000))
@@ -69,6 +69,8 @@ def _lightning_module(rank, world, steps_seen):
         def training_step(self, batch, batch_idx):
             x, y = _rank_batch(data, self.global_step, rank, world)
             _, loss = self.gpt(x, y)
+            if killer is not None:
+                killer.mid_step(self.global_step)
             steps_seen.append(loss.detach())
             return loss
 
@@ -131,6 +133,20 @@ def lightning_runs(rank, world, directory, steps):
     out["ef resumed"] = lightning_fit(rank, world, CommpressDDPStrategy(EF), steps, start=steps,
                                       ckpt_path=ckpt)
     return out
+
+
+def lightning_killed_mid_step(rank, world, victim):
+    """int4 through ``CommpressDDPStrategy``; the victim SIGKILLs itself after the
+    forward pass of step 2."""
+    from commpress.integrations.lightning import CommpressDDPStrategy
+    from tests.reliability.killing import Killer
+
+    _quiet()
+    killer = Killer(rank, victim, at_step=2)
+    module = _lightning_module(rank, world, [], killer)
+    trainer = _trainer(CommpressDDPStrategy(INT4), 1000)
+    loader = torch.utils.data.DataLoader(range(1000), batch_size=None)
+    return killer.survive(lambda: trainer.fit(module, loader))
 
 
 # -- accelerate --------------------------------------------------------------------------

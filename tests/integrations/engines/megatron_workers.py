@@ -153,7 +153,7 @@ def _forward_step(data_iterator, model):
 
 
 def train(model, optimizer, corpus, start: int, steps: int, sync_params: bool = False,
-          shape: Shape = TINY, hashes: bool = True):
+          shape: Shape = TINY, hashes: bool = True, forward_step=_forward_step):
     """``steps`` training steps from ``start``; per step: this rank's micro-batch losses
     (last pipeline stage), its wall time, the hash of its weights and of its
     TP-replicated weights."""
@@ -172,7 +172,7 @@ def train(model, optimizer, corpus, start: int, steps: int, sync_params: bool = 
         micro = [(x[i:i + shape.micro], y[i:i + shape.micro]) for i in range(0, per, shape.micro)]
         model.zero_grad_buffer()
         optimizer.zero_grad()
-        out = forward_backward(forward_step_func=_forward_step, data_iterator=iter(micro),
+        out = forward_backward(forward_step_func=forward_step, data_iterator=iter(micro),
                                model=[model], num_microbatches=len(micro), seq_length=shape.seq,
                                micro_batch_size=shape.micro, forward_only=False)
         ok, _, _ = optimizer.step()
@@ -228,6 +228,31 @@ def scenario(rank: int, world: int, tp: int, pp: int, jobs: list) -> dict:
     for name, kind, kwargs in jobs:
         out[name] = JOBS[kind](corpus, tp, pp, **kwargs)
     return out
+
+
+def killed_mid_step(rank: int, world: int, victim: int) -> dict:
+    """dp2 with sdp4bit; the victim SIGKILLs itself after a forward pass of step 2."""
+    import commpress
+    from tests.reliability.killing import Killer
+
+    init_parallel(1, 1)
+    corpus = data()
+    model, optimizer = build(1, 1)
+    commpress.megatron.apply(model, optimizer, "sdp4bit")
+    killer = Killer(rank, victim, at_step=2)
+    step = 0
+
+    def forward_step(data_iterator, model):
+        out = _forward_step(data_iterator, model)
+        killer.mid_step(step)
+        return out
+
+    def loop():
+        nonlocal step
+        for step in range(1000):
+            train(model, optimizer, corpus, step, 1, hashes=False, forward_step=forward_step)
+
+    return killer.survive(loop)
 
 
 # -- resume -------------------------------------------------------------------------------

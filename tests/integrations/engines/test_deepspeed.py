@@ -10,6 +10,7 @@ import pytest
 import commpress
 from commpress.launch import spawn
 from tests.integrations.engines import deepspeed_workers as workers
+from tests.reliability.killing import assert_survivors_name_the_dead_rank
 
 pytestmark = pytest.mark.engine
 
@@ -122,15 +123,6 @@ def test_what_is_not_covered_is_refused_and_undo_restores_deepspeed(two_ranks):
                                 "methods restored": True, "checkpoints restored": True}
 
 
-def test_reduce_scatter_parts_uneven_and_empty_parts(two_ranks):
-    for rank in two_ranks:
-        parts = rank["parts"]
-        assert parts["none"] == 0.0
-        # int8, absmax per group of 128: each of 2 contributions within scale/254
-        assert parts["int8"] <= 2 * parts["int8 scale"] / 254 + 1e-6
-        assert "sizes differs" in parts["mismatch"]
-
-
 def test_two_nodes_two_levels_for_gradients_and_weights():
     cases = [("stock", {}, None), ("sdp4bit", {}, "sdp4bit")]
     ranks = spawn(workers.runs, 4, (cases, 2), ranks_per_node=2, timeout=900)
@@ -189,3 +181,9 @@ def test_one_rank_compressing_and_the_other_not_is_named_within_the_timeout():
     assert "ranks [1] never reached it" in ranks[0]["error"]
     assert ranks[1]["error"] is not None
     assert all(r["seconds"] < 60 for r in ranks)
+
+
+def test_a_rank_killed_mid_step_is_named_by_the_survivor():
+    ranks = spawn(workers.killed_mid_step, 2, (1,), pg_timeout_s=15, timeout=300,
+                  allow_errors=True)
+    assert_survivors_name_the_dead_rank(ranks, victim=1, timeout_s=15)

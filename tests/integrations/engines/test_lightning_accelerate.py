@@ -6,6 +6,7 @@ import pytest
 import commpress
 from commpress.launch import spawn
 from tests.integrations.engines import lightning_workers as workers
+from tests.reliability.killing import assert_survivors_name_the_dead_rank
 
 pytestmark = pytest.mark.engine
 
@@ -83,3 +84,9 @@ def test_a_checkpoint_of_two_ranks_resumes_on_four_only_when_elastic(two_ranks, 
     assert said[0].startswith("DDP hook: resuming state saved on 2 ranks on 4")
     assert "no commpress state beside" in said[1] and len(said) == 2
     assert all(r["said"] == [] for r in ranks[1:])
+
+
+def test_a_rank_killed_mid_step_is_named_by_the_survivor():
+    ranks = spawn(workers.lightning_killed_mid_step, 2, (1,), pg_timeout_s=15, timeout=300,
+                  allow_errors=True)
+    assert_survivors_name_the_dead_rank(ranks, victim=1, timeout_s=15)

@@ -16,6 +16,7 @@ import pytest
 
 from commpress.launch import spawn
 from tests.integrations.engines import megatron_workers as workers
+from tests.reliability.killing import assert_survivors_name_the_dead_rank
 
 pytestmark = pytest.mark.engine
 
@@ -302,3 +303,9 @@ def test_an_elastic_resume_on_another_number_of_ranks_starts_the_codecs_fresh(tm
             "error-feedback memory and rounding streams start fresh (they were laid out for "
             "the world that saved them)"]
         assert all(r["logged"] == [] for r in ranks[1:])
+
+
+def test_a_rank_killed_mid_step_is_named_by_the_survivor():
+    ranks = spawn(workers.killed_mid_step, 2, (1,), pg_timeout_s=15, timeout=300,
+                  allow_errors=True)
+    assert_survivors_name_the_dead_rank(ranks, victim=1, timeout_s=15)

@@ -8,6 +8,7 @@ import torch
 
 from commpress.launch import spawn
 from tests.integrations.engines import torchtitan_workers as workers
+from tests.reliability.killing import assert_survivors_name_the_dead_rank
 
 pytestmark = pytest.mark.engine
 
@@ -68,3 +69,13 @@ def test_torchtitan_zeropp_gradient_is_the_stock_gradient_plus_int4_noise(gradie
     _, stock, _, zeropp = (np.concatenate([g.ravel() for g in run]) for run in gradients)
     assert zeropp @ stock / (stock @ stock) == pytest.approx(1.0, abs=0.03)
     assert np.linalg.norm(zeropp - stock) / np.linalg.norm(stock) < 0.2
+
+
+def test_a_rank_killed_mid_step_is_named_by_the_ranks_that_wait_for_it():
+    """Rank 3 dies. Its node peer (rank 2) waits for it in the shard reduce-scatter and
+    its replica peer (rank 1) in the replicate all-reduce: both name it; rank 0 waits for
+    rank 2, which failed first, and names that one. Every survivor fails within the
+    timeout."""
+    ranks = spawn(workers.titan_killed_mid_step, WORLD, (3,), ranks_per_node=PER_NODE,
+                  pg_timeout_s=15, timeout=300, allow_errors=True)
+    assert_survivors_name_the_dead_rank(ranks, victim=3, timeout_s=15, naming={1, 2})

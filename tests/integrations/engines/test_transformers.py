@@ -8,6 +8,7 @@ import commpress
 from commpress.launch import LaunchError, spawn
 from commpress.validate import InputError
 from tests.integrations.engines import transformers_workers as workers
+from tests.reliability.killing import assert_survivors_name_the_dead_rank
 
 pytestmark = pytest.mark.engine
 
@@ -97,3 +98,9 @@ def test_a_checkpoint_of_two_ranks_resumes_on_four_only_when_elastic(two_ranks, 
     assert said[0].startswith("DDP hook: resuming state saved on 2 ranks on 4")
     assert "no commpress state beside" in said[1] and len(said) == 2
     assert all(r["said"] == [] for r in ranks[1:])
+
+
+def test_a_rank_killed_mid_step_is_named_by_the_survivor(tmp_path):
+    ranks = spawn(workers.killed_mid_step, 2, (1, str(tmp_path)), pg_timeout_s=15,
+                  timeout=300, allow_errors=True)
+    assert_survivors_name_the_dead_rank(ranks, victim=1, timeout_s=15)

@@ -77,3 +77,25 @@ def titan_gradients(rank, world, runs):
         _loss(model, x, y).backward()
         grads.append([p.grad.full_tensor().numpy() for p in model.parameters()])
     return grads
+
+
+def titan_killed_mid_step(rank, world, victim):
+    """zeropp on the HSDP mesh; the victim SIGKILLs itself after the forward pass of
+    step 2."""
+    from tests.reliability.killing import Killer
+
+    data = _data()
+    model, _ = _llama3(world, "zeropp")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    killer = Killer(rank, victim, at_step=2)
+
+    def loop():
+        for step in range(1000):
+            x, y = _local_batch(data, step, rank, world)
+            loss = _loss(model, x, y)
+            killer.mid_step(step)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+
+    return killer.survive(loop)

@@ -125,6 +125,21 @@ def everything(rank, world, directory):
     return out
 
 
+def killed_mid_step(rank, world, victim, directory):
+    """int2ef (each rank a node) in the Trainer; the victim SIGKILLs itself after the
+    forward pass of step 2 (a forward hook on the model)."""
+    from tests.reliability.killing import Killer
+
+    _quiet()
+    data = TextData(load_tokens(max_bytes=200_000))
+    trainer = _trainer(data, directory, 1000)
+    commpress.transformers.compress(trainer, "int2ef", topology=Topology(1))
+    killer = Killer(rank, victim, at_step=2)
+    trainer.model.register_forward_hook(
+        lambda *_: killer.mid_step(trainer.state.global_step))
+    return killer.survive(trainer.train)
+
+
 def resume_without_state(rank, world, directory):
     """A checkpoint saved without commpress, resumed with it: refused."""
     _quiet()
