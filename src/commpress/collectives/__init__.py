@@ -23,8 +23,9 @@ from commpress.collectives.agreement import (
     CollectiveTimeoutError,
     GroupContext,
     context,
+    reset_stats,
+    stats,
 )
-from commpress.collectives.byte_stats import reset_stats, stats
 from commpress.collectives.compressed_all_gather import all_gather
 from commpress.collectives.compressed_all_reduce import all_reduce
 from commpress.collectives.compressed_reduce_scatter import reduce_scatter

@@ -41,7 +41,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-from commpress.collectives.byte_stats import Stats, retire
+from commpress.collectives.byte_stats import Stats, process_stats, retire
 from commpress.collectives.comm import (
     Gather,
     all_gather_single,
@@ -334,6 +334,25 @@ def live_contexts() -> list[GroupContext]:
 
 
 # -- node levels --------------------------------------------------------------------
+
+
+def stats(group: dist.ProcessGroup | None = None) -> dict[str, dict[str, float]]:
+    """The counters: ``{label: {calls, elements, raw_bytes, wire_bytes, encode_s,
+    decode_s, comm_s}}`` summed over every group, or of ``group`` alone."""
+    if group is not None:
+        return context(group).stats.snapshot()
+    total = Stats()
+    total.add(process_stats().snapshot())
+    for ctx in live_contexts():
+        total.add(ctx.stats.snapshot())
+    return total.snapshot()
+
+
+def reset_stats() -> None:
+    """Clear every counter."""
+    process_stats().reset()
+    for ctx in live_contexts():
+        ctx.stats.reset()
 
 
 def _alive(*groups: dist.ProcessGroup | None) -> bool:

@@ -7,8 +7,9 @@ Times are wall-clock seconds on this rank: on CUDA they cover kernel launches un
 ``COMMPRESS_SYNC_TIMING=1`` makes each phase synchronize first.
 
 Each process group's context holds its own :class:`Stats` (the DDP hook's thread and
-the main thread may write at once: a lock guards them); :func:`stats` sums every live
-group's counters and those of groups already destroyed.
+the main thread may write at once: a lock guards them); :func:`commpress.stats`, beside
+the contexts (:mod:`commpress.collectives.agreement`), sums every live group's counters
+and those of groups already destroyed.
 """
 
 from __future__ import annotations
@@ -85,27 +86,9 @@ def record(label: str, **amounts: float) -> None:
     _PROCESS.record(label, **amounts)
 
 
-def stats(group=None) -> dict[str, dict[str, float]]:
-    """The counters: ``{label: {calls, elements, raw_bytes, wire_bytes, encode_s,
-    decode_s, comm_s}}`` summed over every group, or of ``group`` alone."""
-    from commpress.collectives.agreement import context, live_contexts
-
-    if group is not None:
-        return context(group).stats.snapshot()
-    total = Stats()
-    total.add(_PROCESS.snapshot())
-    for ctx in live_contexts():
-        total.add(ctx.stats.snapshot())
-    return total.snapshot()
-
-
-def reset_stats() -> None:
-    """Clear every counter."""
-    from commpress.collectives.agreement import live_contexts
-
-    _PROCESS.reset()
-    for ctx in live_contexts():
-        ctx.stats.reset()
+def process_stats() -> Stats:
+    """The counters of destroyed groups and of transfers outside any group's context."""
+    return _PROCESS
 
 
 def _sync(device: torch.device) -> None:
