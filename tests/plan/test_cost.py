@@ -4,6 +4,7 @@ import os
 
 import pytest
 
+import commpress
 from commpress import Policy
 from commpress.integrations.diloco import outer_policy
 from commpress.plan import cost
@@ -232,3 +233,15 @@ def test_diloco_utilization_bytes_and_the_delay_that_hides_a_sync():
     with pytest.raises(ValueError, match="at least 2 nodes"):
         cost.plan_outer(ClusterSpec(gpus=4, gpus_per_node=4, intra_GBps=300, inter_GBps=1,
                                     tflops=312), j, outer_policy("diloco"), 32)
+
+
+def test_each_codec_names_the_kernel_family_its_throughput_is_measured_under():
+    from commpress.plan.hardware import CODEC_GBps
+
+    expected = {"int8": "int8", "int4": "int4", "int2": "int2", "int4:hadamard=128":
+                "int_hadamard", "int2:packing=trits": "trits", "bf16": "cast", "fp16": "cast",
+                "fp8": "fp8", "topk": "topk", "sign": "other", "nf2": "other"}
+    for spec, kernel in expected.items():
+        assert commpress.codec(spec).kernel == kernel, spec
+        for device in ("gpu", "cpu"):
+            assert kernel in CODEC_GBps[device], (device, kernel)

@@ -81,10 +81,12 @@ class Codec:
     """Base class. Subclasses are dataclasses whose fields are the codec's options.
 
     Class attributes: ``name`` (registry key), ``lossless``, ``fixed_rate`` (the wire
-    size depends only on numel and dtype), ``supported_dtypes``.
+    size depends only on numel and dtype), ``supported_dtypes``, ``kernel`` (the family
+    of kernels that encodes and decodes it: what measured throughputs are keyed by).
     """
 
     name: ClassVar[str] = ""
+    kernel: ClassVar[str] = "other"
     lossless: ClassVar[bool] = False
     fixed_rate: ClassVar[bool] = True
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = FLOAT_DTYPES

@@ -40,6 +40,7 @@ class NoCompression(Codec):
 
 @dataclass
 class _Cast(Codec):
+    kernel: ClassVar[str] = "cast"
     wire_dtype: ClassVar[torch.dtype]
     saturates: ClassVar[bool] = False
 

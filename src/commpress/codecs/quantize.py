@@ -106,6 +106,12 @@ class _GroupQuantizer(ScaledGroups):
         """Codes packed ``8 // bits`` per byte, as the fused kernels read and write them."""
         return True
 
+    @property
+    def kernel(self) -> str:
+        if getattr(self, "packing", "bits") == "trits":
+            return "trits"
+        return "int_hadamard" if self.hadamard else self.name
+
     def next_keys(self, rng_stream: int) -> tuple[int, int] | None:
         """Keys of this encode call's random stream (None for nearest rounding)."""
         calls = self._calls
@@ -240,6 +246,7 @@ class FP8(ScaledGroups):
     """
 
     name: ClassVar[str] = "fp8"
+    kernel: ClassVar[str] = "fp8"
     bits: ClassVar[int] = 8
     group: int = 128
     scale_dtype: Literal["fp32", "fp16"] = "fp32"

@@ -34,6 +34,7 @@ class TopK(Codec):
     """Keep the ``ratio`` fraction of largest-magnitude elements (values + indices)."""
 
     name: ClassVar[str] = "topk"
+    kernel: ClassVar[str] = "topk"
     ratio: float = 0.01
 
     def __post_init__(self) -> None:

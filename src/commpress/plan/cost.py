@@ -195,24 +195,13 @@ def wire_bytes(spec: str, numel: float, in_bytes: int) -> float:
     return wb * numel / n
 
 
-def _codec_kind(spec: str) -> str:
-    """The row of :data:`CODEC_GBps` that stands for ``spec``."""
-    c = build_codec(spec)
-    if c.name in ("int8", "int4", "int2"):
-        if getattr(c, "packing", "bits") == "trits":
-            return "trits"
-        return "int_hadamard" if c.hadamard else c.name
-    if c.name in ("bf16", "fp16"):
-        return "cast"
-    return c.name if c.name in ("fp8", "topk") else "other"
-
-
 def codec_seconds(c: ClusterSpec, spec: str, encoded: float, decoded: float,
                   in_bytes: int) -> float:
     """Time to encode ``encoded`` and decode ``decoded`` elements."""
     if spec == "none":
         return 0.0
-    enc, dec = c.codec_GBps.get(spec) or CODEC_GBps[c.device][_codec_kind(spec)]
+    table = CODEC_GBps[c.device]
+    enc, dec = c.codec_GBps.get(spec) or table.get(build_codec(spec).kernel, table["other"])
     w = wire_bytes(spec, 1 << 20, in_bytes) / (1 << 20)  # per element, padding amortized
     return (encoded * (in_bytes + w) / enc + decoded * (w + in_bytes) / dec) / 1e9
 
