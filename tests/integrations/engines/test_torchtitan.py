@@ -73,9 +73,9 @@ def test_torchtitan_zeropp_gradient_is_the_stock_gradient_plus_int4_noise(gradie
 
 def test_a_rank_killed_mid_step_is_named_by_the_ranks_that_wait_for_it():
     """Rank 3 dies. Its node peer (rank 2) waits for it in the shard reduce-scatter and
-    its replica peer (rank 1) in the replicate all-reduce: both name it; rank 0 waits for
-    rank 2, which failed first, and names that one. Every survivor fails within the
-    timeout."""
+    its replica peer (rank 1) in the replicate all-reduce: both name it; rank 0 waits only
+    for survivors, which fail first, and names a rank it waited for. Every survivor fails
+    within the timeout."""
     ranks = spawn(workers.titan_killed_mid_step, WORLD, (3,), ranks_per_node=PER_NODE,
                   pg_timeout_s=15, timeout=300, allow_errors=True)
     assert_survivors_name_the_dead_rank(ranks, victim=3, timeout_s=15, naming={1, 2})
