@@ -8,7 +8,7 @@
 ``--tp 2``: tensor parallelism inside each node, data parallelism across), a bf16 GPT
 on byte tokens of the standard-library corpus, 1 sequence of 128 tokens per rank and
 step (communication, not compute, is what is measured). ``stock`` is Megatron without
-commpress; the others apply the policy with ``commpress.megatron.apply``. Per policy:
+commpress; the others apply the policy with ``commpress.megatron.compress``. Per policy:
 the median step time after 2 warm-up steps, the mean loss of the last 5 steps, the
 bytes commpress counted per step (all ranks) and the bytes that crossed the nodes'
 links (the whole run). Writes ``benchmarks/results/megatron_cluster.{json,md}``.
@@ -59,7 +59,7 @@ def rank_main(args) -> None:
     model, optimizer = workers.build(args.tp, 1, bucket_size=args.bucket_numel, shape=shape)
     comm = None
     if args.policy != "stock":
-        comm = commpress.megatron.apply(model, optimizer, args.policy)
+        comm = commpress.megatron.compress(model, optimizer, args.policy)
     commpress.reset_stats()
     record = workers.train(model, optimizer, workers.data(), 0, args.steps, shape=shape,
                            hashes=False)

@@ -30,7 +30,7 @@ DeepSpeed keeps everything else: its buckets and when they are reduced
 offsets, clipping, loss scaling, the optimizer. The optimizer's methods are patched on
 the instance; ``all_gather_dp_groups`` is a module function, so it is replaced by a
 dispatcher that sends this engine's gathers to commpress and every other call to
-DeepSpeed's function. :meth:`DeepSpeedCompression.undo` removes it all.
+DeepSpeed's function. :meth:`DeepSpeedCompression.remove` takes it all out.
 
 The alternative we rejected — overriding ``gradient_reduction_w_predivide`` with
 ``reduce_scatter: false`` — is shorter but gives every rank the whole bucket: an
@@ -117,7 +117,7 @@ class DeepSpeedCompression:
         # stats
         self.buckets_reduced = 0
 
-    # -- install / undo ----------------------------------------------------------------
+    # -- install / remove ----------------------------------------------------------------
     def _install(self) -> None:
         global _DEEPSPEED_GATHER
         opt, engine = self.optimizer, self.engine
@@ -134,7 +134,7 @@ class DeepSpeedCompression:
             stage_1_and_2.all_gather_dp_groups = _gather_dispatch
         _INSTALLED.add(self)
 
-    def undo(self) -> None:
+    def remove(self) -> None:
         """Give the engine back DeepSpeed's own reductions, gathers and checkpoints."""
         global _DEEPSPEED_GATHER
         for name in PATCHED:
@@ -352,7 +352,7 @@ def compress(engine: DeepSpeedEngine, policy: str | dict | Policy = "none",
              topology: Topology | None = None, *, elastic: bool = False
              ) -> DeepSpeedCompression:
     """Compress a DeepSpeed ZeRO-1/2 engine's gradient reduce-scatter and weight
-    all-gather with ``policy``; returns the :class:`DeepSpeedCompression` (``undo()``).
+    all-gather with ``policy``; returns the :class:`DeepSpeedCompression` (``remove()``).
 
     Gradients: each rank receives only the slices it owns, ``bits(dp.grad)`` per element
     (two levels when the policy names ``intra``/``inter`` codecs and the group spans
@@ -397,7 +397,7 @@ def _check_engine(engine: Any) -> None:
                         f"deepspeed.initialize returns; got {type(engine).__name__}")
     if getattr(engine, "commpress", None) is not None:
         raise InputError("commpress.deepspeed.compress: this engine is compressed already; "
-                         "call engine.commpress.undo() first")
+                         "call engine.commpress.remove() first")
     stage = engine.zero_optimization_stage()
     if stage not in STAGES:
         hint = (" ZeRO-3 is not covered: its parameters are gathered per module inside "

@@ -107,7 +107,7 @@ def runs(rank, world, cases, steps):
         out[name] = run(engine, data, rank, world, steps)
         out[name]["partition"] = [len(f) // world for f in engine.optimizer.bit16_groups_flat]
         if policy is not None:
-            engine.commpress.undo()
+            engine.commpress.remove()
     return out
 
 
@@ -133,7 +133,7 @@ def resume(rank, world, directory, steps):
     residuals = sum(float(r.abs().sum()) for p in engine.commpress.grad_paths.values()
                     for r in p.codecs["single"].residuals.values())
     uninterrupted = train(engine, data, steps, steps, rank, world)
-    engine.commpress.undo()
+    engine.commpress.remove()
     resumed_engine = engine_for(config(world=world), STATEFUL)
     resumed_engine.load_checkpoint(directory, tag="half")
     resumed = train(resumed_engine, data, steps, steps, rank, world)
@@ -143,7 +143,7 @@ def resume(rank, world, directory, steps):
     fresh_engine.load_checkpoint(directory, tag="half")
     fresh_engine.commpress.load_state_dict(fresh)
     fresh_codecs = train(fresh_engine, data, steps, steps, rank, world)
-    fresh_engine.commpress.undo()
+    fresh_engine.commpress.remove()
     # rank 1's file truncated: refused on every rank, naming it; then a checkpoint
     # without commpress's files: refused on every rank, not half-loaded
     path = resumed_engine.commpress.state_path(os.path.join(directory, "half"))
@@ -156,7 +156,7 @@ def resume(rank, world, directory, steps):
     os.remove(path)
     dist.barrier()
     refused = _load_error(resumed_engine, directory)
-    resumed_engine.commpress.undo()
+    resumed_engine.commpress.remove()
     return {"first": first, "uninterrupted": uninterrupted, "resumed": resumed,
             "fresh codecs": fresh_codecs, "residuals": residuals, "refused": refused,
             "truncated": truncated}
@@ -194,7 +194,7 @@ def refusals(rank, world):
     # undo gives the engine DeepSpeed's own methods and gather back
     engine = engine_for(config(world=world), "zeropp")
     patched = stage_1_and_2.all_gather_dp_groups is not stock_gather
-    engine.commpress.undo()
+    engine.commpress.remove()
     out["undo"] = {"patched": patched,
                    "gather restored": stage_1_and_2.all_gather_dp_groups is stock_gather,
                    "methods restored": all(n not in vars(engine.optimizer) for n in (
@@ -245,19 +245,19 @@ def elastic(rank, world, directory, load_tag, save_tag, start, copy_state):
         cfg["checkpoint"] = {"load_universal": True}
         strict = engine_for(cfg, STATEFUL)
         out["strict"] = _load_error(strict, directory, universal)
-        strict.commpress.undo()
+        strict.commpress.remove()
         control = engine_for(cfg)
         control.load_checkpoint(directory, tag=universal)
         out["loaded"] = weights_hash(control)
         commpress.deepspeed.compress(control, STATEFUL)
         out["control"] = train(control, data, start, 2, rank, world)
-        control.commpress.undo()
+        control.commpress.remove()
         engine = engine_for(cfg)
         commpress.deepspeed.compress(engine, STATEFUL, elastic=True)
         engine.load_checkpoint(directory, tag=universal)
         out["elastic"] = train(engine, data, start, 2, rank, world)
     engine.save_checkpoint(directory, tag=save_tag)
-    engine.commpress.undo()
+    engine.commpress.remove()
     out["logged"] = [m for m in records if "start fresh" in m]
     return out
 

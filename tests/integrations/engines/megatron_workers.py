@@ -210,7 +210,7 @@ def run_policy(corpus, tp: int, pp: int, policy, steps: int, **layout) -> dict:
 
     model, optimizer = build(tp, pp, **layout)
     commpress.reset_stats()
-    comm = None if policy is None else commpress.megatron.apply(model, optimizer, policy)
+    comm = None if policy is None else commpress.megatron.compress(model, optimizer, policy)
     record = train(model, optimizer, corpus, 0, steps,
                    sync_params=layout.get("overlap_param_gather", False))
     stats = commpress.stats()
@@ -238,7 +238,7 @@ def killed_mid_step(rank: int, world: int, victim: int) -> dict:
     init_parallel(1, 1)
     corpus = data()
     model, optimizer = build(1, 1)
-    commpress.megatron.apply(model, optimizer, "sdp4bit")
+    commpress.megatron.compress(model, optimizer, "sdp4bit")
     killer = Killer(rank, victim, at_step=2)
     step = 0
 
@@ -294,7 +294,7 @@ def resume(corpus, tp: int, pp: int, policy, steps: int, **layout) -> dict:
 
     def fresh():
         model, optimizer = build(tp, pp, **layout)
-        return model, optimizer, commpress.megatron.apply(model, optimizer, policy)
+        return model, optimizer, commpress.megatron.compress(model, optimizer, policy)
 
     model, optimizer, comm = fresh()
     whole = train(model, optimizer, corpus, 0, steps)
@@ -315,7 +315,7 @@ def resume(corpus, tp: int, pp: int, policy, steps: int, **layout) -> dict:
 # -- refusals and undo ---------------------------------------------------------------------
 
 def refusals(corpus, tp: int, pp: int) -> dict:
-    """What apply refuses, and that remove() gives Megatron its functions back."""
+    """What compress refuses, and that remove() gives Megatron its functions back."""
     from megatron.core.distributed import param_and_grad_buffer as pgb
     from megatron.core.tensor_parallel import mappings
 
@@ -325,22 +325,22 @@ def refusals(corpus, tp: int, pp: int) -> dict:
     originals = (pgb.dist_reduce_scatter_func, pgb.dist_all_gather_func,
                  pgb._coalescing_manager, pgb.torch, mappings._reduce)
     model, optimizer = build(tp, pp)
-    with commpress.megatron.apply(model, optimizer, "sdp4bit") as comm:
+    with commpress.megatron.compress(model, optimizer, "sdp4bit") as comm:
         out["installed"] = pgb.dist_reduce_scatter_func is not originals[0]
         try:
-            commpress.megatron.apply(model, optimizer, "none")
+            commpress.megatron.compress(model, optimizer, "none")
         except ValueError as e:
             out["twice"] = str(e)
         assert comm.axes == ["dp"]
     out["restored"] = (pgb.dist_reduce_scatter_func, pgb.dist_all_gather_func,
                        pgb._coalescing_manager, pgb.torch, mappings._reduce) == originals
     fp32_model, fp32_optimizer = _fp32_model()
-    apply = commpress.megatron.apply
+    compress = commpress.megatron.compress
     for name, call in (
-            ("fp32_qwd", lambda: apply(fp32_model, fp32_optimizer, "sdp4bit")),
-            ("not_ddp", lambda: apply(model.module, optimizer, "sdp4bit")),
-            ("bad_policy", lambda: apply(model, optimizer, "sdp5bit")),
-            ("other_optimizer", lambda: apply(model, fp32_optimizer, "sdp4bit"))):
+            ("fp32_qwd", lambda: compress(fp32_model, fp32_optimizer, "sdp4bit")),
+            ("not_ddp", lambda: compress(model.module, optimizer, "sdp4bit")),
+            ("bad_policy", lambda: compress(model, optimizer, "sdp5bit")),
+            ("other_optimizer", lambda: compress(model, fp32_optimizer, "sdp4bit"))):
         out[name] = _refusal(call)
     # configurations Megatron builds only on CUDA, or only with MoE: the same model with
     # the field set, as Megatron would hold it
@@ -351,16 +351,16 @@ def refusals(corpus, tp: int, pp: int) -> dict:
             ("moe", model.config, "num_moe_experts", 4)):
         saved = getattr(holder, field)
         setattr(holder, field, value)
-        out[name] = _refusal(lambda: apply(model, optimizer, "sdp4bit"))
+        out[name] = _refusal(lambda: compress(model, optimizer, "sdp4bit"))
         setattr(holder, field, saved)
     # exact weights on fp32 parameters are fine
-    apply(fp32_model, fp32_optimizer, "tlqhs").remove()
-    # data-parallel ranks that apply other policies are told so at apply, every one
+    compress(fp32_model, fp32_optimizer, "tlqhs").remove()
+    # data-parallel ranks that compress with other policies are told so at compress, every one
     import torch.distributed as dist
 
     mine = "sdp4bit" if dist.get_rank() % 2 == 0 else "hybrid"
     try:
-        apply(model, optimizer, mine).remove()
+        compress(model, optimizer, mine).remove()
         out["disagreeing"] = None
     except RuntimeError as e:
         out["disagreeing"] = f"{type(e).__name__}: {e}"
@@ -381,7 +381,7 @@ def scoped(corpus, tp: int, pp: int, steps: int, **layout) -> dict:
     import commpress
 
     model, optimizer = build(tp, pp, **layout)
-    comm = commpress.megatron.apply(model, optimizer, "sdp4bit")
+    comm = commpress.megatron.compress(model, optimizer, "sdp4bit")
     other, other_optimizer = build(tp, pp, **layout)
     commpress.reset_stats()
     record = train(other, other_optimizer, corpus, 0, steps,
@@ -410,14 +410,14 @@ def _fp32_model():
 
 
 def fp32_accumulation(corpus, tp: int, pp: int) -> str:
-    """A model built with reduce_scatter_with_fp32_accumulation after apply re-binds the
+    """A model built with reduce_scatter_with_fp32_accumulation after compress re-binds the
     reduce-scatter; the next gradient sync must fail instead of passing uncompressed."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     import commpress
 
     model, optimizer = build(tp, pp)
-    comm = commpress.megatron.apply(model, optimizer, "sdp4bit")
+    comm = commpress.megatron.compress(model, optimizer, "sdp4bit")
     fp32_model, _ = _fp32_model()
     DistributedDataParallel(fp32_model.config, DistributedDataParallelConfig(
         use_distributed_optimizer=True, reduce_scatter_with_fp32_accumulation=True),
@@ -459,7 +459,7 @@ def elastic(corpus, tp: int, pp: int, policy, directory: str, load_tag, save_tag
             model.module.load_state_dict(torch.load(os.path.join(directory, tag, "model.pt"),
                                                     weights_only=True))
             optimizer.reload_model_params()
-        return model, optimizer, commpress.megatron.apply(model, optimizer, policy)
+        return model, optimizer, commpress.megatron.compress(model, optimizer, policy)
 
     out = {}
     model, optimizer, comm = fresh(load_tag)

@@ -212,7 +212,7 @@ def test_refusals_name_the_reason(dp4):
     assert "unknown policy preset 'sdp5bit'" in out["bad_policy"]
 
 
-def test_ranks_applying_other_policies_are_named_at_apply_on_every_rank(dp4):
+def test_ranks_compressing_with_other_policies_are_named_at_compress_on_every_rank(dp4):
     # before any collective of its own (a replica check would otherwise wait for
     # Megatron's 30-minute group timeout and end in raw Gloo errors)
     for rank in dp4:
@@ -245,7 +245,7 @@ def test_a_later_fp32_accumulation_swap_is_refused_at_the_next_sync(dp4):
 
 def test_importing_commpress_does_not_import_megatron():
     code = ("import sys, commpress; assert 'megatron' not in sys.modules; "
-            "assert callable(commpress.megatron.apply); assert 'megatron.core' in sys.modules")
+            "assert callable(commpress.megatron.compress); assert 'megatron.core' in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
 
 

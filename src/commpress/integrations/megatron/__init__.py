@@ -1,6 +1,6 @@
-"""Megatron-core: one call applies a commpress policy to a model and its optimizer.
+"""Megatron-core: ``compress``, one call, applies a commpress policy to a model and its optimizer.
 
-``commpress.megatron.apply(model, optimizer, "sdp4bit")`` compresses what the policy
+``commpress.megatron.compress(model, optimizer, "sdp4bit")`` compresses what the policy
 names, at the places Megatron-core itself communicates:
 
 * ``dp`` — the gradient buckets' reduce-scatter (distributed optimizer; TLq-HS when
@@ -38,6 +38,6 @@ except ImportError as e:  # pragma: no cover - the engine is an optional depende
     raise ImportError("commpress.megatron needs Megatron-core: pip install megatron-core "
                       "(the tested version is pinned in requirements-engines.txt)") from e
 
-from commpress.integrations.megatron.compression import MegatronCompression, apply
+from commpress.integrations.megatron.compression import MegatronCompression, compress
 
-__all__ = ["MegatronCompression", "apply"]
+__all__ = ["MegatronCompression", "compress"]

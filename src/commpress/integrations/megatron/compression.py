@@ -1,4 +1,4 @@
-"""``apply``: one policy over a Megatron-core model's data-, tensor- and pipeline-parallel
+"""``compress``: one policy over a Megatron-core model's data-, tensor- and pipeline-parallel
 traffic, and the handle that undoes it and checkpoints its codec state."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ SWAPS = [*data_parallel.SWAPS, *model_parallel.TP_SWAPS, *model_parallel.PP_SWAP
 
 
 class MegatronCompression:
-    """What :func:`apply` installed for one model and optimizer.
+    """What :func:`compress` installed for one model and optimizer.
 
     ``remove()`` (or leaving a ``with`` block) gives Megatron its own communication
     back. ``state_dict()`` / ``load_state_dict()`` hold this rank's codec state —
@@ -121,7 +121,7 @@ class MegatronCompression:
                 comm.load_state_dict(state[axis])
 
 
-def apply(model: Any, optimizer: Any = None, policy: str | dict | Policy = "sdp4bit", *,
+def compress(model: Any, optimizer: Any = None, policy: str | dict | Policy = "sdp4bit", *,
           ranks_per_node: int | None = None) -> MegatronCompression:
     """Compress a Megatron-core model's communication with ``policy``.
 
@@ -150,14 +150,14 @@ def apply(model: Any, optimizer: Any = None, policy: str | dict | Policy = "sdp4
 
         model = DistributedDataParallel(config, ddp_config, gpt)
         optimizer = get_megatron_optimizer(opt_config, [model])
-        comm = commpress.megatron.apply(model, optimizer, "sdp4bit")
+        comm = commpress.megatron.compress(model, optimizer, "sdp4bit")
     """
     policy = Policy.resolve(policy)
     chunks = _chunks(model)
     _check_config(chunks, optimizer, policy)
     rpn = ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
     if not isinstance(rpn, int) or rpn < 1:
-        raise InputError(f"commpress.megatron.apply: ranks_per_node={rpn!r} is not allowed; "
+        raise InputError(f"commpress.megatron.compress: ranks_per_node={rpn!r} is not allowed; "
                          "allowed: a positive integer")
     config = chunks[0].config
     # Step 1: data parallelism, bucket by bucket (Megatron's buckets, as they are)
@@ -166,19 +166,19 @@ def apply(model: Any, optimizer: Any = None, policy: str | dict | Policy = "sdp4
     tp = pp = None
     dgrad_layers: list[torch.nn.Module] = []
     if chunks[0].tp_group.size() > 1:
-        agree(chunks[0].tp_group, "megatron.apply", label="tp", policy=policy.to_dict())
+        agree(chunks[0].tp_group, "megatron.compress", label="tp", policy=policy.to_dict())
         tp = ActivationComm("tp", chunks[0].tp_group, policy)
     # Step 3: pipeline parallelism
     if chunks[0].pp_group.size() > 1:
-        agree(chunks[0].pp_group, "megatron.apply", label="pp", policy=policy.to_dict())
+        agree(chunks[0].pp_group, "megatron.compress", label="pp", policy=policy.to_dict())
         pp = ActivationComm("pp", chunks[0].pp_group, policy)
     with REGISTRY.lock:
         if any(id(c.bucket.grad_data) in REGISTRY.buckets for c in buckets.values()):
-            raise InputError("commpress.megatron.apply: this model already has a policy applied; "
-                             "call .remove() on its handle first")
+            raise InputError("commpress.megatron.compress: this model already has a policy "
+                             "applied; call .remove() on its handle first")
         for axis, comm, live in (("tensor", tp, REGISTRY.tp), ("pipeline", pp, REGISTRY.pp)):
             if comm is not None and comm.group in live:
-                raise InputError(f"commpress.megatron.apply: another model on the same "
+                raise InputError(f"commpress.megatron.compress: another model on the same "
                                  f"{axis}-parallel group already has a policy applied; apply one "
                                  "policy to all model chunks at once (pass the list)")
         for comm in buckets.values():
@@ -204,19 +204,19 @@ def _chunks(model: Any) -> list[DistributedDataParallel]:
     chunks = list(model) if isinstance(model, list | tuple) else [model]
     for c in chunks:
         if not isinstance(c, DistributedDataParallel):
-            raise TypeError(f"commpress.megatron.apply: model must be megatron.core.distributed."
+            raise TypeError(f"commpress.megatron.compress: model must be megatron.core.distributed."
                             f"DistributedDataParallel (or a list of them); got {type(c).__name__}"
                             " — wrap the model first (Megatron FSDP is not covered)")
     if not chunks:
-        raise InputError("commpress.megatron.apply: model is an empty list")
+        raise InputError("commpress.megatron.compress: model is an empty list")
     if isinstance(chunks[0].pp_group, list):
-        raise InputError("commpress.megatron.apply: a model with several pipeline groups is not "
+        raise InputError("commpress.megatron.compress: a model with several pipeline groups is not "
                          "covered")
     return chunks
 
 
 def _refuse(what: str, fix: str) -> InputError:
-    return InputError(f"commpress.megatron.apply: {what} is not covered; {fix}")
+    return InputError(f"commpress.megatron.compress: {what} is not covered; {fix}")
 
 
 def _check_config(chunks: list[DistributedDataParallel], optimizer: Any, policy: Policy) -> None:
@@ -243,7 +243,7 @@ def _check_config(chunks: list[DistributedDataParallel], optimizer: Any, policy:
                 raise _refuse("fp8 parameters", "train in bf16 or fp16")
             if distopt and param_lossy and buffer.param_dtype == torch.float32:
                 raise InputError(
-                    f"commpress.megatron.apply: dp.param={policy.rule('dp', 'param').codec!r} "
+                    f"commpress.megatron.compress: dp.param={policy.rule('dp', 'param').codec!r} "
                     "would overwrite the distributed optimizer's fp32 master weights: for fp32 "
                     "parameters they are the model's own; train in bf16 or fp16 "
                     "(TransformerConfig(bf16=True)) or set dp.param to none")
@@ -274,7 +274,7 @@ def _check_config(chunks: list[DistributedDataParallel], optimizer: Any, policy:
     parts = getattr(optimizer, "chained_optimizers", [optimizer])
     covered = {id(m) for o in parts for m in getattr(o, "model_chunks", [])}
     if covered and not covered & {id(c) for c in chunks}:
-        raise InputError("commpress.megatron.apply: the optimizer was not built for this model "
+        raise InputError("commpress.megatron.compress: the optimizer was not built for this model "
                          "(its model_chunks hold other modules); pass the model and the "
                          "optimizer get_megatron_optimizer built for it")
 
@@ -303,13 +303,13 @@ def _bucket_comms(chunks: list[DistributedDataParallel], policy: Policy,
             group = buffer.data_parallel_group
             # before any collective of its own: a rank that applies another policy, or
             # none, is named rather than left waiting in a replica check or a bucket
-            agree(group, "megatron.apply", label=f"chunk{c}.buffer{b}",
+            agree(group, "megatron.compress", label=f"chunk{c}.buffer{b}",
                   policy=policy.to_dict(), buckets=len(buffer.buckets))
             topology = dp_topology(group, ranks_per_node)
             if topology is None:
                 if needs_nodes:
                     raise InputError(
-                        f"commpress.megatron.apply: the data-parallel group of ranks "
+                        f"commpress.megatron.compress: the data-parallel group of ranks "
                         f"{dist.get_process_group_ranks(group)} spreads unevenly over nodes of "
                         f"{ranks_per_node} ranks; allowed: the same number of its ranks on "
                         "every node (set ranks_per_node, or a one-level policy)")
@@ -352,8 +352,8 @@ def _check_replicas(buffer: Any, group: dist.ProcessGroup) -> None:
     if differ:
         ranks = dist.get_process_group_ranks(group)
         raise CollectiveMismatchError(
-            f"commpress.megatron.apply: data-parallel ranks {[ranks[r] for r in differ]} hold "
+            f"commpress.megatron.compress: data-parallel ranks {[ranks[r] for r in differ]} hold "
             f"other weights than rank {ranks[0]}; qWD (dp.param delta) sends differences only "
             "and would never close the gap: call model.broadcast_params() (or load the same "
-            "checkpoint everywhere) before apply")
+            "checkpoint everywhere) before compress")
 

@@ -248,7 +248,7 @@ def coalescing_manager(group=None, device=None, async_ops: bool = False) -> Iter
             f"commpress.megatron: {', '.join(broken)} was replaced after commpress applied its "
             "policy (a DistributedDataParallel built with reduce_scatter_with_fp32_accumulation "
             "does that), so gradients or weights would travel uncompressed; build every model "
-            "before commpress.megatron.apply, without reduce_scatter_with_fp32_accumulation")
+            "before commpress.megatron.compress, without reduce_scatter_with_fp32_accumulation")
     batch = Batch(group, device, async_ops)
     stack = _LOCAL.__dict__.setdefault("batches", [])
     stack.append(batch)

@@ -3,7 +3,7 @@ application covers.
 
 Every replacement is a module- or class-level attribute that Megatron looks up when it
 communicates (its own functions stay as they are). The replacements are installed
-when the first :func:`~commpress.integrations.megatron.apply` covers something and
+when the first :func:`~commpress.integrations.megatron.compress` covers something and
 restored when the last one is removed. Each dispatches on Megatron's own call
 arguments — a gradient bucket's tensor, a tensor- or pipeline-parallel group — to the
 application that covers it, and hands everything else to Megatron's original
