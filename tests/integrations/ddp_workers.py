@@ -162,7 +162,7 @@ def uncompressed_warnings(rank, world):
     records = []
     handler = logging.Handler()
     handler.emit = lambda record: records.append(record.getMessage())
-    logging.getLogger("commpress.integrations.grad_path").addHandler(handler)
+    logging.getLogger("commpress.dp.grad_path").addHandler(handler)
     seen = []
     for topology in (None, None, commpress.Topology(1)):
         ddp = DDP(workers._model(), bucket_cap_mb=0.1)
@@ -185,7 +185,7 @@ def elastic(rank, world, directory, phase):
     records = []
     handler = logging.Handler()
     handler.emit = lambda record: records.append(record.getMessage())
-    logging.getLogger("commpress.integrations.grad_path").addHandler(handler)
+    logging.getLogger("commpress.dp.grad_path").addHandler(handler)
     data = workers._data()
     out = {}
     for front in ("int2ef", "lowrank", "diloco"):

@@ -1,9 +1,9 @@
 """Integrations: the sharded optimizer, the DDP hooks, DiLoCo, FSDP2 (``commpress.fsdp``)."""
 
+from commpress.dp.grad_path import GradPath
 from commpress.integrations.ddp import DDPHookState, compressed_allreduce_hook, ddp_hook
 from commpress.integrations.ddp_lowrank import LowRankConfig, lowrank_hook
 from commpress.integrations.diloco import OUTER_PRESETS, DiLoCo
-from commpress.integrations.grad_path import GradPath
 from commpress.integrations.sharded_optimizer import NonFiniteGradientError, ShardedOptimizer
 
 __all__ = ["OUTER_PRESETS", "DDPHookState", "DiLoCo", "GradPath", "LowRankConfig",

@@ -17,7 +17,6 @@ differences and drift apart; kept apart, replicas see bit-identical inputs and c
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,9 +24,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from commpress.codecs.error_feedback import split
 from commpress.collectives import Handle
-from commpress.integrations.grad_path import GradPath
+from commpress.dp import DPBucket
 from commpress.policy import Policy
 from commpress.validate import InputError
 
@@ -53,8 +51,7 @@ class Bucket:
     params: list[nn.Parameter]
     offsets: list[int]
     numel: int  # padded to a multiple of world × alignment
-    grad_path: GradPath
-    param_codec: Any
+    dp: DPBucket  # its codecs and their state
     param_buffer: torch.Tensor = field(repr=False, default=None)  # training dtype
     grad_buffer: torch.Tensor = field(repr=False, default=None)  # fp32
     grad_shard: torch.Tensor = field(repr=False, default=None)  # fp32, this rank's
@@ -106,8 +103,7 @@ class Bucket:
 
 
 def build_buckets(named: list[tuple[str, nn.Parameter]], bucket_numel: int, decay_1d: bool,
-                  make_grad_path: Callable[[], GradPath], make_param_codec: Callable[[], Any],
-                  world: int, replication_key: ReplicationKey,
+                  make_dp: Callable[[], DPBucket], world: int, replication_key: ReplicationKey,
                   group_of: dict[str, int] | None = None) -> list[Bucket]:
     """Pack ``named`` parameters (in backward order) into buckets of about
     ``bucket_numel`` elements, one kind (parameter group of ``group_of``, by name; dtype,
@@ -125,15 +121,14 @@ def build_buckets(named: list[tuple[str, nn.Parameter]], bucket_numel: int, deca
     buckets = []
     for (group, dtype, _, decay, replication), lists in groups.items():
         for members in lists:
-            grad_path, param_codec = make_grad_path(), make_param_codec()
-            unit = math.lcm(grad_path.alignment, max(split(param_codec)[0].alignment, 1)) * world
+            dp = make_dp()
+            unit = dp.alignment * world
             *offsets, total = itertools.accumulate((p.numel() for _, p in members), initial=0)
             buckets.append(Bucket(
                 index=len(buckets), dtype=dtype, decay=decay, group=group,
                 replication=replication,
                 names=[n for n, _ in members], params=[p for _, p in members],
-                offsets=offsets, numel=-(-total // unit) * unit, grad_path=grad_path,
-                param_codec=param_codec))
+                offsets=offsets, numel=-(-total // unit) * unit, dp=dp))
     return buckets
 
 

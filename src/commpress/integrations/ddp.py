@@ -61,7 +61,7 @@ from commpress.codecs import codec as build_codec
 from commpress.collectives import Topology, context
 from commpress.collectives.agreement import release
 from commpress.collectives.comm import group_timeout
-from commpress.integrations.grad_path import GradPath, resized, warn_if_uncompressed
+from commpress.dp.grad_path import GradPath, resized, warn_if_uncompressed
 from commpress.policy import Policy, list_presets
 from commpress.validate import InputError, check_bool, check_int, check_saved_state
 

@@ -100,7 +100,7 @@ class _Matrix:
 class LowRankReducer:
     """One hook bucket's PowerSGD: which parameters are matrices, their warm-start ``Q``
     and the error-feedback memory. Used by :class:`DDPHookState` where a
-    :class:`~commpress.integrations.grad_path.GradPath` would be."""
+    :class:`~commpress.dp.grad_path.GradPath` would be."""
 
     def __init__(self, shapes: list[torch.Size], offsets: list[int], numel: int,
                  config: LowRankConfig, topology: Topology, bucket_index: int) -> None:

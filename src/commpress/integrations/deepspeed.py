@@ -16,7 +16,7 @@
   parts meet on one local rank first, and only their sum crosses the slow link.
 * **Weights.** DeepSpeed's step gathers the new partitions with the module function
   ``all_gather_dp_groups``; for this engine they go through
-  :func:`~commpress.integrations.weight_gather.gather_weights` with the
+  :func:`~commpress.dp.weight_gather.gather_weights` with the
   ``dp.param`` rule instead: a codec, two levels, or qWD differences (each rank keeps
   its own partition as last gathered, since DeepSpeed overwrites it with the new
   weights before the gather).
@@ -58,9 +58,9 @@ import torch.distributed as dist
 
 from commpress.collectives import Topology
 from commpress.collectives.agreement import agree, rendezvous
+from commpress.dp.grad_path import GradPath, resized
+from commpress.dp.weight_gather import gather_weights
 from commpress.integrations import rank_state
-from commpress.integrations.grad_path import GradPath, resized
-from commpress.integrations.weight_gather import gather_weights
 from commpress.policy import Policy
 from commpress.validate import InputError, check_bool, check_saved_state
 

@@ -41,8 +41,8 @@ import torch.nn as nn
 
 from commpress.collectives import Topology
 from commpress.collectives.agreement import agree, release
+from commpress.dp.grad_path import GradPath, resized, warn_if_uncompressed
 from commpress.integrations.ddp import new_hook_group
-from commpress.integrations.grad_path import GradPath, resized, warn_if_uncompressed
 from commpress.integrations.replica_sync import broadcast_coalesced, group_source
 from commpress.policy import Policy
 from commpress.validate import InputError, check_bool, check_float, check_int, check_saved_state

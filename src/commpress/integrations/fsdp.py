@@ -47,7 +47,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPM
 from commpress.collectives import Topology, all_gather, all_reduce
 from commpress.collectives.agreement import agree, rendezvous
 from commpress.collectives.comm import all_gather_single
-from commpress.integrations.grad_path import GradPath, resized
+from commpress.dp.grad_path import GradPath, resized
 from commpress.policy import Policy, Rule
 from commpress.validate import InputError, check_saved_state
 

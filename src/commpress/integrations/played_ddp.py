@@ -23,8 +23,8 @@ from commpress.collectives import Topology
 from commpress.collectives.byte_stats import Stats
 from commpress.collectives.played import Played, played_peers
 from commpress.collectives.topology import levels_used
+from commpress.dp.grad_path import GradPath
 from commpress.integrations.ddp import BUCKET_NUMEL, grad_policy, hook_layout
-from commpress.integrations.grad_path import GradPath
 from commpress.policy import Policy
 from commpress.validate import InputError
 

@@ -6,8 +6,8 @@ object keeps what the ``N`` real optimizers keep: the same flat buckets
 (:func:`build_buckets` with ``world = N``), one set of codec objects per rank and
 bucket (stochastic-rounding counters, error-feedback memory), the ``N`` master shards
 (together: one fp32 master per bucket, updated by the same elementwise optimizer). Each
-rank runs the real optimizer's own collective steps — :meth:`GradPath.reduce_scatter_steps`,
-:func:`weight_gather_steps` — over the played transport
+rank runs the real optimizer's own collective steps — its :class:`DPBucket`'s
+reduce-scatter and weight gather — over the played transport
 (:mod:`commpress.collectives.played`). The gradient norm adds the ranks' parts in rank
 order, as the real optimizer does.
 
@@ -26,6 +26,7 @@ from commpress.collectives import Topology
 from commpress.collectives.byte_stats import Stats
 from commpress.collectives.played import Played, played_peers
 from commpress.collectives.topology import levels_used
+from commpress.dp import DPBucket
 from commpress.integrations.buckets import (
     Bucket,
     buckets_identity,
@@ -35,17 +36,15 @@ from commpress.integrations.buckets import (
     load_buckets_state,
     tensor_parallel_key,
 )
-from commpress.integrations.grad_path import GradPath
 from commpress.integrations.sharded_optimizer import (
     clip_and_step,
     norm_of_parts,
     skips_nonfinite,
 )
-from commpress.integrations.weight_gather import weight_gather_steps
 from commpress.policy import Policy
 from commpress.validate import check_saved_state
 
-STATE_FORMAT = "commpress.played_sharded_optimizer/1"
+STATE_FORMAT = "commpress.played_sharded_optimizer/2"
 
 
 class PlayedShardedOptimizer:
@@ -69,23 +68,19 @@ class PlayedShardedOptimizer:
         self.norm_weights = dict(norm_weights or {})
         self.steps = self.skipped_steps = 0
         self.last_grad_norm = float("nan")
-        self.param_rule = self.policy.rule("dp", "param")
         # gradient bytes every rank sends, summed over the ranks
         self.stats = stats if stats is not None else Stats()
         topology = Topology(ranks_per_node)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         # the one replica's buffers: weights (the parameters become views), one rank's
         # gradient at a time, and the whole fp32 master (all ranks' shards)
-        self.buckets = build_buckets(named[::-1], bucket_numel, decay_1d,
-                                     lambda: GradPath(self.policy, topology),
-                                     self.param_rule.build, ranks, tensor_parallel_key)
+        make_dp = lambda: DPBucket(self.policy, topology, weights=True)  # noqa: E731
+        self.buckets = build_buckets(named[::-1], bucket_numel, decay_1d, make_dp, ranks,
+                                     tensor_parallel_key)
         for b in self.buckets:
             b.materialize(0, 1)
-        # each rank's own codec objects per bucket (the bucket's own only fixed the alignment)
-        self.grad_paths = [[GradPath(self.policy, topology) for _ in range(ranks)]
-                           for _ in self.buckets]
-        self.param_codecs = [[self.param_rule.build() for _ in range(ranks)]
-                             for _ in self.buckets]
+        # each rank's own codecs per bucket: played rank 0's are the bucket's own
+        self.dps = [[b.dp, *(make_dp() for _ in range(1, ranks))] for b in self.buckets]
         # internal state: this step's reduce-scatters, then their shards by rank
         self._reductions: list[Played] | None = None
         self._shards: list[dict[int, torch.Tensor]] | None = None
@@ -100,8 +95,8 @@ class PlayedShardedOptimizer:
 
     # -- gradients ---------------------------------------------------------------------
     def _reduce_scatter(self, j: int, b: Bucket) -> Played:
-        paths, m = self.grad_paths[j], b.numel // self.world
-        return Played(self.world, lambda r, flat: paths[r].reduce_scatter_steps(
+        dps, m = self.dps[j], b.numel // self.world
+        return Played(self.world, lambda r, flat: dps[r].grad.reduce_scatter_steps(
             flat, m, self._peers(r), self.stats))
 
     @torch.no_grad()
@@ -163,9 +158,9 @@ class PlayedShardedOptimizer:
         if self.world == 1:  # as ShardedOptimizer: nothing crosses a wire
             b.param_buffer.copy_(new.view(-1))
             return
-        codecs, weights = self.param_codecs[j], b.param_buffer.view(-1)
-        played = Played(self.world, lambda r, shard: weight_gather_steps(
-            weights, shard, codecs[r], self.param_rule, self._peers(r), self.stats), keep=(0,))
+        dps, weights = self.dps[j], b.param_buffer.view(-1)
+        played = Played(self.world, lambda r, shard: dps[r].gather_weights_steps(
+            weights, shard, self._peers(r), self.stats), keep=(0,))
         for r in range(self.world):
             played.add(r, new[r])
         b.param_buffer.copy_(played.finish()[0])
@@ -178,8 +173,7 @@ class PlayedShardedOptimizer:
             "format": STATE_FORMAT, "ranks": self.world,
             **buckets_state(self.policy, self.buckets, self.optimizer),
             "steps": self.steps, "skipped_steps": self.skipped_steps,
-            "grad_codecs": [[p.state_dict() for p in paths] for paths in self.grad_paths],
-            "param_codecs": [[c.state_dict() for c in codecs] for codecs in self.param_codecs],
+            "codecs": [[dp.state_dict() for dp in row] for row in self.dps],
         }
 
     @torch.no_grad()
@@ -189,9 +183,7 @@ class PlayedShardedOptimizer:
             "ranks": self.world, **buckets_identity(self.policy, self.buckets)},
             "resume with the same ranks, policy and model")
         load_buckets_state(self.buckets, self.optimizer, state)
-        for objects, states in ((self.grad_paths, state["grad_codecs"]),
-                                (self.param_codecs, state["param_codecs"])):
-            for row, row_states in zip(objects, states):
-                for obj, s in zip(row, row_states, strict=True):
-                    obj.load_state_dict(s)
+        for row, row_states in zip(self.dps, state["codecs"], strict=True):
+            for dp, s in zip(row, row_states, strict=True):
+                dp.load_state_dict(s)
         self.steps, self.skipped_steps = state["steps"], state["skipped_steps"]

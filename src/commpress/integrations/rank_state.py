@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 
 from commpress.collectives.agreement import all_gather_objects
+from commpress.dp.grad_path import say_once
 from commpress.files import open_regular, replacing
-from commpress.integrations.grad_path import say_once
 from commpress.validate import InputError, raise_if_any
 
 log = logging.getLogger(__name__)

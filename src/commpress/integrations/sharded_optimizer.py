@@ -39,6 +39,8 @@ from commpress.collectives import Topology
 from commpress.collectives.agreement import agree, all_gather_objects
 from commpress.collectives.comm import all_gather_single
 from commpress.collectives.handle import completed
+from commpress.dp import DPBucket
+from commpress.dp.grad_path import say_once, warn_if_uncompressed
 from commpress.integrations import clip_guard
 from commpress.integrations.buckets import (
     Bucket,
@@ -51,9 +53,7 @@ from commpress.integrations.buckets import (
     load_buckets_state,
     tensor_parallel_key,
 )
-from commpress.integrations.grad_path import GradPath, say_once, warn_if_uncompressed
 from commpress.integrations.replica_sync import broadcast_buffers, sync_initial_state
-from commpress.integrations.weight_gather import gather_weights
 from commpress.kernels.reference import sum_rows
 from commpress.policy import Policy
 from commpress.validate import (
@@ -66,7 +66,7 @@ from commpress.validate import (
 
 log = logging.getLogger(__name__)
 
-STATE_FORMAT = "commpress.ShardedOptimizer/1"
+STATE_FORMAT = "commpress.ShardedOptimizer/2"
 CONSOLIDATED_FORMAT = "commpress.ShardedOptimizer.consolidated/1"
 NONFINITE_CHOICES = ("skip", "raise")
 INIT_SYNC_CHOICES = ("broadcast", "verify")
@@ -188,7 +188,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # gradients arrive roughly in reverse registration order during backward
         self.buckets = build_buckets(
             named[::-1], bucket_numel, decay_1d,
-            lambda: GradPath(self.policy, self.topology), self.param_rule.build, self.world,
+            lambda: DPBucket(self.policy, self.topology, weights=True), self.world,
             replication_key, group_of)
         for b in self.buckets:
             b.materialize(self.rank, self.world)
@@ -259,8 +259,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             b.grad_shard.copy_(b.grad_buffer)
             b.handle = completed(b.grad_shard)
         else:
-            b.handle = b.grad_path.reduce_scatter(b.grad_shard, b.grad_buffer, self.group,
-                                                  op="avg", async_op=True)
+            b.handle = b.dp.grad.reduce_scatter(b.grad_shard, b.grad_buffer, self.group,
+                                                op="avg", async_op=True)
 
     # -- step ----------------------------------------------------------------------
     @torch.no_grad()
@@ -365,8 +365,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if self.world == 1:  # nothing crosses a wire: nothing is compressed
                 b.param_buffer.copy_(new)
             else:
-                gather_weights(b.param_buffer, new, b.param_codec, self.param_rule,
-                               self.topology, self.group)
+                b.dp.gather_weights(b.param_buffer, new, self.group)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear accumulated gradients: the flat buffers, and any ``param.grad`` (None
@@ -412,8 +411,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             **buckets_state(self.policy, self.buckets, self.optimizer),
             "steps": self.steps,
             "skipped_steps": self.skipped_steps,
-            "grad_codecs": [b.grad_path.state_dict() for b in self.buckets],
-            "param_codecs": [b.param_codec.state_dict() for b in self.buckets],
+            "codecs": [b.dp.state_dict() for b in self.buckets],
         }
 
     @torch.no_grad()
@@ -505,10 +503,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # writing the old ones would no longer reach the shards)
         self.param_groups = self.optimizer.param_groups
         self.state = self.optimizer.state
-        for b, grad_state, pcodec in zip(self.buckets, state["grad_codecs"],
-                                         state["param_codecs"]):
-            b.grad_path.load_state_dict(grad_state)
-            b.param_codec.load_state_dict(pcodec)
+        for b, codecs in zip(self.buckets, state["codecs"], strict=True):
+            b.dp.load_state_dict(codecs)
         self.steps = state["steps"]
         self.skipped_steps = state["skipped_steps"]
 
@@ -539,8 +535,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             inner["param_groups"][i] = {**s["options"],
                                         "params": inner["param_groups"][i]["params"]}
             # fresh codecs: this rank's memory of the old world means nothing here
-            b.grad_path = GradPath(self.policy, self.topology)
-            b.param_codec = self.param_rule.build()
+            b.dp.fresh()
         self.optimizer.load_state_dict(inner)
         self.param_groups = self.optimizer.param_groups
         self.state = self.optimizer.state

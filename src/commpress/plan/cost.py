@@ -50,8 +50,8 @@ from typing import Any
 from commpress.codecs import codec as build_codec
 from commpress.collectives.compressed_all_reduce import two_rank_exchange
 from commpress.collectives.topology import levels_used
+from commpress.dp.weight_gather import weight_gather_levels
 from commpress.files import read_regular
-from commpress.integrations.weight_gather import weight_gather_levels
 from commpress.plan.hardware import CODEC_GBps
 from commpress.plan.models import ModelShape
 from commpress.policy import Policy, Rule

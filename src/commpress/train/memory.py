@@ -22,15 +22,15 @@ from commpress.codecs.error_feedback import split
 from commpress.collectives import Topology
 from commpress.collectives.call import is_exact
 from commpress.collectives.topology import levels_used
+from commpress.dp import DPBucket, GradPath
 from commpress.integrations.buckets import build_buckets, tensor_parallel_key
 from commpress.integrations.ddp import BUCKET_NUMEL, hook_layout
-from commpress.integrations.grad_path import GradPath
 from commpress.model.gpt import GPT, config_from_preset
 from commpress.policy import Policy
 from commpress.train.config import DTYPES, TrainConfig
 from commpress.validate import InputError
 
-# one rank's codec objects for one bucket (its GradPath and weight codec): 13 KB
+# one rank's codec objects for one bucket (its DPBucket): 13 KB
 # measured on CPython 3.11 with hybrid, sdp4bit, int2ef and none; counted as 8 KB
 CODEC_OBJECT_BYTES = 8 << 10
 TOKEN_BYTES = 8  # int64 token ids
@@ -102,9 +102,9 @@ def _bucket_numels(cfg: TrainConfig, policy: Policy, ranks: int, rpn: int) -> li
     make_path: Callable[[], GradPath] = lambda: GradPath(policy, Topology(rpn))  # noqa: E731
     if cfg.engine == "ddp":
         return [sum(b.numels) for b in hook_layout(named, BUCKET_NUMEL, make_path)]
-    rule = policy.rule("dp", "param")
-    return [b.numel for b in build_buckets(named[::-1], cfg.bucket_numel, False, make_path,
-                                           rule.build, ranks, tensor_parallel_key)]
+    return [b.numel for b in build_buckets(
+        named[::-1], cfg.bucket_numel, False,
+        lambda: DPBucket(policy, Topology(rpn), weights=True), ranks, tensor_parallel_key)]
 
 
 def _held_codes(path: GradPath, numel: int, ranks: int, rpn: int) -> int:

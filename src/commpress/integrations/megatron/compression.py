@@ -13,8 +13,8 @@ from megatron.core.distributed import DistributedDataParallel
 
 from commpress.collectives import CollectiveMismatchError, Topology
 from commpress.collectives.agreement import agree
+from commpress.dp.grad_path import resized
 from commpress.integrations.buckets import tensor_parallel_key
-from commpress.integrations.grad_path import resized
 from commpress.integrations.megatron import data_parallel, model_parallel
 from commpress.integrations.megatron.data_parallel import BucketComm
 from commpress.integrations.megatron.layout import identical_mask

@@ -38,10 +38,10 @@ from megatron.core.distributed import param_and_grad_buffer as pgb
 from commpress.codecs.error_feedback import split
 from commpress.collectives import Handle, Topology
 from commpress.collectives.call import is_exact
-from commpress.integrations.grad_path import GradPath
+from commpress.dp.grad_path import GradPath
+from commpress.dp.weight_gather import gather_weights
 from commpress.integrations.megatron.layout import Layout
 from commpress.integrations.megatron.seams import REGISTRY, ModuleView, Swap, broken_swaps
-from commpress.integrations.weight_gather import gather_weights
 from commpress.policy import Policy
 from commpress.validate import InputError
 

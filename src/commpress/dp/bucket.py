@@ -1,0 +1,105 @@
+"""One data-parallel bucket's communication state, in one shape for every front-end.
+
+A bucket is a run of gradients reduced together and, in sharded data parallelism, of
+weights gathered back. What the policy gives it — its gradient codecs (``dp.grad``: one
+level or TLq-HS's two, :class:`GradPath`) and its weight codec (``dp.param``: the
+weights', or qWD's differences') — carries state that belongs to the values it
+compresses: stochastic-rounding counters, error-feedback memory, and for qWD the
+reference the differences are taken from, where the engine keeps no replica of its own.
+The sharded optimizer, Megatron's buckets, DeepSpeed's partitions and FSDP2's modules
+each hold one :class:`DPBucket` per bucket (the played optimizer one per played rank),
+and keep only what is their own: where buckets come from and when they are ready.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from commpress.codecs.error_feedback import split
+from commpress.collectives import Handle, Topology
+from commpress.collectives.byte_stats import Stats
+from commpress.collectives.transport import Peers, Steps
+from commpress.dp.grad_path import GradPath
+from commpress.dp.weight_gather import gather_weights, weight_gather_steps
+from commpress.policy import Policy, Rule
+from commpress.validate import InputError
+
+
+class DPBucket:
+    """The codecs of one bucket: ``grad`` (a :class:`GradPath`) and, when the bucket's
+    weights are gathered (``weights=True``), ``param`` built from ``param_rule`` —
+    the policy's ``dp.param`` rule, or the one given (FSDP2 gathers exactly what qWD
+    would send as differences). ``reference``: qWD's copy of this rank's weights, set
+    by a front-end whose engine overwrites its own (saved with the state)."""
+
+    def __init__(self, policy: Policy, topology: Topology, label: str = "dp.grad", *,
+                 weights: bool = False, param_rule: Rule | None = None) -> None:
+        self.policy, self.topology, self.label = policy, topology, label
+        self.param_rule = param_rule or (policy.rule("dp", "param") if weights else None)
+        self.reference: torch.Tensor | None = None
+        self.fresh()
+
+    def fresh(self) -> None:
+        """The codecs as the policy builds them: no memory, rounding streams from their
+        start (a new run, or an elastic resume on another number of ranks)."""
+        self.grad = GradPath(self.policy, self.topology, self.label)
+        self.param = None if self.param_rule is None else self.param_rule.build()
+
+    @property
+    def alignment(self) -> int:
+        """Element count every codec of the bucket splits evenly on."""
+        if self.param is None:
+            return self.grad.alignment
+        return math.lcm(self.grad.alignment, max(split(self.param)[0].alignment, 1))
+
+    def gather_weights(self, weights: torch.Tensor, new: torch.Tensor,
+                       group: dist.ProcessGroup, async_op: bool = False
+                       ) -> torch.Tensor | Handle:
+        """Every rank's ``new`` shard into the replicated ``weights`` with this bucket's
+        weight codec (:func:`commpress.dp.weight_gather.gather_weights`)."""
+        return gather_weights(weights, new, self.param, self.param_rule, self.topology, group,
+                              async_op)
+
+    def gather_weights_steps(self, weights: torch.Tensor, new: torch.Tensor,
+                             peers: tuple[Peers, Peers, Peers], stats: Stats) -> Steps:
+        """The steps of :meth:`gather_weights` for one (played) rank."""
+        return weight_gather_steps(weights, new, self.param, self.param_rule, peers, stats)
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"grad": self.grad.state_dict()}
+        if self.param is not None:
+            state["param"] = self.param.state_dict()
+        if self.reference is not None:
+            state["reference"] = self.reference.detach().clone()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any], memory: bool = True) -> None:
+        """Restore :meth:`state_dict`; ``memory=False`` checks it and starts the codecs
+        fresh (the state was laid out for another world). A qWD reference is restored
+        when this bucket keeps one (its weights are another matter: with ``memory``
+        false the front-end sets it from the loaded weights)."""
+        parts = {"grad"} | ({"param"} if self.param is not None else set())
+        if self.reference is not None:
+            parts.add("reference")
+        found = sorted(state) if isinstance(state, dict) else type(state).__name__
+        if not isinstance(state, dict) or set(state) != parts:
+            raise InputError(f"bucket {self.label} codec state has {found}; this policy's "
+                             f"bucket has {sorted(parts)}: resume with the same policy")
+        saved = state.get("reference")
+        if saved is not None and (not isinstance(saved, torch.Tensor)
+                                  or saved.shape != self.reference.shape):
+            raise InputError(f"bucket {self.label} qWD reference of shape "
+                             f"{getattr(saved, 'shape', None)}; this bucket's is "
+                             f"{tuple(self.reference.shape)}: resume with the same model")
+        self.grad.load_state_dict(state["grad"], memory)
+        if not memory:
+            self.fresh()
+            return
+        if self.param is not None:
+            self.param.load_state_dict(state["param"])
+        if saved is not None:
+            self.reference.copy_(saved)
