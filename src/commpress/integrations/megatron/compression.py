@@ -26,7 +26,7 @@ from commpress.validate import InputError, check_saved_state
 
 log = logging.getLogger(__name__)
 
-STATE_FORMAT = "commpress.megatron/1"
+STATE_FORMAT = "commpress.megatron/2"
 SWAPS = [*data_parallel.SWAPS, *model_parallel.TP_SWAPS, *model_parallel.PP_SWAPS]
 
 
@@ -103,7 +103,9 @@ class MegatronCompression:
         check_saved_state(state, STATE_FORMAT, what, {"policy": self.policy.to_dict()}, advice)
         mine = {"rank": self.rank, "world_size": self.world}
         if elastic and resized(state, mine, what):
-            for comm in (*self.buckets.values(), self.tp, self.pp):
+            for bucket in self.buckets.values():
+                bucket.dp.fresh()
+            for comm in (self.tp, self.pp):
                 if comm is not None:
                     comm.fresh_codecs(self.policy)
             return

@@ -38,8 +38,7 @@ from megatron.core.distributed import param_and_grad_buffer as pgb
 from commpress.codecs.error_feedback import split
 from commpress.collectives import Handle, Topology
 from commpress.collectives.call import is_exact
-from commpress.dp.grad_path import GradPath
-from commpress.dp.weight_gather import gather_weights
+from commpress.dp import DPBucket
 from commpress.integrations.megatron.layout import Layout
 from commpress.integrations.megatron.seams import REGISTRY, ModuleView, Swap, broken_swaps
 from commpress.policy import Policy
@@ -50,8 +49,8 @@ class BucketComm:
     """One Megatron bucket's collectives and codec state.
 
     Slots: identity (``key``, ``names``, the Megatron ``bucket``, its ``group``);
-    internal state (the gradient path, the weight codec, the qWD ``reference``, the
-    wire layouts); the process group is Megatron's.
+    internal state (``dp``: the bucket's codecs and qWD reference; the wire layouts); the
+    process group is Megatron's.
     """
 
     def __init__(self, key: str, names: list[str], bucket: Any, group: dist.ProcessGroup,
@@ -63,20 +62,13 @@ class BucketComm:
         self.rank, self.world = group.rank(), group.size()
         self.topology = topology
         # internal state
-        self.param_rule = policy.rule("dp", "param")
-        self.fresh_codecs(policy)
+        self.dp = DPBucket(policy, topology, weights=True)
         # per kind ("grad", "param"): elements equal on every TP rank, when the bucket
         # mixes them with others (see layout.py)
         self.identical = identical
-        self.reference = None
-        if distributed_optimizer and self.param_rule.delta:
-            self.reference = self.shard(bucket.param_data).clone()
+        if distributed_optimizer and self.dp.param_rule.delta:
+            self.dp.reference = self.shard(bucket.param_data).clone()
         self._layouts: dict[tuple[int, int], Layout] = {}
-
-    def fresh_codecs(self, policy: Policy) -> None:
-        """New gradient and weight codecs, with no state (an elastic resume)."""
-        self.grad_path = GradPath(policy, self.topology)
-        self.param_codec = self.param_rule.build()
 
     def shard(self, t: torch.Tensor) -> torch.Tensor:
         """This rank's slice of a bucket tensor (Megatron's ``shard_buffer``)."""
@@ -93,24 +85,23 @@ class BucketComm:
 
     @property
     def _grad_lossy(self) -> bool:
-        return not all(is_exact(c) for c in self.grad_path.codecs.values())
+        return not all(is_exact(c) for c in self.dp.grad.codecs.values())
 
     # -- the collectives Megatron calls ---------------------------------------------
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str) -> Handle:
         """Megatron's gradient reduce-scatter of this bucket into this rank's slice."""
-        if self.reference is not None:
+        if self.dp.reference is not None:
             # during backward every slice holds the weights this step used, the ones the
             # next difference is taken against: whatever wrote them (the last gather, a
             # checkpoint load, broadcast_params), the reference follows
-            self.reference.copy_(self.shard(self.bucket.param_data))
-        layout = self._layout("grad", self._grad_lossy, self.grad_path.alignment, self.world)
+            self.dp.reference.copy_(self.shard(self.bucket.param_data))
+        grad = self.dp.grad
+        layout = self._layout("grad", self._grad_lossy, grad.alignment, self.world)
         if layout is None:
-            return self.grad_path.reduce_scatter(output, input, self.group, op=op,
-                                                 async_op=True)
+            return grad.reduce_scatter(output, input, self.group, op=op, async_op=True)
         wire = layout.to_wire(input)
         out = torch.empty(layout.width, dtype=input.dtype, device=input.device)
-        handle = self.grad_path.reduce_scatter(out, wire.view(-1), self.group, op=op,
-                                               async_op=True)
+        handle = grad.reduce_scatter(out, wire.view(-1), self.group, op=op, async_op=True)
 
         def finish() -> torch.Tensor:
             handle.wait()
@@ -123,12 +114,12 @@ class BucketComm:
         """Megatron's gradient all-reduce of this bucket (no distributed optimizer)."""
         # one row; each kind padded to world × alignment, so that no rank's chunk of any
         # stage (one or two levels) puts the two kinds in one group
-        layout = self._layout("grad", self._grad_lossy, self.grad_path.alignment * self.world,
-                              1)
+        grad = self.dp.grad
+        layout = self._layout("grad", self._grad_lossy, grad.alignment * self.world, 1)
         if layout is None:
-            return self.grad_path.all_reduce(tensor, self.group, op=op, async_op=True)
+            return grad.all_reduce(tensor, self.group, op=op, async_op=True)
         wire = layout.to_wire(tensor).view(-1)
-        handle = self.grad_path.all_reduce(wire, self.group, op=op, async_op=True)
+        handle = grad.all_reduce(wire, self.group, op=op, async_op=True)
 
         def finish() -> torch.Tensor:
             handle.wait()
@@ -140,53 +131,44 @@ class BucketComm:
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Handle:
         """The distributed optimizer's weight all-gather: ``input`` is this rank's slice of
         ``output`` holding the optimizer's new weights."""
-        rule, codec = self.param_rule, self.param_codec
-        new = input
-        if rule.delta:
+        dp, new = self.dp, input
+        if dp.param_rule.delta:
             new = input.clone()
-            input.copy_(self.reference)  # the weights every rank holds for this slice
-        plain, memory = split(codec)
-        lossy = not (is_exact(codec) or (memory is None and plain.lossless))
+            input.copy_(dp.reference)  # the weights every rank holds for this slice
+        plain, memory = split(dp.param)
+        lossy = not (is_exact(dp.param) or (memory is None and plain.lossless))
         layout = self._layout("param", lossy, plain.alignment, self.world)
         if layout is None:
-            handle = gather_weights(output, new, codec, rule, self.topology, self.group,
-                                    async_op=True)
+            handle = dp.gather_weights(output, new, self.group, async_op=True)
             wire = None
         else:
-            wire = (layout.to_wire(output) if rule.delta else
+            wire = (layout.to_wire(output) if dp.param_rule.delta else
                     output.new_empty(self.world, layout.width))
-            handle = gather_weights(wire.view(-1), layout.row_to_wire(new, self.rank), codec,
-                                    rule, self.topology, self.group, async_op=True)
+            handle = dp.gather_weights(wire.view(-1), layout.row_to_wire(new, self.rank),
+                                       self.group, async_op=True)
 
         def finish() -> torch.Tensor:
             handle.wait()
             if wire is not None:
                 layout.from_wire(wire, output)
-            if self.reference is not None:
-                self.reference.copy_(input)
+            if dp.reference is not None:
+                dp.reference.copy_(input)
             return output
 
         return Handle(finish)
 
     # -- checkpoints ------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"names": self.names, "grad": self.grad_path.state_dict(),
-                "param": self.param_codec.state_dict(),
-                "reference": None if self.reference is None else self.reference.clone()}
+        return {"names": self.names, **self.dp.state_dict()}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], memory: bool = True) -> None:
+        """Restore :meth:`state_dict`; ``memory=False`` checks it and starts the codecs
+        fresh, the qWD reference following the loaded weights (an elastic resume)."""
         if state["names"] != self.names:
             raise InputError(f"Megatron codec checkpoint: bucket {self.key} held {state['names']}"
                              f", this model's holds {self.names}; resume with the same model, "
                              "bucket size and parallel layout")
-        self.grad_path.load_state_dict(state["grad"])
-        self.param_codec.load_state_dict(state["param"])
-        if (state["reference"] is None) != (self.reference is None):
-            raise InputError(f"Megatron codec checkpoint: bucket {self.key} was saved "
-                             f"{'with' if state['reference'] is not None else 'without'} qWD "
-                             "weight references; resume with the same policy")
-        if self.reference is not None:
-            self.reference.copy_(state["reference"])
+        self.dp.load_state_dict({k: v for k, v in state.items() if k != "names"}, memory)
 
 
 def op_name(op: Any) -> str:
