@@ -30,15 +30,18 @@ from commpress.validate import InputError
 
 
 class DPBucket:
-    """The codecs of one bucket: ``grad`` (a :class:`GradPath`) and, when the bucket's
-    weights are gathered (``weights=True``), ``param`` built from ``param_rule`` —
-    the policy's ``dp.param`` rule, or the one given (FSDP2 gathers exactly what qWD
-    would send as differences). ``reference``: qWD's copy of this rank's weights, set
-    by a front-end whose engine overwrites its own (saved with the state)."""
+    """The codecs of one bucket: ``grad`` (a :class:`GradPath`, unless ``grads=False``:
+    an engine whose weights are gathered by other units than its gradients are reduced)
+    and, when the bucket's weights are gathered (``weights=True``), ``param`` built from
+    ``param_rule`` — the policy's ``dp.param`` rule, or the one given (FSDP2 gathers
+    exactly what qWD would send as differences). ``reference``: qWD's copy of this
+    rank's weights, set by a front-end whose engine overwrites its own (saved with the
+    state)."""
 
     def __init__(self, policy: Policy, topology: Topology, label: str = "dp.grad", *,
-                 weights: bool = False, param_rule: Rule | None = None) -> None:
-        self.policy, self.topology, self.label = policy, topology, label
+                 grads: bool = True, weights: bool = False,
+                 param_rule: Rule | None = None) -> None:
+        self.policy, self.topology, self.label, self.grads = policy, topology, label, grads
         self.param_rule = param_rule or (policy.rule("dp", "param") if weights else None)
         self.reference: torch.Tensor | None = None
         self.fresh()
@@ -46,15 +49,16 @@ class DPBucket:
     def fresh(self) -> None:
         """The codecs as the policy builds them: no memory, rounding streams from their
         start (a new run, or an elastic resume on another number of ranks)."""
-        self.grad = GradPath(self.policy, self.topology, self.label)
+        self.grad = GradPath(self.policy, self.topology, self.label) if self.grads else None
         self.param = None if self.param_rule is None else self.param_rule.build()
 
     @property
     def alignment(self) -> int:
         """Element count every codec of the bucket splits evenly on."""
-        if self.param is None:
-            return self.grad.alignment
-        return math.lcm(self.grad.alignment, max(split(self.param)[0].alignment, 1))
+        units = [] if self.grad is None else [self.grad.alignment]
+        if self.param is not None:
+            units.append(max(split(self.param)[0].alignment, 1))
+        return math.lcm(*units)
 
     def gather_weights(self, weights: torch.Tensor, new: torch.Tensor,
                        group: dist.ProcessGroup, async_op: bool = False
@@ -70,7 +74,9 @@ class DPBucket:
         return weight_gather_steps(weights, new, self.param, self.param_rule, peers, stats)
 
     def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"grad": self.grad.state_dict()}
+        state: dict[str, Any] = {}
+        if self.grad is not None:
+            state["grad"] = self.grad.state_dict()
         if self.param is not None:
             state["param"] = self.param.state_dict()
         if self.reference is not None:
@@ -78,11 +84,12 @@ class DPBucket:
         return state
 
     def load_state_dict(self, state: dict[str, Any], memory: bool = True) -> None:
-        """Restore :meth:`state_dict`; ``memory=False`` checks it and starts the codecs
-        fresh (the state was laid out for another world). A qWD reference is restored
-        when this bucket keeps one (its weights are another matter: with ``memory``
-        false the front-end sets it from the loaded weights)."""
-        parts = {"grad"} | ({"param"} if self.param is not None else set())
+        """Restore :meth:`state_dict`; ``memory=False`` checks its parts and starts the
+        codecs fresh (the state was laid out for another world; a qWD reference then
+        follows the loaded weights, as the front-end sets it)."""
+        parts = {"grad"} if self.grad is not None else set()
+        if self.param is not None:
+            parts.add("param")
         if self.reference is not None:
             parts.add("reference")
         found = sorted(state) if isinstance(state, dict) else type(state).__name__
@@ -90,12 +97,13 @@ class DPBucket:
             raise InputError(f"bucket {self.label} codec state has {found}; this policy's "
                              f"bucket has {sorted(parts)}: resume with the same policy")
         saved = state.get("reference")
-        if saved is not None and (not isinstance(saved, torch.Tensor)
-                                  or saved.shape != self.reference.shape):
+        if memory and saved is not None and (not isinstance(saved, torch.Tensor)
+                                             or saved.shape != self.reference.shape):
             raise InputError(f"bucket {self.label} qWD reference of shape "
-                             f"{getattr(saved, 'shape', None)}; this bucket's is "
+                             f"{tuple(getattr(saved, 'shape', ()))}; this bucket's is "
                              f"{tuple(self.reference.shape)}: resume with the same model")
-        self.grad.load_state_dict(state["grad"], memory)
+        if self.grad is not None:
+            self.grad.load_state_dict(state["grad"], memory)
         if not memory:
             self.fresh()
             return

@@ -58,8 +58,8 @@ import torch.distributed as dist
 
 from commpress.collectives import Topology
 from commpress.collectives.agreement import agree, rendezvous
-from commpress.dp.grad_path import GradPath, resized
-from commpress.dp.weight_gather import gather_weights
+from commpress.dp import DPBucket
+from commpress.dp.grad_path import resized
 from commpress.integrations import rank_state
 from commpress.policy import Policy
 from commpress.validate import InputError, check_bool, check_saved_state
@@ -74,7 +74,7 @@ except ImportError as e:  # pragma: no cover - the engine tests require it
 
 log = logging.getLogger(__name__)
 
-STATE_FORMAT = "commpress.deepspeed/1"
+STATE_FORMAT = "commpress.deepspeed/2"
 TESTED_VERSION = "0.19.8"
 STAGES = (1, 2)
 # DeepSpeedZeroOptimizer methods the adapter patches on the instance
@@ -89,10 +89,11 @@ class DeepSpeedCompression:
     """commpress inside one DeepSpeed ZeRO-1/2 engine (made by :func:`compress`).
 
     Slots: hyperparameters (``policy``, ``topology``, the engine's data-parallel
-    ``group``); internal state (the gradient codecs of each of DeepSpeed's buckets —
-    its buckets keep their parameters from step to step —, keyed by their first and
-    last parameter's names; one weight codec per parameter group; with qWD, this
-    rank's partition of the weights as last gathered); stats (``buckets_reduced``).
+    ``group``); internal state (a :class:`DPBucket` of gradient codecs for each of
+    DeepSpeed's buckets — its buckets keep their parameters from step to step —, keyed
+    by their first and last parameter's names; one of weight codecs per parameter group,
+    holding with qWD this rank's partition of the weights as last gathered); stats
+    (``buckets_reduced``).
     """
 
     def __init__(self, engine: DeepSpeedEngine, policy: Policy, topology: Topology,
@@ -104,12 +105,13 @@ class DeepSpeedCompression:
         self.topology = topology
         self.elastic = elastic
         self.group = self.optimizer.dp_process_group
-        self.param_rule = policy.rule("dp", "param")
-        # internal state
-        self.grad_paths: dict[str, GradPath] = {}
-        self.param_codecs = [self.param_rule.build() for _ in self.optimizer.bit16_groups_flat]
+        # internal state: DeepSpeed reduces gradients in buckets it forms as they come and
+        # gathers weights per parameter group: one DPBucket each, gradients or weights
+        self.grad_buckets: dict[str, DPBucket] = {}
+        self.weight_groups = [DPBucket(policy, topology, grads=False, weights=True)
+                              for _ in self.optimizer.bit16_groups_flat]
         self._pending: dict[str, dict] = {}  # loaded codec states of buckets not yet seen
-        self._own_weights = self._own_partitions() if self.param_rule.delta else None
+        self._take_references()
         self._names = {id(p): n for n, p in engine.module.named_parameters()}
         self._pieces: list | None = None  # slices DeepSpeed hands over while collecting
         self._loading = False
@@ -165,8 +167,8 @@ class DeepSpeedCompression:
             by_rank[dst].append(view.reshape(-1))
         parts = [torch.cat(views) if views else tensor.new_empty(0) for views in by_rank]
         # DeepSpeed has divided by the world size already: a sum, as its reduction
-        reduced = self._grad_path(tensor, comm_dtype).reduce_scatter_parts(parts, self.group,
-                                                                          op="sum")
+        reduced = self._grad_bucket(tensor, comm_dtype).grad.reduce_scatter_parts(
+            parts, self.group, op="sum")
         reduced = reduced.to(comm_dtype)
         # as DeepSpeed's reduction: the owner's slices (and its fp32 partition buffer, if
         # any) receive the reduced values; other ranks' slices are left as they are
@@ -181,17 +183,17 @@ class DeepSpeedCompression:
             view.copy_(value.view_as(view))
         self.buckets_reduced += 1
 
-    def _grad_path(self, tensor: torch.Tensor, comm_dtype: torch.dtype) -> GradPath:
+    def _grad_bucket(self, tensor: torch.Tensor, comm_dtype: torch.dtype) -> DPBucket:
         params = self.optimizer.ipg_buckets[comm_dtype].params
         first, last = (self._names[id(self.optimizer.bit16_groups[i][j])]
                        for i, j, _ in (params[0], params[-1]))
         key = f"{str(comm_dtype).removeprefix('torch.')}:{first}..{last}:{tensor.numel()}"
-        path = self.grad_paths.get(key)
-        if path is None:
-            path = self.grad_paths[key] = GradPath(self.policy, self.topology)
+        bucket = self.grad_buckets.get(key)
+        if bucket is None:
+            bucket = self.grad_buckets[key] = DPBucket(self.policy, self.topology)
             if key in self._pending:
-                path.load_state_dict(self._pending.pop(key))
-        return path
+                bucket.load_state_dict(self._pending.pop(key))
+        return bucket
 
     def collect(self, dst: int, view: torch.Tensor, output: torch.Tensor | None,
                 group: dist.ProcessGroup) -> None:
@@ -234,20 +236,25 @@ class DeepSpeedCompression:
             if dist.get_world_size(groups[i]) == 1:
                 continue
             new = mine = parts[dist.get_rank(groups[i])]
-            if self._own_weights is not None:
+            weights = self.weight_groups[i]
+            if weights.reference is not None:
                 # qWD: the difference is taken against this rank's partition as every
                 # replica holds it, which DeepSpeed has just overwritten with the new weights
                 new = mine.clone()
-                mine.copy_(self._own_weights[i])
-            gather_weights(flat, new, self.param_codecs[i], self.param_rule, self.topology,
-                           groups[i])
-            if self._own_weights is not None:
-                self._own_weights[i] = mine.clone()
+                mine.copy_(weights.reference)
+            weights.gather_weights(flat, new, groups[i])
+            if weights.reference is not None:
+                weights.reference.copy_(mine)
 
-    def _own_partitions(self) -> list[torch.Tensor]:
+    def _take_references(self) -> None:
+        """qWD's references: this rank's partitions as DeepSpeed now holds them (at
+        compress, and after DeepSpeed loads a checkpoint)."""
         opt = self.optimizer
-        return [parts[dist.get_rank(opt.real_dp_process_group[i])].detach().clone()
-                for i, parts in enumerate(opt.parallel_partitioned_bit16_groups)]
+        for i, (weights, parts) in enumerate(zip(self.weight_groups,
+                                                 opt.parallel_partitioned_bit16_groups)):
+            if weights.param_rule.delta:
+                mine = parts[dist.get_rank(opt.real_dp_process_group[i])].detach()
+                weights.reference = mine.clone()
 
     # -- checkpoints ------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -255,9 +262,9 @@ class DeepSpeedCompression:
         return {"format": STATE_FORMAT, "policy": self.policy.to_dict(),
                 "world_size": dist.get_world_size(self.group),
                 "dp_rank": dist.get_rank(self.group),
-                "grad_codecs": {**self._pending,
-                                **{k: p.state_dict() for k, p in self.grad_paths.items()}},
-                "param_codecs": [c.state_dict() for c in self.param_codecs],
+                "grad_buckets": {**self._pending, **{k: b.state_dict()
+                                                     for k, b in self.grad_buckets.items()}},
+                "weight_groups": [w.state_dict() for w in self.weight_groups],
                 "buckets_reduced": self.buckets_reduced}
 
     def load_state_dict(self, state: dict[str, Any], elastic: bool = False) -> None:
@@ -271,25 +278,26 @@ class DeepSpeedCompression:
                 "dp_rank": dist.get_rank(self.group)}
         check_saved_state(state, STATE_FORMAT, "commpress.deepspeed", {
             "policy": self.policy.to_dict(), **({} if elastic else mine),
-            "param_codecs": len(self.param_codecs)},
+            "weight_groups": len(self.weight_groups)},
             "resume with the same policy, data-parallel size and parameter groups; on "
             "another data-parallel size: compress(engine, policy, elastic=True)",
-            views={"param_codecs": len})
+            views={"weight_groups": len})
         if resized({"rank": state["dp_rank"], "world_size": state["world_size"]},
                    {"rank": mine["dp_rank"], "world_size": mine["world_size"]},
                    "commpress.deepspeed"):
             self._fresh_codecs()
             self.buckets_reduced = state["buckets_reduced"]
             return
-        for codec, saved in zip(self.param_codecs, state["param_codecs"]):
-            codec.load_state_dict(saved)
-        self.grad_paths = {}
-        self._pending = dict(state["grad_codecs"])  # applied as each bucket comes
+        for weights, saved in zip(self.weight_groups, state["weight_groups"]):
+            weights.load_state_dict(saved)
+        self.grad_buckets = {}
+        self._pending = dict(state["grad_buckets"])  # applied as each bucket comes
         self.buckets_reduced = state["buckets_reduced"]
 
     def _fresh_codecs(self) -> None:
-        self.grad_paths, self._pending = {}, {}
-        self.param_codecs = [self.param_rule.build() for _ in self.param_codecs]
+        self.grad_buckets, self._pending = {}, {}
+        for weights in self.weight_groups:
+            weights.fresh()
 
     def state_path(self, checkpoint_dir: str, rank: int | None = None) -> str:
         """This rank's (or ``rank``'s) codec-state file inside a checkpoint's tag directory."""
@@ -315,8 +323,7 @@ class DeepSpeedCompression:
             self._loading = False
         if load_path is None:
             return load_path, client_state
-        if self._own_weights is not None:  # DeepSpeed has replaced the weights
-            self._own_weights = self._own_partitions()
+        self._take_references()  # DeepSpeed has replaced the weights
         if kwargs.get("load_module_only"):
             return load_path, client_state
         checkpoint_dir = os.path.dirname(load_path)
