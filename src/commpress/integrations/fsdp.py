@@ -47,7 +47,8 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPM
 from commpress.collectives import Topology, all_gather, all_reduce
 from commpress.collectives.agreement import agree, rendezvous
 from commpress.collectives.comm import all_gather_single
-from commpress.dp.grad_path import GradPath, resized
+from commpress.dp import DPBucket
+from commpress.dp.grad_path import resized
 from commpress.policy import Policy, Rule
 from commpress.validate import InputError, check_saved_state
 
@@ -63,16 +64,18 @@ class _Allocate:
 
 
 class CompressedAllGather(_Allocate, AllGather):
-    """FSDP2 all-gather of the sharded weights through a commpress codec."""
+    """FSDP2 all-gather of the sharded weights through its :class:`DPBucket`'s weight
+    codec."""
 
-    def __init__(self, codec, label: str = "dp.param") -> None:
-        self.codec = codec
+    def __init__(self, dp: DPBucket, label: str = "dp.param") -> None:
+        self.dp = dp
         self.label = label
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, async_op: bool = False) -> None:
         if input_tensor.is_floating_point():
-            all_gather(output_tensor, input_tensor, self.codec, group=group, label=self.label)
+            all_gather(output_tensor, input_tensor, self.dp.param, group=group,
+                       label=self.label)
         else:  # mixed-dtype parameters travel as raw bytes: nothing to quantize
             agree(group, "all_gather", label=self.label, bytes=input_tensor.numel())
             all_gather_single(output_tensor, input_tensor, group)
@@ -87,16 +90,16 @@ class CompressedReduceScatter(_Allocate, ReduceScatter):
     replicas (``replicate``).
     """
 
-    def __init__(self, grad_path: GradPath, replicate: ReplicateAllReduce | None = None) -> None:
-        self.grad_path = grad_path
+    def __init__(self, dp: DPBucket, replicate: ReplicateAllReduce | None = None) -> None:
+        self.dp = dp
         self.replicate = replicate
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, op, async_op: bool = False) -> None:
         if self.replicate is not None:
             self.replicate.check()
-        self.grad_path.reduce_scatter(output_tensor, input_tensor, group,
-                                      op=_op_name(op, input_tensor))
+        self.dp.grad.reduce_scatter(output_tensor, input_tensor, group,
+                                    op=_op_name(op, input_tensor))
         if self.replicate is not None:
             self.replicate(output_tensor)
 
@@ -287,11 +290,11 @@ class FSDPCompression:
                  len(self.modules))
 
     def codec_states(self) -> dict[str, dict[str, Any]]:
-        """This rank's codec state by FSDP module name: ``{"param": ..., "grad": ...}``."""
+        """This rank's codec state by FSDP module name: its :class:`DPBucket`'s
+        (``{"grad": ..., "param": ...}``) and, under HSDP, the replicate codec's."""
         states = {}
-        for name, (gather, scatter) in self.modules.items():
-            states[name] = {"param": gather.codec.state_dict(),
-                            "grad": scatter.grad_path.state_dict()}
+        for name, (_, scatter) in self.modules.items():
+            states[name] = scatter.dp.state_dict()
             if scatter.replicate is not None:
                 states[name]["replicate"] = scatter.replicate.codec.state_dict()
         return states
@@ -338,12 +341,11 @@ class FSDPCompression:
             return
         codec_states = entry["codecs"]
         _check_module_names(list(codec_states), list(self.modules))
-        for name, (gather, scatter) in self.modules.items():
+        for name, (_, scatter) in self.modules.items():
             saved = codec_states[name]
             _check_same(f"HSDP replicate codec of module {name!r}", "replicate" in saved,
                         scatter.replicate is not None)
-            gather.codec.load_state_dict(saved["param"])
-            scatter.grad_path.load_state_dict(saved["grad"])
+            scatter.dp.load_state_dict({k: v for k, v in saved.items() if k != "replicate"})
             if scatter.replicate is not None:
                 scatter.replicate.codec.load_state_dict(saved["replicate"])
 
@@ -358,10 +360,8 @@ class FSDPCompression:
         return _ElasticLoad(self)
 
     def _fresh_codecs(self) -> None:
-        for gather, scatter in self.modules.values():
-            gather.codec = _param_codec(self.policy)
-            scatter.grad_path = GradPath(self.policy, scatter.grad_path.topology,
-                                         scatter.grad_path.label)
+        for _, scatter in self.modules.values():
+            scatter.dp.fresh()
             if scatter.replicate is not None:
                 scatter.replicate.codec = self.policy.codec_for("dp", "grad", "inter")
 
@@ -417,10 +417,10 @@ def _agree_on_compress(model: nn.Module, policy: Policy) -> None:
         agree(group, "fsdp.compress", label="dp", policy=policy.to_dict(), modules=names)
 
 
-def _param_codec(policy: Policy) -> Any:
-    """The weights' codec: ``dp.param``'s, or exact where it asks for differences."""
+def _param_rule(policy: Policy) -> Rule:
+    """The weights' rule: ``dp.param``'s, or exact where it asks for differences."""
     rule = policy.rule("dp", "param")
-    return Rule().build() if rule.delta else rule.build()
+    return Rule() if rule.delta else rule
 
 
 def _check_same(key: str, saved: Any, mine: Any) -> None:
@@ -476,9 +476,9 @@ def compress(model: nn.Module, policy: str | dict | Policy = "sdp4bit",
                                  "already; remove() the first compression before compressing "
                                  "it again")
             stock.append(_Stock.of(param_group))
-        gather = CompressedAllGather(_param_codec(policy))
-        scatter = CompressedReduceScatter(GradPath(policy, topology),
-                                          _replicate_all_reduce(module, policy, in_flight))
+        dp = DPBucket(policy, topology, weights=True, param_rule=_param_rule(policy))
+        gather = CompressedAllGather(dp)
+        scatter = CompressedReduceScatter(dp, _replicate_all_reduce(module, policy, in_flight))
         module.set_custom_all_gather(gather)
         module.set_custom_reduce_scatter(scatter)
         modules[name] = by_state[id(state)] = (gather, scatter)
