@@ -67,7 +67,7 @@ def wire_bytes(rank, world, options=None, warm=0):
     _steps(model, ddp, opt, data, rank, world, 0, start)
     codec = build_codec(options["factor_codec"])
     expected = sum(codec.wire_bytes(chunks.padded_chunk(codec, k))
-                   for hb in state.buckets for k in hb.grad_path.wire_elements())
+                   for hb in state.buckets for k in hb.dp.grad.wire_elements())
     elements = state.wire_elements()
     commpress.reset_stats()
     _steps(model, ddp, opt, data, rank, world, start, 1)

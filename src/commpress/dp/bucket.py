@@ -14,6 +14,7 @@ and keep only what is their own: where buckets come from and when they are ready
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -30,18 +31,22 @@ from commpress.validate import InputError
 
 
 class DPBucket:
-    """The codecs of one bucket: ``grad`` (a :class:`GradPath`, unless ``grads=False``:
-    an engine whose weights are gathered by other units than its gradients are reduced)
-    and, when the bucket's weights are gathered (``weights=True``), ``param`` built from
-    ``param_rule`` — the policy's ``dp.param`` rule, or the one given (FSDP2 gathers
-    exactly what qWD would send as differences). ``reference``: qWD's copy of this
-    rank's weights, set by a front-end whose engine overwrites its own (saved with the
-    state)."""
+    """The codecs of one bucket: ``grad``, what reduces its gradients (the policy's
+    :class:`GradPath`, or what ``reducer()`` makes: the low-rank hook's factors; none
+    with ``grads=False``: an engine whose weights are gathered by other units than its
+    gradients are reduced) and, when the bucket's weights are gathered
+    (``weights=True``), ``param`` built from ``param_rule`` — the policy's ``dp.param``
+    rule, or the one given (FSDP2 gathers exactly what qWD would send as differences).
+    ``reference``: qWD's copy of this rank's weights, set by a front-end whose engine
+    overwrites its own (saved with the state)."""
 
     def __init__(self, policy: Policy, topology: Topology, label: str = "dp.grad", *,
-                 grads: bool = True, weights: bool = False,
-                 param_rule: Rule | None = None) -> None:
+                 axis: str = "dp", grads: bool = True, weights: bool = False,
+                 param_rule: Rule | None = None,
+                 reducer: Callable[[], Any] | None = None) -> None:
         self.policy, self.topology, self.label, self.grads = policy, topology, label, grads
+        # axis "outer": DiLoCo's pseudo-gradients, by the policy's outer.grad rules
+        self.reducer = reducer or (lambda: GradPath(policy, topology, label, axis))
         self.param_rule = param_rule or (policy.rule("dp", "param") if weights else None)
         self.reference: torch.Tensor | None = None
         self.fresh()
@@ -49,7 +54,7 @@ class DPBucket:
     def fresh(self) -> None:
         """The codecs as the policy builds them: no memory, rounding streams from their
         start (a new run, or an elastic resume on another number of ranks)."""
-        self.grad = GradPath(self.policy, self.topology, self.label) if self.grads else None
+        self.grad = self.reducer() if self.grads else None
         self.param = None if self.param_rule is None else self.param_rule.build()
 
     @property
@@ -102,10 +107,10 @@ class DPBucket:
             raise InputError(f"bucket {self.label} qWD reference of shape "
                              f"{tuple(getattr(saved, 'shape', ()))}; this bucket's is "
                              f"{tuple(self.reference.shape)}: resume with the same model")
-        if self.grad is not None:
+        if self.grad is not None:  # without memory: what every rank holds alike is kept
             self.grad.load_state_dict(state["grad"], memory)
         if not memory:
-            self.fresh()
+            self.param = None if self.param_rule is None else self.param_rule.build()
             return
         if self.param is not None:
             self.param.load_state_dict(state["param"])

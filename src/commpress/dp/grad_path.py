@@ -50,11 +50,15 @@ class GradPath:
                  axis: str = "dp") -> None:
         self.topology = topology
         self.label = label
+        self.policy, self.axis = policy, axis
+        self.codecs = self._fresh_codecs()
+
+    def _fresh_codecs(self) -> dict[str, Any]:
+        policy, axis = self.policy, self.axis
         if policy.two_level(axis):
-            self.codecs = {"intra": policy.codec_for(axis, "grad", "intra"),
-                           "inter": policy.codec_for(axis, "grad", "inter")}
-        else:
-            self.codecs = {"single": policy.codec_for(axis, "grad")}
+            return {"intra": policy.codec_for(axis, "grad", "intra"),
+                    "inter": policy.codec_for(axis, "grad", "inter")}
+        return {"single": policy.codec_for(axis, "grad")}
 
     @property
     def two_level(self) -> bool:
@@ -116,14 +120,16 @@ class GradPath:
         return {k: c.state_dict() for k, c in self.codecs.items()}
 
     def load_state_dict(self, state: dict[str, Any], memory: bool = True) -> None:
-        """Restore the codecs' state; ``memory=False`` checks it and keeps the codecs
+        """Restore the codecs' state; ``memory=False`` checks it and starts the codecs
         fresh (an elastic resume: the memory was laid out for another world)."""
         if set(state) != set(self.codecs):
             raise InputError(f"gradient codec state has levels {sorted(state)}; this policy "
                              f"has {sorted(self.codecs)}")
-        if memory:
-            for k, c in self.codecs.items():
-                c.load_state_dict(state[k])
+        if not memory:
+            self.codecs = self._fresh_codecs()
+            return
+        for k, c in self.codecs.items():
+            c.load_state_dict(state[k])
 
 
 _SAID: set[tuple] = set()

@@ -61,11 +61,12 @@ from commpress.codecs import codec as build_codec
 from commpress.collectives import Topology, context
 from commpress.collectives.agreement import release
 from commpress.collectives.comm import group_timeout
-from commpress.dp.grad_path import GradPath, resized, warn_if_uncompressed
+from commpress.dp import DPBucket
+from commpress.dp.grad_path import resized, warn_if_uncompressed
 from commpress.policy import Policy, list_presets
 from commpress.validate import InputError, check_bool, check_int, check_saved_state
 
-STATE_FORMAT = "commpress.DDPHookState/3"
+STATE_FORMAT = "commpress.DDPHookState/4"
 log = logging.getLogger(__name__)
 BUCKET_NUMEL = 1 << 22  # elements per hook bucket, by default
 
@@ -132,7 +133,7 @@ class _HookBucket:
 
     names: list[str]
     numels: list[int]
-    grad_path: GradPath
+    dp: DPBucket  # its gradient reducer and the reducer's state
     offsets: list[int] = field(init=False)
     buffer: torch.Tensor | None = None  # allocated at first use, in the gradients' dtype
     ready: set = field(default_factory=set)
@@ -181,7 +182,7 @@ class DDPHookState:
         named = [(n, p) for n, p in module.named_parameters()
                  if p.requires_grad and n not in ignored]
         self.buckets = hook_layout(named, bucket_numel,
-                                   lambda: GradPath(self.policy, self.topology, label))
+                                   lambda: DPBucket(self.policy, self.topology, label))
         by_name = dict(named)
         self._where = {id(by_name[name]): (j, i)  # parameter → (hook bucket, position)
                        for j, b in enumerate(self.buckets) for i, name in enumerate(b.names)}
@@ -201,7 +202,7 @@ class DDPHookState:
         rank's own, so the state records the rank and the world size it belongs to."""
         return {"format": STATE_FORMAT, "policy": self.policy.to_dict(), "calls": self.calls,
                 **self._identity(), "layout": [b.names for b in self.buckets],
-                "codecs": [b.grad_path.state_dict() for b in self.buckets]}
+                "codecs": [b.dp.state_dict() for b in self.buckets]}
 
     def load_state_dict(self, state: dict[str, Any], elastic: bool = False) -> None:
         """Restore a state this rank saved: another rank's, world size's, policy's or
@@ -218,8 +219,8 @@ class DDPHookState:
             "model and bucket_numel (they fix the layout); another number of ranks: "
             "load_state_dict(state, elastic=True)")
         memory = not resized(state, self._identity(), "DDP hook")
-        for b, codecs in zip(self.buckets, state["codecs"]):
-            b.grad_path.load_state_dict(codecs, memory)
+        for b, codecs in zip(self.buckets, state["codecs"], strict=True):
+            b.dp.load_state_dict(codecs, memory)
         self.calls = state["calls"]
 
     def _identity(self) -> dict[str, int]:
@@ -303,7 +304,7 @@ class DDPHookState:
                 raise RuntimeError(f"commpress.ddp_hook: not reducing bucket {j}: an earlier "
                                    f"bucket failed, so the hook's group is out of step "
                                    f"({type(self._failure).__name__}: {self._failure})")
-            handle = hb.grad_path.all_reduce(hb.buffer, self.hook_group, op="avg",
+            handle = hb.dp.grad.all_reduce(hb.buffer, self.hook_group, op="avg",
                                              async_op=True)
             return handle.wait
 
@@ -352,7 +353,7 @@ def ddp_ignored(model: nn.Module) -> set[str]:
 
 
 def hook_layout(named: list[tuple[str, nn.Parameter]], bucket_numel: int,
-                make_grad_path: Callable[[], GradPath]) -> list[_HookBucket]:
+                make_dp: Callable[[], DPBucket]) -> list[_HookBucket]:
     """Fixed buckets: parameters in reverse registration order (roughly the order their
     gradients become ready), one dtype per bucket, about ``bucket_numel`` elements each."""
     groups: list[dict[str, int]] = []  # each bucket's parameters: name → numel
@@ -362,7 +363,7 @@ def hook_layout(named: list[tuple[str, nn.Parameter]], bucket_numel: int,
             groups.append({})
         groups[-1][name] = p.numel()
         dtype = p.dtype
-    return [_HookBucket(list(g), list(g.values()), make_grad_path()) for g in groups]
+    return [_HookBucket(list(g), list(g.values()), make_dp()) for g in groups]
 
 
 def grad_policy(spec: str | dict | Policy) -> Policy:

@@ -48,6 +48,7 @@ poison later steps; the decision depends only on decoded values, the same everyw
 # ``dist.GradBucket`` and ``torch.futures.Future[torch.Tensor]`` as objects.
 import hashlib
 from dataclasses import asdict, dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -60,6 +61,7 @@ from commpress.collectives import Topology, hierarchical_all_reduce
 from commpress.collectives.agreement import agree
 from commpress.collectives.call import is_exact
 from commpress.collectives.handle import completed
+from commpress.dp import DPBucket
 from commpress.integrations.ddp import BUCKET_NUMEL, DDPHookState, compressed_allreduce_hook
 from commpress.validate import MAX_SEED, InputError, check_bool, check_float, check_int
 
@@ -311,8 +313,9 @@ class LowRankHookState(DDPHookState):
         module = getattr(model, "module", model)
         shapes = {n: p.shape for n, p in module.named_parameters()}
         for j, hb in enumerate(self.buckets):
-            hb.grad_path = LowRankReducer([shapes[n] for n in hb.names], hb.offsets,
-                                          sum(hb.numels), config, self.topology, j)
+            hb.dp = DPBucket(self.policy, self.topology, LABEL, reducer=partial(
+                LowRankReducer, [shapes[n] for n in hb.names], hb.offsets, sum(hb.numels),
+                config, self.topology, j))
 
     def _make_hook_group(self) -> dist.ProcessGroup:
         # node groups are made now, with the hook group, not on the communication thread
@@ -331,7 +334,7 @@ class LowRankHookState(DDPHookState):
 
     def wire_elements(self) -> int:
         """Elements all-reduced in the next compressed step, over every bucket."""
-        return sum(sum(hb.grad_path.wire_elements()) for hb in self.buckets)
+        return sum(sum(hb.dp.grad.wire_elements()) for hb in self.buckets)
 
 
 def lowrank_hook(model: nn.Module, rank: int = 4, factor_codec: str = "int8",

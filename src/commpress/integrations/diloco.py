@@ -41,13 +41,14 @@ import torch.nn as nn
 
 from commpress.collectives import Topology
 from commpress.collectives.agreement import agree, release
-from commpress.dp.grad_path import GradPath, resized, warn_if_uncompressed
+from commpress.dp import DPBucket
+from commpress.dp.grad_path import resized, warn_if_uncompressed
 from commpress.integrations.ddp import new_hook_group
 from commpress.integrations.replica_sync import broadcast_coalesced, group_source
 from commpress.policy import Policy
 from commpress.validate import InputError, check_bool, check_float, check_int, check_saved_state
 
-STATE_FORMAT = "commpress.DiLoCo/1"
+STATE_FORMAT = "commpress.DiLoCo/2"
 LABEL = "outer.grad"
 _TRITS_EF = {"codec": "int2:packing=trits,scale_dtype=fp16", "error_feedback": True}
 # Pseudo-gradients, exact inside a site, coded between sites. Bits per element between
@@ -107,7 +108,8 @@ class DiLoCoConfig:
 
 
 class _Fragment:
-    """One fragment: its parameters, ``θ_global`` and momentum (flat fp32), its codecs."""
+    """One fragment: its parameters, ``θ_global`` and momentum (flat fp32), its codecs
+    (a :class:`DPBucket` of the policy's ``outer.grad`` rules)."""
 
     def __init__(self, index: int, params: list[nn.Parameter], policy: Policy,
                  topology: Topology) -> None:
@@ -118,7 +120,7 @@ class _Fragment:
         self.global_ = torch.cat([p.detach().reshape(-1).float() for p in params])
         self.momentum = torch.zeros_like(self.global_)
         # the fragments' codecs are their own objects: one label counts them all
-        self.path = GradPath(policy, topology, LABEL, axis="outer")
+        self.dp = DPBucket(policy, topology, LABEL, axis="outer")
 
     def local(self) -> torch.Tensor:
         return torch.cat([p.detach().reshape(-1).float() for p in self.params])
@@ -221,7 +223,7 @@ class DiLoCo:
             # would average pseudo-gradients of different steps: agree on it first, on
             # the thread that runs the all-reduce
             agree(self.group, "DiLoCo.sync", label=LABEL, step=step, fragment=fragment.index)
-            fragment.path.all_reduce(delta, self.group, op="avg")
+            fragment.dp.grad.all_reduce(delta, self.group, op="avg")
 
         if self._thread is None:
             all_reduce()
@@ -288,7 +290,7 @@ class DiLoCo:
                 "policy": self.policy.to_dict(), **self._identity(),
                 "inner_steps": self.inner_steps, "syncs": self.syncs, "skipped": self.skipped,
                 "fragments": [{"global": f.global_.clone(), "momentum": f.momentum.clone(),
-                               "codecs": f.path.state_dict()} for f in self.fragments],
+                               "codecs": f.dp.state_dict()} for f in self.fragments],
                 "pending": {i: (due, r.clone()) for i, (due, r) in self._pending.items()}}
 
     def load_state_dict(self, state: dict[str, Any], elastic: bool = False) -> None:
@@ -312,7 +314,7 @@ class DiLoCo:
         for f, saved in zip(self.fragments, state["fragments"]):
             f.global_.copy_(saved["global"])
             f.momentum.copy_(saved["momentum"])
-            f.path.load_state_dict(saved["codecs"], memory)
+            f.dp.load_state_dict(saved["codecs"], memory)
         device = self.fragments[0].global_.device
         self._pending = {int(i): (due, r.to(device)) for i, (due, r) in
                          state["pending"].items()}

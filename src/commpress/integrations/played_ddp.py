@@ -23,7 +23,7 @@ from commpress.collectives import Topology
 from commpress.collectives.byte_stats import Stats
 from commpress.collectives.played import Played, played_peers
 from commpress.collectives.topology import levels_used
-from commpress.dp.grad_path import GradPath
+from commpress.dp import DPBucket
 from commpress.integrations.ddp import BUCKET_NUMEL, grad_policy, hook_layout
 from commpress.policy import Policy
 from commpress.validate import InputError
@@ -47,30 +47,32 @@ class PlayedDDPHook:
         topology = Topology(ranks_per_node)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.params = dict(named)
-        self.buckets = hook_layout(named, bucket_numel,
-                                   lambda: GradPath(self.policy, topology, label))
-        # each rank's own codec objects per bucket
-        self.paths = [[GradPath(self.policy, topology, label) for _ in range(ranks)]
-                      for _ in self.buckets]
+        make_dp = lambda: DPBucket(self.policy, topology, label)  # noqa: E731
+        self.buckets = hook_layout(named, bucket_numel, make_dp)
+        # each rank's own codecs per bucket: played rank 0's are the bucket's own
+        self.dps = [[b.dp, *(make_dp() for _ in range(1, ranks))] for b in self.buckets]
         self._reductions: list[Played] | None = None  # this step's all-reduces
 
     def state_dict(self) -> dict[str, Any]:
         """Every rank's codec states, bucket by bucket."""
-        return {"ranks": self.world, "paths": [[p.state_dict() for p in row]
-                                               for row in self.paths]}
+        return {"ranks": self.world, "codecs": [[dp.state_dict() for dp in row]
+                                                for row in self.dps]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state["ranks"] != self.world or len(state["paths"]) != len(self.paths):
-            raise InputError(f"DDP hook state of {state['ranks']} ranks and "
-                             f"{len(state['paths'])} buckets does not match this run's "
-                             f"{self.world} ranks and {len(self.paths)} buckets")
-        for row, states in zip(self.paths, state["paths"]):
-            for path, s in zip(row, states, strict=True):
-                path.load_state_dict(s)
+        if (not isinstance(state, dict) or state.get("ranks") != self.world
+                or len(state.get("codecs", ())) != len(self.dps)):
+            raise InputError("DDP hook state of {} ranks and {} buckets does not match this "
+                             "run's {} ranks and {} buckets".format(
+                                 *((state.get("ranks"), len(state.get("codecs", ())))
+                                   if isinstance(state, dict) else ("?", "?")),
+                                 self.world, len(self.dps)))
+        for row, states in zip(self.dps, state["codecs"]):
+            for dp, s in zip(row, states, strict=True):
+                dp.load_state_dict(s)
 
     def _all_reduce(self, j: int) -> Played:
-        paths = self.paths[j]  # every rank ends with the same values: rank 0's are kept
-        return Played(self.world, lambda r, flat: paths[r].all_reduce_steps(
+        dps = self.dps[j]  # every rank ends with the same values: rank 0's are kept
+        return Played(self.world, lambda r, flat: dps[r].grad.all_reduce_steps(
             flat, played_peers(r, self.world, self.L), self.stats), keep=(0,))
 
     @torch.no_grad()

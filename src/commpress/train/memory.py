@@ -13,7 +13,6 @@ so a refusal is certain to be right; a run just under the bound may still not fi
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from contextlib import suppress
 
 import torch
@@ -99,9 +98,9 @@ def _bucket_numels(cfg: TrainConfig, policy: Policy, ranks: int, rpn: int) -> li
     with torch.device("meta"):
         model = GPT(config_from_preset(cfg.model, vocab_size=VOCAB_AT_LEAST))
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    make_path: Callable[[], GradPath] = lambda: GradPath(policy, Topology(rpn))  # noqa: E731
     if cfg.engine == "ddp":
-        return [sum(b.numels) for b in hook_layout(named, BUCKET_NUMEL, make_path)]
+        return [sum(b.numels) for b in hook_layout(
+            named, BUCKET_NUMEL, lambda: DPBucket(policy, Topology(rpn)))]
     return [b.numel for b in build_buckets(
         named[::-1], cfg.bucket_numel, False,
         lambda: DPBucket(policy, Topology(rpn), weights=True), ranks, tensor_parallel_key)]
