@@ -13,7 +13,7 @@ the median step time after 2 warm-up steps, the mean loss of the last 5 steps, t
 bytes commpress counted per step (all ranks) and the bytes that crossed the nodes'
 links (the whole run). Writes ``benchmarks/results/megatron_cluster.{json,md}``.
 Needs root and iproute2. On a CPU-only torch the ranks borrow the engine tests' CPU
-shim for Megatron (``tests/integrations/engines/megatron_workers.py``).
+shim for Megatron (``tests/engines/megatron_workers.py``).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def rank_main(args) -> None:
     """One rank: build, apply the policy, train, write this rank's numbers."""
     import torch
     import torch.distributed as dist
-    from tests.integrations.engines import megatron_workers as workers
+    from tests.engines import megatron_workers as workers
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

@@ -59,14 +59,14 @@ __version__ = "0.1.0"
 
 # Adapters that import their engine load on first use (``commpress.megatron``); FSDP2's
 # import pulls in DTensor, which would double the time every process takes to start.
-_ENGINES = {"fsdp": "commpress.integrations.fsdp",
-            "megatron": "commpress.integrations.megatron",
-            "deepspeed": "commpress.integrations.deepspeed",
-            "lightning": "commpress.integrations.lightning",
-            "torchtitan": "commpress.integrations.torchtitan",
+_ENGINES = {"fsdp": "commpress.engines.fsdp",
+            "megatron": "commpress.engines.megatron",
+            "deepspeed": "commpress.engines.deepspeed",
+            "lightning": "commpress.engines.lightning",
+            "torchtitan": "commpress.engines.torchtitan",
             "diloco": "commpress.integrations.diloco",
-            "torchft": "commpress.integrations.torchft",
-            "transformers": "commpress.integrations.transformers"}
+            "torchft": "commpress.engines.torchft",
+            "transformers": "commpress.engines.transformers"}
 
 
 def __getattr__(name: str):

@@ -60,7 +60,7 @@ def test_the_zero_loop_matches_torchs_and_resumes_on_two_or_one_ranks(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.sweep  # CI runs the Trainer in tests/integrations/engines/test_transformers.py
+@pytest.mark.sweep  # CI runs the Trainer in tests/engines/test_transformers.py
 def test_the_hf_trainer_script_keeps_codec_state_in_its_checkpoints(tmp_path):
     flags = ("--ranks-per-node", "1", "--steps", "6", "--save-steps", "3",
              "--out", str(tmp_path / "out"))

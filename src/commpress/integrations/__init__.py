@@ -1,4 +1,6 @@
-"""Integrations: the sharded optimizer, the DDP hooks, DiLoCo, FSDP2 (``commpress.fsdp``)."""
+"""commpress's own data-parallel front-ends: the sharded optimizer, the DDP hooks, DiLoCo
+and their played twins. Engine adapters are in :mod:`commpress.engines`, the
+data-parallel core they all hold in :mod:`commpress.dp`."""
 
 from commpress.dp.grad_path import GradPath
 from commpress.integrations.ddp import DDPHookState, compressed_allreduce_hook, ddp_hook

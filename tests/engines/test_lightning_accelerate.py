@@ -5,7 +5,7 @@ import pytest
 
 import commpress
 from commpress.launch import spawn
-from tests.integrations.engines import lightning_workers as workers
+from tests.engines import lightning_workers as workers
 from tests.reliability.killing import assert_survivors_name_the_dead_rank
 
 pytestmark = pytest.mark.engine

@@ -13,7 +13,7 @@ from torchft.process_group import ProcessGroupGloo
 
 import commpress
 from commpress.validate import InputError
-from tests.integrations.engines import torchft_workers as workers
+from tests.engines import torchft_workers as workers
 
 pytestmark = pytest.mark.engine
 SYNCS = 3

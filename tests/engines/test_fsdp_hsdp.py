@@ -7,7 +7,7 @@ import torch
 
 import commpress
 from commpress.launch import spawn
-from tests.integrations import hsdp_workers
+from tests.engines import hsdp_workers
 
 WORLD, PER_NODE, STEPS = 4, 2, 3
 

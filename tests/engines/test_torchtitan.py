@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from commpress.launch import spawn
-from tests.integrations.engines import torchtitan_workers as workers
+from tests.engines import torchtitan_workers as workers
 from tests.reliability.killing import assert_survivors_name_the_dead_rank
 
 pytestmark = pytest.mark.engine

@@ -38,6 +38,6 @@ except ImportError as e:  # pragma: no cover - the engine is an optional depende
     raise ImportError("commpress.megatron needs Megatron-core: pip install megatron-core "
                       "(the tested version is pinned in requirements-engines.txt)") from e
 
-from commpress.integrations.megatron.compression import MegatronCompression, compress
+from commpress.engines.megatron.compression import MegatronCompression, compress
 
 __all__ = ["MegatronCompression", "compress"]

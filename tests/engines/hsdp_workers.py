@@ -9,7 +9,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 import commpress
-from tests.integrations.fsdp_workers import _full_params_hash
+from tests.engines.fsdp_workers import _full_params_hash
 from tests.integrations.workers import _data, _local_batch, _model, train_steps
 
 NODES = 2
@@ -121,7 +121,7 @@ def hsdp_overlap(rank, world, policy):
     """Gradients of two backward passes (the second accumulating into the first's) with
     the replicate all-reduce overlapping backward where FSDP allows it, and with it
     forced to finish in place; how many all-reduces each pass left in flight."""
-    from commpress.integrations import fsdp
+    from commpress.engines import fsdp
 
     x, y = _local_batch(_data(), 0, rank, world)
     started = []

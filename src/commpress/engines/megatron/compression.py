@@ -14,12 +14,12 @@ from megatron.core.distributed import DistributedDataParallel
 from commpress.collectives import CollectiveMismatchError, Topology
 from commpress.collectives.agreement import agree
 from commpress.dp.grad_path import resized
+from commpress.engines.megatron import data_parallel, model_parallel
+from commpress.engines.megatron.data_parallel import BucketComm
+from commpress.engines.megatron.layout import identical_mask
+from commpress.engines.megatron.model_parallel import ActivationComm
+from commpress.engines.megatron.seams import REGISTRY, acquire, release
 from commpress.integrations.buckets import tensor_parallel_key
-from commpress.integrations.megatron import data_parallel, model_parallel
-from commpress.integrations.megatron.data_parallel import BucketComm
-from commpress.integrations.megatron.layout import identical_mask
-from commpress.integrations.megatron.model_parallel import ActivationComm
-from commpress.integrations.megatron.seams import REGISTRY, acquire, release
 from commpress.integrations.replica_sync import differing_ranks
 from commpress.policy import Policy
 from commpress.validate import InputError, check_saved_state

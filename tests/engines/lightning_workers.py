@@ -112,7 +112,7 @@ def lightning_runs(rank, world, directory, steps):
     from lightning.pytorch.strategies import DDPStrategy
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-    from commpress.integrations.lightning import CommpressDDPStrategy
+    from commpress.engines.lightning import CommpressDDPStrategy
 
     _quiet()
     out = {}
@@ -138,7 +138,7 @@ def lightning_runs(rank, world, directory, steps):
 def lightning_killed_mid_step(rank, world, victim):
     """int4 through ``CommpressDDPStrategy``; the victim SIGKILLs itself after the
     forward pass of step 2."""
-    from commpress.integrations.lightning import CommpressDDPStrategy
+    from commpress.engines.lightning import CommpressDDPStrategy
     from tests.reliability.killing import Killer
 
     _quiet()
@@ -196,7 +196,7 @@ def lightning_elastic(rank, world, ckpt, directory, steps):
     import logging
     import shutil
 
-    from commpress.integrations.lightning import CommpressDDPStrategy
+    from commpress.engines.lightning import CommpressDDPStrategy
 
     _quiet()
     records = []

@@ -7,7 +7,7 @@ import pytest
 import commpress
 from commpress.launch import LaunchError, spawn
 from commpress.validate import InputError
-from tests.integrations.engines import transformers_workers as workers
+from tests.engines import transformers_workers as workers
 from tests.reliability.killing import assert_survivors_name_the_dead_rank
 
 pytestmark = pytest.mark.engine

@@ -39,8 +39,8 @@ from commpress.codecs.error_feedback import split
 from commpress.collectives import Handle, Topology
 from commpress.collectives.call import is_exact
 from commpress.dp import DPBucket
-from commpress.integrations.megatron.layout import Layout
-from commpress.integrations.megatron.seams import REGISTRY, ModuleView, Swap, broken_swaps
+from commpress.engines.megatron.layout import Layout
+from commpress.engines.megatron.seams import REGISTRY, ModuleView, Swap, broken_swaps
 from commpress.policy import Policy
 from commpress.validate import InputError
 

@@ -3,7 +3,7 @@ application covers.
 
 Every replacement is a module- or class-level attribute that Megatron looks up when it
 communicates (its own functions stay as they are). The replacements are installed
-when the first :func:`~commpress.integrations.megatron.compress` covers something and
+when the first :func:`~commpress.engines.megatron.compress` covers something and
 restored when the last one is removed. Each dispatches on Megatron's own call
 arguments — a gradient bucket's tensor, a tensor- or pipeline-parallel group — to the
 application that covers it, and hands everything else to Megatron's original
@@ -70,7 +70,7 @@ class Registry:
     """What the live applications cover, by the objects Megatron passes when it calls.
 
     ``buckets`` maps ``id`` of a bucket's ``grad_data`` and ``param_data`` to its
-    :class:`~commpress.integrations.megatron.data_parallel.BucketComm`; ``tp`` and
+    :class:`~commpress.engines.megatron.data_parallel.BucketComm`; ``tp`` and
     ``pp`` map a process group to the codecs of its activations.
     """
 

@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from commpress.launch import spawn
-from tests.integrations.engines import megatron_workers as workers
+from tests.engines import megatron_workers as workers
 from tests.reliability.killing import assert_survivors_name_the_dead_rank
 
 pytestmark = pytest.mark.engine
@@ -253,7 +253,7 @@ def test_importing_commpress_does_not_import_megatron():
 def test_wire_layout_round_trips_and_never_mixes_kinds_in_a_group(rows, unit):
     import torch
 
-    from commpress.integrations.megatron.layout import Layout
+    from commpress.engines.megatron.layout import Layout
 
     g = torch.Generator().manual_seed(rows * unit)
     numel = rows * 300

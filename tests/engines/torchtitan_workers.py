@@ -11,7 +11,7 @@ from torchtitan.models.common.attention import ScaledDotProductAttention
 from torchtitan.models.llama3 import model_registry
 
 import commpress
-from tests.integrations.hsdp_workers import NODES, local_shards_hash
+from tests.engines.hsdp_workers import NODES, local_shards_hash
 from tests.integrations.workers import _data, _global_loss, _local_batch
 
 LAYERS = 2

@@ -5,7 +5,7 @@ resumed run continues bit for bit."""
 import pytest
 
 from commpress.launch import spawn
-from tests.integrations import fsdp_workers
+from tests.engines import fsdp_workers
 
 TOTAL, SPLIT = 6, 3
 # Two nodes of one rank each, so the cross-node codec runs. int2ef: exact inside a node, ternary

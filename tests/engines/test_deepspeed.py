@@ -9,7 +9,7 @@ import pytest
 
 import commpress
 from commpress.launch import spawn
-from tests.integrations.engines import deepspeed_workers as workers
+from tests.engines import deepspeed_workers as workers
 from tests.reliability.killing import assert_survivors_name_the_dead_rank
 
 pytestmark = pytest.mark.engine

@@ -30,8 +30,8 @@ import torch.nn as nn
 import torchtitan  # noqa: F401  (the engine this adapter is for: missing means an ImportError)
 
 from commpress.collectives import Topology
-from commpress.integrations import fsdp
-from commpress.integrations.fsdp import FSDPCompression
+from commpress.engines import fsdp
+from commpress.engines.fsdp import FSDPCompression
 from commpress.policy import Policy
 from commpress.validate import InputError
 
