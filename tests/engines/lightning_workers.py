@@ -8,6 +8,7 @@ accelerate reads the same environment.
 import hashlib
 import logging
 import os
+import threading
 import warnings
 
 import torch
@@ -132,6 +133,8 @@ def lightning_runs(rank, world, directory, steps):
     dist.barrier()
     out["ef resumed"] = lightning_fit(rank, world, CommpressDDPStrategy(EF), steps, start=steps,
                                       ckpt_path=ckpt)
+    # every fit above ended its hook's thread (and process group) with it
+    out["hook threads left"] = sum(t.name == "commpress-ddp" for t in threading.enumerate())
     return out
 
 

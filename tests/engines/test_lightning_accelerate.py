@@ -86,6 +86,11 @@ def test_a_checkpoint_of_two_ranks_resumes_on_four_only_when_elastic(two_ranks, 
     assert all(r["said"] == [] for r in ranks[1:])
 
 
+def test_each_fit_ends_its_hooks_thread(two_ranks):
+    # five fits with CommpressDDPStrategy in one process: none leaves its thread behind
+    assert [r["lightning"]["hook threads left"] for r in two_ranks] == [0, 0]
+
+
 def test_a_rank_killed_mid_step_is_named_by_the_survivor():
     ranks = spawn(workers.lightning_killed_mid_step, 2, (1,), pg_timeout_s=15, timeout=300,
                   allow_errors=True)

@@ -87,6 +87,14 @@ class CommpressDDPStrategy(DDPStrategy):
         log.info("Applied commpress's DDP hook: policy %s on %s",
                  self.hook_state.policy.name, self.root_device)
 
+    def teardown(self) -> None:
+        # the hook's communication thread and process group end with the fit (a process
+        # that fits again, or fits several models, would keep each one's); its codec
+        # state stays readable for a checkpoint saved after the fit
+        if self.hook_state is not None:
+            self.hook_state.release()
+        super().teardown()
+
     # -- checkpoints: each rank's codec state beside the checkpoint ---------------------
     def hook_state_path(self, checkpoint_path: str | os.PathLike, rank: int | None = None
                         ) -> str:
