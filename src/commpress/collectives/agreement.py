@@ -176,15 +176,10 @@ class GroupContext:
 
     def _timeout_error(self, seq: int, collective: str, label: object,
                        cause: Exception) -> CollectiveTimeoutError:
-        waiting = _waiting_ranks(self, seq)
         where = f"commpress.{collective} (label {label!r}, call #{seq} on group {self.name})"
-        if waiting is None:
-            who = "could not tell which ranks are missing (the store is unreachable)"
-        else:
-            missing = [self.ranks[r] for r in range(self.world) if r not in waiting]
-            present = sorted(self.ranks[r] for r in waiting)
-            who = (f"ranks {missing} never reached it; ranks {present} were waiting there"
-                   if missing else f"every rank ({present}) reached it; a connection failed")
+        who = _who(self, _waiting_ranks(self, seq), "never reached it", "were waiting there",
+                   "reached it; a connection failed",
+                   "could not tell which ranks are missing (the store is unreachable)")
         return CollectiveTimeoutError(f"{where} timed out: {who}. Cause: "
                                       f"{type(cause).__name__}: {cause}")
 
@@ -311,7 +306,7 @@ def context(group: dist.ProcessGroup) -> GroupContext:
         return ctx
 
 
-def release(group: dist.ProcessGroup) -> None:
+def release(group: dist.ProcessGroup, drain: bool = True) -> None:
     """Destroy ``group`` and drop its context. Each process group holds backend threads
     and sockets until it is destroyed: a process that runs many jobs one after another
     (``compare``'s policies, a sweep of runs) must release each job's groups. The
@@ -319,12 +314,13 @@ def release(group: dist.ProcessGroup) -> None:
     reused by the next group of the same ranks — they are made with local
     synchronization, whose rendezvous names repeat, so a destroyed one could not be made
     again. Local: every member calls it after its last collective on ``group``. The
-    default group is left."""
+    default group is left. ``drain=False``: destroy it at once, without waiting for the
+    others (the run failed: a peer may be dead or still inside a collective on it)."""
     with _REGISTRY_LOCK:
         _CONTEXTS.pop(group, None)
     if group is not dist.group.WORLD and _alive(group):
-        # no member may still be sending on it (a held send, a peer's last receive)
-        dist.barrier(group=group)
+        if drain:  # no member may still be sending on it (a held send, a peer's receive)
+            dist.barrier(group=group)
         dist.destroy_process_group(group)
 
 
@@ -471,6 +467,17 @@ def _reported(ctx: GroupContext, key_of: Callable[[int], str]) -> set[int] | Non
         return None
 
 
+def _who(ctx: GroupContext, reported: set[int] | None, absent: str, present: str,
+         everyone: str, unknown: str) -> str:
+    """Which ranks of ``ctx`` did not report (by global rank) and which did, in words."""
+    if reported is None:
+        return unknown
+    missing = [ctx.ranks[r] for r in range(ctx.world) if r not in reported]
+    seen = sorted(ctx.ranks[r] for r in reported)
+    return f"ranks {missing} {absent}; ranks {seen} {present}" if missing else (
+        f"every rank ({seen}) {everyone}")
+
+
 def transfer_failed(group: dist.ProcessGroup, label: str,
                     cause: Exception) -> CollectiveTimeoutError:
     """The error for a payload transfer on ``group`` that failed after every rank had
@@ -478,15 +485,10 @@ def transfer_failed(group: dist.ProcessGroup, label: str,
     sees the failure reports it in the store and looks for the others' reports; the
     ranks that never report are named (dead, or stuck outside this collective)."""
     ctx = context(group)
-    reported = _reported(ctx, lambda rank: f"commpress/failed/{ctx.name}/{rank}")
     where = f"commpress transfer (label {label!r}, after call #{ctx._seq - 1} on group {ctx.name})"
-    if reported is None:
-        who = "could not tell which rank failed (the store is unreachable: rank 0 is gone?)"
-    else:
-        missing = [ctx.ranks[r] for r in range(ctx.world) if r not in reported]
-        seen = sorted(ctx.ranks[r] for r in reported)
-        who = (f"ranks {missing} never finished it (dead, or stuck elsewhere); ranks {seen} "
-               "saw the transfer fail" if missing else
-               f"every rank ({seen}) saw the transfer fail: a connection broke")
+    who = _who(ctx, _reported(ctx, lambda rank: f"commpress/failed/{ctx.name}/{rank}"),
+               "never finished it (dead, or stuck elsewhere)", "saw the transfer fail",
+               "saw the transfer fail: a connection broke",
+               "could not tell which rank failed (the store is unreachable: rank 0 is gone?)")
     return CollectiveTimeoutError(f"{where} failed: {who}. Cause: {type(cause).__name__}: "
                                   f"{cause}")

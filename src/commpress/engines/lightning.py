@@ -75,6 +75,7 @@ class CommpressDDPStrategy(DDPStrategy):
         self.bucket_numel = bucket_numel
         self.hook_state: DDPHookState | None = None
         self._loaded_hook_state: dict | None = None  # from a checkpoint read before setup
+        self._failed = False  # the current fit raised
 
     def _register_ddp_hooks(self) -> None:
         # DDPStrategy's own registers a hook on CUDA only; this one on any device
@@ -87,12 +88,19 @@ class CommpressDDPStrategy(DDPStrategy):
         log.info("Applied commpress's DDP hook: policy %s on %s",
                  self.hook_state.policy.name, self.root_device)
 
+    def on_exception(self, exception: BaseException) -> None:
+        self._failed = True  # the teardown that follows must not wait for the others
+        super().on_exception(exception)
+
     def teardown(self) -> None:
         # the hook's communication thread and process group end with the fit (a process
         # that fits again, or fits several models, would keep each one's); its codec
-        # state stays readable for a checkpoint saved after the fit
+        # state stays readable for a checkpoint saved after the fit. After a failure the
+        # group is destroyed without waiting: a peer may be dead, and Lightning re-raises
+        # the fit's own error only if the teardown raises none
         if self.hook_state is not None:
-            self.hook_state.release()
+            self.hook_state.release(drain=not self._failed)
+        self._failed = False
         super().teardown()
 
     # -- checkpoints: each rank's codec state beside the checkpoint ---------------------

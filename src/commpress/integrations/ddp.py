@@ -236,15 +236,17 @@ class DDPHookState:
         self.__dict__.update(d)
         self._lock = threading.Lock()
 
-    def release(self) -> None:
+    def release(self, drain: bool = True) -> None:
         """Stop the communication thread and destroy the hook's process group (with the
         sub-groups made for it), after the last step: a process that trains one model
-        after another must not keep every earlier hook's threads and sockets."""
+        after another must not keep every earlier hook's threads and sockets.
+        ``drain=False`` after a failed run: no waiting for the other ranks (one may be
+        dead), and nothing raised in place of the run's own error."""
         if self._thread is not None:
             self._thread.stop()
             self._thread = None
         if self.hook_group is not None:
-            release(self.hook_group)
+            release(self.hook_group, drain=drain and self._failure is None)
             self.hook_group = None
 
     def _make_hook_group(self) -> dist.ProcessGroup:
