@@ -22,13 +22,17 @@ from commpress.collectives.handle import Handle
 from commpress.collectives.transport import AllToAll, Peers, Reduce, Rows, Steps, run_into
 
 
-def send_rows(rows: Rows, peers: Peers, stats: Stats, label: str, padded: list[int],
-              itemsize: int, eager: bool = False, received: int | None = None) -> Steps:
-    """Count and send byte rows (row ``i``, the codes of ``padded[i]`` elements, to peer
-    ``i``) → the rows received (``received``: bytes from each peer, when known)."""
-    sent, _ = chunks.row_bytes(rows, skip=peers.rank)
-    elements = sum(p for i, p in enumerate(padded) if i != peers.rank)
-    count_sent(stats, label, elements, sent, itemsize)
+def send_rows(rows: Rows, codec: AnyCodec, peers: Peers, stats: Stats, label: str,
+              padded: list[int], itemsize: int, eager: bool = False) -> Steps:
+    """Count and send ``codec``'s byte rows (row ``i``, the codes of ``padded[i]``
+    elements, to peer ``i``) → the rows received. Uneven rows of a fixed-rate codec
+    arrive as one tensor with no exchange of sizes first: each peer's row for this rank
+    encodes as many elements as this rank's own."""
+    me = peers.rank
+    sent, _ = chunks.row_bytes(rows, skip=me)
+    count_sent(stats, label, sum(p for i, p in enumerate(padded) if i != me), sent, itemsize)
+    received = (rows[me].numel() if isinstance(rows, list) and chunks.splittable(codec)
+                else None)
     return (yield AllToAll(peers, stats, label, eager, rows, received))
 
 
@@ -42,17 +46,9 @@ def exchange_and_sum(x: torch.Tensor, padded: list[int], codec: AnyCodec, peers:
     with stats.timed(label, "encode_s", device):
         rows = chunks.encode_rows(codec, x, rng_stream=rng_stream, key=label, padded=padded)
     del x  # only codes are kept while the peers answer
-    mine = padded[peers.rank]
-    received = yield from send_rows(rows, peers, stats, label, padded, itemsize, eager,
-                                    received=fixed_width(rows, codec, peers.rank))
+    received = yield from send_rows(rows, codec, peers, stats, label, padded, itemsize, eager)
     with stats.timed(label, "decode_s", device):
-        return chunks.decode_sum_rows(codec, received, mine, dtype)
-
-
-def fixed_width(rows: Rows, codec: AnyCodec, me: int) -> int | None:
-    """Bytes every peer sends this rank, when uneven rows of a fixed-rate codec make it
-    known (each peer's row for this rank encodes as many elements as this rank's own)."""
-    return rows[me].numel() if isinstance(rows, list) and chunks.splittable(codec) else None
+        return chunks.decode_sum_rows(codec, received, padded[peers.rank], dtype)
 
 
 def reduce_scatter_steps(flat: torch.Tensor, sizes: int | list[int], codec: AnyCodec,

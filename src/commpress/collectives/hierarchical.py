@@ -53,7 +53,6 @@ from commpress.collectives.compressed_all_gather import all_gather_steps, run_al
 from commpress.collectives.compressed_all_reduce import all_reduce_steps
 from commpress.collectives.compressed_reduce_scatter import (
     exchange_and_sum,
-    fixed_width,
     reduce_scatter_steps,
     send_rows,
 )
@@ -254,9 +253,8 @@ def two_level_reduce_scatter_steps(flat: torch.Tensor, sizes: int | list[int],
             rows = chunks.encode_rows(intra, x, rng_stream=rank, key=lab_intra,
                                       padded=for_local)
         del x
-        received = yield from send_rows(rows, intra_peers, stats, lab_intra, for_local,
-                                        itemsize, eager=True,
-                                        received=fixed_width(rows, intra, local))
+        received = yield from send_rows(rows, intra, intra_peers, stats, lab_intra,
+                                        for_local, itemsize, eager=True)
         with stats.timed(lab_inter, "encode_s", device):
             packet = chunks.packet_of_rows(intra, received, for_local[local], torch.float32)
             rows = chunks.rows_of_parts(
@@ -264,8 +262,8 @@ def two_level_reduce_scatter_steps(flat: torch.Tensor, sizes: int | list[int],
                 for_node)
         del received, packet
         # Step 4-5: exchange across nodes, decode, sum (and the inverse rotation, once)
-        received = yield from send_rows(rows, inter_peers, stats, lab_inter, for_node,
-                                        itemsize, received=fixed_width(rows, inter, node))
+        received = yield from send_rows(rows, inter, inter_peers, stats, lab_inter,
+                                        for_node, itemsize)
         with stats.timed(lab_inter, "decode_s", device):
             total = chunks.decode_sum_rows(inter, received, for_node[node], torch.float32)
     else:

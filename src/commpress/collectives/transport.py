@@ -21,8 +21,7 @@ played transport holds every rank's suspended steps at once.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any
 
@@ -147,36 +146,38 @@ def run_into(target: torch.Tensor, steps_of: Callable[[torch.Tensor], Steps]) ->
     return run(steps_of(flat), then)
 
 
-@contextmanager
-def _named_failure(r: Request) -> Iterator[None]:
-    """A transfer that fails (a peer died mid-call) raises an error naming the ranks
-    that never finished it, not the backend's bare connection error."""
-    try:
-        yield
-    except RuntimeError as e:
-        raise transfer_failed(r.peers.group, r.label, e) from e
-
-
 def _start(r: Request) -> Any:
-    device = _device(r)
-    with r.stats.timed(r.label, "comm_s", device), _named_failure(r):
-        group = r.peers.group
-        if isinstance(r, AllToAll):
-            return Exchange(r.rows, group, r.received)
-        if isinstance(r, AllGather):
-            if r.out is not None:
-                return all_gather_single(r.out, r.row, group, async_op=True)
-            return Gather(r.row, r.fixed, group)
-        if r.scatter:
-            if r.out is None:  # a level's partial result: the caller gave no buffer
-                r.out = r.x.new_empty(r.x.numel() // r.peers.size)
-            return reduce_scatter_single(r.out, r.x, r.op, group, async_op=True)
-        return dist.all_reduce(r.x, op=REDUCE_OPS[r.op], group=group, async_op=True)
+    # a transfer that fails (a peer died mid-call) raises an error naming the ranks that
+    # never finished it, not the backend's bare connection error (here and in _finish)
+    with r.stats.timed(r.label, "comm_s", _device(r)):
+        try:
+            return _begin(r)
+        except RuntimeError as e:
+            raise transfer_failed(r.peers.group, r.label, e) from e
+
+
+def _begin(r: Request) -> Any:
+    """Start ``r``'s torch.distributed transfer."""
+    group = r.peers.group
+    if isinstance(r, AllToAll):
+        return Exchange(r.rows, group, r.received)
+    if isinstance(r, AllGather):
+        if r.out is not None:
+            return all_gather_single(r.out, r.row, group, async_op=True)
+        return Gather(r.row, r.fixed, group)
+    if r.scatter:
+        if r.out is None:  # a level's partial result: the caller gave no buffer
+            r.out = r.x.new_empty(r.x.numel() // r.peers.size)
+        return reduce_scatter_single(r.out, r.x, r.op, group, async_op=True)
+    return dist.all_reduce(r.x, op=REDUCE_OPS[r.op], group=group, async_op=True)
 
 
 def _finish(r: Request, transfer: Any) -> Any:
-    with r.stats.timed(r.label, "comm_s", _device(r)), _named_failure(r):
-        received = transfer.wait()
+    with r.stats.timed(r.label, "comm_s", _device(r)):
+        try:
+            received = transfer.wait()
+        except RuntimeError as e:
+            raise transfer_failed(r.peers.group, r.label, e) from e
     if isinstance(r, AllGather):
         if r.out is not None:
             received = r.out.view(r.peers.size, -1)

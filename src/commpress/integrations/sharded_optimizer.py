@@ -174,7 +174,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._reduced_norm: float | None = None
         self._clip_norm: float | None = None
         self._no_sync = False
-        self.param_rule = self.policy.rule("dp", "param")
         if not named:
             raise InputError("ShardedOptimizer: the model has no parameters that require grad")
         known = {n for n, _ in (self.model.named_parameters() if self.model is not None

@@ -60,7 +60,6 @@ class BucketComm:
         # identity
         self.key, self.names, self.bucket, self.group = key, names, bucket, group
         self.rank, self.world = group.rank(), group.size()
-        self.topology = topology
         # internal state
         self.dp = DPBucket(policy, topology, weights=True)
         # per kind ("grad", "param"): elements equal on every TP rank, when the bucket
