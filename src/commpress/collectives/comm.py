@@ -22,27 +22,31 @@ REDUCE_OPS = {"avg": dist.ReduceOp.AVG, "sum": dist.ReduceOp.SUM}
 # the tensor's Python object cannot take the GIL and the process aborts ("terminate called
 # without an active exception", SIGABRT) after the script's last line, on any rank whose
 # worker was a little late. A short wait at exit, while the interpreter is still whole and
-# the GIL free, lets every worker finish first. The hazard is torch's; the wait is armed
-# once commpress has been handed or found a process group.
+# the GIL free, lets every worker finish first. The hazard is torch's (a plain DDP or
+# ZeroRedundancyOptimizer script shows it too); the wait applies to any process that imported
+# commpress and had a process group: initialized by torch.distributed (still set after
+# destroy_process_group) or handed to commpress (torchft makes its groups outside it).
 EXIT_GRACE_S = 0.2
-_exit_grace_armed = False
+_handed_a_group = False
 
 
+def _had_a_process_group() -> bool:
+    c10d = dist.distributed_c10d
+    return (_handed_a_group or dist.is_initialized()
+            or getattr(c10d, "_default_pg_init_method", None) is not None)
+
+
+@atexit.register
 def _wait_for_gloo_workers() -> None:
-    time.sleep(EXIT_GRACE_S)
-
-
-def _arm_exit_grace() -> None:
-    global _exit_grace_armed
-    if not _exit_grace_armed:
-        _exit_grace_armed = True
-        atexit.register(_wait_for_gloo_workers)
+    if _had_a_process_group():
+        time.sleep(EXIT_GRACE_S)
 
 
 def resolve_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     """``group``, or the world. A group the caller hands over may be one torch.distributed
     never registered (torchft's reconfigurable groups are made outside it)."""
-    _arm_exit_grace()
+    global _handed_a_group
+    _handed_a_group = True
     if group is not None:
         return group
     if not dist.is_initialized():
