@@ -49,8 +49,6 @@ from __future__ import annotations
 
 import logging
 import os
-import weakref
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -60,6 +58,7 @@ from commpress.collectives import Topology
 from commpress.collectives.agreement import agree, rendezvous
 from commpress.dp import DPBucket
 from commpress.dp.grad_path import resized
+from commpress.engines.seam import Seam, Swap, install, restore
 from commpress.integrations import rank_state
 from commpress.policy import Policy
 from commpress.validate import InputError, check_bool, check_saved_state
@@ -77,12 +76,6 @@ log = logging.getLogger(__name__)
 STATE_FORMAT = "commpress.deepspeed/2"
 TESTED_VERSION = "0.19.8"
 STAGES = (1, 2)
-# DeepSpeedZeroOptimizer methods the adapter patches on the instance
-PATCHED = ("average_tensor", "allreduce_and_scatter", "allreduce_no_retain")
-
-# Engines compressed in this process; the gather dispatcher looks a call up here.
-_INSTALLED: weakref.WeakSet = weakref.WeakSet()
-_DEEPSPEED_GATHER: Callable | None = None
 
 
 class DeepSpeedCompression:
@@ -115,39 +108,32 @@ class DeepSpeedCompression:
         self._names = {id(p): n for n, p in engine.module.named_parameters()}
         self._pieces: list | None = None  # slices DeepSpeed hands over while collecting
         self._loading = False
-        self._originals: dict[str, Callable] = {}
+        self._swaps: list[Swap] = []  # on this engine and its optimizer
         # stats
         self.buckets_reduced = 0
 
     # -- install / remove ----------------------------------------------------------------
     def _install(self) -> None:
-        global _DEEPSPEED_GATHER
         opt, engine = self.optimizer, self.engine
-        for owner, name, replacement in (
-                (opt, "average_tensor", self.reduce_bucket),
-                (opt, "allreduce_and_scatter", self._collect_scatter),
-                (opt, "allreduce_no_retain", self._collect_reduce),
-                (engine, "save_checkpoint", self._save_checkpoint),
-                (engine, "load_checkpoint", self._load_checkpoint)):
-            self._originals[name] = getattr(owner, name)
-            setattr(owner, name, replacement)
-        if stage_1_and_2.all_gather_dp_groups is not _gather_dispatch:
-            _DEEPSPEED_GATHER = stage_1_and_2.all_gather_dp_groups
-            stage_1_and_2.all_gather_dp_groups = _gather_dispatch
-        _INSTALLED.add(self)
+        self._swaps = install([Swap(opt, "average_tensor", self.reduce_bucket),
+                               Swap(opt, "allreduce_and_scatter", self._collect_scatter),
+                               Swap(opt, "allreduce_no_retain", self._collect_reduce),
+                               Swap(engine, "save_checkpoint", self._save_checkpoint),
+                               Swap(engine, "load_checkpoint", self._load_checkpoint),
+                               Swap(engine, "commpress", self)])
+        SEAM.acquire(self)
+
+    def _original(self, name: str) -> Any:
+        return next(s.original for s in self._swaps if s.name == name)
 
     def remove(self) -> None:
-        """Give the engine back DeepSpeed's own reductions, gathers and checkpoints."""
-        global _DEEPSPEED_GATHER
-        for name in PATCHED:
-            self.optimizer.__dict__.pop(name, None)
-        for name in ("save_checkpoint", "load_checkpoint"):
-            self.engine.__dict__.pop(name, None)
-        _INSTALLED.discard(self)
-        if not _INSTALLED and _DEEPSPEED_GATHER is not None:
-            stage_1_and_2.all_gather_dp_groups = _DEEPSPEED_GATHER
-            _DEEPSPEED_GATHER = None
-        self.engine.__dict__.pop("commpress", None)
+        """Give the engine back DeepSpeed's own reductions, gathers and checkpoints
+        (idempotent)."""
+        if not self._swaps:
+            return
+        restore(self._swaps)
+        self._swaps = []
+        SEAM.release(self)
         log.info("Removed commpress from the DeepSpeed engine")
 
     # -- gradients -----------------------------------------------------------------------
@@ -156,7 +142,7 @@ class DeepSpeedCompression:
         pieces: list = []
         self._pieces = pieces
         try:
-            self._originals["average_tensor"](tensor, comm_dtype)
+            self._original("average_tensor")(tensor, comm_dtype)
         finally:
             self._pieces = None
         if not pieces:
@@ -207,7 +193,7 @@ class DeepSpeedCompression:
     def _collect_scatter(self, bucket, communication_data_type, numel_per_bucket=500000000,
                          log=None, divide=True, process_group=None):
         if self._pieces is None:
-            return self._originals["allreduce_and_scatter"](
+            return self._original("allreduce_and_scatter")(
                 bucket, communication_data_type, numel_per_bucket=numel_per_bucket, log=log,
                 divide=divide, process_group=process_group)
         for item in bucket:
@@ -222,7 +208,7 @@ class DeepSpeedCompression:
                         rank=None, log=None, divide=True, process_group=None,
                         output_bucket=None):
         if self._pieces is None or rank is None:
-            return self._originals["allreduce_no_retain"](
+            return self._original("allreduce_no_retain")(
                 bucket, communication_data_type, numel_per_bucket=numel_per_bucket, rank=rank,
                 log=log, divide=divide, process_group=process_group, output_bucket=output_bucket)
         for view, output in zip(bucket, output_bucket or [None] * len(bucket)):
@@ -312,13 +298,13 @@ class DeepSpeedCompression:
         # every rank saves (and loads): refused on all of them together, not per dp group
         rank_state.save(self.state_dict(), self.state_path(os.path.join(save_dir, tag)),
                         None, "commpress.deepspeed")
-        return self._originals["save_checkpoint"](save_dir, tag, *args, **kwargs)
+        return self._original("save_checkpoint")(save_dir, tag, *args, **kwargs)
 
     def _load_checkpoint(self, load_dir: str, tag: Any = None, *args, **kwargs) -> Any:
         self._loading = True  # a gather DeepSpeed makes while loading stays its own
         try:
-            load_path, client_state = self._originals["load_checkpoint"](load_dir, tag, *args,
-                                                                         **kwargs)
+            load_path, client_state = self._original("load_checkpoint")(load_dir, tag, *args,
+                                                                        **kwargs)
         finally:
             self._loading = False
         if load_path is None:
@@ -348,11 +334,16 @@ class DeepSpeedCompression:
 def _gather_dispatch(groups_flat, partitioned_param_groups, dp_process_group,
                      start_alignment_factor, allgather_bucket_size):
     """``all_gather_dp_groups`` for every engine: compressed ones go to commpress."""
-    for compression in list(_INSTALLED):
+    for compression in list(SEAM.owners):
         if compression.optimizer.bit16_groups_flat is groups_flat and not compression._loading:
             return compression.gather(groups_flat, partitioned_param_groups, dp_process_group)
-    return _DEEPSPEED_GATHER(groups_flat, partitioned_param_groups, dp_process_group,
-                             start_alignment_factor, allgather_bucket_size)
+    return _DEEPSPEED_GATHER.original(groups_flat, partitioned_param_groups, dp_process_group,
+                                      start_alignment_factor, allgather_bucket_size)
+
+
+# the step's weight gather is a module function: one dispatcher for every engine
+_DEEPSPEED_GATHER = Swap(stage_1_and_2, "all_gather_dp_groups", _gather_dispatch)
+SEAM = Seam("deepspeed", [_DEEPSPEED_GATHER])
 
 
 def compress(engine: DeepSpeedEngine, policy: str | dict | Policy = "none",
@@ -390,7 +381,6 @@ def compress(engine: DeepSpeedEngine, policy: str | dict | Policy = "none",
           policy=policy.to_dict(), groups=len(engine.optimizer.bit16_groups_flat))
     compression = DeepSpeedCompression(engine, policy, topology or Topology(), elastic)
     compression._install()
-    engine.commpress = compression
     log.info("Applied commpress to DeepSpeed ZeRO-%d: policy %s (%s)",
              engine.zero_optimization_stage(), compression.policy.name,
              compression.policy.describe() or "exact")
@@ -428,7 +418,8 @@ def _check_engine(engine: Any) -> None:
                if type(opt).__name__ == "BF16_Optimizer" else "")
         raise InputError(f"commpress.deepspeed.compress: the engine's optimizer is "
                          f"{type(opt).__name__}{why}; allowed: DeepSpeedZeroOptimizer")
-    missing = [n for n in PATCHED if not hasattr(opt, n)]
+    missing = [n for n in ("average_tensor", "allreduce_and_scatter", "allreduce_no_retain")
+               if not hasattr(opt, n)]
     if missing or not hasattr(stage_1_and_2, "all_gather_dp_groups"):
         raise RuntimeError(f"commpress.deepspeed: DeepSpeed {deepspeed.__version__} lacks "
                            f"{missing or ['all_gather_dp_groups']}; the adapter is written "

@@ -34,7 +34,6 @@ from __future__ import annotations
 import io
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -49,6 +48,7 @@ from commpress.collectives.agreement import agree, rendezvous
 from commpress.collectives.comm import all_gather_single
 from commpress.dp import DPBucket
 from commpress.dp.grad_path import resized
+from commpress.engines.seam import Swap, install, restore
 from commpress.policy import Policy, Rule
 from commpress.validate import InputError, check_saved_state
 
@@ -195,17 +195,13 @@ class InFlight:
             raise errors[0]
 
 
-def _replicate_all_reduce(module: FSDPModule, policy: Policy,
-                          in_flight: InFlight) -> ReplicateAllReduce | None:
-    """The replicate all-reduce of an HSDP module's parameter group, after switching
-    FSDP's own all-reduce off for it; ``None`` for FSDP on a 1-D mesh."""
-    param_groups = module._get_fsdp_state()._fsdp_param_groups
-    if len(param_groups) != 1:  # none: no parameters; several: set_custom_* refuses
-        return None
-    param_group = param_groups[0]
+def _replicate_all_reduce(param_group: Any, policy: Policy, in_flight: InFlight
+                          ) -> tuple[ReplicateAllReduce | None, list[Swap]]:
+    """The replicate all-reduce of an HSDP parameter group, and the swaps of its meshes
+    that switch FSDP's own all-reduce off for it; ``(None, [])`` on a 1-D mesh."""
     mesh_info = param_group.mesh_info
     if not isinstance(mesh_info, HSDPMeshInfo):
-        return None
+        return None, []
     if mesh_info.shard_mesh_size == 1:
         raise InputError(
             "commpress.fsdp.compress: HSDP mesh with a shard dimension of size 1 "
@@ -218,11 +214,11 @@ def _replicate_all_reduce(module: FSDPModule, policy: Policy,
         mesh=mesh_info.mesh, shard_mesh_dim=mesh_info.shard_mesh_dim,
         dp_mesh_dims=mesh_info.dp_mesh_dims, spmd_mesh=mesh_info.spmd_mesh)
     shard_only.reduce_scatter_process_group = mesh_info.reduce_scatter_process_group
+    swaps = [Swap(param_group, "mesh_info", shard_only)]
     if param_group.post_forward_mesh_info is mesh_info:  # reshard_after_forward=True
-        param_group.post_forward_mesh_info = shard_only
-    param_group.mesh_info = shard_only
+        swaps.append(Swap(param_group, "post_forward_mesh_info", shard_only))
     return ReplicateAllReduce(policy.codec_for("dp", "grad", "inter"),
-                              mesh_info.replicate_process_group, param_group, in_flight)
+                              mesh_info.replicate_process_group, param_group, in_flight), swaps
 
 
 def _op_name(op, input_tensor: torch.Tensor) -> str:
@@ -263,7 +259,7 @@ class FSDPCompression:
 
     def __init__(self, policy: Policy, modules: dict[str, tuple[CompressedAllGather,
                                                                  CompressedReduceScatter]],
-                 device: torch.device, stock: list[_Stock]) -> None:
+                 device: torch.device, swaps: list[Swap]) -> None:
         # hyperparameters
         self.policy = policy
         self.rank = dist.get_rank() if dist.is_initialized() else 0
@@ -271,8 +267,7 @@ class FSDPCompression:
         self.device = device
         # internal state: the collectives hold their codecs (and so the codec state)
         self.modules = modules
-        self._stock = stock  # what remove() gives back
-        self.removed = False
+        self._swaps = swaps  # on FSDP's parameter groups: what remove() gives back
 
     def __len__(self) -> int:
         return len(self.modules)
@@ -281,11 +276,10 @@ class FSDPCompression:
         """Give every FSDP module its own collectives back (HSDP its own replicate
         all-reduce and mesh): training goes on as stock FSDP2 does. Call it between steps;
         the codec state stays readable. Idempotent."""
-        if self.removed:
+        if not self._swaps:
             return
-        for stock in self._stock:
-            stock.restore()
-        self.removed = True
+        restore(self._swaps)
+        self._swaps = []
         log.info("Removed commpress %s from %d FSDP modules", self.policy.name,
                  len(self.modules))
 
@@ -366,28 +360,6 @@ class FSDPCompression:
                 scatter.replicate.codec = self.policy.codec_for("dp", "grad", "inter")
 
 
-@dataclass
-class _Stock:
-    """One FSDP parameter group's own collectives and meshes, as before :func:`compress`."""
-
-    param_group: Any
-    all_gather: Any
-    reduce_scatter: Any
-    mesh_info: Any
-    post_forward_mesh_info: Any
-
-    @classmethod
-    def of(cls, param_group: Any) -> _Stock:
-        return cls(param_group, param_group._all_gather_comm, param_group._reduce_scatter_comm,
-                   param_group.mesh_info, param_group.post_forward_mesh_info)
-
-    def restore(self) -> None:
-        group = self.param_group
-        group._all_gather_comm, group._reduce_scatter_comm = self.all_gather, self.reduce_scatter
-        group.mesh_info, group.post_forward_mesh_info = (self.mesh_info,
-                                                         self.post_forward_mesh_info)
-
-
 class _ElasticLoad:
     """:meth:`FSDPCompression.elastic`: the keys every saved world has, for ``dcp.load``."""
 
@@ -460,28 +432,38 @@ def compress(model: nn.Module, policy: str | dict | Policy = "sdp4bit",
         log.warning("commpress.fsdp: policy %s asks for weight differences (qWD) on dp.param, "
                     "which FSDP2 cannot keep; weights are all-gathered exactly", policy.name)
     modules: dict[str, tuple[CompressedAllGather, CompressedReduceScatter]] = {}
-    stock: list[_Stock] = []
+    swaps: list[Swap] = []
     in_flight = InFlight()
     by_state: dict[int, tuple[CompressedAllGather, CompressedReduceScatter]] = {}
-    for name, module in model.named_modules():
-        if not isinstance(module, FSDPModule):
-            continue
-        state = module._get_fsdp_state()
-        if id(state) in by_state:  # fully_shard([a, b]): modules that share one FSDP state
-            modules[name] = by_state[id(state)]
-            continue
-        for param_group in state._fsdp_param_groups:
-            if isinstance(param_group._all_gather_comm, CompressedAllGather):
-                raise InputError(f"commpress.fsdp.compress: FSDP module {name!r} is compressed "
-                                 "already; remove() the first compression before compressing "
-                                 "it again")
-            stock.append(_Stock.of(param_group))
-        dp = DPBucket(policy, topology, weights=True, param_rule=_param_rule(policy))
-        gather = CompressedAllGather(dp)
-        scatter = CompressedReduceScatter(dp, _replicate_all_reduce(module, policy, in_flight))
-        module.set_custom_all_gather(gather)
-        module.set_custom_reduce_scatter(scatter)
-        modules[name] = by_state[id(state)] = (gather, scatter)
+    try:
+        for name, module in model.named_modules():
+            if not isinstance(module, FSDPModule):
+                continue
+            state = module._get_fsdp_state()
+            if id(state) in by_state:  # fully_shard([a, b]): modules sharing one FSDP state
+                modules[name] = by_state[id(state)]
+                continue
+            dp = DPBucket(policy, topology, weights=True, param_rule=_param_rule(policy))
+            gather, scatter = CompressedAllGather(dp), CompressedReduceScatter(dp)
+            param_groups = state._fsdp_param_groups
+            if len(param_groups) > 1:
+                raise InputError(f"commpress.fsdp.compress: FSDP module {name!r} has "
+                                 f"{len(param_groups)} parameter groups (a per-parameter mesh "
+                                 "from shard_placement_fn); allowed: one, as FSDP's own "
+                                 "set_custom_all_gather allows")
+            for param_group in param_groups:
+                if isinstance(param_group._all_gather_comm, CompressedAllGather):
+                    raise InputError(f"commpress.fsdp.compress: FSDP module {name!r} is "
+                                     "compressed already; remove() the first compression "
+                                     "before compressing it again")
+                scatter.replicate, meshes = _replicate_all_reduce(param_group, policy,
+                                                                  in_flight)
+                swaps += install([Swap(param_group, "_all_gather_comm", gather),
+                                  Swap(param_group, "_reduce_scatter_comm", scatter), *meshes])
+            modules[name] = by_state[id(state)] = (gather, scatter)
+    except BaseException:
+        restore(swaps)
+        raise
     if not modules:
         raise InputError("commpress.fsdp.compress: no FSDPModule found; call fully_shard first")
     device = next(model.parameters()).device
@@ -490,5 +472,5 @@ def compress(model: nn.Module, policy: str | dict | Policy = "sdp4bit",
         log.info("commpress.fsdp: HSDP replicate all-reduce of %d FSDP modules through "
                  "the inter-node codec (dp.grad.inter)", hsdp)
     log.info("Applied commpress %s to %d FSDP modules", policy.name, len(modules))
-    return FSDPCompression(policy, modules, device, stock)
+    return FSDPCompression(policy, modules, device, swaps)
 

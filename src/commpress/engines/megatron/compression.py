@@ -18,7 +18,8 @@ from commpress.engines.megatron import data_parallel, model_parallel
 from commpress.engines.megatron.data_parallel import BucketComm
 from commpress.engines.megatron.layout import identical_mask
 from commpress.engines.megatron.model_parallel import ActivationComm
-from commpress.engines.megatron.seams import REGISTRY, acquire, release
+from commpress.engines.megatron.seams import REGISTRY
+from commpress.engines.seam import Seam
 from commpress.integrations.buckets import tensor_parallel_key
 from commpress.integrations.replica_sync import differing_ranks
 from commpress.policy import Policy
@@ -27,7 +28,9 @@ from commpress.validate import InputError, check_saved_state
 log = logging.getLogger(__name__)
 
 STATE_FORMAT = "commpress.megatron/2"
-SWAPS = [*data_parallel.SWAPS, *model_parallel.TP_SWAPS, *model_parallel.PP_SWAPS]
+# installed while any compression of a Megatron model is live; REGISTRY under its lock
+SEAM = Seam("megatron", [*data_parallel.SWAPS, *model_parallel.TP_SWAPS,
+                          *model_parallel.PP_SWAPS])
 
 
 class MegatronCompression:
@@ -61,15 +64,15 @@ class MegatronCompression:
         """Restore Megatron's own communication for this model (idempotent)."""
         if self.removed:
             return
-        with REGISTRY.lock:
+        with SEAM.lock:
             for comm in self.buckets.values():
                 for t in (comm.bucket.grad_data, comm.bucket.param_data):
                     REGISTRY.buckets.pop(id(t), None)
             for comm, live in ((self.tp, REGISTRY.tp), (self.pp, REGISTRY.pp)):
                 if comm is not None:
                     live.pop(comm.group, None)
+            SEAM.release(self)
         model_parallel.restore_dgrad(self._dgrad_layers)
-        release()
         self.removed = True
         log.info("Removed commpress %s from Megatron-core", self.policy.name)
 
@@ -174,7 +177,7 @@ def compress(model: Any, optimizer: Any = None, policy: str | dict | Policy = "s
     if chunks[0].pp_group.size() > 1:
         agree(chunks[0].pp_group, "megatron.compress", label="pp", policy=policy.to_dict())
         pp = ActivationComm("pp", chunks[0].pp_group, policy)
-    with REGISTRY.lock:
+    with SEAM.lock:
         if any(id(c.bucket.grad_data) in REGISTRY.buckets for c in buckets.values()):
             raise InputError("commpress.megatron.compress: this model already has a policy "
                              "applied; call .remove() on its handle first")
@@ -192,8 +195,8 @@ def compress(model: Any, optimizer: Any = None, policy: str | dict | Policy = "s
             dgrad_layers = model_parallel.route_dgrad_through_mappings(chunks)
         if pp is not None:
             REGISTRY.pp[pp.group] = pp
-    acquire(SWAPS)
-    handle = MegatronCompression(policy, buckets, tp, pp, dgrad_layers)
+        handle = MegatronCompression(policy, buckets, tp, pp, dgrad_layers)
+        SEAM.acquire(handle)
     log.info("Applied commpress %s to Megatron-core: %d buckets (%s optimizer), tp=%d, pp=%d, "
              "sequence parallel %s", policy.name, len(buckets),
              "distributed" if chunks[0].ddp_config.use_distributed_optimizer else "DDP",

@@ -40,7 +40,8 @@ from commpress.collectives import Handle, Topology
 from commpress.collectives.call import is_exact
 from commpress.dp import DPBucket
 from commpress.engines.megatron.layout import Layout
-from commpress.engines.megatron.seams import REGISTRY, ModuleView, Swap, broken_swaps
+from commpress.engines.megatron.seams import REGISTRY, ModuleView
+from commpress.engines.seam import Swap
 from commpress.policy import Policy
 from commpress.validate import InputError
 
@@ -223,7 +224,7 @@ def _current() -> Batch | None:
 @contextmanager
 def coalescing_manager(group=None, device=None, async_ops: bool = False) -> Iterator[Batch]:
     """Replaces torch's ``_coalescing_manager`` in Megatron's bucket code."""
-    broken = broken_swaps()
+    broken = [s.describe() for s in SWAPS if not s.intact()]
     if broken:
         raise RuntimeError(
             f"commpress.megatron: {', '.join(broken)} was replaced after commpress applied its "

@@ -34,7 +34,8 @@ from megatron.core.pipeline_parallel import p2p_communication as p2p
 from megatron.core.tensor_parallel import layers, mappings
 
 from commpress.collectives import P2POp, all_gather, all_reduce, batch_isend_irecv, reduce_scatter
-from commpress.engines.megatron.seams import REGISTRY, Swap
+from commpress.engines.megatron.seams import REGISTRY
+from commpress.engines.seam import Swap
 from commpress.policy import Policy
 from commpress.validate import InputError
 
