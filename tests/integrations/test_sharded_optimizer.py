@@ -209,6 +209,7 @@ def _consolidated_runs(tmp_path, policy, saved_on, loaded_on):
                                (policy, path, 2, 2, True)) for w in loaded_on}
 
 
+@pytest.mark.slow
 def test_a_consolidated_state_resumes_on_the_same_or_another_number_of_ranks(tmp_path):
     straight, resumed = _consolidated_runs(tmp_path, "none", 2, (2, 4))
     # one rank's state broken or malformed, or the ranks' states differing: every rank
