@@ -10,6 +10,7 @@ import time
 import pytest
 
 from commpress.cli import main
+from commpress.launch import spawn
 
 TRAIN = ["train", "--model", "gpt-tiny", "--steps", "100000", "--batch-size", "8",
          "--seq-len", "32", "--nproc", "2", "--eval-every", "0", "--eval-batches", "1",
@@ -32,15 +33,36 @@ def _alive(pid):
         return False
 
 
+def _descendants(pid):
+    found = []
+    for child in _children(pid):
+        found += [child, *_descendants(child)]
+    return found
+
+
+def _ranks(pid):
+    # the ranks fork from the launcher's fork server: its children, grandchildren of the
+    # launcher (the resource tracker is a child that starts none)
+    servers = [c for c in _children(pid) if b"forkserver" in _cmdline(c)]
+    return [r for s in servers for r in _children(s)]
+
+
+def _cmdline(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        return b""
+
+
 def _start(out):
     proc = subprocess.Popen([sys.executable, "-m", "commpress.cli", *TRAIN, "--out", out],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:  # the ranks have started and written their steps
-        ranks = [c for c in _children(proc.pid) if b"spawn_main" in
-                 open(f"/proc/{c}/cmdline", "rb").read()]
+        ranks = _ranks(proc.pid)
         if len(ranks) == 2 and os.path.exists(os.path.join(out, "config.json")):
-            return proc, ranks
+            return proc, _descendants(proc.pid)
         time.sleep(0.2)
     proc.kill()
     raise AssertionError("the training did not start")
@@ -50,6 +72,7 @@ def _start(out):
 @pytest.mark.parametrize("sig", [signal.SIGKILL, pytest.param(signal.SIGTERM,
                                                                 marks=pytest.mark.slow)])
 def test_killing_the_launcher_stops_every_rank_within_10_s(tmp_path, sig):
+    """... and every other process it started (the fork server, the resource tracker)."""
     proc, ranks = _start(str(tmp_path / "run"))
     os.kill(proc.pid, sig)
     proc.wait(timeout=10)
@@ -73,3 +96,43 @@ def test_a_live_runs_directory_is_refused(tmp_path, capsys):
         proc.wait()
     # once it is gone, the directory is free again
     assert main([*TRAIN, "--steps", "1", "--out", out]) == 0
+
+
+def _where_am_i(rank, world):
+    print(f"rank {rank} speaks", flush=True)
+    return os.getcwd(), os.environ.get("COMMPRESS_LATE"), os.environ["RANK"]
+
+
+def test_a_rank_runs_where_the_launcher_stands_at_the_launch(tmp_path, monkeypatch, capfd):
+    """The ranks fork from a server started at the first launch; each later launch still
+    hands its ranks the launcher's directory, environment and stdout as they are then."""
+    spawn(_where_am_i, 2)  # the fork server starts here, if no earlier test started it
+    capfd.readouterr()
+    monkeypatch.setenv("COMMPRESS_LATE", "set after the first launch")
+    monkeypatch.chdir(tmp_path)
+    values = spawn(_where_am_i, 2)
+    assert values == [(str(tmp_path), "set after the first launch", str(r)) for r in (0, 1)]
+    out = capfd.readouterr().out
+    assert "rank 0 speaks" in out and "rank 1 speaks" in out
+
+
+SCRIPT = """
+from commpress.launch import spawn
+
+
+def square(rank, world):
+    return rank * rank
+
+
+if __name__ == "__main__":
+    print(spawn(square, 3))
+"""
+
+
+def test_a_function_of_the_launching_script_itself_runs_on_every_rank(tmp_path):
+    script = tmp_path / "script.py"
+    script.write_text(SCRIPT)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[0, 1, 4]"
