@@ -27,8 +27,8 @@ def reference_run(tmp_path_factory):
 
 @pytest.mark.parametrize(("dp", "tp", "pp"), [
     pytest.param(1, 2, 2, marks=pytest.mark.slow), (2, 2, 1),
-    pytest.param(2, 1, 2, marks=[pytest.mark.slow, pytest.mark.sweep]),
-    pytest.param(4, 1, 1, marks=[pytest.mark.slow, pytest.mark.sweep])])
+    pytest.param(2, 1, 2, marks=pytest.mark.slow),
+    pytest.param(4, 1, 1, marks=pytest.mark.slow)])
 def test_none_policy_reproduces_the_single_rank_curve(reference_run, tmp_path, dp, tp, pp):
     out = str(tmp_path)
     train(TrainConfig(policy="none", dp=dp, tp=tp, pp=pp, out=out, **TINY))
@@ -80,7 +80,7 @@ pp:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("tp", "pp"), [(1, 2), pytest.param(2, 1, marks=pytest.mark.sweep)])
+@pytest.mark.parametrize(("tp", "pp"), [(1, 2), pytest.param(2, 1, marks=pytest.mark.slow)])
 def test_evaluation_does_not_change_training(tmp_path, tp, pp):
     """The training losses are the same bits whether or not the run evaluates between
     steps: evaluation leaves the activation codecs' state as it found it."""

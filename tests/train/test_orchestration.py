@@ -48,7 +48,7 @@ def test_compare_under_a_launcher_runs_every_policy_in_one_group(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc", [2, pytest.param(4, marks=pytest.mark.sweep)])
+@pytest.mark.parametrize("nproc", [2, 4])
 def test_compare_under_torchrun(tmp_path, nproc):
     out = tmp_path / "cmp"
     done = torchrun(nproc, ["compare", "--policies", "none,sdp4bit,int2ef", *TINY, "--steps", "2",

@@ -65,13 +65,11 @@ def test_simulate_equals_a_real_4_rank_run_every_preset(tmp_path, policy):
 # the DDP hook's gradient paths: two levels with exact intra (int2ef), compressed intra
 # with the fused TLq-HS codecs (sdp4bit), one level (naive: int4 on 4 ranks)
 DDP_FAST = ["int2ef"]
-DDP_SLOW = ["sdp4bit"]  # CI's; the one-level and exact hooks in the sweep
-DDP_SWEEP = ["naive", "hybrid", "none"]
+DDP_SLOW = ["sdp4bit", "naive", "hybrid", "none"]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("policy", [*DDP_FAST, *DDP_SLOW, *(
-    pytest.param(p, marks=pytest.mark.sweep) for p in DDP_SWEEP)])
+@pytest.mark.parametrize("policy", [*DDP_FAST, *DDP_SLOW])
 def test_simulate_equals_a_real_4_rank_ddp_run(tmp_path, policy):
     _check(policy, *_compare(tmp_path, policy, 8 if policy in DDP_FAST else 20, engine="ddp",
                              micro_batches=2))
@@ -93,10 +91,9 @@ pp:
 @pytest.mark.parametrize("policy,layout", [
     ("stateful-pp", dict(nproc=4, pp=2, ranks_per_node=2)),
     pytest.param("naive", dict(nproc=4, pp=2, ranks_per_node=2), marks=pytest.mark.slow),
-    pytest.param("hybrid", dict(nproc=4, pp=2, ranks_per_node=2),
-                 marks=[pytest.mark.slow, pytest.mark.sweep]),
+    pytest.param("hybrid", dict(nproc=4, pp=2, ranks_per_node=2), marks=pytest.mark.slow),
     pytest.param("sdp4bit", dict(nproc=8, pp=2, ranks_per_node=4, batch_size=16),
-                 marks=[pytest.mark.slow, pytest.mark.sweep]),  # two-level with stages
+                 marks=pytest.mark.slow),  # dp 4 in 2 nodes: two-level with stages
 ])
 def test_simulate_equals_a_real_pipeline_run(tmp_path, policy, layout):
     if policy == "stateful-pp":
@@ -122,12 +119,11 @@ pp:
 
 @pytest.mark.parametrize("policy,layout", [
     pytest.param("stateful-tp", dict(nproc=4, tp=2, ranks_per_node=2), marks=pytest.mark.slow),
-    pytest.param("hybrid", dict(nproc=4, tp=2, ranks_per_node=2),
-                 marks=[pytest.mark.slow, pytest.mark.sweep]),
+    pytest.param("hybrid", dict(nproc=4, tp=2, ranks_per_node=2), marks=pytest.mark.slow),
     pytest.param("sdp4bit", dict(nproc=8, tp=2, ranks_per_node=4, batch_size=16),
-                 marks=[pytest.mark.slow, pytest.mark.sweep]),  # two-level with slices
+                 marks=pytest.mark.slow),  # dp 4 in 2 nodes: two-level with slices
     pytest.param("stateful-tp", dict(nproc=8, tp=2, pp=2, ranks_per_node=4),
-                 marks=[pytest.mark.slow, pytest.mark.sweep]),  # each stage's own stream
+                 marks=pytest.mark.slow),  # each stage's random stream: its global rank
 ])
 def test_simulate_equals_a_real_tensor_parallel_run(tmp_path, policy, layout):
     if policy == "stateful-tp":
@@ -140,8 +136,8 @@ def test_simulate_equals_a_real_tensor_parallel_run(tmp_path, policy, layout):
 @pytest.mark.slow
 @pytest.mark.parametrize("policy,extra", [
     ("sdp4bit", {}),
-    pytest.param("int2ef", dict(engine="ddp", micro_batches=2), marks=pytest.mark.sweep),
-    pytest.param("hybrid", dict(pp=2), marks=pytest.mark.sweep),
+    ("int2ef", dict(engine="ddp", micro_batches=2)),
+    ("hybrid", dict(pp=2)),
 ])
 def test_simulate_equals_a_real_run_in_bf16(tmp_path, policy, extra):
     # bf16 weights, gradients and activations: every sum and cast where the real run has it
@@ -192,8 +188,8 @@ def test_simulate_cli_one_policy_and_a_comparison(tmp_path, capsys):
 
 @pytest.mark.parametrize("policy,layout", [
     ("sdp4bit", {}),  # qWD and TLq-HS on 2 nodes × 2: both levels of each
-    pytest.param("zeropp", {}, marks=[pytest.mark.slow, pytest.mark.sweep]),  # int8 weights
-    pytest.param("none", {}, marks=[pytest.mark.slow, pytest.mark.sweep]),  # torch's gather
+    pytest.param("zeropp", {}, marks=pytest.mark.slow),  # int8 weights, two levels
+    pytest.param("none", {}, marks=pytest.mark.slow),  # torch's own all-gather
     pytest.param("hybrid", dict(tp=2), marks=pytest.mark.slow),  # the slices' all-reduces
 ])
 def test_simulate_counts_the_bytes_a_real_run_sends(tmp_path, policy, layout):
@@ -231,9 +227,8 @@ def _assert_same_state(a, b, path="state"):
 
 @pytest.mark.parametrize("policy,layout", [
     ("sdp4bit", {}),  # qWD weights, two-level gradients: every rank's codec state
-    pytest.param("int2ef", dict(engine="ddp", micro_batches=2),
-                 marks=[pytest.mark.slow, pytest.mark.sweep]),
-    pytest.param("stateful-pp", dict(pp=2), marks=[pytest.mark.slow, pytest.mark.sweep]),
+    pytest.param("int2ef", dict(engine="ddp", micro_batches=2), marks=pytest.mark.slow),
+    pytest.param("stateful-pp", dict(pp=2), marks=pytest.mark.slow),
     pytest.param("stateful-tp", dict(tp=2), marks=pytest.mark.slow),
 ])
 def test_simulate_resumes_bitwise(tmp_path, policy, layout):

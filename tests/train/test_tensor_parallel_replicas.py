@@ -24,7 +24,6 @@ def _check(ranks, policies):
 
 
 @pytest.mark.slow
-@pytest.mark.sweep  # test_dp2_tp2_pp2_every_preset holds the same check with stages
 def test_dp2_tp2_every_preset():
     policies = commpress.list_presets()
     ranks = spawn(workers.replicated_digests, 4, (dict(BASE, dp=2, tp=2), policies),
