@@ -19,7 +19,7 @@ def lrs_of_a_run(rank, world, engine, trained_steps):
     cfg = TrainConfig(policy="none", dp=1, tp=1, pp=1, engine=engine, out="unused",
                       **TINY).resolved(world)
     run = Run(cfg)
-    inner = run.opts[0].opt if engine == "ddp" else run.opts[0].optimizer
+    inner = run.opts[0].optimizer
     (schedule,) = run.lr_schedules
     assert isinstance(schedule, torch.optim.lr_scheduler.LambdaLR)
     trained = []

@@ -31,7 +31,7 @@ def replicated_digests(rank, world, base, policies, replication_key=None):
             for hook in kept._hooks:
                 hook.remove()
             run.opts = [ShardedOptimizer(
-                run.stage, torch.optim.AdamW, run.policy, group=run.mesh.dp_group,
+                run.stage, torch.optim.AdamW, run.policy, group=run.held.mesh.dp_group,
                 topology=kept.topology, bucket_numel=cfg.bucket_numel,
                 norm_group=kept.norm_group, norm_weights=kept.norm_weights, lr=cfg.lr,
                 decay_1d=False, replication_key=replication_key)]
@@ -40,7 +40,7 @@ def replicated_digests(rank, world, base, policies, replication_key=None):
         for step in range(cfg.steps):
             run.train_step(step)
             digests.append(_digest(replicated))
-        out[policy] = {"coords": (run.mesh.dp_idx, run.mesh.pp_idx, run.mesh.tp_idx),
+        out[policy] = {"coords": (run.held.mesh.dp_idx, run.held.mesh.pp_idx, run.held.mesh.tp_idx),
                        "digests": digests}
     return out
 

@@ -133,7 +133,7 @@ class DDPEngine:
             self.hook_state = install_hook(self.model, hook, policy, group, topology)
         else:
             self.model, self.hook_state = module, played
-        self.opt = replica_optimizer(module, lr, weight_decay)
+        self.optimizer = replica_optimizer(module, lr, weight_decay)
         # DiLoCo across sites (``group`` is then this rank's site); every inner step counts,
         # a skipped one too, so that every site syncs at the same steps
         self.outer = (DiLoCo(module, None, group=outer_group, topology=topology, **outer)
@@ -155,7 +155,7 @@ class DDPEngine:
         if self.played is not None:
             self.played.finish()
         what = "simulated DDP step" if self.played is not None else "DDP step"
-        stepped = step_replica(self.module, self.opt, self.max_grad_norm, self.nonfinite,
+        stepped = step_replica(self.module, self.optimizer, self.max_grad_norm, self.nonfinite,
                                f"{what} {self.steps}")
         if self.outer is not None:
             self.outer.step()
@@ -171,7 +171,7 @@ class DDPEngine:
             self.outer.remove()
 
     def state_dict(self) -> dict:
-        state = {"optimizer": self.opt.state_dict(), "steps": self.steps,
+        state = {"optimizer": self.optimizer.state_dict(), "steps": self.steps,
                  "skipped_steps": self.skipped_steps}
         if hasattr(self.hook_state, "state_dict"):
             state["hook"] = self.hook_state.state_dict()
@@ -180,7 +180,7 @@ class DDPEngine:
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        self.opt.load_state_dict(state["optimizer"])
+        self.optimizer.load_state_dict(state["optimizer"])
         self.steps, self.skipped_steps = state["steps"], state["skipped_steps"]
         if "hook" in state:
             self.hook_state.load_state_dict(state["hook"])
