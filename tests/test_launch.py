@@ -136,3 +136,23 @@ def test_a_function_of_the_launching_script_itself_runs_on_every_rank(tmp_path):
                           timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[0, 1, 4]"
+
+
+CLOSED_STDOUT = """
+import operator, sys
+from commpress.launch import spawn
+
+if __name__ == "__main__":
+    sys.stderr.write(repr(spawn(operator.add, 2)))
+"""
+
+
+def test_a_launcher_whose_stdout_is_closed_still_starts_its_ranks(tmp_path):
+    # a daemon or a cron job may run with fd 1 closed: there is no stream to hand over
+    script = tmp_path / "script.py"
+    script.write_text(CLOSED_STDOUT)
+    done = subprocess.run([sys.executable, str(script)], capture_output=False,
+                          stderr=subprocess.PIPE, text=True, timeout=120,
+                          preexec_fn=lambda: os.close(1))
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.strip().endswith("[2, 3]")  # rank + world
