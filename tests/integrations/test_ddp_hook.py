@@ -111,6 +111,20 @@ def test_a_bad_codec_spec_is_refused_naming_the_value(spec, message):
         commpress.ddp_hook(nn.Linear(2, 2), spec)
 
 
+@pytest.mark.parametrize("field, value, allowed", [
+    ("overlap", "no", "allowed: True or False"),  # a non-empty string is truthy: mode on
+    ("overlap", 1, "allowed: True or False"),
+    ("bucket_numel", 0, "allowed: an integer >= 1"),
+    ("bucket_numel", 1.5, "allowed: an integer >= 1"),
+])
+def test_bad_options_are_refused_naming_the_field_and_value(field, value, allowed):
+    with pytest.raises(commpress.InputError) as info:
+        commpress.ddp_hook(nn.Linear(2, 2), "int2ef", **{field: value})
+    message = str(info.value)
+    assert f"ddp_hook: {field}" in message and repr(value) in message, message
+    assert allowed in message, message
+
+
 @pytest.mark.slow
 def test_a_codec_spec_trains_as_its_one_codec_policy():
     spec = "int4:hadamard=128"
