@@ -69,12 +69,13 @@ def _on_cpu(factory):
     return make
 
 
-def init_parallel(tp: int, pp: int) -> None:
+def init_parallel(tp: int, pp: int, timeout_minutes: float = 30) -> None:
     cpu_shim()
     from megatron.core import parallel_state
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
-                                             pipeline_model_parallel_size=pp)
+                                             pipeline_model_parallel_size=pp,
+                                             distributed_timeout_minutes=timeout_minutes)
 
 
 class SequenceParallelNorm(torch.nn.LayerNorm):
@@ -253,6 +254,28 @@ def killed_mid_step(rank: int, world: int, victim: int) -> dict:
             train(model, optimizer, corpus, step, 1, hashes=False, forward_step=forward_step)
 
     return killer.survive(loop)
+
+
+def compress_on_rank_0_only(rank: int, world: int, timeout_s: float) -> tuple[str, float]:
+    """Rank 0 compresses, rank 1 never does (it waits in a barrier of the default group,
+    which rank 0 joins once refused): rank 0's error and the seconds it took."""
+    import time
+
+    import torch.distributed as dist
+
+    import commpress
+
+    init_parallel(1, 1, timeout_minutes=timeout_s / 60)
+    model, optimizer = build(1, 1)
+    error, t0 = "", time.monotonic()
+    if rank == 0:
+        try:
+            commpress.megatron.compress(model, optimizer, "sdp4bit")
+        except RuntimeError as e:
+            error = f"{type(e).__name__}: {e}"
+    seconds = time.monotonic() - t0
+    dist.barrier()
+    return error, seconds
 
 
 # -- resume -------------------------------------------------------------------------------

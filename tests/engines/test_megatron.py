@@ -220,6 +220,15 @@ def test_ranks_compressing_with_other_policies_are_named_at_compress_on_every_ra
         assert error.startswith("CollectiveMismatchError") and "policy differs" in error
 
 
+def test_a_rank_that_never_compresses_is_named_within_the_groups_timeout():
+    # Megatron's groups wait 30 minutes by default: its own timeout, set short here, is
+    # the one commpress's agreement honours
+    ranks = spawn(workers.compress_on_rank_0_only, 2, (10,), pg_timeout_s=120, timeout=300)
+    error, seconds = ranks[0]
+    assert error.startswith("CollectiveTimeoutError") and "ranks [1] never reached it" in error
+    assert seconds < 10 + 20, seconds
+
+
 def test_configurations_that_would_pass_uncompressed_are_refused(dp4):
     out = dp4[0]["refusals"]
     assert "num_distributed_optimizer_instances=2" in out["instances"]

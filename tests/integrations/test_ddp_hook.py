@@ -8,6 +8,7 @@ codec with replicas bitwise identical after every step.
 """
 
 import pytest
+import torch
 import torch.nn as nn
 
 import commpress
@@ -150,6 +151,29 @@ def test_the_played_hook_takes_a_codec_spec_like_the_hook():
     assert played.policy == grad_policy("int4:hadamard=128")
     with pytest.raises(ValueError, match="policy='int9' is neither a policy preset"):
         PlayedDDPHook(nn.Linear(4, 4), "int9", ranks=2, ranks_per_node=1)
+
+
+@pytest.mark.parametrize("other, field", [
+    (dict(ranks=4, ranks_per_node=2), "ranks"),
+    (dict(ranks=2, ranks_per_node=2), "ranks_per_node"),
+    (dict(ranks=2, ranks_per_node=1, policy="sdp4bit"), "policy"),
+    (dict(ranks=2, ranks_per_node=1, bucket_numel=8), "layout"),
+])
+def test_the_played_hooks_state_of_another_run_is_refused_naming_the_field(other, field):
+    from commpress.integrations.played_ddp import PlayedDDPHook
+
+    def played(ranks, ranks_per_node, policy="int2ef", bucket_numel=1000):
+        torch.manual_seed(0)
+        return PlayedDDPHook(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), policy,
+                             ranks=ranks, ranks_per_node=ranks_per_node,
+                             bucket_numel=bucket_numel)
+
+    saved = played(2, 1).state_dict()
+    played(2, 1).load_state_dict(saved)  # the same run's state loads
+    with pytest.raises(commpress.InputError, match=f"PlayedDDPHook checkpoint {field} "):
+        played(**other).load_state_dict(saved)
+    with pytest.raises(commpress.InputError, match="not a PlayedDDPHook state"):
+        played(2, 1).load_state_dict({"ranks": 2, "codecs": saved["codecs"]})
 
 
 def test_a_parameter_ddp_ignores_is_left_to_ddp_not_waited_for():

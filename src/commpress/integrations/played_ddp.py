@@ -26,7 +26,9 @@ from commpress.collectives.topology import levels_used
 from commpress.dp import DPBucket
 from commpress.integrations.ddp import BUCKET_NUMEL, grad_policy, hook_layout
 from commpress.policy import Policy
-from commpress.validate import InputError
+from commpress.validate import check_saved_state
+
+STATE_FORMAT = "commpress.played_ddp_hook/2"
 
 
 class PlayedDDPHook:
@@ -55,20 +57,21 @@ class PlayedDDPHook:
 
     def state_dict(self) -> dict[str, Any]:
         """Every rank's codec states, bucket by bucket."""
-        return {"ranks": self.world, "codecs": [[dp.state_dict() for dp in row]
-                                                for row in self.dps]}
+        return {"format": STATE_FORMAT, **self._identity(),
+                "codecs": [[dp.state_dict() for dp in row] for row in self.dps]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if (not isinstance(state, dict) or state.get("ranks") != self.world
-                or len(state.get("codecs", ())) != len(self.dps)):
-            raise InputError("DDP hook state of {} ranks and {} buckets does not match this "
-                             "run's {} ranks and {} buckets".format(
-                                 *((state.get("ranks"), len(state.get("codecs", ())))
-                                   if isinstance(state, dict) else ("?", "?")),
-                                 self.world, len(self.dps)))
-        for row, states in zip(self.dps, state["codecs"]):
+        """Restore :meth:`state_dict` of a run with the same ranks, policy and layout."""
+        check_saved_state(state, STATE_FORMAT, "PlayedDDPHook", self._identity(),
+                          "resume with the same ranks, ranks per node, policy, model and "
+                          "bucket_numel (they fix the layout)")
+        for row, states in zip(self.dps, state["codecs"], strict=True):
             for dp, s in zip(row, states, strict=True):
                 dp.load_state_dict(s)
+
+    def _identity(self) -> dict[str, Any]:
+        return {"ranks": self.world, "ranks_per_node": self.L,
+                "policy": self.policy.to_dict(), "layout": [b.names for b in self.buckets]}
 
     def _all_reduce(self, j: int) -> Played:
         dps = self.dps[j]  # every rank ends with the same values: rank 0's are kept
