@@ -37,9 +37,8 @@ from commpress.integrations.buckets import (
     tensor_parallel_key,
 )
 from commpress.integrations.sharded_optimizer import (
-    clip_and_step,
+    finish_step,
     norm_of_parts,
-    skips_nonfinite,
 )
 from commpress.policy import Policy
 from commpress.validate import check_saved_state
@@ -141,16 +140,11 @@ class PlayedShardedOptimizer:
         non-finite norm skips the step (or raises)."""
         self.last_grad_norm = norm
         shards, self._shards = self._shards, None
-        self.steps += 1
-        if skips_nonfinite(norm, self.nonfinite, f"simulated step {self.steps - 1}"):
-            self.skipped_steps += 1
-            return False
-        grads = [(b.master, torch.cat([s[r] for r in range(self.world)]))
-                 for b, s in zip(self.buckets, shards)]
-        clip_and_step(self.optimizer, grads, norm, self.max_grad_norm)
-        for j, b in enumerate(self.buckets):
-            self._gather(j, b)
-        return True
+        return finish_step(
+            self, norm, self.max_grad_norm, "simulated step",
+            lambda: [(b.master, torch.cat([s[r] for r in range(self.world)]))
+                     for b, s in zip(self.buckets, shards)],
+            lambda: [self._gather(j, b) for j, b in enumerate(self.buckets)])
 
     def _gather(self, j: int, b: Bucket) -> None:
         """The new weights to the replica, as every rank's gather gives them."""

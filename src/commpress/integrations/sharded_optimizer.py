@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -308,17 +308,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         norm = self._reduce_gradients()
         limits = [x for x in (self.max_grad_norm, self._clip_norm) if x is not None]
         self._reduced_norm = self._clip_norm = None
-        if skips_nonfinite(norm, self.nonfinite, f"ShardedOptimizer step {self.steps}"):
-            self.skipped_steps += 1
-            self.steps += 1
-            return False
-        # Step 3: clip; the inner optimizer on the fp32 master shards
-        clip_and_step(self.optimizer, [(b.master, b.grad_shard) for b in self.buckets], norm,
-                      min(limits) if limits else None)
-        # Step 4: the new weights to every replica
-        self._gather_params()
-        self.steps += 1
-        return True
+        # Steps 3-4: clip, the inner optimizer on the fp32 master shards, the new weights
+        # to every replica
+        return finish_step(self, norm, min(limits) if limits else None, "ShardedOptimizer step",
+                           lambda: [(b.master, b.grad_shard) for b in self.buckets],
+                           self._gather_params)
 
     def _reduce_gradients(self) -> float:
         """Finish this step's gradient reduce-scatters, once; return the global norm."""
@@ -581,6 +575,22 @@ def skips_nonfinite(norm: float, nonfinite: str, where: str) -> bool:
             "some rank); the weights were not changed")
     log.warning("%s: non-finite gradient norm %s, step skipped", where, norm)
     return True
+
+
+def finish_step(front: Any, norm: float, max_grad_norm: float | None, what: str,
+                masters: Callable[[], list[tuple[nn.Parameter, torch.Tensor]]],
+                gather: Callable[[], object]) -> bool:
+    """What follows the global gradient norm in every sharded step, real or played: a
+    non-finite ``norm`` skips the step (logged) or raises; else the gradients are clipped
+    to ``max_grad_norm``, the inner optimizer steps the fp32 ``masters`` and ``gather``
+    sends the new weights to every replica. ``front`` counts the step either way."""
+    stepped = not skips_nonfinite(norm, front.nonfinite, f"{what} {front.steps}")
+    if stepped:
+        clip_and_step(front.optimizer, masters(), norm, max_grad_norm)
+        gather()
+    front.steps += 1
+    front.skipped_steps += not stepped
+    return stepped
 
 
 def clip_and_step(optimizer: torch.optim.Optimizer,
