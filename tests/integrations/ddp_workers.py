@@ -188,7 +188,11 @@ def elastic(rank, world, directory, phase):
     logging.getLogger("commpress.dp.grad_path").addHandler(handler)
     data = workers._data()
     out = {}
-    for front in ("int2ef", "lowrank", "diloco"):
+    # "int2ef fresh": the int2ef hook from the saved weights with no codec state at all,
+    # what the elastic load's fresh memory must equal
+    fronts = ("int2ef", "lowrank", "diloco") + (("int2ef fresh",) if phase == "load" else ())
+    for front in fronts:
+        kind = front.split()[0]
         model = workers._model()
         opt = None
         if front == "diloco":
@@ -199,26 +203,27 @@ def elastic(rank, world, directory, phase):
         else:
             ddp = DDP(model, bucket_cap_mb=0.1)
             state, hook = (commpress.ddp_hook(ddp, "int2ef", topology=commpress.Topology(1),
-                                              bucket_numel=25_000) if front == "int2ef" else
+                                              bucket_numel=25_000) if kind == "int2ef" else
                            lowrank_hook(ddp, rank=2, start_iter=1, bucket_numel=25_000,
                                         topology=commpress.Topology(1)))
             ddp.register_comm_hook(state, hook)
             opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-        path = os.path.join(directory, f"{front}-rank{{}}.pt")
+        path = os.path.join(directory, f"{kind}-rank{{}}.pt")
         start = 0
         if phase == "load":
             saved_world = len([f for f in os.listdir(directory)
-                               if f.startswith(f"{front}-rank")])
+                               if f.startswith(f"{kind}-rank")])
             saved = torch.load(path.format(rank % saved_world), weights_only=True)
-            model.load_state_dict(torch.load(os.path.join(directory, f"{front}-model.pt"),
+            model.load_state_dict(torch.load(os.path.join(directory, f"{kind}-model.pt"),
                                              weights_only=True))
+            start = 2
+        if phase == "load" and front != "int2ef fresh":
             try:
                 state.load_state_dict(saved)
                 out[f"{front} strict"] = None
             except ValueError as e:
                 out[f"{front} strict"] = str(e)
             state.load_state_dict(saved, elastic=True)
-            start = 2
         hashes = []
         for step in range(start, start + 2):
             x, y = workers._local_batch(data, step, rank, world)

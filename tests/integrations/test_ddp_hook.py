@@ -222,6 +222,9 @@ def test_an_elastic_resume_on_another_number_of_ranks_starts_the_memory_fresh(tm
             # DiLoCo's sites hold the same weights after a sync (step 4), the hooks' always
             assert r[front][-1:] == ranks[0][front][-1:], front
             assert front == "diloco" or r[front] == ranks[0][front], front
+    # the elastic load's fresh memory is no memory at all: the same bits as the hook
+    # started from the saved weights without any codec state
+    assert all(r["int2ef"] == r["int2ef fresh"] for r in ranks)
     said = ranks[0]["logged"]
     # once per kind of state (the two hooks' states are the DDP hook's), on rank 0 only
     assert [m.split(":")[0] for m in said] == ["DDP hook", "DiLoCo"]
