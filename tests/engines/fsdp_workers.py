@@ -93,6 +93,26 @@ def fsdp_codec_state_mismatch(rank, world, policy, other_policy):
     return {"modules": state["modules"], "errors": errors}
 
 
+def fsdp_codec_state_swapped_or_truncated(rank, world, policy):
+    """Each rank loads the other rank's codec state, then its own cut in half."""
+    import torch.distributed as dist
+
+    _, compression = _fsdp_model(policy)
+    states = [None] * world
+    dist.all_gather_object(states, compression.state_dict())
+    own = states[rank]
+    truncated = {**own, f"rank{rank}": own[f"rank{rank}"][:len(own[f"rank{rank}"]) // 2]}
+    errors = {}
+    for case, state in (("swapped", states[(rank + 1) % world]), ("truncated", truncated)):
+        try:
+            compression.load_state_dict(state)
+            errors[case] = None
+        except ValueError as e:
+            errors[case] = str(e)
+    compression.load_state_dict(own)  # its own state still loads
+    return errors
+
+
 def fsdp_elastic(rank, world, policy, ckpt_dir, phase):
     """``phase="save"``: 2 steps, then a DCP checkpoint with the codec state. ``"load"``
     (on another number of ranks): the strict load's error; then the elastic load and 2

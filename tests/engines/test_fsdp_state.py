@@ -46,6 +46,17 @@ def test_fsdp_codec_state_of_other_modules_or_another_policy_is_refused():
     assert "does not match this run's {'name': 'sdp4bit'" in result["errors"]["policy"]
 
 
+def test_a_codec_state_of_the_other_rank_or_cut_short_is_refused_by_name():
+    ranks = spawn(fsdp_workers.fsdp_codec_state_swapped_or_truncated, 2, ("int2ef",),
+                  ranks_per_node=1)
+    for rank, errors in enumerate(ranks):
+        other = 1 - rank
+        assert f"holds the state of ['rank{other}'], not this rank's ('rank{rank}')" in (
+            errors["swapped"] or ""), errors
+        assert f"the entry 'rank{rank}' cannot be read" in (errors["truncated"] or ""), errors
+        assert "truncated or corrupt" in errors["truncated"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("saved, resumed", [(4, 2), (2, 4)])
 def test_an_elastic_resume_on_another_number_of_ranks_starts_the_codecs_fresh(tmp_path, saved,

@@ -326,7 +326,13 @@ class FSDPCompression:
         elif key not in state:
             raise InputError(f"FSDP codec checkpoint holds the state of {saved_keys}, not this "
                              f"rank's ({key!r}); load each rank's own state")
-        entry = torch.load(io.BytesIO(state[key]), map_location=self.device, weights_only=True)
+        try:
+            entry = torch.load(io.BytesIO(state[key]), map_location=self.device,
+                               weights_only=True)
+        except Exception as e:  # noqa: BLE001 - torch's reader raises several kinds
+            raise InputError(f"FSDP codec checkpoint: the entry {key!r} cannot be read "
+                             f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); it is "
+                             "truncated or corrupt: resume from an intact checkpoint") from None
         _check_same("policy", entry["policy"], self.policy.to_dict())
         if fresh:
             resized({"rank": None, "world_size": state["world_size"]},
