@@ -192,6 +192,15 @@ def everything(rank, world, directory, steps):
             "accelerate": accelerate_runs(rank, world, steps)}
 
 
+def lightning_save(rank, world, ckpt, steps):
+    """A fit of ``steps`` steps with the error-feedback codec that saves ``ckpt``."""
+    from commpress.engines.lightning import CommpressDDPStrategy
+
+    _quiet()
+    lightning_fit(rank, world, CommpressDDPStrategy(EF), steps, save_to=ckpt)
+    dist.barrier()
+
+
 def lightning_elastic(rank, world, ckpt, directory, steps):
     """``ckpt`` (saved on another number of ranks, at global step ``steps``) resumed with
     ``CommpressDDPStrategy``: as it is (refused), with ``elastic=True``, and with it from a

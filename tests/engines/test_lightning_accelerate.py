@@ -86,6 +86,22 @@ def test_a_checkpoint_of_two_ranks_resumes_on_four_only_when_elastic(two_ranks, 
     assert all(r["said"] == [] for r in ranks[1:])
 
 
+def test_a_checkpoint_of_four_ranks_resumes_on_two_only_when_elastic(tmp_path):
+    """The other direction: rank 0's file read by both ranks, the memory fresh."""
+    import os
+
+    ckpt = os.path.join(str(tmp_path), "four.ckpt")
+    spawn(workers.lightning_save, 4, (ckpt, STEPS), timeout=600)
+    ranks = spawn(workers.lightning_elastic, 2, (ckpt, str(tmp_path), STEPS), timeout=600)
+    for r in ranks:
+        assert "was written by rank 0 of 4; this is rank 0 of 2" in r["strict"]
+        assert r["elastic"]["hashes"] == r["control"]["hashes"] == ranks[0]["elastic"]["hashes"]
+        assert len(r["elastic"]["hashes"]) == STEPS
+    said = ranks[0]["said"]
+    assert said[0].startswith("DDP hook: resuming state saved on 4 ranks on 2")
+    assert all(r["said"] == [] for r in ranks[1:])
+
+
 def test_each_fit_ends_its_hooks_thread(two_ranks):
     # five fits with CommpressDDPStrategy in one process: none leaves its thread behind
     assert [r["lightning"]["hook threads left"] for r in two_ranks] == [0, 0]

@@ -100,6 +100,23 @@ def test_a_checkpoint_of_two_ranks_resumes_on_four_only_when_elastic(two_ranks, 
     assert all(r["said"] == [] for r in ranks[1:])
 
 
+def test_a_checkpoint_of_four_ranks_resumes_on_two_only_when_elastic(tmp_path):
+    """The other direction: rank 0's codec file read by both ranks, the memory fresh."""
+    import os
+
+    saved = os.path.join(str(tmp_path), "saved")
+    spawn(workers.save_int2ef, 4, (saved,), timeout=600)
+    checkpoint = os.path.join(saved, f"checkpoint-{workers.STEPS // 2}")
+    ranks = spawn(workers.elastic_resume, 2, (checkpoint, str(tmp_path)), timeout=600)
+    for r in ranks:
+        assert "was written by rank 0 of 4; this is rank 0 of 2" in r["strict"]
+        assert r["elastic"] == r["control"] == ranks[0]["elastic"]
+        assert r["elastic"]["step"] == workers.STEPS
+    said = ranks[0]["said"]
+    assert said[0].startswith("DDP hook: resuming state saved on 4 ranks on 2")
+    assert all(r["said"] == [] for r in ranks[1:])
+
+
 def test_a_rank_killed_mid_step_is_named_by_the_survivor(tmp_path):
     ranks = spawn(workers.killed_mid_step, 2, (1, str(tmp_path)), pg_timeout_s=15,
                   timeout=300, allow_errors=True)

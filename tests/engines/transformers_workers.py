@@ -148,6 +148,13 @@ def resume_without_state(rank, world, directory):
     _run(data, directory, 2, "int2ef", resume=True)
 
 
+def save_int2ef(rank, world, directory):
+    """An int2ef run that saves a checkpoint halfway, in ``directory``."""
+    _quiet()
+    _run(TextData(load_tokens(max_bytes=200_000)), directory, STEPS, "int2ef",
+         save_steps=STEPS // 2)
+
+
 def elastic_resume(rank, world, checkpoint, directory):
     """``checkpoint`` (saved on another number of ranks) resumed: as it is (refused), with
     ``elastic=True``, and with ``elastic=True`` from a copy without commpress's files (the
