@@ -113,11 +113,16 @@ def fsdp_codec_state_swapped_or_truncated(rank, world, policy):
     return errors
 
 
-def fsdp_elastic(rank, world, policy, ckpt_dir, phase):
+def fsdp_model_of(world, policy):
+    return _fsdp_model(policy)
+
+
+def fsdp_elastic(rank, world, policy, ckpt_dir, phase, build=fsdp_model_of):
     """``phase="save"``: 2 steps, then a DCP checkpoint with the codec state. ``"load"``
     (on another number of ranks): the strict load's error; then the elastic load and 2
     steps; then, on a fresh model, the checkpoint without the codec state and the same 2
-    steps. Returns the losses and weights' hashes, and what was logged."""
+    steps. Returns the losses and weights' hashes, and what was logged. ``build(world,
+    policy)`` makes the model and its compression (FSDP2 by default; HSDP's 2-D mesh)."""
     import logging
 
     records = []
@@ -125,7 +130,7 @@ def fsdp_elastic(rank, world, policy, ckpt_dir, phase):
     handler.emit = lambda record: records.append(record.getMessage())
     logging.getLogger("commpress").addHandler(handler)
     data = _data()
-    model, compression = _fsdp_model(policy)
+    model, compression = build(world, policy)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     app = {"train": _TrainState(model, opt), "comm": compression}
     if phase == "save":
@@ -141,7 +146,7 @@ def fsdp_elastic(rank, world, policy, ckpt_dir, phase):
     dcp.load({**app, "comm": compression.elastic()}, checkpoint_id=ckpt_dir)
     out["loaded"] = _full_params_hash(model)
     out["elastic"] = train_steps(model, opt, data, rank, world, 2, 2), _full_params_hash(model)
-    fresh, _ = _fsdp_model(policy)
+    fresh, _ = build(world, policy)
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=3e-3)
     dcp.load({"train": _TrainState(fresh, fresh_opt)}, checkpoint_id=ckpt_dir)
     out["without codecs"] = (train_steps(fresh, fresh_opt, data, rank, world, 2, 2),

@@ -58,18 +58,24 @@ def test_a_codec_state_of_the_other_rank_or_cut_short_is_refused_by_name():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("saved, resumed", [(4, 2), (2, 4)])
+@pytest.mark.parametrize("layout, saved, resumed", [("fsdp", 4, 2), ("fsdp", 2, 4),
+                                                    ("hsdp", 8, 4), ("hsdp", 4, 8)])
 def test_an_elastic_resume_on_another_number_of_ranks_starts_the_codecs_fresh(tmp_path, saved,
-                                                                              resumed):
+                                                                              resumed, layout):
     """DCP reshards the model and the optimizer; the codec state of another world is refused
     (by commpress on fewer ranks, by DCP on more) unless loaded through ``comm.elastic()``,
     which then continues exactly as a run that saved no codec state would (fresh memory,
-    nothing of the old world applied), said once."""
+    nothing of the old world applied), said once. HSDP: 2 replicas of 4 shards or of 2,
+    its replicate all-reduce's codec fresh too."""
+    from tests.engines.hsdp_workers import hsdp_model
+
+    build = (fsdp_workers.fsdp_model_of,) if layout == "fsdp" else (hsdp_model,)
+    per_node = {"fsdp": lambda world: 1, "hsdp": lambda world: world // 2}[layout]
     ckpt = str(tmp_path / "ckpt")
-    (at_save, *_) = spawn(fsdp_workers.fsdp_elastic, saved, ("int2ef", ckpt, "save"),
-                          ranks_per_node=1)
-    ranks = spawn(fsdp_workers.fsdp_elastic, resumed, ("int2ef", ckpt, "load"),
-                  ranks_per_node=1)
+    (at_save, *_) = spawn(fsdp_workers.fsdp_elastic, saved, ("int2ef", ckpt, "save", *build),
+                          ranks_per_node=per_node(saved))
+    ranks = spawn(fsdp_workers.fsdp_elastic, resumed, ("int2ef", ckpt, "load", *build),
+                  ranks_per_node=per_node(resumed))
     for r in ranks:
         if resumed < saved:
             assert f"world_size {saved} does not match this run's {resumed}" in r["strict"]
