@@ -96,6 +96,32 @@ def test_path_options_are_found():
     assert {"train", "compare", "simulate", "plan", "bench codecs"} <= commands
 
 
+LIST_OPTIONS = [("compare", "--policies", ","), ("simulate", "--policies", ","),
+                ("plan", "--policy", ","),
+                ("plan", "--outer", ","), ("bench codecs", "--codecs", ";"),
+                ("bench collectives", "--codecs", ";")]
+
+
+def test_the_list_options_are_found():
+    # train's, compare's and simulate's --outer and --policy name one policy each
+    found = {(command, action.option_strings[0]) for command, action in _options()
+             if action.dest in ("policies", "codecs")
+             or (command == "plan" and action.dest in ("policy", "outer"))}
+    assert found == {(command, flag) for command, flag, _ in LIST_OPTIONS}
+
+
+@pytest.mark.parametrize(("command", "flag", "sep"), LIST_OPTIONS, ids=lambda v: str(v))
+def test_every_list_option_refuses_an_empty_name(capsys, command, flag, sep):
+    """``--policies none,,sdp4bit`` ran two policies and ``--codecs ''`` every codec, in
+    silence: an empty name is refused, naming the option and its value."""
+    from commpress.cli import main
+
+    for value in ("", " ", f"none{sep}{sep}int8", f"none{sep}"):
+        assert main([*command.split(), flag, value]) == 2, (command, flag, value)
+        err = capsys.readouterr().err
+        assert f"{flag} {value!r} is not allowed: it holds an empty name" in err, err
+
+
 @pytest.mark.parametrize(("command", "flag"), _path_options(), ids=lambda v: str(v))
 def test_every_path_option_refuses_a_blank_path(capsys, command, flag):
     """``--resume "$CKPT"`` with the variable unset must not start a fresh run in silence,

@@ -34,7 +34,7 @@ def _cmd_bench_codecs(args: argparse.Namespace) -> int:
     from commpress.bench.codecs import bench_codecs, print_codec_table, write_json
 
     console = Console(stderr=True)
-    specs = args.codecs.split(";") if args.codecs else None
+    specs = _listed("--codecs", args.codecs, ";") if args.codecs is not None else None
     with console.status("benchmarking codecs") as status:
         rows = bench_codecs(specs, device=args.device, numel=args.numel, dtype=DTYPES[args.dtype],
                             with_reference=not args.no_reference, iters=args.iters,
@@ -50,7 +50,7 @@ def _cmd_bench_collectives(args: argparse.Namespace) -> int:
     from commpress.codecs import codec
 
     sizes = _element_counts("--sizes", args.sizes)
-    codecs = args.codecs.split(";") if args.codecs else None
+    codecs = _listed("--codecs", args.codecs, ";") if args.codecs is not None else None
     for spec in codecs or ():
         codec(spec)  # a bad spec is an error before any rank starts
     run_collectives_bench(nproc=args.nproc, ranks_per_node=args.ranks_per_node, sizes=sizes,
@@ -58,6 +58,21 @@ def _cmd_bench_collectives(args: argparse.Namespace) -> int:
                           backend=args.backend,
                           dtype=str(DTYPES[args.dtype]).removeprefix("torch."))
     return 0
+
+
+def _listed(flag: str, values: str | list[str], sep: str = ",") -> list[str]:
+    """The names of ``'none,hybrid'`` (or of several such, from a repeated flag). An empty
+    name — a blank value, ``a,,b``, a trailing separator — is refused by name: dropping it
+    would run another list than the one asked for, and a blank list all the defaults."""
+    names: list[str] = []
+    for value in [values] if isinstance(values, str) else values:
+        items = [item.strip() for item in value.split(sep)]
+        if not all(items):
+            raise InputError(f"{flag} {value!r} is not allowed: it holds an empty name; "
+                             f"allowed: names separated by {sep!r}, such as "
+                             f"{'none' + sep + 'hybrid' if sep == ',' else 'int8' + sep + 'int4'}")
+        names += items
+    return names
 
 
 def _element_counts(flag: str, text: str) -> list[int]:
@@ -151,7 +166,7 @@ def _cmd_compare(args: argparse.Namespace, runner=None, **override) -> int:
     from commpress.train.compare import compare
     from commpress.train.loop import train
 
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    policies = _listed("--policies", args.policies)
     compare(policies, _train_config(args, policy=policies[0] if policies else "none", **override),
             out_dir=args.out, json_path=args.json, runner=runner or train)
     return 0
@@ -171,7 +186,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     if args.ranks < 1:
         raise InputError(f"--ranks {args.ranks} is not allowed; allowed: an integer >= 1")
     world = args.ranks * args.pp * args.tp
-    if args.policies:
+    if args.policies is not None:
         return _cmd_compare(args, simulate, nproc=world)
     _report(simulate(_train_config(args, nproc=world)), args.json)
     return 0
@@ -188,7 +203,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
     gpu = GPUS[args.gpu]
     tp, pp = args.tp, args.pp
-    outers = [p.strip() for item in args.outer for p in item.split(",") if p.strip()]
+    outers = _listed("--outer", args.outer)
     check_int("--outer-delay", args.outer_delay, ge=0)
     DiLoCoConfig(args.sync_every, args.fragments, args.outer_delay)  # checked by name
     outer_policies = {name: outer_policy(name) for name in outers}  # bad names fail first
@@ -208,7 +223,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     job = JobSpec(model=model_from_arg(args.model), dp=dp, tp=tp, pp=pp,
                   zero_stage=args.zero_stage, micro_batch=args.micro_batch, seq=args.seq,
                   global_batch=args.global_batch, recompute=args.recompute, overlap=args.overlap)
-    policies = [p.strip() for item in args.policy for p in item.split(",") if p.strip()]
+    policies = _listed("--policy", args.policy)
     result = plan(cluster, job, policies)
     title = (f"{args.model} ({job.model.params / 1e9:.2f} B params) on {args.gpus} × {args.gpu}"
              f" ({args.gpus_per_node}/node), dp{dp}×tp{tp}×pp{pp}, inter {args.inter_bw} GB/s "
