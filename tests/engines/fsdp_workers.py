@@ -155,15 +155,16 @@ def fsdp_elastic(rank, world, policy, ckpt_dir, phase, build=fsdp_model_of):
     return out
 
 
-def fsdp_nan_on_one_rank(rank, world, policies):
+def fsdp_nan_on_one_rank(rank, world, policies, build=fsdp_model_of):
     """Per policy (None: stock FSDP2): rank 1's loss is NaN at the first step; whether
-    each rank's gradient shards stayed finite at each of 2 steps, and its weights after."""
+    each rank's gradient shards stayed finite at each of 2 steps, and its weights after
+    (``build(world, policy)``: FSDP2 by default, or HSDP's 2-D mesh)."""
     from tests.integrations.workers import _local_batch
 
     data = _data()
     out = {}
     for policy in policies:
-        model, _ = _fsdp_model(policy)
+        model, _ = build(world, policy)
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
         finite = []
         for step in range(2):

@@ -103,6 +103,21 @@ def test_a_nan_on_one_rank_stays_non_finite_on_every_rank_as_in_stock_fsdp():
                                               "weights finite": False}, policy
 
 
+def test_a_nan_on_one_rank_of_hsdp_stays_non_finite_on_every_replica_as_in_stock():
+    """HSDP (2 replicas × 2 shards): rank 1's NaN crosses to the other replica through the
+    replicate all-reduce's codec (2-bit with error feedback, 4-bit Hadamard) as through
+    stock HSDP's exact one; no replica is left finite."""
+    from tests.engines.hsdp_workers import hsdp_model
+
+    policies = [None, "int2ef", "sdp4bit"]
+    ranks = spawn(fsdp_workers.fsdp_nan_on_one_rank, 4, (policies, hsdp_model),
+                  ranks_per_node=2)
+    for r in ranks:
+        for policy in map(str, policies):
+            assert r[policy] == r["None"] == {"grads finite": [False, False],
+                                              "weights finite": False}, policy
+
+
 @pytest.mark.slow
 def test_ranks_that_compress_differently_or_not_at_all_are_named_at_compress():
     """Ranks on other policies raise the mismatch at ``compress`` on every rank. A rank
