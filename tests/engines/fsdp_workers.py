@@ -180,16 +180,18 @@ def fsdp_nan_on_one_rank(rank, world, policies, build=fsdp_model_of):
     return out
 
 
-def fsdp_disagreeing_ranks(rank, world, case):
+def fsdp_disagreeing_ranks(rank, world, case, build=fsdp_model_of):
     """``case="one"``: rank 0 compresses, rank 1 trains stock FSDP2; ``"policy"``: the
-    ranks compress with other policies. What each rank raised, and how soon."""
+    ranks compress with other policies; ``"replicas"`` (HSDP): the first half of the ranks
+    — one replica — with one policy, the other replica with another. What each rank
+    raised, and how soon."""
     import time
 
     data = _data()
     start = time.monotonic()
+    first = rank == 0 if case != "replicas" else rank < world // 2
     try:
-        model, _ = _fsdp_model("int2ef" if rank == 0 else "sdp4bit" if case == "policy"
-                               else None)
+        model, _ = build(world, "int2ef" if first else "sdp4bit" if case != "one" else None)
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
         train_steps(model, opt, data, rank, world, 0, 1)
         error = None

@@ -129,6 +129,14 @@ def test_ranks_that_compress_differently_or_not_at_all_are_named_at_compress():
     for r in policy:
         assert "CollectiveMismatchError: commpress.fsdp.compress" in r["error"]
         assert "policy differs" in r["error"]
+    # HSDP: each replica agrees inside, the replicas differ: every rank is told at compress
+    from tests.engines.hsdp_workers import hsdp_model
+
+    replicas = spawn(fsdp_workers.fsdp_disagreeing_ranks, 4, ("replicas", hsdp_model),
+                     ranks_per_node=2, pg_timeout_s=10)
+    for r in replicas:
+        assert "CollectiveMismatchError: commpress.fsdp.compress" in r["error"], r
+        assert "policy differs" in r["error"]
     one = spawn(fsdp_workers.fsdp_disagreeing_ranks, 2, ("one",), ranks_per_node=1,
                 pg_timeout_s=10, timeout=120)
     assert "CollectiveTimeoutError: commpress.fsdp.compress" in one[0]["error"]
