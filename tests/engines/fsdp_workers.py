@@ -180,6 +180,28 @@ def fsdp_nan_on_one_rank(rank, world, policies, build=fsdp_model_of):
     return out
 
 
+def fsdp_killed_mid_step(rank, world, victim):
+    """FSDP2 with int2ef; the victim SIGKILLs itself after the forward pass of step 2."""
+    from tests.integrations.workers import _local_batch
+    from tests.reliability.killing import Killer
+
+    data = _data()
+    model, _ = _fsdp_model("int2ef")
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    killer = Killer(rank, victim, at_step=2)
+
+    def loop():
+        for step in range(1000):
+            x, y = _local_batch(data, step, rank, world)
+            _, loss = model(x, y)
+            killer.mid_step(step)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+
+    return killer.survive(loop)
+
+
 def fsdp_disagreeing_ranks(rank, world, case, build=fsdp_model_of):
     """``case="one"``: rank 0 compresses, rank 1 trains stock FSDP2; ``"policy"``: the
     ranks compress with other policies; ``"replicas"`` (HSDP): the first half of the ranks

@@ -143,3 +143,12 @@ def test_ranks_that_compress_differently_or_not_at_all_are_named_at_compress():
     assert "ranks [1] never reached it" in one[0]["error"]
     assert one[0]["seconds"] < 10 + 5
     assert one[1]["error"] is not None and one[1]["seconds"] < 10 + 15
+
+
+@pytest.mark.slow
+def test_a_rank_killed_mid_step_is_named_by_the_survivor():
+    from tests.reliability.killing import assert_survivors_name_the_dead_rank
+
+    ranks = spawn(fsdp_workers.fsdp_killed_mid_step, 2, (1,), ranks_per_node=1,
+                  pg_timeout_s=15, timeout=300, allow_errors=True)
+    assert_survivors_name_the_dead_rank(ranks, victim=1, timeout_s=15)
