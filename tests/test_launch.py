@@ -156,3 +156,26 @@ def test_a_launcher_whose_stdout_is_closed_still_starts_its_ranks(tmp_path):
                           preexec_fn=lambda: os.close(1))
     assert done.returncode == 0, done.stderr
     assert done.stderr.strip().endswith("[2, 3]")  # rank + world
+
+
+PARTIAL = """
+import functools
+from commpress.launch import spawn
+
+
+def scaled(rank, world, factor):
+    return rank * factor
+
+
+if __name__ == "__main__":
+    print(spawn(functools.partial(scaled, factor=10), 2))
+"""
+
+
+def test_a_partial_of_the_launching_scripts_function_runs_on_every_rank(tmp_path):
+    script = tmp_path / "script.py"
+    script.write_text(PARTIAL)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[0, 10]"

@@ -122,7 +122,9 @@ PRELOAD = ["torch", "torch.distributed", "commpress", "commpress.launch"]
 
 
 def _context(fn: Callable[..., Any]):
-    if not sys.platform.startswith("linux") or fn.__module__ == "__main__":
+    # a partial's function decides where it can be found
+    module = getattr(getattr(fn, "func", fn), "__module__", None)
+    if not sys.platform.startswith("linux") or module == "__main__":
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)  # read once, when the server starts
