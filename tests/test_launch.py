@@ -129,13 +129,18 @@ if __name__ == "__main__":
 """
 
 
-def test_a_function_of_the_launching_script_itself_runs_on_every_rank(tmp_path):
+def _run_script(tmp_path, text: str, **options) -> subprocess.CompletedProcess:
+    """``text`` run as a script of its own (its functions live in its ``__main__``)."""
     script = tmp_path / "script.py"
-    script.write_text(SCRIPT)
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          timeout=120)
+    script.write_text(text)
+    options = {"capture_output": True, **options}
+    done = subprocess.run([sys.executable, str(script)], text=True, timeout=120, **options)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "[0, 1, 4]"
+    return done
+
+
+def test_a_function_of_the_launching_script_itself_runs_on_every_rank(tmp_path):
+    assert _run_script(tmp_path, SCRIPT).stdout.strip() == "[0, 1, 4]"
 
 
 CLOSED_STDOUT = """
@@ -149,12 +154,8 @@ if __name__ == "__main__":
 
 def test_a_launcher_whose_stdout_is_closed_still_starts_its_ranks(tmp_path):
     # a daemon or a cron job may run with fd 1 closed: there is no stream to hand over
-    script = tmp_path / "script.py"
-    script.write_text(CLOSED_STDOUT)
-    done = subprocess.run([sys.executable, str(script)], capture_output=False,
-                          stderr=subprocess.PIPE, text=True, timeout=120,
-                          preexec_fn=lambda: os.close(1))
-    assert done.returncode == 0, done.stderr
+    done = _run_script(tmp_path, CLOSED_STDOUT, capture_output=False,
+                       stderr=subprocess.PIPE, preexec_fn=lambda: os.close(1))
     assert done.stderr.strip().endswith("[2, 3]")  # rank + world
 
 
@@ -173,9 +174,4 @@ if __name__ == "__main__":
 
 
 def test_a_partial_of_the_launching_scripts_function_runs_on_every_rank(tmp_path):
-    script = tmp_path / "script.py"
-    script.write_text(PARTIAL)
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "[0, 10]"
+    assert _run_script(tmp_path, PARTIAL).stdout.strip() == "[0, 10]"

@@ -60,6 +60,9 @@ def _cmd_bench_collectives(args: argparse.Namespace) -> int:
     return 0
 
 
+LIST_EXAMPLES = {",": "none,hybrid", ";": "int8;int4"}
+
+
 def _listed(flag: str, values: str | list[str], sep: str = ",") -> list[str]:
     """The names of ``'none,hybrid'`` (or of several such, from a repeated flag). An empty
     name — a blank value, ``a,,b``, a trailing separator — is refused by name: dropping it
@@ -70,7 +73,7 @@ def _listed(flag: str, values: str | list[str], sep: str = ",") -> list[str]:
         if not all(items):
             raise InputError(f"{flag} {value!r} is not allowed: it holds an empty name; "
                              f"allowed: names separated by {sep!r}, such as "
-                             f"{'none' + sep + 'hybrid' if sep == ',' else 'int8' + sep + 'int4'}")
+                             f"{LIST_EXAMPLES[sep]}")
         names += items
     return names
 

@@ -88,8 +88,8 @@ def _launcher_alive(launcher_pid: int, parent_pid: int) -> bool:
         os.kill(launcher_pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:  # alive, someone else's: not ours, but not gone
-        return True
+    except PermissionError:  # a process of another user holds the pid: not gone
+        pass
     return True
 
 
@@ -98,7 +98,7 @@ def die_with_parent(launcher_pid: int) -> None:
     when its parent dies (the launcher, or the fork server, which exits with the
     launcher); a thread checks both every second where that signal does not exist."""
     set_parent_death_signal()
-    parent_pid = launcher_pid if os.getppid() == launcher_pid else os.getppid()
+    parent_pid = os.getppid()  # the launcher, or its fork server
     if parent_pid == 1 or not _launcher_alive(launcher_pid, parent_pid):
         os._exit(1)  # the launcher died before we asked
 
@@ -131,18 +131,20 @@ def _context(fn: Callable[..., Any]):
     return ctx
 
 
+def _attribute(root: Any, qualname: str) -> Any:
+    for part in qualname.split("."):
+        root = getattr(root, part, None)
+    return root
+
+
 def _by_name(fn: Callable[..., Any]) -> Callable[..., Any] | tuple[str, str]:
     """A module-level function travels by name and is imported by the rank once the
     launcher's directory, path and environment are in place (the fork server holds those
     of its own start); anything else travels pickled."""
     module = sys.modules.get(getattr(fn, "__module__", None) or "")
     qualname = getattr(fn, "__qualname__", "")
-    if module is not None and "<" not in qualname:
-        found: Any = module
-        for part in qualname.split("."):
-            found = getattr(found, part, None)
-        if found is fn:
-            return (module.__name__, qualname)
+    if module is not None and "<" not in qualname and _attribute(module, qualname) is fn:
+        return (module.__name__, qualname)
     return fn
 
 
@@ -151,10 +153,7 @@ def _resolve(target: Callable[..., Any] | tuple[str, str]) -> Callable[..., Any]
         return target
     import importlib
 
-    found: Any = importlib.import_module(target[0])
-    for part in target[1].split("."):
-        found = getattr(found, part)
-    return found
+    return _attribute(importlib.import_module(target[0]), target[1])
 
 
 class _Stream:
