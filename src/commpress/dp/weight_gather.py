@@ -15,19 +15,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from commpress.collectives import (
-    Handle,
-    Topology,
-    all_gather,
-    delta_all_gather,
-    hierarchical_all_gather,
-)
+from commpress.collectives import Handle, Topology
 from commpress.collectives.byte_stats import Stats
+from commpress.collectives.call import end, owned_input
+from commpress.collectives.comm import check_sizes
 from commpress.collectives.compressed_all_gather import all_gather_steps
 from commpress.collectives.delta_gather import delta_gather_steps
-from commpress.collectives.hierarchical import EXACT, two_level_all_gather_steps
-from commpress.collectives.transport import Peers, Steps
+from commpress.collectives.hierarchical import (
+    EXACT,
+    begin_two_level,
+    two_level_all_gather_steps,
+)
+from commpress.collectives.transport import Peers, Steps, run_into
 from commpress.policy import Rule
+
+LABEL = "dp.param"
 
 
 def weight_gather_levels(rule: Rule, nodes: int, ranks_per_node: int) -> tuple[str, ...]:
@@ -45,31 +47,33 @@ def gather_weights(weights: torch.Tensor, new: torch.Tensor, codec: Any, rule: R
                    async_op: bool = False) -> torch.Tensor | Handle:
     """Move every rank's ``new`` shard into the replicated ``weights`` (rank order) with
     the policy's ``dp.param`` rule: differences (qWD) when ``rule.delta``, else the
-    weights themselves, on the levels :func:`weight_gather_levels` picks."""
-    levels = topology.resolve(group)
-    two_level = len(weight_gather_levels(rule, levels.nodes, levels.ranks_per_node)) == 2
-    if rule.delta:
-        return delta_all_gather(weights, new, codec=codec,
-                                topology=topology if two_level else Topology(1), group=group,
-                                label="dp.param", async_op=async_op)
-    if two_level:
-        return hierarchical_all_gather(weights, new, inter=codec, topology=topology,
-                                       group=group, label="dp.param", async_op=async_op)
-    return all_gather(weights, new, codec, group=group, label="dp.param", async_op=async_op)
+    weights themselves, on the levels :func:`weight_gather_levels` picks. One prologue
+    (ranks agree, the node levels are resolved once), then the very steps a played rank
+    runs (:func:`weight_gather_steps`)."""
+    call, _, peers = begin_two_level(
+        "gather_weights", group, LABEL, EXACT, codec, topology, delta=rule.delta,
+        tensors={"weights": weights, "new": new},
+        check=lambda n: check_sizes("gather_weights", weights, new, n, "weights", "new"))
+    new = owned_input(new, call.codecs["inter"], async_op).reshape(-1)
+    return end(run_into(weights, lambda flat: weight_gather_steps(
+        flat, new, call.codecs["inter"], rule, peers, call.stats, out=flat)), async_op)
 
 
 def weight_gather_steps(weights: torch.Tensor, new: torch.Tensor, codec: Any, rule: Rule,
-                        peers: tuple[Peers, Peers, Peers], stats: Stats) -> Steps:
+                        peers: tuple[Peers, Peers, Peers], stats: Stats,
+                        out: torch.Tensor | None = None) -> Steps:
     """The steps of :func:`gather_weights` for one rank → the new flat replica, given its
     peers in the whole group, inside its node and across nodes (what a played rank runs).
-    ``weights`` is the flat replica, read only."""
+    ``weights`` is the flat replica, read only; ``out``, a buffer an exact one-level
+    gather may write into (the real replica)."""
     whole, intra, inter = peers
-    if len(weight_gather_levels(rule, inter.size, intra.size)) == 1:
-        intra, inter = Peers(0, 1, None), whole
-    if rule.delta:
-        return delta_gather_steps(weights, new, codec, intra, inter, stats, "dp.param")
-    if intra.size == 1:
+    if weight_gather_levels(rule, inter.size, intra.size) == ("single",):
+        if rule.delta:  # every rank applies every rank's difference
+            return delta_gather_steps(weights, new, codec, Peers(0, 1, None), whole, stats,
+                                      LABEL)
         dtype = new.dtype
-        return all_gather_steps(new, codec, inter, stats, "dp.param",
+        return all_gather_steps(new, codec, whole, stats, LABEL, out=out,
                                 then=lambda values: values.to(dtype).reshape(-1))
-    return two_level_all_gather_steps(new, EXACT, codec, intra, inter, stats, "dp.param")
+    if rule.delta:
+        return delta_gather_steps(weights, new, codec, intra, inter, stats, LABEL)
+    return two_level_all_gather_steps(new, EXACT, codec, intra, inter, stats, LABEL)
