@@ -71,8 +71,8 @@ class CompressedProcessGroup(ProcessGroupWrapper):
                              "that runs its collectives in this process)")
         super().__init__(timeout=timeout, pg=pg)
         self.policy = outer_policy(policy)
-        level = "inter" if self.policy.two_level("outer") else None
-        self.codec = self.policy.codec_for("outer", "grad", level)
+        # replicas are sites: what crosses between them is the inter level's (or the one)
+        self.codec = self.policy.codec_for("outer", "grad", "inter")
         _check_stateless(self.codec, self.policy.name)
 
     def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int,

@@ -399,8 +399,7 @@ def _break_even(c: ClusterSpec, j: JobSpec, policy: Policy, n_local: int, shard:
     algorithms :func:`plan_policy` charges."""
     out: dict[str, float | None] = {}
     none = Policy.preset("none")
-    rules = {"dp.grad": (policy.rule("dp", "grad", "inter" if policy.two_level() else None),
-                         _dp_grad_cost),
+    rules = {"dp.grad": (policy.rule("dp", "grad", "inter"), _dp_grad_cost),
              "dp.param": (policy.rule("dp", "param"), _dp_param_cost)}
     for label, (rule, cost) in rules.items():
         stages, secs = cost(c, j, policy, n_local, shard, p_local)
