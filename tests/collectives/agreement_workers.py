@@ -243,3 +243,31 @@ def fuzz_p2p(rank, world, transfers):
             good = bool((buf == 7.0).all())
         out.append((send_outcome, recv_outcome, good))
     return out
+
+
+def mesh_disagreement(rank, world, shape, odd):
+    """The ranks as a mesh of ``shape`` (row-major), a group along each axis; rank ``odd``
+    alone agrees on another value, then all agree → this rank's two outcomes."""
+    import itertools
+
+    import numpy as np
+
+    from commpress.collectives.agreement import agree_across
+
+    grid = np.arange(world).reshape(shape)
+    mine = []
+    for axis in range(len(shape)):
+        # every rank creates every group of the axis, in the same order
+        for index in itertools.product(*(range(n) for i, n in enumerate(shape) if i != axis)):
+            line = np.moveaxis(grid, axis, -1)[index].tolist()
+            group = dist.new_group(line)
+            if rank in line:
+                mine.append((group, {"label": f"axis{axis}"}))
+    out = []
+    for value in ("b" if rank == odd else "a", "a"):
+        try:
+            agree_across("mesh", [(g, {**f, "value": value}) for g, f in mine])
+            out.append("ok")
+        except RuntimeError as e:
+            out.append(str(e))
+    return out

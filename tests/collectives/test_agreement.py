@@ -110,3 +110,17 @@ def test_agreement_cost_is_one_small_exchange():
     # the cost per call, measured (BENCHMARKS.md has the figure for this machine)
     for r in spawn(workers.agreement_cost, 4, (1 << 16, 20)):
         assert r["agree_s"] < r["all_reduce_s"], r
+
+
+@pytest.mark.parametrize("shape", [(2, 2), (2, 2, 2)])
+def test_one_rank_that_differs_in_a_mesh_is_told_to_every_rank(shape):
+    # rank 0 alone differs: the ranks that share no group with it learn it from peers
+    # whose groups failed (one round more for each dimension), and the groups still work
+    world = 1
+    for n in shape:
+        world *= n
+    for rank, (first, second) in enumerate(spawn(workers.mesh_disagreement, world,
+                                                 (shape, 0), timeout=120)):
+        assert "commpress.mesh: ranks disagree" in first, (rank, first)
+        assert "value differs" in first or "other_groups_of_the_mesh differs" in first, first
+        assert second == "ok"

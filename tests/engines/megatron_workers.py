@@ -510,5 +510,21 @@ def elastic(corpus, tp: int, pp: int, policy, directory: str, load_tag, save_tag
     return out
 
 
+def one_disagrees(corpus, tp: int, pp: int) -> str | None:
+    """Rank 0 alone compresses with another policy → this rank's error, or None."""
+    import torch.distributed as dist
+
+    import commpress
+
+    model, optimizer = build(tp, pp)
+    mine = "hybrid" if dist.get_rank() == 0 else "sdp4bit"
+    try:
+        commpress.megatron.compress(model, optimizer, mine).remove()
+    except RuntimeError as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
 JOBS = {"train": run_policy, "resume": resume, "refusals": refusals, "scoped": scoped,
-        "fp32_accumulation": fp32_accumulation, "elastic": elastic}
+        "fp32_accumulation": fp32_accumulation, "elastic": elastic,
+        "one_disagrees": one_disagrees}

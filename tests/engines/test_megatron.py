@@ -53,7 +53,8 @@ def dp2_tp2():
     sequence_parallel = [j for j in _train_jobs("sp-", sequence_parallel=True)
                          if j[0] != "sp-sdp4bit"]
     jobs = (_train_jobs("") + sequence_parallel
-            + [("resume", "resume", dict(policy=STATEFUL, steps=STEPS))])
+            + [("resume", "resume", dict(policy=STATEFUL, steps=STEPS)),
+               ("one_disagrees", "one_disagrees", {})])
     return spawn(workers.scenario, 4, (2, 1, jobs), ranks_per_node=2, timeout=900)
 
 
@@ -119,7 +120,7 @@ def _groups(ranks, same):
 def test_replicas_stay_bitwise_identical(request, layout):
     ranks, prefixes = _runs(request, layout)
     for run in [k for k in ranks[0] if k not in ("coords", "refusals", "fp32_accumulation",
-                                                 "resume", "scoped")]:
+                                                 "resume", "scoped", "one_disagrees")]:
         # data-parallel replicas: every weight; TP peers: the weights both hold whole
         for same, key in ((("tp", "pp"), "hash"), (("dp", "pp"), "replicated")):
             for group in _groups(ranks, same):
@@ -218,6 +219,15 @@ def test_ranks_compressing_with_other_policies_are_named_at_compress_on_every_ra
     for rank in dp4:
         error = rank["refusals"]["disagreeing"]
         assert error.startswith("CollectiveMismatchError") and "policy differs" in error
+
+
+def test_one_rank_on_another_policy_is_told_to_every_rank_of_the_mesh(dp2_tp2):
+    # dp 2 × tp 2: rank 3 shares no group with rank 0; it used to pass its own groups'
+    # checks and wait for its peers, which had raised, until Megatron's group timeout
+    for rank in dp2_tp2:
+        error = rank["one_disagrees"]
+        assert error is not None and error.startswith("CollectiveMismatchError"), error
+        assert "policy differs" in error or "other_groups_of_the_mesh differs" in error
 
 
 def test_a_rank_that_never_compresses_is_named_within_the_groups_timeout():

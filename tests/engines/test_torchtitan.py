@@ -79,3 +79,26 @@ def test_a_rank_killed_mid_step_is_named_by_the_ranks_that_wait_for_it():
     ranks = spawn(workers.titan_killed_mid_step, WORLD, (3,), ranks_per_node=PER_NODE,
                   pg_timeout_s=15, timeout=300, allow_errors=True)
     assert_survivors_name_the_dead_rank(ranks, victim=3, timeout_s=15, naming={1, 2})
+
+
+def test_what_a_user_gets_wrong_is_refused_by_name_and_remove_gives_stock_fsdp_back():
+    ranks = spawn(workers.titan_adversarial, WORLD, (), ranks_per_node=PER_NODE,
+                  pg_timeout_s=60, timeout=300)
+    for rank, out in enumerate(ranks):
+        # every rank is told, not only those sharing a group with the one that differs
+        # (rank 3 shares none with rank 0: its groups' peers tell it), and none waits
+        assert "CollectiveMismatchError" in out["policies"], out["policies"]
+        if rank in (0, 1, 2):
+            assert "zeropp" in out["policies"] and "sdp4bit" in out["policies"]
+        else:
+            assert "other_groups_of_the_mesh differs" in out["policies"], out["policies"]
+        empty, not_a_module = out["parts"]
+        assert "InputError" in empty and "model_parts" in empty
+        assert "InputError" in not_a_module and "'layers'" in not_a_module
+        assert "compressed already" in out["twice"] and "remove()" in out["twice"]
+        assert f"not this rank's ('rank{rank}')" in out["other_rank"]
+        assert "truncated or corrupt" in out["truncated"]
+        assert "world_size" in out["smaller_world"] and "elastic" in out["smaller_world"]
+        assert out["own"] is None
+        # compress, refused again, remove (twice): then FSDP2's own steps, bit for bit
+        assert out["removed"] == out["stock"]

@@ -99,3 +99,53 @@ def titan_killed_mid_step(rank, world, victim):
             opt.zero_grad()
 
     return killer.survive(loop)
+
+
+def _error(fn):
+    """The error ``fn()`` raises, as ``"Type: message"``, or None."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test reads which error it was
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def _train(model, steps):
+    data = _data()
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for step in range(steps):
+        x, y = _local_batch(data, step, rank, world)
+        _loss(model, x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    return local_shards_hash(model)
+
+
+def titan_adversarial(rank, world):
+    """What a user can get wrong around ``commpress.torchtitan.compress``, on the llama3
+    HSDP mesh: each case's error (or None) and the shard hashes of a stock run and of a
+    run compressed, compressed again, then removed before its first step."""
+    out = {"stock": _train(_llama3(world, None)[0], 2)}
+    model, _ = _llama3(world, None)
+    # ranks on different policies: told on every rank before any collective of its own
+    out["policies"] = _error(lambda: commpress.torchtitan.compress(
+        model, "zeropp" if rank == 0 else "sdp4bit"))
+    out["parts"] = [_error(lambda: commpress.torchtitan.compress([])),
+                    _error(lambda: commpress.torchtitan.compress([model, "layers"]))]
+    comm = commpress.torchtitan.compress([model], "int2ef")
+    out["twice"] = _error(lambda: commpress.torchtitan.compress(model, "int2ef"))
+    state = comm.state_dict()
+    # another rank's file (each rank saves its own entry)
+    other = {k: v for k, v in state.items() if not k.startswith("rank")}
+    other[f"rank{(rank + 1) % world}"] = state[f"rank{rank}"]
+    out["other_rank"] = _error(lambda: comm.load_state_dict(other))
+    truncated = dict(state)
+    truncated[f"rank{rank}"] = state[f"rank{rank}"][: len(state[f"rank{rank}"]) // 2]
+    out["truncated"] = _error(lambda: comm.load_state_dict(truncated))
+    out["smaller_world"] = _error(lambda: comm.load_state_dict({**state, "world_size": 2}))
+    out["own"] = _error(lambda: comm.load_state_dict(state))
+    comm.remove()
+    comm.remove()
+    out["removed"] = _train(model, 2)
+    return out

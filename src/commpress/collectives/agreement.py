@@ -202,6 +202,32 @@ def agree(group: dist.ProcessGroup | None, collective: str, /, **fields: object)
     return context(resolve_group(group)).agree(collective, **fields)
 
 
+def agree_across(collective: str, /, checks: list[tuple[dist.ProcessGroup, dict]]) -> None:
+    """:func:`agree` on each ``(group, fields)`` of ``checks``, the groups of a mesh of up to
+    three dimensions (HSDP's shard and replicate groups; Megatron's data-, tensor- and
+    pipeline-parallel ones), so that every rank of the mesh is told when any ranks
+    disagree — not only the ranks that share a group with one that differs, which would
+    go on alone and wait for it. Every group is checked even after one failed (its peers
+    wait there); then two rounds tell each group whether its members' other groups
+    agreed, which reaches every rank of a mesh of three dimensions."""
+    failed: list[CollectiveMismatchError] = []
+
+    def each_group(fields_of: Callable[[dict], dict]) -> None:
+        for group, fields in checks:
+            try:
+                agree(group, collective, **fields_of(fields))
+            except CollectiveMismatchError as e:
+                failed.append(e)
+
+    each_group(lambda fields: fields)
+    for _ in range(2):
+        told = "disagreed (that rank's error names how)" if failed else "agreed"
+        each_group(lambda fields, told=told: {"label": fields.get("label"),
+                                              "other_groups_of_the_mesh": told})
+    if failed:
+        raise failed[0]
+
+
 def rendezvous(group: dist.ProcessGroup | None, collective: str, /) -> None:
     """Wait until every rank of ``group`` (default: the world) reaches this call, through
     the default store rather than the group itself; raise :class:`CollectiveTimeoutError`

@@ -44,7 +44,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatt
 from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo
 
 from commpress.collectives import Topology, all_gather, all_reduce
-from commpress.collectives.agreement import agree, rendezvous
+from commpress.collectives.agreement import agree, agree_across, rendezvous
 from commpress.collectives.comm import all_gather_single
 from commpress.dp import DPBucket
 from commpress.dp.grad_path import resized
@@ -392,7 +392,8 @@ def _agree_on_compress(model: nn.Module, policy: Policy) -> None:
                                 module._get_fsdp_state()._fsdp_param_groups)), [])
     for group in groups:
         rendezvous(group, "fsdp.compress")
-        agree(group, "fsdp.compress", label="dp", policy=policy.to_dict(), modules=names)
+    fields = {"label": "dp", "policy": policy.to_dict(), "modules": names}
+    agree_across("fsdp.compress", [(group, fields) for group in groups])
 
 
 def _param_rule(policy: Policy) -> Rule:

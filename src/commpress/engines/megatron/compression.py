@@ -12,7 +12,7 @@ import torch.distributed as dist
 from megatron.core.distributed import DistributedDataParallel
 
 from commpress.collectives import CollectiveMismatchError, Topology
-from commpress.collectives.agreement import agree
+from commpress.collectives.agreement import agree_across
 from commpress.dp.grad_path import resized
 from commpress.engines.megatron import data_parallel, model_parallel
 from commpress.engines.megatron.data_parallel import BucketComm
@@ -165,17 +165,16 @@ def compress(model: Any, optimizer: Any = None, policy: str | dict | Policy = "s
         raise InputError(f"commpress.megatron.compress: ranks_per_node={rpn!r} is not allowed; "
                          "allowed: a positive integer")
     config = chunks[0].config
+    _agree_on_compress(chunks, policy)
     # Step 1: data parallelism, bucket by bucket (Megatron's buckets, as they are)
     buckets = _bucket_comms(chunks, policy, rpn)
     # Step 2: tensor parallelism (column-parallel input gradients move to mappings.py)
     tp = pp = None
     dgrad_layers: list[torch.nn.Module] = []
     if chunks[0].tp_group.size() > 1:
-        agree(chunks[0].tp_group, "megatron.compress", label="tp", policy=policy.to_dict())
         tp = ActivationComm("tp", chunks[0].tp_group, policy)
     # Step 3: pipeline parallelism
     if chunks[0].pp_group.size() > 1:
-        agree(chunks[0].pp_group, "megatron.compress", label="pp", policy=policy.to_dict())
         pp = ActivationComm("pp", chunks[0].pp_group, policy)
     with SEAM.lock:
         if any(id(c.bucket.grad_data) in REGISTRY.buckets for c in buckets.values()):
@@ -295,6 +294,20 @@ def dp_topology(group: dist.ProcessGroup, ranks_per_node: int) -> Topology | Non
     return Topology(per)
 
 
+def _agree_on_compress(chunks: list[DistributedDataParallel], policy: Policy) -> None:
+    """Before any collective of its own, on every data-, tensor- and pipeline-parallel
+    group: a rank that applies another policy, or none, is named on every rank of the
+    mesh, rather than left waiting in a replica check, a bucket or a peer's next group."""
+    checks = [(buffer.data_parallel_group, {"label": f"chunk{c}.buffer{b}",
+                                            "policy": policy.to_dict(),
+                                            "buckets": len(buffer.buckets)})
+              for c, chunk in enumerate(chunks) for b, buffer in enumerate(chunk.buffers)]
+    for axis, group in (("tp", chunks[0].tp_group), ("pp", chunks[0].pp_group)):
+        if group.size() > 1:
+            checks.append((group, {"label": axis, "policy": policy.to_dict()}))
+    agree_across("megatron.compress", checks)
+
+
 def _bucket_comms(chunks: list[DistributedDataParallel], policy: Policy,
                   ranks_per_node: int) -> dict[str, BucketComm]:
     distopt = chunks[0].ddp_config.use_distributed_optimizer
@@ -306,10 +319,6 @@ def _bucket_comms(chunks: list[DistributedDataParallel], policy: Policy,
         names = {p: n for n, p in chunk.module.named_parameters()}
         for b, buffer in enumerate(chunk.buffers):
             group = buffer.data_parallel_group
-            # before any collective of its own: a rank that applies another policy, or
-            # none, is named rather than left waiting in a replica check or a bucket
-            agree(group, "megatron.compress", label=f"chunk{c}.buffer{b}",
-                  policy=policy.to_dict(), buckets=len(buffer.buckets))
             topology = dp_topology(group, ranks_per_node)
             if topology is None:
                 if needs_nodes:
