@@ -54,7 +54,8 @@ def _quiet():
 
 # -- Lightning --------------------------------------------------------------------------
 
-def _lightning_module(rank, world, steps_seen, killer=None):
+def _lightning_module(rank, world, steps_seen, killer=None, nan_at=None):
+    """``nan_at``: ``(rank, step)`` whose loss is made NaN (one rank's bad batch)."""
     import lightning as L
 
     data = TextData(load_tokens(max_bytes=200_000))
@@ -70,6 +71,8 @@ def _lightning_module(rank, world, steps_seen, killer=None):
         def training_step(self, batch, batch_idx):
             x, y = _rank_batch(data, self.global_step, rank, world)
             _, loss = self.gpt(x, y)
+            if nan_at == (rank, self.global_step):
+                loss = loss * float("nan")
             if killer is not None:
                 killer.mid_step(self.global_step)
             steps_seen.append(loss.detach())
@@ -93,17 +96,19 @@ def _trainer(strategy, steps, directory=None):
                      use_distributed_sampler=False, default_root_dir=directory)
 
 
-def lightning_fit(rank, world, strategy, steps, start=0, ckpt_path=None, save_to=None):
+def lightning_fit(rank, world, strategy, steps, start=0, ckpt_path=None, save_to=None,
+                  nan_at=None):
     """Fit until global step ``start + steps``; per step run here the mean loss and the
-    weights' hash."""
+    weights' hash (and whether the weights are all finite at the end)."""
     seen = []
-    module = _lightning_module(rank, world, seen)
+    module = _lightning_module(rank, world, seen, nan_at=nan_at)
     trainer = _trainer(strategy, start + steps)
     loader = torch.utils.data.DataLoader(range(1000), batch_size=None)  # batches: by step
     trainer.fit(module, loader, ckpt_path=ckpt_path)
     if save_to is not None:
         trainer.save_checkpoint(save_to)
-    return {"losses": [_mean(loss, world) for loss, _ in seen], "hashes": [h for _, h in seen]}
+    return {"losses": [_mean(loss, world) for loss, _ in seen], "hashes": [h for _, h in seen],
+            "finite": all(bool(p.isfinite().all()) for p in module.gpt.parameters())}
 
 
 EF = {"name": "ef", "dp": {"grad": {"codec": "int2", "error_feedback": True}}}
@@ -152,10 +157,28 @@ def lightning_killed_mid_step(rank, world, victim):
     return killer.survive(lambda: trainer.fit(module, loader))
 
 
+def lightning_adversarial(rank, world):
+    """Ranks that give the strategy different policies (each rank's error, or None), and
+    a NaN loss on the last rank at step 1 under error feedback."""
+    from commpress.engines.lightning import CommpressDDPStrategy
+
+    _quiet()
+    out = {}
+    try:
+        lightning_fit(rank, world, CommpressDDPStrategy(INT4 if rank == 0 else EF), 2)
+        out["policies"] = None
+    except Exception as e:  # noqa: BLE001 - the test reads the error
+        out["policies"] = f"{type(e).__name__}: {e}"
+    out["nan"] = lightning_fit(rank, world, CommpressDDPStrategy(EF), 3,
+                               nan_at=(world - 1, 1))
+    return out
+
+
 # -- accelerate --------------------------------------------------------------------------
 
-def accelerate_train(rank, world, policy, steps):
-    """The README recipe: prepare, then register the hook on the model prepare returns."""
+def accelerate_train(rank, world, policy, steps, killer=None):
+    """The README recipe: prepare, then register the hook on the model prepare returns
+    (``killer``: a rank dies mid-step, :class:`tests.reliability.killing.Killer`)."""
     from accelerate import Accelerator
 
     accelerator = Accelerator(cpu=True)
@@ -169,6 +192,8 @@ def accelerate_train(rank, world, policy, steps):
     for step in range(steps):
         x, y = _rank_batch(data, step, rank, world)
         _, loss = model(x, y)
+        if killer is not None:
+            killer.mid_step(step)
         accelerator.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
@@ -185,6 +210,16 @@ def accelerate_runs(rank, world, steps):
     out["int4"] = accelerate_train(rank, world, INT4, steps)
     out["int4"]["stats"] = commpress.stats()
     return out
+
+
+def accelerate_killed_mid_step(rank, world, victim):
+    """int4 through the README recipe; the victim SIGKILLs itself after the forward pass
+    of step 2."""
+    from tests.reliability.killing import Killer
+
+    _quiet()
+    killer = Killer(rank, victim, at_step=2)
+    return killer.survive(lambda: accelerate_train(rank, world, INT4, 1000, killer))
 
 
 def everything(rank, world, directory, steps):

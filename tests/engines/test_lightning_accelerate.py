@@ -111,3 +111,21 @@ def test_a_rank_killed_mid_step_is_named_by_the_survivor():
     ranks = spawn(workers.lightning_killed_mid_step, 2, (1,), pg_timeout_s=15, timeout=300,
                   allow_errors=True)
     assert_survivors_name_the_dead_rank(ranks, victim=1, timeout_s=15)
+
+
+def test_a_rank_killed_mid_step_under_accelerate_is_named_by_the_survivor():
+    ranks = spawn(workers.accelerate_killed_mid_step, 2, (1,), pg_timeout_s=15, timeout=300,
+                  allow_errors=True)
+    assert_survivors_name_the_dead_rank(ranks, victim=1, timeout_s=15)
+
+
+def test_lightning_ranks_on_different_policies_are_told_and_a_nan_stays_non_finite():
+    ranks = spawn(workers.lightning_adversarial, 2, (), pg_timeout_s=30, timeout=300)
+    for out in ranks:
+        # every rank is told, naming both codecs, before a gradient is exchanged
+        assert out["policies"] is not None and "int4" in out["policies"], out["policies"]
+        assert "int2" in out["policies"], out["policies"]
+        # one rank's NaN loss reaches every rank's weights: never turned finite, and
+        # the replicas still agree (bit for bit, NaN included)
+        assert not out["nan"]["finite"]
+    assert ranks[0]["nan"]["hashes"] == ranks[1]["nan"]["hashes"]
