@@ -138,3 +138,43 @@ def test_every_path_option_refuses_a_blank_path(capsys, command, flag):
         err = capsys.readouterr().err
         assert "allowed: a non-empty path" in err, (argv, err)
         assert flag in err or flag.lstrip("-").replace("-", "_") in err, (argv, err)
+
+
+def _parse_error(capsys, argv) -> str:
+    """argparse's refusal of ``argv``: exit code 2 and its message."""
+    from commpress.cli import main
+
+    with pytest.raises(SystemExit) as exit:
+        main(argv)
+    assert exit.value.code == 2, argv
+    return capsys.readouterr().err
+
+
+def test_a_flag_is_taken_only_as_written(capsys):
+    """argparse's prefix match read ``bench collectives --ranks 1`` as ``--ranks-per-node
+    1`` and ran the benchmark: every strict prefix of every long option is refused."""
+    checked = 0
+    for command, action in _options():
+        flags = {a for _, act in _options() for a in act.option_strings}
+        for flag in action.option_strings:
+            prefix = flag[:-1]
+            if not flag.startswith("--") or len(prefix) < 3 or prefix in flags:
+                continue
+            argv = [*command.split(), prefix, "1", *COMMAND_TAIL.get(command, [])]
+            assert f"unrecognized arguments: {prefix}" in _parse_error(capsys, argv), argv
+            checked += 1
+    assert checked > 60
+
+
+def test_every_choice_option_and_every_command_refuses_what_it_does_not_know(capsys):
+    choices = [(command, action) for command, action in _options() if action.choices]
+    assert len(choices) > 5
+    for command, action in choices:
+        # a value of the option's type outside its choices
+        value = str(max(action.choices) + 1) if action.type is int else "bogus"
+        flag = action.option_strings[0]
+        err = _parse_error(capsys, [*command.split(), flag, value])
+        assert "invalid choice:" in err and value in err and flag in err, (command, flag, err)
+    for argv in (["demo", "extra"], ["demo", "--json", "x"], ["bench"], ["bench", "bogus"],
+                 ["no-such-command"], []):
+        assert _parse_error(capsys, argv).startswith("usage:"), argv

@@ -256,10 +256,20 @@ def _cmd_testbed(args: argparse.Namespace) -> int:
                           link_stats=args.link_stats)
 
 
+class _Parser(argparse.ArgumentParser):
+    """A parser that takes a flag only as written (its sub-commands' parsers too):
+    argparse's prefix match read ``bench collectives --ranks 1`` as ``--ranks-per-node 1``
+    and ran."""
+
+    def __init__(self, *args: typing.Any, **kwargs: typing.Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from commpress.plan.hardware import GPUS
 
-    p = argparse.ArgumentParser(prog="commpress", description=__doc__)
+    p = _Parser(prog="commpress", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
     tr = sub.add_parser("train", help="train the reference GPT with dp × tp × pp and a policy")

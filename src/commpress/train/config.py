@@ -99,10 +99,10 @@ class TrainConfig:
             raise InputError(f"ddp_hook={hook!r} is not allowed; allowed: allreduce, fp16, "
                              "powersgd:RANK with RANK >= 1 (e.g. powersgd:4), commpress")
         if self.outer != "none":
+            outer_policy(self.outer)  # an unknown preset or a bad file fails here
             if self.engine != "ddp":
                 raise InputError(f"outer={self.outer!r} needs engine=ddp (DDP inside a site); "
                                  f"got engine={self.engine!r}")
-            outer_policy(self.outer)  # an unknown preset or a bad file fails here
         if self.nonfinite not in ("skip", "raise"):
             raise InputError(f"nonfinite={self.nonfinite!r} is not allowed; allowed: skip, raise")
         if self.seq_len > MODEL_PRESETS[self.model].block_size:
