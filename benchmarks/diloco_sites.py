@@ -4,10 +4,11 @@
         [--seeds 0,1,2] [--steps 256] [--sync-every 32] [--model gpt-3m]
         [--rows ddp-allreduce,...] [--fresh]
 
-One rank per site (a namespace per site, ``tc tbf`` at the link's rate and ``netem``
-delay on each site's link, both directions: ``commpress.testbed``), Gloo, the reference
-GPT (``--model``), AdamW inside each site, global batch 16 × 128 bytes split over the
-sites, text the tests never read (torch's ``_inductor`` Python sources, 8 MB).
+One rank per site by default, ``--ranks-per-site 2`` for DDP inside each site (a
+namespace per site, ``tc tbf`` at the link's rate and ``netem`` delay on each site's link,
+both directions: ``commpress.testbed``), Gloo, the reference GPT (``--model``), AdamW
+inside each site, global batch 16 × 128 bytes split over the ranks, text the tests never
+read (torch's ``_inductor`` Python sources, 8 MB).
 
 Rows (``ROWS``): DDP with torch's all-reduce and with commpress's ``int2ef`` hook (the
 trainer's ``--engine ddp``); DiLoCo (``--outer``) with each outer preset, H =
@@ -69,16 +70,17 @@ ROWS: dict[str, dict] = {
 }
 
 
-def config(args, row: str, sites: int, steps: int, seed: int, out: str) -> TrainConfig:
+def config(args, row: str, sites: int, steps: int, seed: int, out: str,
+           per_site: int = 1) -> TrainConfig:
     options = dict(ROWS[row])
     local = options.pop("local", False)
-    if "outer" in options:  # one rank per site: DDP inside it has nothing to send
+    if "outer" in options:  # DDP inside a site: exact (nothing to send with one rank)
         options = {"ddp_hook": "allreduce", "policy": "none", "sync_every": args.sync_every,
                    **options}
         if local:
             options["sync_every"] = steps + 1
-    return TrainConfig(engine="ddp", model=args.model, steps=steps, nproc=sites,
-                       ranks_per_node=1, batch_size=16, seq_len=128, eval_every=0,
+    return TrainConfig(engine="ddp", model=args.model, steps=steps, nproc=sites * per_site,
+                       ranks_per_node=per_site, batch_size=16, seq_len=128, eval_every=0,
                        eval_batches=args.eval_batches if steps == args.steps else 1,
                        data=DATA, max_data_bytes=8 << 20, seed=seed, out=out,
                        progress=False, warmup=min(30, steps // 4), **options)
@@ -108,7 +110,7 @@ def time_run(args, row: str, sites: int, link: str) -> dict:
     out = tempfile.mkdtemp(prefix=f"diloco-time-{row}-")
     # DDP's steps are all alike: a few time it; DiLoCo's must include their syncs
     steps = args.time_steps if "outer" in ROWS[row] else args.ddp_time_steps
-    cfg = config(args, row, sites, steps, 0, out)
+    cfg = config(args, row, sites, steps, 0, out, args.ranks_per_site)
     flags = []
     for f in dataclasses.fields(TrainConfig):
         value = getattr(cfg, f.name)
@@ -116,8 +118,8 @@ def time_run(args, row: str, sites: int, link: str) -> dict:
             continue
         flags.append(f"--{f.name.replace('_', '-')}={value}")
     links = os.path.join(out, "links.json")
-    code = run_on_testbed(sites, 1, ["train", *flags, "--no-progress"], rate, delay or None,
-                          link_stats=links)
+    code = run_on_testbed(sites, args.ranks_per_site, ["train", *flags, "--no-progress"], rate,
+                          delay or None, link_stats=links)
     if code:
         raise RuntimeError(f"{row} on {sites} sites at {link}: the testbed run failed")
     hist = history(out)
@@ -127,10 +129,16 @@ def time_run(args, row: str, sites: int, link: str) -> dict:
         node0 = json.load(f)["nodes"][0]
     timed = hist[WARMUP:]
     seconds = (timed[-1]["wall_s"] - hist[WARMUP - 1]["wall_s"]) / len(timed)
-    return {"s_per_step": seconds,
+    return {"s_per_step": seconds, "steps": steps,
             "bytes_per_step_site": crossing_bytes(summary) / steps / sites,
             "link_mb_node0": (node0["sent_bytes"] + node0["received_bytes"]) / 1e6,
+            "link_sent_node0": node0["sent_bytes"],
             "load_average": os.getloadavg()[0]}
+
+
+def time_key(args, sites: int, link: str, row: str) -> str:
+    per_site = f"|x{args.ranks_per_site}" if args.ranks_per_site > 1 else ""
+    return f"time|{sites}{per_site}|{link}|{row}"
 
 
 def equal_time_loss(losses_by_seed: list[list[float]], s_per_step: float, t: float) -> float:
@@ -145,13 +153,13 @@ def report(args, cache: dict, rows: list[str]) -> None:
              f"seeds {args.seeds})", ""]
     for sites in [int(s) for s in args.sites.split(",")]:
         for link in args.links.split(","):
-            timing = {r: cache.get(f"time|{sites}|{link}|{r}") for r in rows}
+            timing = {r: cache.get(time_key(args, sites, link, r)) for r in rows}
             if not all(timing.values()):
                 continue
             fastest = min(t["s_per_step"] for r, t in timing.items() if r != "local")
             t_equal = fastest * args.steps
             rate, _, delay = link.partition(":")
-            lines += [f"## {sites} sites, {rate} per site's link, "
+            lines += [f"## {sites} sites of {args.ranks_per_site} rank(s), {rate} per site's link, "
                       f"{delay + ' added delay' if delay else 'no added delay'}", "",
                       "| row | s / inner step | compute utilization | bytes / step / site "
                       "(link MB, node 0) | val loss at equal tokens | train loss at "
@@ -167,7 +175,12 @@ def report(args, cache: dict, rows: list[str]) -> None:
                 at_t = (f"{equal_time_loss(curves, t['s_per_step'], t_equal):.4f}"
                         if losses else "-")
                 utilization = 100 * floor / t["s_per_step"]
-                sent = f"{t['bytes_per_step_site'] / 1e3:,.1f} kB ({t['link_mb_node0']:.1f})"
+                per_step = t["bytes_per_step_site"]
+                if args.ranks_per_site > 1:  # counters mix the site's own traffic in: the
+                    # link's, less the start-up that the never-syncing row sends too
+                    per_step = ((t["link_sent_node0"] - timing["local"]["link_sent_node0"])
+                                / t["steps"])
+                sent = f"{per_step / 1e3:,.1f} kB ({t['link_mb_node0']:.1f})"
                 lines.append(f"| {r} | {t['s_per_step']:.3f} | {utilization:.1f} % | {sent} "
                              f"| {val_cell} | {at_t} |")
             lines.append("")
@@ -184,11 +197,13 @@ def plot(args, cache: dict, rows: list[str], seeds: list[int]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    if not any(f"loss|{r}|{s}" in cache for r in rows for s in seeds):
+        return  # timing only: no curves to plot
     sites, link = args.sites.split(",")[0], args.links.split(",")[0]
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
     for r in rows:
         runs = [cache.get(f"loss|{r}|{s}") for s in seeds]
-        t = cache.get(f"time|{sites}|{link}|{r}")
+        t = cache.get(time_key(args, int(sites), link, r))
         if r == "local" or not all(runs) or t is None:
             continue
         mean = [statistics.mean(v) for v in zip(*(x["losses"] for x in runs))]
@@ -212,6 +227,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sites", default="2,4")
     ap.add_argument("--loss-sites", type=int, default=2, help="sites of the loss runs")
+    ap.add_argument("--ranks-per-site", type=int, default=1,
+                    help="ranks per site (timing runs): DDP inside a site, the outer "
+                         "all-reduce (or DDP's) across")
     ap.add_argument("--links", default="100mbit,1gbit",
                     help="RATE[:DELAY] per site's link; DELAY needs the kernel's netem")
     ap.add_argument("--seeds", default="0,1,2")
@@ -236,7 +254,7 @@ def main() -> None:
         jobs += [(f"loss|{r}|{s}", lambda r=r, s=int(s): loss_run(args, r, s))
                  for s in args.seeds.split(",") for r in rows if r != "local"]
     if not args.no_time:
-        jobs += [(f"time|{n}|{link}|{r}", lambda r=r, n=int(n), link=link:
+        jobs += [(time_key(args, int(n), link, r), lambda r=r, n=int(n), link=link:
                   time_run(args, r, n, link))
                  for n in args.sites.split(",") for link in args.links.split(",")
                  for r in rows]

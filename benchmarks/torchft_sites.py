@@ -1,0 +1,212 @@
+"""torchft's own DiLoCo across shaped links: its fp32 all-reduce against commpress's codes.
+
+    python benchmarks/torchft_sites.py [--sites 2] [--links 100mbit] [--sync-every 32]
+        [--steps 66] [--rows torchft,torchft-int8,torchft-int4,local]
+
+One torchft replica group per site: one process in a network namespace of its own
+(``commpress.testbed``'s ``Cluster``: ``tc tbf`` at the link's rate both ways), torchft's
+lighthouse in site 0's process, torchft's ``Manager`` on its ``ProcessGroupGloo``, and
+torchft's ``DiLoCo`` (H = ``--sync-every``, Nesterov outer SGD lr 0.7 momentum 0.9) over
+AdamW inside the site — the same model, data and batch as ``diloco_sites.py`` (gpt-3m,
+global batch 16 × 128 bytes split over the sites, torch's ``_inductor`` sources).
+
+Rows: ``torchft`` (its Gloo all-reduce, fp32), ``torchft-int8`` / ``torchft-int4`` (the
+Manager's process group wrapped by ``commpress.torchft.compress`` with ``diloco-int8`` /
+``diloco-int4``), and ``local`` (the same loop without torchft: the compute floor).
+Columns: seconds per inner step (mean after the first two), compute utilization
+(``local``'s ÷ the row's) and bytes site 0 sent on its link per inner step, less what the
+``local`` row sent (the start-up). Needs root and iproute2. Writes
+``benchmarks/results/torchft_sites.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import timedelta
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
+
+import torch  # noqa: E402
+
+RESULTS = os.path.join(HERE, "results")
+DATA = os.path.join(os.path.dirname(torch.__file__), "_inductor")
+LIGHTHOUSE_PORT = 29610
+WARMUP = 2
+ROWS = {"torchft": None, "torchft-int8": "diloco-int8", "torchft-int4": "diloco-int4",
+        "local": None}
+
+
+# -- one site (runs inside its namespace) -------------------------------------------------
+
+def site(args) -> dict:
+    """Train ``args.steps`` inner steps as site ``args.site``; returns its timings."""
+    from torch.distributed import TCPStore
+
+    import commpress
+    from commpress.model.gpt import GPT, config_from_preset
+    from commpress.train.data import TextData, load_tokens
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)  # every site starts from the same weights: no healing at step 0
+    model = GPT(config_from_preset(args.model, block_size=128))
+    data = TextData(load_tokens(DATA, max_bytes=8 << 20))
+    inner = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    per_site = 16 // args.sites
+
+    def step(i: int) -> float:
+        x, y = data.batch("train", 16, 128, 0, i)
+        _, loss = model(x[args.site * per_site:(args.site + 1) * per_site],
+                        y[args.site * per_site:(args.site + 1) * per_site])
+        loss.backward()
+        inner.step()
+        inner.zero_grad()
+        return loss.item()
+
+    walls: list[float] = []
+    if args.row == "local":
+        for i in range(args.steps):
+            step(i)
+            walls.append(time.perf_counter())
+        return {"walls": walls}
+    from torchft.coordination import LighthouseServer
+    from torchft.local_sgd import DiLoCo
+    from torchft.manager import Manager
+    from torchft.process_group import ProcessGroupGloo
+
+    me = args.ips.split(",")[args.site]
+    lighthouse = None
+    if args.site == 0:
+        lighthouse = LighthouseServer(bind=f"0.0.0.0:{LIGHTHOUSE_PORT}",
+                                      min_replicas=args.sites)
+    timeout = timedelta(seconds=120)
+    pg = ProcessGroupGloo(timeout=timeout)
+    if ROWS[args.row] is not None:
+        pg = commpress.torchft.compress(pg, ROWS[args.row], timeout=timeout)
+    store = TCPStore(me, 0, 1, is_master=True)
+    outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    manager = Manager(
+        pg=pg, min_replica_size=args.sites, use_async_quorum=False,
+        load_state_dict=lambda s: (model.load_state_dict(s["model"]),
+                                   inner.load_state_dict(s["inner"])),
+        state_dict=lambda: {"model": model.state_dict(), "inner": inner.state_dict()},
+        replica_id=f"site{args.site}", store_addr=me, store_port=store.port, rank=0,
+        world_size=1, hostname=me, init_sync=False,  # identical seeds: nothing to heal
+        lighthouse_addr=f"http://{args.ips.split(',')[0]}:{LIGHTHOUSE_PORT}",
+        timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout)
+    commpress.reset_stats()
+    try:
+        with DiLoCo(manager, [model], inner, outer, sync_every=args.sync_every,
+                    backup_device=torch.device("cpu"), pin_memory=False):
+            for i in range(args.steps):
+                step(i)
+                walls.append(time.perf_counter())
+        stats = commpress.stats()
+    finally:
+        manager.shutdown(wait=False)
+        if lighthouse is not None:
+            lighthouse.shutdown()
+    return {"walls": walls, "step": manager.current_step(),
+            "wire_bytes": sum(s["wire_bytes"] for s in stats.values())}
+
+
+# -- the driver -------------------------------------------------------------------------
+
+def time_row(args, row: str, link: str) -> dict:
+    from commpress.testbed.netns import Cluster
+
+    out = tempfile.mkdtemp(prefix=f"torchft-{row}-")
+    with Cluster(args.sites, link) as cluster:
+        ips = ",".join(cluster.ip(i) for i in range(args.sites))
+        procs = []
+        for i in range(args.sites):
+            argv = ["ip", "netns", "exec", cluster.ns(i), sys.executable, os.path.abspath(__file__),
+                    "--site", str(i), "--row", row, "--ips", ips, "--sites", str(args.sites),
+                    "--steps", str(args.steps), "--sync-every", str(args.sync_every),
+                    "--model", args.model, "--out", os.path.join(out, f"site{i}.json")]
+            env = dict(os.environ, GLOO_SOCKET_IFNAME="eth0", OMP_NUM_THREADS="1")
+            with open(os.path.join(out, f"site{i}.log"), "w") as log:  # torchft's own logs
+                procs.append(subprocess.Popen(argv, env=env, stdout=log,
+                                              stderr=subprocess.STDOUT))
+        codes = [p.wait(timeout=args.timeout) for p in procs]
+        sent, _ = cluster.link_bytes(0)
+    if any(codes):
+        raise RuntimeError(f"{row} at {link}: sites exited with {codes}; logs: {out}/site*.log")
+    with open(os.path.join(out, "site0.json")) as f:
+        site0 = json.load(f)
+    walls = site0["walls"]
+    return {"s_per_step": (walls[-1] - walls[WARMUP - 1]) / (len(walls) - WARMUP),
+            "sent_node0": sent, "steps": len(walls), "syncs": site0.get("step"),
+            "wire_bytes_node0": site0.get("wire_bytes")}
+
+
+def report(args, cache: dict, rows: list[str]) -> str:
+    lines = [f"# torchft's DiLoCo across {args.sites} sites ({args.model}, H = "
+             f"{args.sync_every}, {args.steps} inner steps)", ""]
+    for link in args.links.split(","):
+        timing = {r: cache.get(f"{args.sites}|{link}|{r}") for r in rows}
+        if not all(timing.values()) or "local" not in timing:
+            continue
+        floor, base = timing["local"]["s_per_step"], timing["local"]["sent_node0"]
+        lines += [f"## {link} per site's link", "",
+                  "| row | s / inner step | compute utilization | bytes / step sent by site 0 "
+                  "| outer steps committed |", "|---|---|---|---|---|"]
+        for r in rows:
+            t = timing[r]
+            per_step = (t["sent_node0"] - base) / t["steps"]
+            syncs = "-" if t["syncs"] is None else t["syncs"]
+            lines.append(f"| {r} | {t['s_per_step']:.3f} | {100 * floor / t['s_per_step']:.1f} % "
+                         f"| {per_step / 1e3:,.1f} kB | {syncs} |")
+        lines.append("")
+    text = "\n".join(lines) + "\n"
+    with open(os.path.join(RESULTS, f"{args.name}.md"), "w") as f:
+        f.write(text)
+    return text
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sites", type=int, default=2)
+    ap.add_argument("--links", default="100mbit")
+    ap.add_argument("--steps", type=int, default=66, help="inner steps (2 + 2·H)")
+    ap.add_argument("--sync-every", type=int, default=32)
+    ap.add_argument("--model", default="gpt-3m")
+    ap.add_argument("--rows", default=",".join(ROWS))
+    ap.add_argument("--timeout", type=float, default=1200, help="seconds per row")
+    ap.add_argument("--fresh", action="store_true")
+    ap.add_argument("--name", default="torchft_sites", help="results/NAME.{json,md}")
+    # one site's process (the driver starts it inside the site's namespace)
+    ap.add_argument("--site", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--row", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--ips", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.site is not None:
+        result = site(args)
+        with open(args.out, "w") as f:
+            json.dump(result, f)
+        return
+    rows = args.rows.split(",")
+    os.makedirs(RESULTS, exist_ok=True)
+    path = os.path.join(RESULTS, f"{args.name}.json")
+    cache = {} if args.fresh or not os.path.exists(path) else json.load(open(path))
+    for link in args.links.split(","):
+        for r in rows:
+            key = f"{args.sites}|{link}|{r}"
+            if key in cache:
+                continue
+            print(f"[torchft_sites] {key}", flush=True)
+            cache[key] = time_row(args, r, link)
+            with open(path, "w") as f:
+                json.dump(cache, f, indent=1)
+    print(report(args, cache, rows))
+
+
+if __name__ == "__main__":
+    main()
