@@ -82,6 +82,8 @@ def test_a_rank_killed_mid_step_is_named_by_the_ranks_that_wait_for_it():
 
 
 def test_what_a_user_gets_wrong_is_refused_by_name_and_remove_gives_stock_fsdp_back():
+    """Misuse, ranks on different policies, swapped and truncated state, and a NaN on one
+    rank, on the llama3 HSDP mesh."""
     ranks = spawn(workers.titan_adversarial, WORLD, (), ranks_per_node=PER_NODE,
                   pg_timeout_s=60, timeout=300)
     for rank, out in enumerate(ranks):
@@ -102,3 +104,5 @@ def test_what_a_user_gets_wrong_is_refused_by_name_and_remove_gives_stock_fsdp_b
         assert out["own"] is None
         # compress, refused again, remove (twice): then FSDP2's own steps, bit for bit
         assert out["removed"] == out["stock"]
+        # rank 3's NaN crosses both levels: nothing stock leaves non-finite is finite
+        assert out["nan_stock"] > 0 and out["nan_made_finite"] == 0, out

@@ -148,4 +148,16 @@ def titan_adversarial(rank, world):
     comm.remove()
     comm.remove()
     out["removed"] = _train(model, 2)
+    # one rank's NaN loss, stock and compressed: the elements stock leaves non-finite
+    # (the embedding rows rank 3 did not use stay finite) that zeropp made finite
+    x, y = _local_batch(_data(), 0, rank, world)
+    nonfinite = []
+    for policy in (None, "zeropp"):
+        model, _ = _llama3(world, policy)
+        loss = _loss(model, x, y)
+        (loss * float("nan") if rank == world - 1 else loss).backward()
+        torch.optim.AdamW(model.parameters(), lr=1e-3).step()
+        nonfinite.append([~p.to_local().isfinite() for p in model.parameters()])
+    out["nan_stock"] = sum(int(m.sum()) for m in nonfinite[0])
+    out["nan_made_finite"] = sum(int((s & ~c).sum()) for s, c in zip(*nonfinite))
     return out
