@@ -12,7 +12,9 @@ global batch 16 × 128 bytes split over the sites, torch's ``_inductor`` sources
 
 Rows: ``torchft`` (its Gloo all-reduce, fp32), ``torchft-int8`` / ``torchft-int4`` (the
 Manager's process group wrapped by ``commpress.torchft.compress`` with ``diloco-int8`` /
-``diloco-int4``), and ``local`` (the same loop without torchft: the compute floor).
+``diloco-int4``), ``-buckets`` (torchft's DiLoCo with ``use_bucketization=True``: one
+all-reduce of a flat buffer per sync, not one per parameter), and ``local`` (the same loop
+without torchft: the compute floor).
 Columns: seconds per inner step (mean after the first two), compute utilization
 (``local``'s ÷ the row's) and bytes site 0 sent on its link per inner step, less what the
 ``local`` row sent (the start-up). Needs root and iproute2. Writes
@@ -39,8 +41,11 @@ RESULTS = os.path.join(HERE, "results")
 DATA = os.path.join(os.path.dirname(torch.__file__), "_inductor")
 LIGHTHOUSE_PORT = 29610
 WARMUP = 2
-ROWS = {"torchft": None, "torchft-int8": "diloco-int8", "torchft-int4": "diloco-int4",
-        "local": None}
+# the policy wrapping the Manager's process group (None: torchft's own), and whether
+# torchft's DiLoCo packs the pseudo-gradients into one buffer (use_bucketization)
+ROWS = {"torchft": (None, False), "torchft-int8": ("diloco-int8", False),
+        "torchft-int4": ("diloco-int4", False), "torchft-buckets": (None, True),
+        "torchft-int4-buckets": ("diloco-int4", True), "local": (None, False)}
 
 
 # -- one site (runs inside its namespace) -------------------------------------------------
@@ -87,8 +92,9 @@ def site(args) -> dict:
                                       min_replicas=args.sites)
     timeout = timedelta(seconds=120)
     pg = ProcessGroupGloo(timeout=timeout)
-    if ROWS[args.row] is not None:
-        pg = commpress.torchft.compress(pg, ROWS[args.row], timeout=timeout)
+    policy, buckets = ROWS[args.row]
+    if policy is not None:
+        pg = commpress.torchft.compress(pg, policy, timeout=timeout)
     store = TCPStore(me, 0, 1, is_master=True)
     outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
     manager = Manager(
@@ -103,7 +109,8 @@ def site(args) -> dict:
     commpress.reset_stats()
     try:
         with DiLoCo(manager, [model], inner, outer, sync_every=args.sync_every,
-                    backup_device=torch.device("cpu"), pin_memory=False):
+                    backup_device=torch.device("cpu"), pin_memory=False,
+                    use_bucketization=buckets):
             for i in range(args.steps):
                 step(i)
                 walls.append(time.perf_counter())
@@ -146,19 +153,20 @@ def time_row(args, row: str, link: str) -> dict:
             "wire_bytes_node0": site0.get("wire_bytes")}
 
 
-def report(args, cache: dict, rows: list[str]) -> str:
+def report(args, cache: dict) -> str:
+    """Every row timed so far (this run's and earlier ones'), per link."""
     lines = [f"# torchft's DiLoCo across {args.sites} sites ({args.model}, H = "
              f"{args.sync_every}, {args.steps} inner steps)", ""]
     for link in args.links.split(","):
-        timing = {r: cache.get(f"{args.sites}|{link}|{r}") for r in rows}
-        if not all(timing.values()) or "local" not in timing:
+        timing = {r: cache[f"{args.sites}|{link}|{r}"] for r in ROWS
+                  if f"{args.sites}|{link}|{r}" in cache}
+        if "local" not in timing:
             continue
         floor, base = timing["local"]["s_per_step"], timing["local"]["sent_node0"]
         lines += [f"## {link} per site's link", "",
                   "| row | s / inner step | compute utilization | bytes / step sent by site 0 "
                   "| outer steps committed |", "|---|---|---|---|---|"]
-        for r in rows:
-            t = timing[r]
+        for r, t in timing.items():
             per_step = (t["sent_node0"] - base) / t["steps"]
             syncs = "-" if t["syncs"] is None else t["syncs"]
             lines.append(f"| {r} | {t['s_per_step']:.3f} | {100 * floor / t['s_per_step']:.1f} % "
@@ -177,7 +185,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=66, help="inner steps (2 + 2·H)")
     ap.add_argument("--sync-every", type=int, default=32)
     ap.add_argument("--model", default="gpt-3m")
-    ap.add_argument("--rows", default=",".join(ROWS))
+    ap.add_argument("--rows", default="torchft,torchft-int8,torchft-int4,local")
     ap.add_argument("--timeout", type=float, default=1200, help="seconds per row")
     ap.add_argument("--fresh", action="store_true")
     ap.add_argument("--name", default="torchft_sites", help="results/NAME.{json,md}")
@@ -205,7 +213,7 @@ def main() -> None:
             cache[key] = time_row(args, r, link)
             with open(path, "w") as f:
                 json.dump(cache, f, indent=1)
-    print(report(args, cache, rows))
+    print(report(args, cache))
 
 
 if __name__ == "__main__":
