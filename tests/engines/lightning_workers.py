@@ -212,6 +212,37 @@ def accelerate_runs(rank, world, steps):
     return out
 
 
+def accelerate_checkpointing(rank, world, directory):
+    """The hook state handed to accelerate's ``register_for_checkpointing``: saved after 2
+    steps, loaded into a fresh run → each rank's outcome of ``load_state``."""
+    from accelerate import Accelerator
+
+    _quiet()
+    data = TextData(load_tokens(max_bytes=200_000))
+    for phase in ("save", "load"):
+        accelerator = Accelerator(cpu=True)
+        model = _model()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+        model, optimizer = accelerator.prepare(model, optimizer)
+        state, hook = commpress.ddp_hook(model, EF)
+        model.register_comm_hook(state, hook)
+        accelerator.register_for_checkpointing(state)
+        if phase == "save":
+            for step in range(2):
+                x, y = _rank_batch(data, step, rank, world)
+                _, loss = model(x, y)
+                accelerator.backward(loss)
+                optimizer.step()
+                optimizer.zero_grad()
+            accelerator.save_state(directory)
+            continue
+        try:
+            accelerator.load_state(directory)
+        except ValueError as e:
+            return str(e)
+    return None
+
+
 def accelerate_killed_mid_step(rank, world, victim):
     """int4 through the README recipe; the victim SIGKILLs itself after the forward pass
     of step 2."""
