@@ -150,19 +150,20 @@ def rank_flags(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
 
 
 def run_ranks(cluster, script: str, policy: str, out: str, flags: list[str], port: int,
-              timeout: float, env: dict[str, str] | None = None) -> None:
-    """Run ``script --rank`` as ``NODES × RANKS_PER_NODE`` ranks inside ``cluster``'s
+              timeout: float, env: dict[str, str] | None = None, nodes: int = NODES,
+              per_node: int = RANKS_PER_NODE) -> None:
+    """Run ``script --rank`` as ``nodes × per_node`` ranks inside ``cluster``'s
     namespaces with the environment torchrun gives; wait for all. A rank that fails stops
     the others and raises with its stderr's end; so does the timeout."""
-    world = NODES * RANKS_PER_NODE
+    world = nodes * per_node
     procs, logs = [], []
     for rank in range(world):
         rank_env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world),
-                        LOCAL_RANK=str(rank % RANKS_PER_NODE),
-                        LOCAL_WORLD_SIZE=str(RANKS_PER_NODE), MASTER_ADDR=cluster.ip(0),
+                        LOCAL_RANK=str(rank % per_node),
+                        LOCAL_WORLD_SIZE=str(per_node), MASTER_ADDR=cluster.ip(0),
                         MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="eth0",
                         OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **(env or {}))
-        argv = ["ip", "netns", "exec", cluster.ns(rank // RANKS_PER_NODE), sys.executable,
+        argv = ["ip", "netns", "exec", cluster.ns(rank // per_node), sys.executable,
                 os.path.abspath(script), "--rank", "--policy", policy, "--out", out, *flags]
         # stderr to a file: a pipe nobody reads blocks a chatty rank once it is full
         logs.append(tempfile.TemporaryFile())
@@ -186,14 +187,16 @@ def run_ranks(cluster, script: str, policy: str, out: str, flags: list[str], por
 
 
 def rank0_result(cluster, script: str, name: str, policy: str, flags: list[str], port: int,
-                 timeout: float, env: dict[str, str] | None = None) -> dict:
+                 timeout: float, env: dict[str, str] | None = None,
+                 **layout: int) -> dict:
     """:func:`run_ranks` for one policy whose rank 0 writes a JSON file; that file's
     contents (the file itself removed), with the machine's 1-minute load average before
-    and after the run under ``load_average`` (other jobs on the cores slow every step)."""
+    and after the run under ``load_average`` (other jobs on the cores slow every step).
+    ``layout``: :func:`run_ranks`'s ``nodes`` and ``per_node``."""
     os.makedirs(RESULTS, exist_ok=True)
     out = os.path.join(RESULTS, f"{name}.{policy}.rank0.json")
     load_before = os.getloadavg()[0]
-    run_ranks(cluster, script, policy, out, flags, port, timeout, env)
+    run_ranks(cluster, script, policy, out, flags, port, timeout, env, **layout)
     with open(out) as f:
         result = json.load(f)
     os.remove(out)

@@ -46,6 +46,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
 
 import torch  # noqa: E402
+from _common import write_markdown  # noqa: E402
 
 from commpress.testbed import run_on_testbed  # noqa: E402
 from commpress.train.config import TrainConfig  # noqa: E402
@@ -184,10 +185,7 @@ def report(args, cache: dict, rows: list[str]) -> None:
                 lines.append(f"| {r} | {t['s_per_step']:.3f} | {utilization:.1f} % | {sent} "
                              f"| {val_cell} | {at_t} |")
             lines.append("")
-    text = "\n".join(lines) + "\n"
-    with open(os.path.join(RESULTS, f"{args.name}.md"), "w") as f:
-        f.write(text)
-    print(text)
+    write_markdown(f"{args.name}.md", lines)
     plot(args, cache, rows, seeds)
 
 

@@ -26,20 +26,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
-import tempfile
 import time
 from datetime import timedelta
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
+import torch
+from _common import RESULTS, rank0_result, rank_flags, write_markdown
 
-import torch  # noqa: E402
-
-RESULTS = os.path.join(HERE, "results")
 DATA = os.path.join(os.path.dirname(torch.__file__), "_inductor")
-LIGHTHOUSE_PORT = 29610
+PORT = 29610  # the lighthouse's, in site 0 (the ranks' MASTER_PORT)
 WARMUP = 2
 # the policy wrapping the Manager's process group (None: torchft's own), and whether
 # torchft's DiLoCo packs the pseudo-gradients into one buffer (use_bucketization)
@@ -51,13 +45,15 @@ ROWS = {"torchft": (None, False), "torchft-int8": ("diloco-int8", False),
 # -- one site (runs inside its namespace) -------------------------------------------------
 
 def site(args) -> dict:
-    """Train ``args.steps`` inner steps as site ``args.site``; returns its timings."""
+    """Train ``args.steps`` inner steps as the site of this process's ``RANK``, the row
+    ``args.policy``; returns its timings."""
     from torch.distributed import TCPStore
 
     import commpress
     from commpress.model.gpt import GPT, config_from_preset
     from commpress.train.data import TextData, load_tokens
 
+    me = int(os.environ["RANK"])
     torch.set_num_threads(1)
     torch.manual_seed(0)  # every site starts from the same weights: no healing at step 0
     model = GPT(config_from_preset(args.model, block_size=128))
@@ -67,15 +63,15 @@ def site(args) -> dict:
 
     def step(i: int) -> float:
         x, y = data.batch("train", 16, 128, 0, i)
-        _, loss = model(x[args.site * per_site:(args.site + 1) * per_site],
-                        y[args.site * per_site:(args.site + 1) * per_site])
+        _, loss = model(x[me * per_site:(me + 1) * per_site],
+                        y[me * per_site:(me + 1) * per_site])
         loss.backward()
         inner.step()
         inner.zero_grad()
         return loss.item()
 
     walls: list[float] = []
-    if args.row == "local":
+    if args.policy == "local":
         for i in range(args.steps):
             step(i)
             walls.append(time.perf_counter())
@@ -85,26 +81,25 @@ def site(args) -> dict:
     from torchft.manager import Manager
     from torchft.process_group import ProcessGroupGloo
 
-    me = args.ips.split(",")[args.site]
+    address, port = args.ips.split(",")[me], os.environ["MASTER_PORT"]
     lighthouse = None
-    if args.site == 0:
-        lighthouse = LighthouseServer(bind=f"0.0.0.0:{LIGHTHOUSE_PORT}",
-                                      min_replicas=args.sites)
+    if me == 0:
+        lighthouse = LighthouseServer(bind=f"0.0.0.0:{port}", min_replicas=args.sites)
     timeout = timedelta(seconds=120)
     pg = ProcessGroupGloo(timeout=timeout)
-    policy, buckets = ROWS[args.row]
+    policy, buckets = ROWS[args.policy]
     if policy is not None:
         pg = commpress.torchft.compress(pg, policy, timeout=timeout)
-    store = TCPStore(me, 0, 1, is_master=True)
+    store = TCPStore(address, 0, 1, is_master=True)
     outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
     manager = Manager(
         pg=pg, min_replica_size=args.sites, use_async_quorum=False,
         load_state_dict=lambda s: (model.load_state_dict(s["model"]),
                                    inner.load_state_dict(s["inner"])),
         state_dict=lambda: {"model": model.state_dict(), "inner": inner.state_dict()},
-        replica_id=f"site{args.site}", store_addr=me, store_port=store.port, rank=0,
-        world_size=1, hostname=me, init_sync=False,  # identical seeds: nothing to heal
-        lighthouse_addr=f"http://{args.ips.split(',')[0]}:{LIGHTHOUSE_PORT}",
+        replica_id=f"site{me}", store_addr=address, store_port=store.port, rank=0,
+        world_size=1, hostname=address, init_sync=False,  # identical seeds: nothing to heal
+        lighthouse_addr=f"http://{os.environ['MASTER_ADDR']}:{port}",
         timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout)
     commpress.reset_stats()
     try:
@@ -128,25 +123,12 @@ def site(args) -> dict:
 def time_row(args, row: str, link: str) -> dict:
     from commpress.testbed.netns import Cluster
 
-    out = tempfile.mkdtemp(prefix=f"torchft-{row}-")
     with Cluster(args.sites, link) as cluster:
-        ips = ",".join(cluster.ip(i) for i in range(args.sites))
-        procs = []
-        for i in range(args.sites):
-            argv = ["ip", "netns", "exec", cluster.ns(i), sys.executable, os.path.abspath(__file__),
-                    "--site", str(i), "--row", row, "--ips", ips, "--sites", str(args.sites),
-                    "--steps", str(args.steps), "--sync-every", str(args.sync_every),
-                    "--model", args.model, "--out", os.path.join(out, f"site{i}.json")]
-            env = dict(os.environ, GLOO_SOCKET_IFNAME="eth0", OMP_NUM_THREADS="1")
-            with open(os.path.join(out, f"site{i}.log"), "w") as log:  # torchft's own logs
-                procs.append(subprocess.Popen(argv, env=env, stdout=log,
-                                              stderr=subprocess.STDOUT))
-        codes = [p.wait(timeout=args.timeout) for p in procs]
+        flags = [f"--ips={','.join(cluster.ip(i) for i in range(args.sites))}",
+                 *rank_flags(args, ("sites", "steps", "sync_every", "model"))]
+        site0 = rank0_result(cluster, __file__, args.name, row, flags, PORT, args.timeout,
+                             nodes=args.sites, per_node=1)
         sent, _ = cluster.link_bytes(0)
-    if any(codes):
-        raise RuntimeError(f"{row} at {link}: sites exited with {codes}; logs: {out}/site*.log")
-    with open(os.path.join(out, "site0.json")) as f:
-        site0 = json.load(f)
     walls = site0["walls"]
     return {"s_per_step": (walls[-1] - walls[WARMUP - 1]) / (len(walls) - WARMUP),
             "sent_node0": sent, "steps": len(walls), "syncs": site0.get("step"),
@@ -172,10 +154,7 @@ def report(args, cache: dict) -> str:
             lines.append(f"| {r} | {t['s_per_step']:.3f} | {100 * floor / t['s_per_step']:.1f} % "
                          f"| {per_step / 1e3:,.1f} kB | {syncs} |")
         lines.append("")
-    text = "\n".join(lines) + "\n"
-    with open(os.path.join(RESULTS, f"{args.name}.md"), "w") as f:
-        f.write(text)
-    return text
+    return write_markdown(f"{args.name}.md", lines)
 
 
 def main() -> None:
@@ -189,16 +168,17 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=1200, help="seconds per row")
     ap.add_argument("--fresh", action="store_true")
     ap.add_argument("--name", default="torchft_sites", help="results/NAME.{json,md}")
-    # one site's process (the driver starts it inside the site's namespace)
-    ap.add_argument("--site", type=int, default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--row", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--ips", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    # one site's process (run_ranks starts it inside the site's namespace)
+    ap.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--policy", help=argparse.SUPPRESS)  # the row
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    ap.add_argument("--ips", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.site is not None:
+    if args.rank:
         result = site(args)
-        with open(args.out, "w") as f:
-            json.dump(result, f)
+        if os.environ["RANK"] == "0":  # site 0's timings are the row's
+            with open(args.out, "w") as f:
+                json.dump(result, f)
         return
     rows = args.rows.split(",")
     os.makedirs(RESULTS, exist_ok=True)
@@ -213,7 +193,7 @@ def main() -> None:
             cache[key] = time_row(args, r, link)
             with open(path, "w") as f:
                 json.dump(cache, f, indent=1)
-    print(report(args, cache))
+    report(args, cache)
 
 
 if __name__ == "__main__":
