@@ -154,8 +154,8 @@ def test_a_flag_is_taken_only_as_written(capsys):
     """argparse's prefix match read ``bench collectives --ranks 1`` as ``--ranks-per-node
     1`` and ran the benchmark: every strict prefix of every long option is refused."""
     checked = 0
+    flags = {a for _, act in _options() for a in act.option_strings}
     for command, action in _options():
-        flags = {a for _, act in _options() for a in act.option_strings}
         for flag in action.option_strings:
             prefix = flag[:-1]
             if not flag.startswith("--") or len(prefix) < 3 or prefix in flags:

@@ -89,7 +89,7 @@ def _launcher_alive(launcher_pid: int, parent_pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:  # a process of another user holds the pid: not gone
-        pass
+        return True
     return True
 
 

@@ -176,9 +176,11 @@ def lightning_adversarial(rank, world):
 
 # -- accelerate --------------------------------------------------------------------------
 
-def accelerate_train(rank, world, policy, steps, killer=None):
+def accelerate_train(rank, world, policy, steps, killer=None, save_to=None, load_from=None):
     """The README recipe: prepare, then register the hook on the model prepare returns
-    (``killer``: a rank dies mid-step, :class:`tests.reliability.killing.Killer`)."""
+    (``killer``: a rank dies mid-step, :class:`tests.reliability.killing.Killer`). With
+    ``save_to`` / ``load_from`` the hook state is handed to accelerate's
+    ``register_for_checkpointing``, saved after the steps / loaded before them."""
     from accelerate import Accelerator
 
     accelerator = Accelerator(cpu=True)
@@ -186,7 +188,12 @@ def accelerate_train(rank, world, policy, steps, killer=None):
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
     model, optimizer = accelerator.prepare(model, optimizer)
     if policy is not None:
-        model.register_comm_hook(*commpress.ddp_hook(model, policy))
+        state, hook = commpress.ddp_hook(model, policy)
+        model.register_comm_hook(state, hook)
+        if save_to or load_from:
+            accelerator.register_for_checkpointing(state)
+    if load_from:
+        accelerator.load_state(load_from)
     data = TextData(load_tokens(max_bytes=200_000))
     losses, hashes = [], []
     for step in range(steps):
@@ -199,6 +206,8 @@ def accelerate_train(rank, world, policy, steps, killer=None):
         optimizer.zero_grad()
         losses.append(_mean(loss.detach(), world))
         hashes.append(_hash(model))
+    if save_to:
+        accelerator.save_state(save_to)
     return {"losses": losses, "hashes": hashes, "wrapped": type(model).__name__}
 
 
@@ -214,32 +223,13 @@ def accelerate_runs(rank, world, steps):
 
 def accelerate_checkpointing(rank, world, directory):
     """The hook state handed to accelerate's ``register_for_checkpointing``: saved after 2
-    steps, loaded into a fresh run → each rank's outcome of ``load_state``."""
-    from accelerate import Accelerator
-
+    steps, loaded into a fresh run → each rank's refusal of ``load_state``, or None."""
     _quiet()
-    data = TextData(load_tokens(max_bytes=200_000))
-    for phase in ("save", "load"):
-        accelerator = Accelerator(cpu=True)
-        model = _model()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-        model, optimizer = accelerator.prepare(model, optimizer)
-        state, hook = commpress.ddp_hook(model, EF)
-        model.register_comm_hook(state, hook)
-        accelerator.register_for_checkpointing(state)
-        if phase == "save":
-            for step in range(2):
-                x, y = _rank_batch(data, step, rank, world)
-                _, loss = model(x, y)
-                accelerator.backward(loss)
-                optimizer.step()
-                optimizer.zero_grad()
-            accelerator.save_state(directory)
-            continue
-        try:
-            accelerator.load_state(directory)
-        except ValueError as e:
-            return str(e)
+    accelerate_train(rank, world, EF, 2, save_to=directory)
+    try:
+        accelerate_train(rank, world, EF, 0, load_from=directory)
+    except ValueError as e:
+        return str(e)
     return None
 
 
