@@ -65,6 +65,7 @@ ROWS: dict[str, dict] = {
     "diloco-int4": {"outer": "diloco-int4"},
     "diloco-int2ef": {"outer": "diloco-int2ef"},
     "diloco-sparse": {"outer": "diloco-sparse"},
+    "diloco-int2ef-h128": {"outer": os.path.join(HERE, "diloco_int2ef_h128.yaml")},
     "diloco-int4-streaming": {"outer": "diloco-int4", **STREAMING},
     "diloco-int2ef-streaming": {"outer": "diloco-int2ef", **STREAMING},
     "local": {"outer": "diloco", "local": True},
