@@ -61,10 +61,15 @@ ROWS: dict[str, dict] = {
     "ddp-allreduce": {"ddp_hook": "allreduce"},
     "ddp-int2ef": {"ddp_hook": "commpress", "policy": "int2ef"},
     "diloco": {"outer": "diloco"},
+    "diloco-avg": {"outer": "diloco", "outer_lr": 1.0, "outer_momentum": 0.0},  # local SGD
     "diloco-int8": {"outer": "diloco-int8"},
     "diloco-int4": {"outer": "diloco-int4"},
     "diloco-int2ef": {"outer": "diloco-int2ef"},
     "diloco-sparse": {"outer": "diloco-sparse"},
+    # the top-k preset under other outer steps than its own (lr 1, no momentum)
+    "diloco-sparse-lr07": {"outer": "diloco-sparse", "outer_lr": 0.7},
+    "diloco-sparse-nesterov": {"outer": "diloco-sparse", "outer_lr": 0.7,
+                               "outer_momentum": 0.9},
     "diloco-int2ef-h128": {"outer": os.path.join(HERE, "diloco_int2ef_h128.yaml")},
     "diloco-int4-streaming": {"outer": "diloco-int4", **STREAMING},
     "diloco-int2ef-streaming": {"outer": "diloco-int2ef", **STREAMING},
@@ -186,7 +191,31 @@ def report(args, cache: dict, rows: list[str]) -> None:
                 lines.append(f"| {r} | {t['s_per_step']:.3f} | {utilization:.1f} % | {sent} "
                              f"| {val_cell} | {at_t} |")
             lines.append("")
+    lines += loss_table(args, cache, rows, seeds)
     write_markdown(f"{args.name}.md", lines)
+
+
+def loss_table(args, cache: dict, rows: list[str], seeds: list[int]) -> list[str]:
+    """Validation loss at equal tokens per row (mean ± sample std over the seeds it ran)
+    and its gap to exact DiLoCo paired by seed (mean ± standard error)."""
+    val = {r: {s: cache[f"loss|{r}|{s}"]["val_loss"] for s in seeds
+               if f"loss|{r}|{s}" in cache} for r in rows}
+    val = {r: v for r, v in val.items() if v}
+    if not val:
+        return []
+    lines = [f"## Validation loss at equal tokens ({args.loss_sites} sites)", "",
+             "| row | seeds | val loss | gap to `diloco`, paired by seed | bytes / step / site |",
+             "|---|---|---|---|---|"]
+    base = val.get("diloco", {})
+    for r, v in val.items():
+        spread = f" ± {statistics.stdev(v.values()):.4f}" if len(v) > 1 else ""
+        gaps = [100 * (v[s] / base[s] - 1) for s in v if s in base]
+        gap = "-" if r == "diloco" or not gaps else f"{statistics.mean(gaps):+.2f} %" + (
+            f" ± {statistics.stdev(gaps) / len(gaps) ** 0.5:.2f}" if len(gaps) > 1 else "")
+        sent = statistics.mean(cache[f"loss|{r}|{s}"]["bytes_per_step_site"] for s in v)
+        lines.append(f"| {r} | {','.join(map(str, v))} | {statistics.mean(v.values()):.4f}"
+                     f"{spread} | {gap} | {sent / 1e3:,.1f} kB |")
+    return lines + [""]
     plot(args, cache, rows, seeds)
 
 
@@ -196,6 +225,9 @@ def plot(args, cache: dict, rows: list[str], seeds: list[int]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    if not any(cache.get(time_key(args, int(n), link, r)) for n in args.sites.split(",")
+               for link in args.links.split(",") for r in rows):
+        return  # loss only: the table says it; the plot's axes are wall time and bytes
     if not any(f"loss|{r}|{s}" in cache for r in rows for s in seeds):
         return  # timing only: no curves to plot
     sites, link = args.sites.split(",")[0], args.links.split(",")[0]

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 import commpress
+from commpress.integrations import rank_state
 from commpress.model.gpt import GPT, config_from_preset
 from commpress.train.data import TextData, load_tokens
 
@@ -146,7 +147,7 @@ def resume(rank, world, directory, steps):
     fresh_engine.commpress.remove()
     # rank 1's file truncated: refused on every rank, naming it; then a checkpoint
     # without commpress's files: refused on every rank, not half-loaded
-    path = resumed_engine.commpress.state_path(os.path.join(directory, "half"))
+    path = rank_state.file_of(os.path.join(directory, "half"))
     dist.barrier()
     if rank == 1:
         with open(path, "r+b") as f:
@@ -238,7 +239,7 @@ def elastic(rank, world, directory, load_tag, save_tag, start, copy_state):
                 inject_missing_state=True)
             with contextlib.redirect_stdout(io.StringIO()):
                 ds_to_universal.main(args)
-            for f in glob.glob(os.path.join(directory, load_tag, "commpress_rank*.pt")):
+            for f in glob.glob(os.path.join(directory, load_tag, "commpress-rank*.pt")):
                 if copy_state:
                     shutil.copy(f, os.path.join(directory, universal))
         dist.barrier()

@@ -94,16 +94,20 @@ def fsdp_codec_state_mismatch(rank, world, policy, other_policy):
 
 
 def fsdp_codec_state_swapped_or_truncated(rank, world, policy):
-    """Each rank loads the other rank's codec state, then its own cut in half."""
+    """Each rank loads the other rank's codec state, its own with the other rank's entry
+    under its key, then its own cut in half."""
     import torch.distributed as dist
 
     _, compression = _fsdp_model(policy)
     states = [None] * world
     dist.all_gather_object(states, compression.state_dict())
     own = states[rank]
+    other = (rank + 1) % world
+    entry_swapped = {**own, f"rank{rank}": states[other][f"rank{other}"]}
     truncated = {**own, f"rank{rank}": own[f"rank{rank}"][:len(own[f"rank{rank}"]) // 2]}
     errors = {}
-    for case, state in (("swapped", states[(rank + 1) % world]), ("truncated", truncated)):
+    for case, state in (("swapped", states[other]), ("entry swapped", entry_swapped),
+                        ("truncated", truncated)):
         try:
             compression.load_state_dict(state)
             errors[case] = None

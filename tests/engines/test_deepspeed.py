@@ -104,9 +104,9 @@ def test_save_load_continue_equals_an_uninterrupted_run(two_ranks):
         # the same checkpoint continues differently
         assert resume["residuals"] > 0
         assert resume["fresh codecs"][1] != resume["uninterrupted"][1]
-        assert "commpress_rank" in resume["refused"] and "load_module_only" in resume[
+        assert "commpress-rank" in resume["refused"] and "load_module_only" in resume[
             "refused"]
-        assert "commpress_rank00001.pt" in resume["truncated"]
+        assert "commpress-rank1.pt" in resume["truncated"]
         assert "is truncated or corrupted" in resume["truncated"]
 
 
@@ -167,7 +167,7 @@ def test_an_elastic_resume_on_another_data_parallel_size_starts_the_codecs_fresh
         "commpress.deepspeed: resuming state saved on 4 ranks on 2: error-feedback memory "
         "and rounding streams start fresh (they were laid out for the world that saved them)"]
     # 2 → 4: the universal checkpoint holds no commpress file
-    assert "commpress_rank00000.pt' is missing" in four[0]["strict"]
+    assert "commpress-rank0.pt' is missing" in four[0]["strict"]
     assert len(four[0]["logged"]) == 1 and "no commpress state beside" in four[0]["logged"][0]
 
 

@@ -53,6 +53,8 @@ def test_a_codec_state_of_the_other_rank_or_cut_short_is_refused_by_name():
         other = 1 - rank
         assert f"holds the state of ['rank{other}'], not this rank's ('rank{rank}')" in (
             errors["swapped"] or ""), errors
+        assert (f"FSDP codec checkpoint rank {other} does not match this run's {rank}"
+                in (errors["entry swapped"] or "")), errors
         assert f"the entry 'rank{rank}' cannot be read" in (errors["truncated"] or ""), errors
         assert "truncated or corrupt" in errors["truncated"]
 

@@ -4,7 +4,7 @@ site), its own batches, different initial weights; gpt-tiny, AdamW inside."""
 import numpy as np
 import pytest
 
-from commpress.integrations.diloco import DiLoCoConfig, outer_policy
+from commpress.integrations.diloco import DiLoCoConfig, outer_policy, outer_step
 from commpress.launch import spawn
 from commpress.validate import InputError
 from tests.integrations import diloco_workers
@@ -129,6 +129,15 @@ def test_presets_and_policies():
     assert mine.rule("outer", "grad").codec == "int4"
     with pytest.raises(InputError, match="allowed: diloco, diloco-int8"):
         outer_policy("diloco-int3")
+
+
+def test_each_preset_has_its_outer_step_and_an_explicit_one_wins():
+    assert outer_step("diloco-int2ef") == (0.7, 0.9)
+    assert outer_step("diloco-sparse") == (1.0, 0.0)  # error feedback is its momentum
+    assert outer_step("diloco-sparse", 0.5) == (0.5, 0.0)
+    assert outer_step("diloco-sparse", momentum=0.9) == (1.0, 0.9)
+    assert outer_step({"name": "mine", "outer": {"grad": "topk:ratio=0.02"}}) == (0.7, 0.9)
+    assert outer_step(outer_policy("diloco-sparse")) == (0.7, 0.9)  # a Policy: no preset
 
 
 def test_inner_optimizers_with_master_weights_and_sharded_parameters_are_refused():

@@ -111,11 +111,9 @@ def elastic_resume(rank, world, directory, phase):
 
     from commpress.integrations import rank_state
 
-    def path_of(r):
-        return os.path.join(directory, f"rank{r}.pt")
-
     if phase == "save":
-        commpress.save_rank_state({"saved by": rank}, path_of(rank))
+        rank_state.save_in({"saved by": rank}, directory, "test")
+        assert rank_state.file_of(directory) == os.path.join(directory, f"commpress-rank{rank}.pt")
         return None
     records = []
     handler = logging.Handler()
@@ -123,12 +121,13 @@ def elastic_resume(rank, world, directory, phase):
     logging.getLogger("commpress").addHandler(handler)
     out = {}
     try:
-        out["strict"] = rank_state.resume(path_of, "test", "save it", False, "OPTION=True")
+        out["strict"] = rank_state.resume_from(directory, "test", "save it", False,
+                                               "OPTION=True")
     except InputError as e:
         out["strict"] = str(e)
-    out["elastic"] = rank_state.resume(path_of, "test", "save it", True, "OPTION=True")
-    out["none saved"] = rank_state.resume(lambda r: os.path.join(directory, "no", f"{r}.pt"),
-                                          "test", "save it", True, "OPTION=True")
+    out["elastic"] = rank_state.resume_from(directory, "test", "save it", True, "OPTION=True")
+    out["none saved"] = rank_state.resume_from(os.path.join(directory, "no"), "test",
+                                               "save it", True, "OPTION=True")
     out["said"] = records
     return out
 

@@ -30,7 +30,8 @@ def test_the_numeric_fields_are_the_ones_checked_here():
         "dp", "tp", "pp", "nproc", "ranks_per_node", "steps", "batch_size", "seq_len",
         "micro_batches", "lr", "min_lr_ratio", "warmup", "weight_decay", "max_grad_norm",
         "seed", "max_data_bytes", "eval_every", "eval_batches", "checkpoint_every",
-        "timeout_s", "bucket_numel", "sync_every", "fragments", "outer_delay", "outer_lr"}
+        "timeout_s", "bucket_numel", "sync_every", "fragments", "outer_delay", "outer_lr",
+        "outer_momentum"}
 
 
 @pytest.mark.parametrize("name", NUMERIC)

@@ -142,19 +142,6 @@ def say_once(logger: logging.Logger, key: tuple, rank: int, message: str, *args)
         logger.warning(message, *args)
 
 
-def resized(state: dict[str, Any], mine: dict[str, int], what: str) -> bool:
-    """Whether ``state`` was saved by another rank or world size than ``mine``; if so,
-    say once (on rank 0) that its per-rank memory starts fresh."""
-    saved = {k: state.get(k) for k in mine}
-    if saved == mine:
-        return False
-    say_once(log, ("resized", what, saved["world_size"], mine["world_size"]), mine["rank"],
-             "%s: resuming state saved on %s ranks on %s: error-feedback memory and "
-             "rounding streams start fresh (they were laid out for the world that saved "
-             "them)", what, saved["world_size"], mine["world_size"])
-    return True
-
-
 def warn_if_uncompressed(policy: Policy, topology: Topology, group: dist.ProcessGroup | None,
                          what: str, axis: str = "dp") -> bool:
     """Warn once, on the group's first rank, when the policy's ``axis.grad`` codecs are lossy

@@ -22,7 +22,7 @@
   weights before the gather).
 * **Checkpoints.** ``engine.save_checkpoint`` also writes each rank's codec state
   (error-feedback residuals, stochastic-rounding counters) beside DeepSpeed's files,
-  ``<save_dir>/<tag>/commpress_rank<global rank>.pt``; ``engine.load_checkpoint``
+  ``<save_dir>/<tag>/commpress-rank<global rank>.pt``; ``engine.load_checkpoint``
   reads it back, so a resumed run continues bit for bit.
 
 DeepSpeed keeps everything else: its buckets and when they are reduced
@@ -57,11 +57,11 @@ import torch.distributed as dist
 from commpress.collectives import Topology
 from commpress.collectives.agreement import agree, rendezvous
 from commpress.dp import DPBucket
-from commpress.dp.grad_path import resized
+from commpress.dp.saved_state import check_resume, envelope
 from commpress.engines.seam import Seam, Swap, install, restore
 from commpress.integrations import rank_state
 from commpress.policy import Policy
-from commpress.validate import InputError, check_bool, check_saved_state
+from commpress.validate import InputError, check_bool
 
 try:
     import deepspeed
@@ -72,8 +72,9 @@ except ImportError as e:  # pragma: no cover - the engine tests require it
                       "requirements-engines.txt (deepspeed==0.19.8)") from e
 
 log = logging.getLogger(__name__)
+WHAT = "commpress.deepspeed"  # names this adapter in messages
 
-STATE_FORMAT = "commpress.deepspeed/2"
+STATE_FORMAT = "commpress.deepspeed/3"
 TESTED_VERSION = "0.19.8"
 STAGES = (1, 2)
 
@@ -245,13 +246,12 @@ class DeepSpeedCompression:
     # -- checkpoints ------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """This rank's codec state (the weights themselves are in DeepSpeed's files)."""
-        return {"format": STATE_FORMAT, "policy": self.policy.to_dict(),
-                "world_size": dist.get_world_size(self.group),
-                "dp_rank": dist.get_rank(self.group),
-                "grad_buckets": {**self._pending, **{k: b.state_dict()
-                                                     for k, b in self.grad_buckets.items()}},
-                "weight_groups": [w.state_dict() for w in self.weight_groups],
-                "buckets_reduced": self.buckets_reduced}
+        return envelope(STATE_FORMAT, self.policy, dist.get_rank(self.group),
+                        dist.get_world_size(self.group),
+                        grad_buckets={**self._pending, **{k: b.state_dict() for k, b in
+                                                          self.grad_buckets.items()}},
+                        weight_groups=[w.state_dict() for w in self.weight_groups],
+                        buckets_reduced=self.buckets_reduced)
 
     def load_state_dict(self, state: dict[str, Any], elastic: bool = False) -> None:
         """Restore codec state saved by the same data-parallel rank of the same run.
@@ -260,17 +260,12 @@ class DeepSpeedCompression:
         universal checkpoints reshard its own state): the policy
         and parameter groups are still checked, and the codecs start fresh — their memory
         was laid out for the world that saved them (said once, on rank 0)."""
-        mine = {"world_size": dist.get_world_size(self.group),
-                "dp_rank": dist.get_rank(self.group)}
-        check_saved_state(state, STATE_FORMAT, "commpress.deepspeed", {
-            "policy": self.policy.to_dict(), **({} if elastic else mine),
-            "weight_groups": len(self.weight_groups)},
-            "resume with the same policy, data-parallel size and parameter groups; on "
-            "another data-parallel size: compress(engine, policy, elastic=True)",
-            views={"weight_groups": len})
-        if resized({"rank": state["dp_rank"], "world_size": state["world_size"]},
-                   {"rank": mine["dp_rank"], "world_size": mine["world_size"]},
-                   "commpress.deepspeed"):
+        if not check_resume(
+                state, STATE_FORMAT, WHAT, self.policy,
+                dist.get_rank(self.group), dist.get_world_size(self.group), elastic,
+                "resume with the same policy, data-parallel size and parameter groups; on "
+                "another data-parallel size: compress(engine, policy, elastic=True)",
+                {"weight_groups": len(self.weight_groups)}, views={"weight_groups": len}):
             self._fresh_codecs()
             self.buckets_reduced = state["buckets_reduced"]
             return
@@ -285,19 +280,13 @@ class DeepSpeedCompression:
         for weights in self.weight_groups:
             weights.fresh()
 
-    def state_path(self, checkpoint_dir: str, rank: int | None = None) -> str:
-        """This rank's (or ``rank``'s) codec-state file inside a checkpoint's tag directory."""
-        rank = dist.get_rank() if rank is None else rank
-        return os.path.join(checkpoint_dir, f"commpress_rank{rank:05d}.pt")
-
     def _save_checkpoint(self, save_dir: str, tag: Any = None, *args, **kwargs) -> Any:
         # DeepSpeed's default tag, fixed here so both files land in one directory
         tag = str(tag) if tag is not None else f"global_step{self.engine.global_steps}"
         os.makedirs(os.path.join(save_dir, tag), exist_ok=True)
         # written before DeepSpeed's files: its 'latest' never names a tag without it
         # every rank saves (and loads): refused on all of them together, not per dp group
-        rank_state.save(self.state_dict(), self.state_path(os.path.join(save_dir, tag)),
-                        None, "commpress.deepspeed")
+        rank_state.save_in(self.state_dict(), os.path.join(save_dir, tag), WHAT)
         return self._original("save_checkpoint")(save_dir, tag, *args, **kwargs)
 
     def _load_checkpoint(self, load_dir: str, tag: Any = None, *args, **kwargs) -> Any:
@@ -324,11 +313,11 @@ class DeepSpeedCompression:
         """This rank's saved state; with ``elastic``, :func:`rank_state.load_elastic`'s
         (None: the checkpoint holds none, as a universal one made by ``ds_to_universal``,
         which copies only DeepSpeed's own files)."""
-        what, missing = ("commpress.deepspeed", "save it with a compressed engine, load with "
-                         "load_module_only=True, or, on another data-parallel size (a "
-                         "universal checkpoint), compress(engine, policy, elastic=True)")
-        return rank_state.resume(lambda r: self.state_path(checkpoint_dir, r), what, missing,
-                                 self.elastic, "compress(engine, policy, elastic=True)")
+        missing = ("save it with a compressed engine, load with load_module_only=True, or, "
+                   "on another data-parallel size (a universal checkpoint), compress(engine, "
+                   "policy, elastic=True)")
+        return rank_state.resume_from(checkpoint_dir, WHAT, missing, self.elastic,
+                                      "compress(engine, policy, elastic=True)")
 
 
 def _gather_dispatch(groups_flat, partitioned_param_groups, dp_process_group,

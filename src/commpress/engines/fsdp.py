@@ -47,14 +47,14 @@ from commpress.collectives import Topology, all_gather, all_reduce
 from commpress.collectives.agreement import agree, agree_across, rendezvous
 from commpress.collectives.comm import all_gather_single
 from commpress.dp import DPBucket
-from commpress.dp.grad_path import resized
+from commpress.dp.saved_state import check_resume, envelope
 from commpress.engines.seam import Swap, install, restore
 from commpress.policy import Policy, Rule
 from commpress.validate import InputError, check_saved_state
 
 log = logging.getLogger(__name__)
 
-STATE_FORMAT = "commpress.fsdp/1"
+STATE_FORMAT = "commpress.fsdp/2"
 
 
 class _Allocate:
@@ -294,10 +294,11 @@ class FSDPCompression:
         return states
 
     def state_dict(self) -> dict[str, Any]:
-        # the policy travels inside the rank's entry: DCP loads only the keys the
-        # loading run's own state has, so a nested dict could not be compared whole
+        # the rank's whole state travels as its entry's bytes: DCP loads only the keys
+        # the loading run's own state has, so a nested dict could not be compared whole
         buffer = io.BytesIO()
-        torch.save({"policy": self.policy.to_dict(), "codecs": self.codec_states()}, buffer)
+        torch.save(envelope(STATE_FORMAT, self.policy, self.rank, self.world,
+                            codecs=self.codec_states()), buffer)
         return {"format": STATE_FORMAT, "world_size": self.world,
                 "modules": list(self.modules), f"rank{self.rank}": buffer.getvalue()}
 
@@ -309,16 +310,15 @@ class FSDPCompression:
         optimizer): the policy and modules are still checked, and the codecs start fresh —
         their error-feedback memory and rounding streams were laid out for the world that
         saved them (said once, on rank 0). With DCP, load :meth:`elastic` in its place."""
-        check_saved_state(state, STATE_FORMAT, "commpress FSDP codec",
-                          {} if elastic else {"world_size": self.world},
-                          "resume with the same world size; on another number of ranks "
-                          "load comm.elastic() with DCP, or load_state_dict(state, "
-                          "elastic=True)")
+        what = "commpress FSDP codec"
+        advice = ("resume with the same policy and world size; on another number of ranks "
+                  "load comm.elastic() with DCP, or load_state_dict(state, elastic=True)")
+        check_saved_state(state, STATE_FORMAT, what,
+                          {} if elastic else {"world_size": self.world}, advice)
         _check_module_names(state["modules"], list(self.modules))
         key = f"rank{self.rank}"
         saved_keys = sorted(k for k in state if k.startswith("rank"))
-        fresh = elastic and (state["world_size"] != self.world or key not in state)
-        if fresh:
+        if key not in state and elastic:
             if not saved_keys:
                 raise InputError("FSDP codec checkpoint holds no rank's state; save it with "
                                  "the FSDPCompression of a compressed model")
@@ -333,10 +333,8 @@ class FSDPCompression:
             raise InputError(f"FSDP codec checkpoint: the entry {key!r} cannot be read "
                              f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); it is "
                              "truncated or corrupt: resume from an intact checkpoint") from None
-        _check_same("policy", entry["policy"], self.policy.to_dict())
-        if fresh:
-            resized({"rank": None, "world_size": state["world_size"]},
-                    {"rank": self.rank, "world_size": self.world}, "commpress FSDP codec")
+        if not check_resume(entry, STATE_FORMAT, what, self.policy, self.rank, self.world,
+                            elastic, advice):
             self._fresh_codecs()
             return
         codec_states = entry["codecs"]

@@ -35,6 +35,7 @@ except ImportError as e:  # pragma: no cover - the engine tests require it
                       "requirements-engines.txt (lightning==2.6.6)") from e
 
 log = logging.getLogger(__name__)
+WHAT = "CommpressDDPStrategy"  # names this adapter in messages
 
 
 class CommpressDDPStrategy(DDPStrategy):
@@ -104,24 +105,18 @@ class CommpressDDPStrategy(DDPStrategy):
         super().teardown()
 
     # -- checkpoints: each rank's codec state beside the checkpoint ---------------------
-    def hook_state_path(self, checkpoint_path: str | os.PathLike, rank: int | None = None
-                        ) -> str:
-        rank = self.global_rank if rank is None else rank
-        return f"{os.fspath(checkpoint_path)}.commpress-rank{rank}.pt"
-
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | os.PathLike,
                         storage_options: Any | None = None) -> None:
         if self.hook_state is not None:
-            rank_state.save(self.hook_state.state_dict(), self.hook_state_path(filepath),
-                            None, "CommpressDDPStrategy")
+            rank_state.save_in(self.hook_state.state_dict(), filepath, WHAT, beside=True)
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     def load_checkpoint(self, checkpoint_path: str | os.PathLike,
                         weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        what, missing = "CommpressDDPStrategy", "save it with this strategy"
-        state = rank_state.resume(lambda r: self.hook_state_path(checkpoint_path, r), what,
-                                  missing, self.elastic, f"{what}(..., elastic=True)")
+        state = rank_state.resume_from(checkpoint_path, WHAT, "save it with this strategy",
+                                       self.elastic, f"{WHAT}(..., elastic=True)",
+                                       beside=True)
         if state is not None and self.hook_state is not None:  # resumed after setup
             self.hook_state.load_state_dict(state, self.elastic)
         else:  # None: elastic, and no state was saved: the hook's codecs start fresh

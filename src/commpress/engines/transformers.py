@@ -27,7 +27,6 @@ import logging
 import os
 from typing import Any
 
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from commpress.collectives import Topology
@@ -88,9 +87,8 @@ class Compression(TrainerCallback):
             self._ddp = ddp
         if self._resume is not None:
             missing = f"save the checkpoint with {WHAT}.compress(trainer, ...) applied"
-            saved = rank_state.resume(lambda r: self._path(self._resume, r), WHAT, missing,
-                                      self.elastic, f"{WHAT}.compress(trainer, ..., "
-                                      "elastic=True)")
+            saved = rank_state.resume_from(self._resume, WHAT, missing, self.elastic,
+                                           f"{WHAT}.compress(trainer, ..., elastic=True)")
             if saved is not None:
                 self.hook_state.load_state_dict(saved, self.elastic)
 
@@ -99,7 +97,7 @@ class Compression(TrainerCallback):
             return
         folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
         os.makedirs(folder, exist_ok=True)  # rank 0 may not have made it yet
-        rank_state.save(self.hook_state.state_dict(), self._path(folder), None, WHAT)
+        rank_state.save_in(self.hook_state.state_dict(), folder, WHAT)
 
     # -- the handle ------------------------------------------------------------------
     def remove(self) -> None:
@@ -120,12 +118,6 @@ class Compression(TrainerCallback):
                                 overlap=self.overlap, bucket_numel=self.bucket_numel)
         return ddp_hook(ddp, self.policy, topology=self.topology, overlap=self.overlap,
                         bucket_numel=self.bucket_numel)
-
-    @staticmethod
-    def _path(checkpoint: str, rank: int | None = None) -> str:
-        if rank is None:
-            rank = dist.get_rank() if dist.is_initialized() else 0
-        return os.path.join(checkpoint, f"commpress-rank{rank}.pt")
 
 
 def compress(trainer: Trainer, policy: str | dict | Policy = "int4:hadamard=128", *,

@@ -26,7 +26,6 @@ import torch.nn as nn
 
 from commpress.collectives import Handle
 from commpress.dp import DPBucket
-from commpress.policy import Policy
 from commpress.validate import InputError
 
 ReplicationKey = Callable[[str, nn.Parameter], Hashable]
@@ -157,17 +156,16 @@ def build_optimizer(buckets: list[Bucket], optimizer_cls: type[torch.optim.Optim
     return (optimizer_cls or torch.optim.AdamW)(groups, **optimizer_kwargs)
 
 
-def buckets_identity(policy: Policy, buckets: list[Bucket]) -> dict[str, Any]:
-    """What a resume must match: the policy and the bucket layout."""
-    return {"policy": policy.to_dict(), "bucket_numels": [b.numel for b in buckets],
+def buckets_identity(buckets: list[Bucket]) -> dict[str, Any]:
+    """What a resume must match beside the policy: the bucket layout."""
+    return {"bucket_numels": [b.numel for b in buckets],
             "bucket_names": [b.names for b in buckets]}
 
 
-def buckets_state(policy: Policy, buckets: list[Bucket],
-                  optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def buckets_state(buckets: list[Bucket], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The buckets' part of an optimizer state: identity, fp32 masters, weights, inner
     optimizer."""
-    return {**buckets_identity(policy, buckets),
+    return {**buckets_identity(buckets),
             "master": [b.master.detach().clone() for b in buckets],
             "params": [b.param_buffer.clone() for b in buckets],
             "optimizer": optimizer.state_dict()}

@@ -62,9 +62,10 @@ from commpress.collectives import Topology, context
 from commpress.collectives.agreement import release
 from commpress.collectives.comm import group_timeout
 from commpress.dp import DPBucket
-from commpress.dp.grad_path import resized, warn_if_uncompressed
+from commpress.dp.grad_path import warn_if_uncompressed
+from commpress.dp.saved_state import check_resume, envelope
 from commpress.policy import Policy, list_presets
-from commpress.validate import InputError, check_bool, check_int, check_saved_state
+from commpress.validate import InputError, check_bool, check_int
 
 STATE_FORMAT = "commpress.DDPHookState/4"
 log = logging.getLogger(__name__)
@@ -200,9 +201,9 @@ class DDPHookState:
     def state_dict(self) -> dict[str, Any]:
         """This rank's codec state: error-feedback memory and rounding streams are each
         rank's own, so the state records the rank and the world size it belongs to."""
-        return {"format": STATE_FORMAT, "policy": self.policy.to_dict(), "calls": self.calls,
-                **self._identity(), "layout": [b.names for b in self.buckets],
-                "codecs": [b.dp.state_dict() for b in self.buckets]}
+        return envelope(STATE_FORMAT, self.policy, *self._identity(), calls=self.calls,
+                        layout=[b.names for b in self.buckets],
+                        codecs=[b.dp.state_dict() for b in self.buckets])
 
     def load_state_dict(self, state: dict[str, Any], elastic: bool = False) -> None:
         """Restore a state this rank saved: another rank's, world size's, policy's or
@@ -212,19 +213,17 @@ class DDPHookState:
         state): what every rank holds alike is kept, while the error-feedback memory and
         rounding streams, laid out for the world that saved them, start fresh (said once,
         on rank 0)."""
-        check_saved_state(state, STATE_FORMAT, "DDP hook", {
-            "policy": self.policy.to_dict(), **({} if elastic else self._identity()),
-            "layout": [b.names for b in self.buckets]},
+        memory = check_resume(
+            state, STATE_FORMAT, "DDP hook", self.policy, *self._identity(), elastic,
             "resume each rank from its own state, with the same number of ranks, policy, "
             "model and bucket_numel (they fix the layout); another number of ranks: "
-            "load_state_dict(state, elastic=True)")
-        memory = not resized(state, self._identity(), "DDP hook")
+            "load_state_dict(state, elastic=True)", {"layout": [b.names for b in self.buckets]})
         for b, codecs in zip(self.buckets, state["codecs"], strict=True):
             b.dp.load_state_dict(codecs, memory)
         self.calls = state["calls"]
 
-    def _identity(self) -> dict[str, int]:
-        return {"rank": dist.get_rank(self.group), "world_size": dist.get_world_size(self.group)}
+    def _identity(self) -> tuple[int, int]:
+        return dist.get_rank(self.group), dist.get_world_size(self.group)
 
     def __getstate__(self) -> dict[str, Any]:
         d = dict(self.__dict__)

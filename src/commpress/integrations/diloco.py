@@ -42,11 +42,12 @@ import torch.nn as nn
 from commpress.collectives import Topology
 from commpress.collectives.agreement import agree, release
 from commpress.dp import DPBucket
-from commpress.dp.grad_path import resized, warn_if_uncompressed
+from commpress.dp.grad_path import warn_if_uncompressed
+from commpress.dp.saved_state import check_resume, envelope
 from commpress.integrations.ddp import new_hook_group
 from commpress.integrations.replica_sync import broadcast_coalesced, group_source
 from commpress.policy import Policy
-from commpress.validate import InputError, check_bool, check_float, check_int, check_saved_state
+from commpress.validate import InputError, check_bool, check_float, check_int
 
 STATE_FORMAT = "commpress.DiLoCo/2"
 LABEL = "outer.grad"
@@ -63,6 +64,21 @@ OUTER_PRESETS: dict[str, dict[str, Any]] = {
     "diloco-sparse": {"outer": {"grad": {"intra": "none", "inter": {
         "codec": "topk:ratio=0.02", "error_feedback": True}}}},
 }
+
+
+# The outer SGD's (lr, momentum) by preset: DiLoCo's Nesterov 0.7 / 0.9, except top-k,
+# whose error feedback already carries the past (SparseLoCo's plain averaging, lr 1, no
+# momentum): with momentum on top, residuals sent late overshoot at every sync.
+OUTER_STEP = (0.7, 0.9)
+OUTER_STEPS: dict[str, tuple[float, float]] = {"diloco-sparse": (1.0, 0.0)}
+
+
+def outer_step(spec: str | dict | Policy, lr: float | None = None,
+               momentum: float | None = None) -> tuple[float, float]:
+    """The outer SGD's ``(lr, momentum)``: those given, else the preset's
+    (:data:`OUTER_STEPS`; a policy file or dict: :data:`OUTER_STEP`)."""
+    default = OUTER_STEPS.get(spec, OUTER_STEP) if isinstance(spec, str) else OUTER_STEP
+    return (default[0] if lr is None else lr, default[1] if momentum is None else momentum)
 
 
 def outer_policy(spec: str | dict | Policy) -> Policy:
@@ -141,7 +157,8 @@ class DiLoCo:
             step (a post-step hook). None: call :meth:`step` after each inner step.
         sync_every: inner steps between two syncs of a fragment (H).
         policy: a name of :data:`OUTER_PRESETS`, or a policy with an ``outer.grad`` rule.
-        outer_lr, outer_momentum, nesterov: the outer SGD.
+        outer_lr, outer_momentum, nesterov: the outer SGD; None: the preset's
+            (:func:`outer_step`: 0.7 and 0.9, ``diloco-sparse`` 1.0 and 0).
         fragments: Streaming DiLoCo's fragments (a divisor of ``sync_every``).
         delay: inner steps a fragment's all-reduce overlaps before it is applied
             (``< sync_every / fragments``).
@@ -161,7 +178,8 @@ class DiLoCo:
 
     def __init__(self, model: nn.Module, inner_optimizer: torch.optim.Optimizer | None = None,
                  *, sync_every: int = 32, policy: str | dict | Policy = "diloco",
-                 outer_lr: float = 0.7, outer_momentum: float = 0.9, nesterov: bool = True,
+                 outer_lr: float | None = None, outer_momentum: float | None = None,
+                 nesterov: bool = True,
                  fragments: int = 1, delay: int = 0, alpha: float = 0.0,
                  group: dist.ProcessGroup | None = None,
                  topology: Topology | None = None) -> None:
@@ -169,8 +187,8 @@ class DiLoCo:
             raise TypeError(f"DiLoCo: model must be a torch.nn.Module; got "
                             f"{type(model).__name__}")
         # hyperparameters
-        self.config = DiLoCoConfig(sync_every, fragments, delay, outer_lr, outer_momentum,
-                                   nesterov, alpha)
+        self.config = DiLoCoConfig(sync_every, fragments, delay,
+                                   *outer_step(policy, outer_lr, outer_momentum), nesterov, alpha)
         self.policy = outer_policy(policy)
         self.topology = topology or Topology()
         params = [p for p in model.parameters() if p.requires_grad]
@@ -286,12 +304,12 @@ class DiLoCo:
         step, and the averaged pseudo-gradients in flight (waited for). The local weights
         and the inner optimizer are the user's to save."""
         self.wait()
-        return {"format": STATE_FORMAT, "config": asdict(self.config),
-                "policy": self.policy.to_dict(), **self._identity(),
-                "inner_steps": self.inner_steps, "syncs": self.syncs, "skipped": self.skipped,
-                "fragments": [{"global": f.global_.clone(), "momentum": f.momentum.clone(),
-                               "codecs": f.dp.state_dict()} for f in self.fragments],
-                "pending": {i: (due, r.clone()) for i, (due, r) in self._pending.items()}}
+        return envelope(
+            STATE_FORMAT, self.policy, *self._identity(), config=asdict(self.config),
+            inner_steps=self.inner_steps, syncs=self.syncs, skipped=self.skipped,
+            fragments=[{"global": f.global_.clone(), "momentum": f.momentum.clone(),
+                        "codecs": f.dp.state_dict()} for f in self.fragments],
+            pending={i: (due, r.clone()) for i, (due, r) in self._pending.items()})
 
     def load_state_dict(self, state: dict[str, Any], elastic: bool = False) -> None:
         """Restore :meth:`state_dict`'s state; one of another schedule, policy, rank or
@@ -301,16 +319,14 @@ class DiLoCo:
         will do: θ_global, the momentum and the averages in flight are every rank's
         alike); the error-feedback memory, laid out for the world that saved it, starts
         fresh (said once, on rank 0)."""
-        check_saved_state(state, STATE_FORMAT, "DiLoCo", {
-            "config": asdict(self.config), "policy": self.policy.to_dict(),
-            **({} if elastic else self._identity()),
-            "fragments": [f.global_.numel() for f in self.fragments]},
+        memory = check_resume(
+            state, STATE_FORMAT, "DiLoCo", self.policy, *self._identity(), elastic,
             "resume with the same sync_every, fragments, delay, outer optimizer, policy, "
             "model and ranks (another number of ranks: load_state_dict(state, "
-            "elastic=True))", views={"fragments": lambda fs: [f["global"].numel()
-                                                               for f in fs]})
+            "elastic=True))", {"config": asdict(self.config),
+                               "fragments": [f.global_.numel() for f in self.fragments]},
+            views={"fragments": lambda fs: [f["global"].numel() for f in fs]})
         self.wait()
-        memory = not resized(state, self._identity(), "DiLoCo")
         for f, saved in zip(self.fragments, state["fragments"]):
             f.global_.copy_(saved["global"])
             f.momentum.copy_(saved["momentum"])
@@ -321,8 +337,8 @@ class DiLoCo:
         self.inner_steps, self.syncs = state["inner_steps"], state["syncs"]
         self.skipped = state["skipped"]
 
-    def _identity(self) -> dict[str, int]:
-        return {"rank": dist.get_rank(self.group), "world_size": dist.get_world_size(self.group)}
+    def _identity(self) -> tuple[int, int]:
+        return dist.get_rank(self.group), dist.get_world_size(self.group)
 
     def global_weights(self) -> list[torch.Tensor]:
         """``θ_global`` of each fragment (flat fp32): the same bits on every rank."""

@@ -165,7 +165,7 @@ class PlayedShardedOptimizer:
         rank's codec states, step counters."""
         return {
             "format": STATE_FORMAT, "ranks": self.world,
-            **buckets_state(self.policy, self.buckets, self.optimizer),
+            "policy": self.policy.to_dict(), **buckets_state(self.buckets, self.optimizer),
             "steps": self.steps, "skipped_steps": self.skipped_steps,
             "codecs": [[dp.state_dict() for dp in row] for row in self.dps],
         }
@@ -174,7 +174,8 @@ class PlayedShardedOptimizer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` of a run with the same ranks, policy and model."""
         check_saved_state(state, STATE_FORMAT, "PlayedShardedOptimizer", {
-            "ranks": self.world, **buckets_identity(self.policy, self.buckets)},
+            "ranks": self.world, "policy": self.policy.to_dict(),
+            **buckets_identity(self.buckets)},
             "resume with the same ranks, policy and model")
         load_buckets_state(self.buckets, self.optimizer, state)
         for row, row_states in zip(self.dps, state["codecs"], strict=True):

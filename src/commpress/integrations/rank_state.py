@@ -20,7 +20,6 @@ import io
 import json
 import logging
 import os
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -79,17 +78,37 @@ def load(path: str, group: dist.ProcessGroup | None = None, what: str = "commpre
     return _load(path, group, what, missing, other_world, own=True)[0]
 
 
-def resume(path_of: Callable[[int], str], what: str, missing: str, elastic: bool,
-           elastic_option: str, group: dist.ProcessGroup | None = None
-           ) -> dict[str, Any] | None:
-    """The state an adapter resumes from: this rank's file ``path_of(rank)``, or with
-    ``elastic`` :func:`load_elastic`'s (rank 0's file is ``path_of(0)``).
-    ``elastic_option`` says how the user asks for an elastic resume (named when a file
-    of another world is refused)."""
-    rank = _rank_world(group)[0]
+def file_of(checkpoint: str | os.PathLike, rank: int | None = None,
+            beside: bool = False) -> str:
+    """Rank ``rank``'s (default this process's) file of an engine's checkpoint:
+    ``<checkpoint>/commpress-rank<r>.pt`` in a checkpoint directory, or with ``beside``
+    ``<checkpoint>.commpress-rank<r>.pt`` next to a checkpoint file. Ranks are global:
+    every rank saves, even where ranks of a model-parallel group hold the same state."""
+    rank = _rank_world(None)[0] if rank is None else rank
+    checkpoint = os.fspath(checkpoint)
+    if beside:
+        return f"{checkpoint}.commpress-rank{rank}.pt"
+    return os.path.join(checkpoint, f"commpress-rank{rank}.pt")
+
+
+def save_in(state: dict[str, Any], checkpoint: str | os.PathLike, what: str,
+            beside: bool = False) -> None:
+    """What an engine adapter does when its engine saves ``checkpoint``: :func:`save`
+    this rank's ``state`` to its :func:`file_of` (every rank of the world together)."""
+    save(state, file_of(checkpoint, beside=beside), None, what)
+
+
+def resume_from(checkpoint: str | os.PathLike, what: str, missing: str, elastic: bool,
+                elastic_option: str, beside: bool = False) -> dict[str, Any] | None:
+    """What an engine adapter does when its engine loads ``checkpoint``: this rank's
+    state from its :func:`file_of`, or with ``elastic`` :func:`load_elastic`'s (rank 0's
+    file stands for every rank's when another world saved it; None when the checkpoint
+    holds none). ``elastic_option`` says how the user asks for an elastic resume (named
+    when a file of another world is refused)."""
+    mine, first = file_of(checkpoint, beside=beside), file_of(checkpoint, 0, beside)
     if elastic:
-        return load_elastic(path_of(rank), path_of(0), group, what, missing)
-    return load(path_of(rank), group, what, missing,
+        return load_elastic(mine, first, None, what, missing)
+    return load(mine, None, what, missing,
                 other_world=f"on another number of ranks: {elastic_option}")
 
 

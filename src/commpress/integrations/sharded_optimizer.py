@@ -41,6 +41,7 @@ from commpress.collectives.comm import all_gather_single
 from commpress.collectives.handle import completed
 from commpress.dp import DPBucket
 from commpress.dp.grad_path import say_once, warn_if_uncompressed
+from commpress.dp.saved_state import check_resume, envelope
 from commpress.integrations import clip_guard
 from commpress.integrations.buckets import (
     Bucket,
@@ -397,15 +398,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
     # -- checkpoints -----------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """This rank's state: master shards, inner optimizer, codec states, weights."""
-        return {
-            "format": STATE_FORMAT,
-            "world_size": self.world,
-            "rank": self.rank,
-            **buckets_state(self.policy, self.buckets, self.optimizer),
-            "steps": self.steps,
-            "skipped_steps": self.skipped_steps,
-            "codecs": [b.dp.state_dict() for b in self.buckets],
-        }
+        return envelope(STATE_FORMAT, self.policy, self.rank, self.world,
+                        **buckets_state(self.buckets, self.optimizer),
+                        steps=self.steps, skipped_steps=self.skipped_steps,
+                        codecs=[b.dp.state_dict() for b in self.buckets])
 
     @torch.no_grad()
     def consolidate_state_dict(self, to: int = 0) -> dict[str, Any] | None:
@@ -486,11 +482,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         said once, on rank 0)."""
         if elastic:
             return self._load_consolidated(state)
-        check_saved_state(state, STATE_FORMAT, "ShardedOptimizer", {
-            "world_size": self.world, "rank": self.rank, **buckets_identity(
-                self.policy, self.buckets)}, "resume with the same world size, policy and "
-            "model; another world size: load_state_dict(consolidated, elastic=True) with "
-            "the state consolidate_state_dict() returned")
+        check_resume(state, STATE_FORMAT, "ShardedOptimizer", self.policy, self.rank,
+                     self.world, False, "resume with the same world size, policy and model; "
+                     "another world size: load_state_dict(consolidated, elastic=True) with "
+                     "the state consolidate_state_dict() returned",
+                     buckets_identity(self.buckets))
         load_buckets_state(self.buckets, self.optimizer, state)
         # torch's load_state_dict makes new group dicts: share them again (a scheduler
         # writing the old ones would no longer reach the shards)

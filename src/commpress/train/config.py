@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from commpress.integrations.diloco import DiLoCoConfig, outer_policy
+from commpress.integrations.diloco import DiLoCoConfig, outer_policy, outer_step
 from commpress.model.gpt import PRESETS as MODEL_PRESETS
 from commpress.policy import Policy
 from commpress.validate import MAX_SEED, InputError, check_float, check_int, check_path
@@ -73,7 +73,11 @@ class TrainConfig:
     fragments: int = _opt(1, "with --outer: Streaming DiLoCo's fragments, one synced every "
                              "sync_every / fragments steps")
     outer_delay: int = _opt(0, "with --outer: inner steps a fragment's all-reduce overlaps")
-    outer_lr: float = _opt(0.7, "with --outer: learning rate of the outer Nesterov SGD")
+    outer_lr: float | None = _opt(None, "with --outer: learning rate of the outer Nesterov "
+                                        "SGD; default: the preset's (0.7, diloco-sparse 1)")
+    outer_momentum: float | None = _opt(None, "with --outer: momentum of the outer Nesterov "
+                                              "SGD; default: the preset's (0.9, diloco-sparse "
+                                              "0)")
     device: str | None = _opt(None, "cpu or cuda; default: cuda when a GPU is visible")
     backend: str | None = _opt(None, "gloo or nccl; default: nccl on cuda, gloo on cpu")
 
@@ -129,7 +133,8 @@ class TrainConfig:
             check_int(name, getattr(self, name), ge=0)
         # the DiLoCo schedule, with or without --outer: a bad value is never silently kept
         check_int("outer_delay", self.outer_delay, ge=0)
-        DiLoCoConfig(self.sync_every, self.fragments, self.outer_delay, self.outer_lr)
+        DiLoCoConfig(self.sync_every, self.fragments, self.outer_delay,
+                     *outer_step(self.outer, self.outer_lr, self.outer_momentum))
         # the batch sampler seeds a generator with seed · 1_000_003 + 2 · step, which
         # must fit in 64 bits
         check_int("seed", self.seed, ge=0, le=MAX_SEED)
@@ -180,7 +185,7 @@ class TrainConfig:
         """The :class:`~commpress.DiLoCo` arguments of ``--outer``."""
         return {"policy": self.outer, "sync_every": self.sync_every,
                 "fragments": self.fragments, "delay": self.outer_delay,
-                "outer_lr": self.outer_lr}
+                "outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum}
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -13,7 +13,7 @@ from megatron.core.distributed import DistributedDataParallel
 
 from commpress.collectives import CollectiveMismatchError, Topology
 from commpress.collectives.agreement import agree_across
-from commpress.dp.grad_path import resized
+from commpress.dp.saved_state import check_resume, envelope
 from commpress.engines.megatron import data_parallel, model_parallel
 from commpress.engines.megatron.data_parallel import BucketComm
 from commpress.engines.megatron.layout import identical_mask
@@ -84,11 +84,10 @@ class MegatronCompression:
 
     # -- checkpoints ------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"format": STATE_FORMAT, "policy": self.policy.to_dict(), "rank": self.rank,
-                "world_size": self.world,
-                "buckets": {k: c.state_dict() for k, c in self.buckets.items()},
-                "tp": None if self.tp is None else self.tp.state_dict(),
-                "pp": None if self.pp is None else self.pp.state_dict()}
+        return envelope(STATE_FORMAT, self.policy, self.rank, self.world,
+                        buckets={k: c.state_dict() for k, c in self.buckets.items()},
+                        tp=None if self.tp is None else self.tp.state_dict(),
+                        pp=None if self.pp is None else self.pp.state_dict())
 
     def load_state_dict(self, state: dict[str, Any], elastic: bool = False) -> None:
         """Restore a state saved by this rank of a run with the same policy, world size and
@@ -103,18 +102,17 @@ class MegatronCompression:
         advice = ("resume with the same policy, world size and model (each rank loads its "
                   "own state); on another number of ranks: load_state_dict(state, "
                   "elastic=True)")
-        check_saved_state(state, STATE_FORMAT, what, {"policy": self.policy.to_dict()}, advice)
-        mine = {"rank": self.rank, "world_size": self.world}
-        if elastic and resized(state, mine, what):
+        if not check_resume(state, STATE_FORMAT, what, self.policy, self.rank, self.world,
+                            elastic, advice):
             for bucket in self.buckets.values():
                 bucket.dp.fresh()
             for comm in (self.tp, self.pp):
                 if comm is not None:
                     comm.fresh_codecs(self.policy)
             return
-        check_saved_state(state, STATE_FORMAT, what, {
-            "world_size": self.world, "rank": self.rank, "buckets": sorted(self.buckets)},
-            advice, views={"buckets": sorted})
+        # the buckets of the world that saved them (another world lays them out anew)
+        check_saved_state(state, STATE_FORMAT, what, {"buckets": sorted(self.buckets)},
+                          advice, views={"buckets": sorted})
         for key, comm in self.buckets.items():
             comm.load_state_dict(state["buckets"][key])
         for axis in ("tp", "pp"):
