@@ -185,7 +185,7 @@ def elastic(rank, world, directory, phase):
     records = []
     handler = logging.Handler()
     handler.emit = lambda record: records.append(record.getMessage())
-    logging.getLogger("commpress.dp.grad_path").addHandler(handler)
+    logging.getLogger("commpress.dp.saved_state").addHandler(handler)
     data = workers._data()
     out = {}
     # "int2ef fresh": the int2ef hook from the saved weights with no codec state at all,
