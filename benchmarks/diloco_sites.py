@@ -12,8 +12,9 @@ read (torch's ``_inductor`` Python sources, 8 MB).
 
 Rows (``ROWS``): DDP with torch's all-reduce and with commpress's ``int2ef`` hook (the
 trainer's ``--engine ddp``); DiLoCo (``--outer``) with each outer preset, H =
-``--sync-every``, Nesterov outer SGD lr 0.7 momentum 0.9, and streaming (4 fragments,
-delay 2) for two of them; ``local`` never syncs (``sync_every`` past the last step): the
+``--sync-every``, each with its preset's outer step (Nesterov SGD lr 0.7 momentum 0.9;
+``diloco-sparse`` lr 1, no momentum) and the rows named for another, and streaming (4
+fragments, delay 2) for two of them; ``local`` never syncs (``sync_every`` past the last step): the
 compute floor.
 
 Every row computes the same bits whatever the link, so loss is a property of (row, seed,

@@ -178,3 +178,12 @@ def test_every_choice_option_and_every_command_refuses_what_it_does_not_know(cap
     for argv in (["demo", "extra"], ["demo", "--json", "x"], ["bench"], ["bench", "bogus"],
                  ["no-such-command"], []):
         assert _parse_error(capsys, argv).startswith("usage:"), argv
+
+
+def test_none_means_the_default_and_off_is_not_a_number(capsys):
+    from commpress.cli import build_parser
+
+    args = build_parser().parse_args(["train", "--outer-momentum", "none", "--outer-lr", "1"])
+    assert args.outer_momentum is None and args.outer_lr == 1.0
+    err = _parse_error(capsys, ["train", "--outer-momentum", "off"])
+    assert "--outer-momentum" in err and "'off'" in err

@@ -95,10 +95,11 @@ def _element_counts(flag: str, text: str) -> list[int]:
 
 
 def _optional(base: type):
-    """An argparse type that also takes ``none`` (or ``off``) for an optional value."""
+    """An argparse type that also takes ``none`` for an optional value (its default: what
+    the field's help says none means)."""
 
     def parse(text: str):
-        if text.lower() in ("none", "off"):
+        if text.lower() == "none":
             return None
         return base(text)
 

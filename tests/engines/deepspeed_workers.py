@@ -157,10 +157,16 @@ def resume(rank, world, directory, steps):
     os.remove(path)
     dist.barrier()
     refused = _load_error(resumed_engine, directory)
+    # a file under the name an older commpress gave rank 0's: named as such
+    if rank == 0:
+        with open(os.path.join(os.path.dirname(path), "commpress_rank00000.pt"), "wb") as f:
+            f.write(b"commpress.deepspeed/2")
+    dist.barrier()
+    older = _load_error(resumed_engine, directory)
     resumed_engine.commpress.remove()
     return {"first": first, "uninterrupted": uninterrupted, "resumed": resumed,
             "fresh codecs": fresh_codecs, "residuals": residuals, "refused": refused,
-            "truncated": truncated}
+            "truncated": truncated, "older": older}
 
 
 def _load_error(engine, directory, tag="half"):

@@ -108,6 +108,8 @@ def test_save_load_continue_equals_an_uninterrupted_run(two_ranks):
             "refused"]
         assert "commpress-rank1.pt" in resume["truncated"]
         assert "is truncated or corrupted" in resume["truncated"]
+        assert ("it holds commpress_rank00000.pt, the state of an older commpress"
+                in resume["older"]), resume["older"]
 
 
 def test_what_is_not_covered_is_refused_and_undo_restores_deepspeed(two_ranks):

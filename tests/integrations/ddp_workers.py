@@ -223,6 +223,12 @@ def elastic(rank, world, directory, phase):
                 out[f"{front} strict"] = None
             except ValueError as e:
                 out[f"{front} strict"] = str(e)
+            if front == "lowrank":  # another low-rank config: refused even elastically
+                try:
+                    state.load_state_dict({**saved, "lowrank": {**saved["lowrank"], "rank": 3}},
+                                          elastic=True)
+                except ValueError as e:
+                    out["lowrank other config"] = str(e)
             state.load_state_dict(saved, elastic=True)
         hashes = []
         for step in range(start, start + 2):

@@ -64,7 +64,8 @@ def train(rank, world, runs, steps):
         model, opt, sync = _build(rank, {**options, "topology": Topology(rpn)})
         commpress.reset_stats()
         record = _steps(model, opt, sync, data, rank, world, 0, steps)
-        out[name] = {"steps": record, "stats": commpress.stats()}
+        out[name] = {"steps": record, "stats": commpress.stats(),
+                     "outer step": (sync.config.outer_lr, sync.config.outer_momentum)}
         sync.remove()
     return out
 

@@ -225,6 +225,8 @@ def test_an_elastic_resume_on_another_number_of_ranks_starts_the_memory_fresh(tm
     # the elastic load's fresh memory is no memory at all: the same bits as the hook
     # started from the saved weights without any codec state
     assert all(r["int2ef"] == r["int2ef fresh"] for r in ranks)
+    assert all("DDP hook checkpoint lowrank {" in r["lowrank other config"] and "'rank': 3"
+               in r["lowrank other config"] for r in ranks)
     said = ranks[0]["logged"]
     # once per kind of state (the two hooks' states are the DDP hook's), on rank 0 only
     assert [m.split(":")[0] for m in said] == ["DDP hook", "DiLoCo"]

@@ -35,6 +35,9 @@ def test_every_outer_codec_keeps_global_weights_bitwise_identical_and_trains():
         record = ranks[0][name]["steps"]
         assert record[-1]["syncs"] == steps // H and record[-1]["skipped"] == 0
         assert record[-1]["loss"] < record[0]["loss"] - 0.3, (name, record)
+        # each preset's own outer step (top-k's error feedback is its momentum)
+        assert ranks[0][name]["outer step"] == ((1.0, 0.0) if name == "diloco-sparse"
+                                                 else (0.7, 0.9)), name
     # bits per element between sites, as OUTER_PRESETS states them
     for name, bits in (("diloco-int8", 8.25), ("diloco-int4", 4.25), ("diloco-int2ef", 1.8),
                        ("diloco-sparse", 1.3)):
@@ -137,7 +140,10 @@ def test_each_preset_has_its_outer_step_and_an_explicit_one_wins():
     assert outer_step("diloco-sparse", 0.5) == (0.5, 0.0)
     assert outer_step("diloco-sparse", momentum=0.9) == (1.0, 0.9)
     assert outer_step({"name": "mine", "outer": {"grad": "topk:ratio=0.02"}}) == (0.7, 0.9)
-    assert outer_step(outer_policy("diloco-sparse")) == (0.7, 0.9)  # a Policy: no preset
+    assert outer_step("none") == (0.7, 0.9)  # the trainer without --outer
+    # the preset however it is spelled: its name, its Policy, its dict
+    assert outer_step(outer_policy("diloco-sparse")) == (1.0, 0.0)
+    assert outer_step(outer_policy("diloco-sparse").to_dict()) == (1.0, 0.0)
 
 
 def test_inner_optimizers_with_master_weights_and_sharded_parameters_are_refused():

@@ -90,3 +90,14 @@ def test_bad_numbers_name_the_field_the_value_and_the_range(kwargs, needle):
 def test_edges_of_the_ranges_are_allowed(kwargs):
     cfg = TrainConfig(**kwargs)
     assert TrainConfig(**cfg.to_dict()) == cfg  # round-trips through a dict
+
+
+def test_the_outer_step_is_resolved_from_the_preset_unless_given():
+    sparse = TrainConfig(engine="ddp", policy="none", outer="diloco-sparse").resolved(2)
+    assert (sparse.outer_lr, sparse.outer_momentum) == (1.0, 0.0)
+    assert sparse.diloco_options()["outer_momentum"] == 0.0
+    given = TrainConfig(engine="ddp", policy="none", outer="diloco-sparse",
+                        outer_momentum=0.9).resolved(2)
+    assert (given.outer_lr, given.outer_momentum) == (1.0, 0.9)
+    plain = TrainConfig().resolved(4)
+    assert (plain.outer_lr, plain.outer_momentum) == (0.7, 0.9)

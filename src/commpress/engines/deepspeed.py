@@ -316,6 +316,11 @@ class DeepSpeedCompression:
         missing = ("save it with a compressed engine, load with load_module_only=True, or, "
                    "on another data-parallel size (a universal checkpoint), compress(engine, "
                    "policy, elastic=True)")
+        older = os.path.join(checkpoint_dir, f"commpress_rank{dist.get_rank():05d}.pt")
+        if os.path.exists(older):  # the file name of format commpress.deepspeed/2
+            missing = (f"it holds {os.path.basename(older)}, the state of an older commpress "
+                       "(commpress.deepspeed/2), which this one does not read: resume with "
+                       "the version that saved it, or load with load_module_only=True")
         return rank_state.resume_from(checkpoint_dir, WHAT, missing, self.elastic,
                                       "compress(engine, policy, elastic=True)")
 

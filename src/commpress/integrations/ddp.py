@@ -202,8 +202,7 @@ class DDPHookState:
         """This rank's codec state: error-feedback memory and rounding streams are each
         rank's own, so the state records the rank and the world size it belongs to."""
         return envelope(STATE_FORMAT, self.policy, *self._identity(), calls=self.calls,
-                        layout=[b.names for b in self.buckets],
-                        codecs=[b.dp.state_dict() for b in self.buckets])
+                        **self._fields(), codecs=[b.dp.state_dict() for b in self.buckets])
 
     def load_state_dict(self, state: dict[str, Any], elastic: bool = False) -> None:
         """Restore a state this rank saved: another rank's, world size's, policy's or
@@ -217,13 +216,17 @@ class DDPHookState:
             state, STATE_FORMAT, "DDP hook", self.policy, *self._identity(), elastic,
             "resume each rank from its own state, with the same number of ranks, policy, "
             "model and bucket_numel (they fix the layout); another number of ranks: "
-            "load_state_dict(state, elastic=True)", {"layout": [b.names for b in self.buckets]})
+            "load_state_dict(state, elastic=True)", self._fields())
         for b, codecs in zip(self.buckets, state["codecs"], strict=True):
             b.dp.load_state_dict(codecs, memory)
         self.calls = state["calls"]
 
     def _identity(self) -> tuple[int, int]:
         return dist.get_rank(self.group), dist.get_world_size(self.group)
+
+    def _fields(self) -> dict[str, Any]:
+        """What a resume must match beside the policy, rank and world size."""
+        return {"layout": [b.names for b in self.buckets]}
 
     def __getstate__(self) -> dict[str, Any]:
         d = dict(self.__dict__)

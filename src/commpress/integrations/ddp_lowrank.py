@@ -323,14 +323,8 @@ class LowRankHookState(DDPHookState):
         self.topology.resolve(group)
         return group
 
-    def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "lowrank": asdict(self.config)}
-
-    def load_state_dict(self, state: dict[str, Any], elastic: bool = False) -> None:
-        if isinstance(state, dict) and state.get("lowrank") != asdict(self.config):
-            raise InputError(f"low-rank hook checkpoint has config {state.get('lowrank')!r}; "
-                             f"this run's is {asdict(self.config)!r}")
-        super().load_state_dict(state, elastic)
+    def _fields(self) -> dict[str, Any]:
+        return {**super()._fields(), "lowrank": asdict(self.config)}
 
     def wire_elements(self) -> int:
         """Elements all-reduced in the next compressed step, over every bucket."""

@@ -3,12 +3,13 @@ compressed.
 
 DiLoCo (Douillard et al., 2023): each site — a node, or a DDP/FSDP group — takes
 ``sync_every`` (H) steps of its own inner optimizer; then the sites average the
-*pseudo-gradient* ``Δ = θ_global − θ_local``, an outer optimizer (Nesterov SGD, lr 0.7,
-momentum 0.9) moves ``θ_global`` by it, and every site restarts from the new
-``θ_global``. Traffic between sites drops by H. Streaming DiLoCo (Douillard et al.,
-2025) splits the model into ``fragments`` (F) and syncs one fragment every H / F steps,
-staggered, its all-reduce overlapping ``delay`` (τ) inner steps before it is applied;
-the fragment's local weights then become ``alpha · local + (1 − alpha) · θ_global``.
+*pseudo-gradient* ``Δ = θ_global − θ_local``, an outer optimizer (Nesterov SGD; lr 0.7,
+momentum 0.9 unless the preset has its own, :data:`OUTER_STEPS`) moves ``θ_global`` by
+it, and every site restarts from the new ``θ_global``. Traffic between sites drops by H.
+Streaming DiLoCo (Douillard et al., 2025) splits the model into ``fragments`` (F) and
+syncs one fragment every H / F steps, staggered, its all-reduce overlapping ``delay`` (τ)
+inner steps before it is applied; the fragment's local weights then become
+``alpha · local + (1 − alpha) · θ_global``.
 
 What crosses sites is chosen by the policy's ``outer.grad`` rule, one or two levels:
 inside a site (``intra``, exact by default) and between sites (``inter``) —
@@ -75,9 +76,12 @@ OUTER_STEPS: dict[str, tuple[float, float]] = {"diloco-sparse": (1.0, 0.0)}
 
 def outer_step(spec: str | dict | Policy, lr: float | None = None,
                momentum: float | None = None) -> tuple[float, float]:
-    """The outer SGD's ``(lr, momentum)``: those given, else the preset's
-    (:data:`OUTER_STEPS`; a policy file or dict: :data:`OUTER_STEP`)."""
-    default = OUTER_STEPS.get(spec, OUTER_STEP) if isinstance(spec, str) else OUTER_STEP
+    """The outer SGD's ``(lr, momentum)``: those given, else those of the preset the policy
+    is named for (:data:`OUTER_STEPS`; any other: :data:`OUTER_STEP`). ``"none"`` (the
+    trainer without ``--outer``) has DiLoCo's."""
+    name = spec if isinstance(spec, str) and spec in OUTER_PRESETS else (
+        "" if spec == "none" else outer_policy(spec).name)
+    default = OUTER_STEPS.get(name, OUTER_STEP)
     return (default[0] if lr is None else lr, default[1] if momentum is None else momentum)
 
 

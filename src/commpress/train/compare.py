@@ -119,8 +119,13 @@ def _finished_summary(run_dir: str, cfg: TrainConfig) -> dict[str, Any] | None:
     except FileNotFoundError:
         return None
     saved = saved.get("train") or saved.get("simulate") or {}
-    mine = cfg.resolved(int(os.environ["WORLD_SIZE"]) if launched() else None).to_dict()
+    world = int(os.environ["WORLD_SIZE"]) if launched() else None
+    mine = cfg.resolved(world).to_dict()
     for key, value in mine.items():
+        if key not in saved:  # a field added since that run: it ran the field's default
+            field = next(f for f in dataclasses.fields(TrainConfig) if f.name == key)
+            saved[key] = getattr(dataclasses.replace(cfg, **{key: field.default}).resolved(
+                world), key)
         if key not in NOT_COMPARED and saved.get(key) != value:
             raise InputError(f"--resume: {run_dir!r} finished with {key}={saved.get(key)!r}, "
                              f"this comparison has {key}={value!r}; resume with the same value")

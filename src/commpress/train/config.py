@@ -74,10 +74,11 @@ class TrainConfig:
                              "sync_every / fragments steps")
     outer_delay: int = _opt(0, "with --outer: inner steps a fragment's all-reduce overlaps")
     outer_lr: float | None = _opt(None, "with --outer: learning rate of the outer Nesterov "
-                                        "SGD; default: the preset's (0.7, diloco-sparse 1)")
+                                        "SGD; none (the default): the preset's (0.7, "
+                                        "diloco-sparse 1)")
     outer_momentum: float | None = _opt(None, "with --outer: momentum of the outer Nesterov "
-                                              "SGD; default: the preset's (0.9, diloco-sparse "
-                                              "0)")
+                                              "SGD, 0 for none; none (the default): the "
+                                              "preset's (0.9, diloco-sparse 0)")
     device: str | None = _opt(None, "cpu or cuda; default: cuda when a GPU is visible")
     backend: str | None = _opt(None, "gloo or nccl; default: nccl on cuda, gloo on cpu")
 
@@ -145,7 +146,8 @@ class TrainConfig:
         check_float("timeout_s", self.timeout_s, gt=0, le=MAX_TIMEOUT_S)
 
     def resolved(self, world: int | None = None) -> TrainConfig:
-        """Fill dp, nproc, micro_batches and out; check the layout against the world size."""
+        """Fill dp, nproc, micro_batches, out and the outer step; check the layout against
+        the world size."""
         mp = self.tp * self.pp
         world = world or self.nproc or (self.dp * mp if self.dp else 4 if mp == 1 else mp)
         dp = self.dp or max(1, world // mp)
@@ -168,8 +170,10 @@ class TrainConfig:
         backend = self.backend or ("nccl" if device == "cuda" else "gloo")
         if backend == "nccl" and device != "cuda":
             raise InputError("backend=nccl needs device=cuda; allowed with device=cpu: gloo")
+        outer_lr, outer_momentum = outer_step(self.outer, self.outer_lr, self.outer_momentum)
         return dataclasses.replace(self, dp=dp, nproc=world, micro_batches=micro, out=out,
-                                   device=device, backend=backend)
+                                   device=device, backend=backend, outer_lr=outer_lr,
+                                   outer_momentum=outer_momentum)
 
     def node_size(self, local_world: int | None = None) -> int:
         """Ranks that share a node (of a resolved config): ``ranks_per_node``, else the
