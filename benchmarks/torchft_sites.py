@@ -17,7 +17,10 @@ all-reduce of a flat buffer per sync, not one per parameter), and ``local`` (the
 without torchft: the compute floor).
 Columns: seconds per inner step (mean after the first two), compute utilization
 (``local``'s ÷ the row's) and bytes site 0 sent on its link per inner step, less what the
-``local`` row sent (the start-up). Needs root and iproute2. Writes
+``local`` row sent (the start-up); then where a sync's time goes, per sync on site 0:
+torchft's quorum (``Manager.start_quorum``), the pseudo-gradients' all-reduces issued
+(``prepare_sync``), waited for (``perform_sync`` up to its commit vote), the commit vote
+(``Manager.should_commit``) and the outer step after it. Needs root and iproute2. Writes
 ``benchmarks/results/torchft_sites.{json,md}``.
 """
 
@@ -102,6 +105,7 @@ def site(args) -> dict:
         lighthouse_addr=f"http://{os.environ['MASTER_ADDR']}:{port}",
         timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout)
     commpress.reset_stats()
+    phases = SyncPhases(manager)
     try:
         with DiLoCo(manager, [model], inner, outer, sync_every=args.sync_every,
                     backup_device=torch.device("cpu"), pin_memory=False,
@@ -111,11 +115,46 @@ def site(args) -> dict:
                 walls.append(time.perf_counter())
         stats = commpress.stats()
     finally:
+        phases.restore()
         manager.shutdown(wait=False)
         if lighthouse is not None:
             lighthouse.shutdown()
-    return {"walls": walls, "step": manager.current_step(),
+    return {"walls": walls, "step": manager.current_step(), "phases": phases.seconds,
             "wire_bytes": sum(s["wire_bytes"] for s in stats.values())}
+
+
+class SyncPhases:
+    """Seconds spent in each phase of torchft's sync, summed: the Manager's quorum and
+    commit vote, and a fragment's prepare (issue the all-reduces) and perform (wait for
+    them, vote, outer step), timed by wrapping them while the row runs."""
+
+    def __init__(self, manager) -> None:
+        from torchft.local_sgd import _StreamingDiLoCoFragment
+
+        self.seconds: dict[str, float] = {}
+        self.undo = []
+        for owner, name in ((manager, "start_quorum"), (manager, "should_commit"),
+                            (_StreamingDiLoCoFragment, "prepare_sync"),
+                            (_StreamingDiLoCoFragment, "perform_sync")):
+            original = getattr(owner, name)
+            setattr(owner, name, self._timed(name, original))
+            self.undo.append((owner, name, original))
+
+    def _timed(self, name, fn):
+        def timed(*a, **k):
+            start = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+        return timed
+
+    def restore(self) -> None:
+        for owner, name, original in reversed(self.undo):
+            if isinstance(owner, type):
+                setattr(owner, name, original)
+            else:
+                delattr(owner, name)  # the instance's own wrapper: its class's again
 
 
 # -- the driver -------------------------------------------------------------------------
@@ -132,7 +171,7 @@ def time_row(args, row: str, link: str) -> dict:
     walls = site0["walls"]
     return {"s_per_step": (walls[-1] - walls[WARMUP - 1]) / (len(walls) - WARMUP),
             "sent_node0": sent, "steps": len(walls), "syncs": site0.get("step"),
-            "wire_bytes_node0": site0.get("wire_bytes")}
+            "wire_bytes_node0": site0.get("wire_bytes"), "phases": site0.get("phases")}
 
 
 def report(args, cache: dict) -> str:
@@ -154,6 +193,20 @@ def report(args, cache: dict) -> str:
             lines.append(f"| {r} | {t['s_per_step']:.3f} | {100 * floor / t['s_per_step']:.1f} % "
                          f"| {per_step / 1e3:,.1f} kB | {syncs} |")
         lines.append("")
+        profiled = {r: t for r, t in timing.items() if t.get("phases") and t["syncs"]}
+        if profiled:
+            lines += ["Seconds per sync on site 0 (each phase summed over the run ÷ syncs):",
+                      "", "| row | quorum | issue all-reduces | wait + vote + outer step "
+                      "| of which the commit vote | sync overhead per sync |",
+                      "|---|---|---|---|---|---|"]
+            for r, t in profiled.items():
+                ph, n = t["phases"], t["syncs"]
+                extra = (t["s_per_step"] - floor) * args.sync_every
+                lines.append(
+                    f"| {r} | {ph.get('start_quorum', 0) / n:.3f} | "
+                    f"{ph.get('prepare_sync', 0) / n:.3f} | {ph.get('perform_sync', 0) / n:.3f} "
+                    f"| {ph.get('should_commit', 0) / n:.3f} | {extra:.3f} |")
+            lines.append("")
     return write_markdown(f"{args.name}.md", lines)
 
 
