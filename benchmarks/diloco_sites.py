@@ -14,8 +14,8 @@ Rows (``ROWS``): DDP with torch's all-reduce and with commpress's ``int2ef`` hoo
 trainer's ``--engine ddp``); DiLoCo (``--outer``) with each outer preset, H =
 ``--sync-every``, each with its preset's outer step (Nesterov SGD lr 0.7 momentum 0.9;
 ``diloco-sparse`` lr 1, no momentum) and the rows named for another, and streaming (4
-fragments, delay 2) for two of them; ``local`` never syncs (``sync_every`` past the last step): the
-compute floor.
+fragments, delay 2) for two of them; ``local`` never syncs (``sync_every`` past the last
+step): the compute floor.
 
 Every row computes the same bits whatever the link, so loss is a property of (row, seed,
 steps): it is measured once per seed without shaping (``--steps`` steps, loopback,
@@ -194,6 +194,7 @@ def report(args, cache: dict, rows: list[str]) -> None:
             lines.append("")
     lines += loss_table(args, cache, rows, seeds)
     write_markdown(f"{args.name}.md", lines)
+    plot(args, cache, rows, seeds)
 
 
 def loss_table(args, cache: dict, rows: list[str], seeds: list[int]) -> list[str]:
@@ -217,7 +218,6 @@ def loss_table(args, cache: dict, rows: list[str], seeds: list[int]) -> list[str
         lines.append(f"| {r} | {','.join(map(str, v))} | {statistics.mean(v.values()):.4f}"
                      f"{spread} | {gap} | {sent / 1e3:,.1f} kB |")
     return lines + [""]
-    plot(args, cache, rows, seeds)
 
 
 def plot(args, cache: dict, rows: list[str], seeds: list[int]) -> None:

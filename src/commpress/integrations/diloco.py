@@ -79,9 +79,8 @@ def outer_step(spec: str | dict | Policy, lr: float | None = None,
     """The outer SGD's ``(lr, momentum)``: those given, else those of the preset the policy
     is named for (:data:`OUTER_STEPS`; any other: :data:`OUTER_STEP`). ``"none"`` (the
     trainer without ``--outer``) has DiLoCo's."""
-    name = spec if isinstance(spec, str) and spec in OUTER_PRESETS else (
-        "" if spec == "none" else outer_policy(spec).name)
-    default = OUTER_STEPS.get(name, OUTER_STEP)
+    default = OUTER_STEP if spec == "none" else OUTER_STEPS.get(outer_policy(spec).name,
+                                                                 OUTER_STEP)
     return (default[0] if lr is None else lr, default[1] if momentum is None else momentum)
 
 
@@ -191,9 +190,10 @@ class DiLoCo:
             raise TypeError(f"DiLoCo: model must be a torch.nn.Module; got "
                             f"{type(model).__name__}")
         # hyperparameters
-        self.config = DiLoCoConfig(sync_every, fragments, delay,
-                                   *outer_step(policy, outer_lr, outer_momentum), nesterov, alpha)
         self.policy = outer_policy(policy)
+        self.config = DiLoCoConfig(sync_every, fragments, delay,
+                                   *outer_step(self.policy, outer_lr, outer_momentum),
+                                   nesterov, alpha)
         self.topology = topology or Topology()
         params = [p for p in model.parameters() if p.requires_grad]
         _check_inner(params, inner_optimizer)
