@@ -4,9 +4,9 @@ torch.distributed keeps a process group's state in the group; commpress does the
 A :class:`GroupContext` is created at a group's first compressed call and held in a
 weak mapping keyed by the group object, so it is dropped with the group; a lock
 guards it where the DDP hook's communication thread and the main thread both reach
-it. (The module-level caches keyed by ``id(group)`` it replaces handed out dead
-sub-groups after ``destroy_process_group()`` and a new group, and raced with that
-thread.)
+it. The sub-groups it makes (node levels; on NCCL, the Gloo control group) are the
+group's own (:mod:`commpress.collectives.subgroups`): collectives on two groups of the
+same ranks, from two threads, never meet on a shared connection.
 
 **Agreement on every call.** Ranks that call a collective with different sizes,
 dtypes or codecs — on any call, not only the first — would corrupt data, abort inside
@@ -41,6 +41,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
+from commpress.collectives import subgroups
 from commpress.collectives.byte_stats import Stats, process_stats, retire
 from commpress.collectives.comm import (
     Gather,
@@ -103,6 +104,7 @@ class GroupContext:
         self._p2p_inboxes: dict[tuple[int, int], object] = {}
         self._levels: dict[int, Levels] = {}
         self._control: dist.ProcessGroup | None = group if "gloo" in self.backend else None
+        self._incarnation: int | None = None  # of this group's name, once it owns sub-groups
         self._held: list = []  # (work, buffers) sent without a caller to wait on them
         self._group_ref = weakref.ref(group)
         # stats
@@ -157,15 +159,28 @@ class GroupContext:
             self._held.append((work, buffers))
 
     def control_group(self) -> dist.ProcessGroup:
-        """The group that carries headers as CPU tensors (a Gloo side group on NCCL)."""
+        """The group that carries headers as CPU tensors (on NCCL a Gloo sub-group this
+        group owns)."""
         with self._lock:
             if self._control is None:
-                self._control = _shared(("control", self.ranks), lambda: dist.new_group(
-                    # every member reaches its first collective on the group: creating
-                    # the side group here cannot wait for a rank that never comes
-                    list(self.ranks), backend="gloo", timeout=group_timeout(self._group_ref()),
-                    use_local_synchronization=True))
+                # every member reaches its first collective on the group: making the
+                # side group here cannot wait for a rank that never comes
+                self._control = self._subgroup("control", list(self.ranks), "gloo")
             return self._control
+
+    def _subgroup(self, kind: str, ranks: list[int], backend: str) -> dist.ProcessGroup:
+        """A sub-group of ``ranks`` this group owns (:mod:`~commpress.collectives.subgroups`),
+        made by its members in the call that needs it; destroyed with the group."""
+        group = self._group_ref()
+        if group is None or not registered(group):
+            raise RuntimeError(f"commpress: group {self.name} is not known to "
+                               "torch.distributed (torchft's are not), so no node levels or "
+                               "control group can be made of it; allowed there: one level "
+                               "(Topology(1) or a one-level codec) on a Gloo group")
+        if self._incarnation is None:
+            self._incarnation = subgroups.next_incarnation(self.name)
+        return subgroups.make(group, self._incarnation, kind, ranks, backend,
+                              group_timeout(group))
 
     def _wait(self, work, seq: int, collective: str, label: object) -> None:
         with _watched(self, seq):
@@ -185,13 +200,31 @@ class GroupContext:
 
     # -- node levels -------------------------------------------------------------------
     def levels(self, group: dist.ProcessGroup, ranks_per_node: int) -> Levels:
-        """The two levels of ``group`` for ``ranks_per_node`` (sub-groups made once)."""
+        """The two levels of ``group`` for ``ranks_per_node`` (sub-groups made once, owned
+        by ``group``)."""
         with self._lock:
             levels = self._levels.get(ranks_per_node)
             if levels is None or not _alive(levels.intra, levels.inter):
-                levels = _make_levels(group, self.ranks, self.rank, ranks_per_node)
+                levels = self._make_levels(group, ranks_per_node)
                 self._levels[ranks_per_node] = levels
             return levels
+
+    def _make_levels(self, group: dist.ProcessGroup, rpn: int) -> Levels:
+        me, ranks = self.rank, self.ranks
+        nodes = self.world // rpn
+        intra = inter = None
+        if rpn > 1 and nodes > 1:
+            node, local = me // rpn, me % rpn
+            backend = self.backend
+            intra = self._subgroup(f"intra{rpn}", [ranks[node * rpn + i] for i in range(rpn)],
+                                   backend)
+            inter = self._subgroup(f"inter{rpn}",
+                                   [ranks[n * rpn + local] for n in range(nodes)], backend)
+        elif rpn > 1:
+            intra = group
+        elif nodes > 1:
+            inter = group
+        return Levels(rpn, nodes, me // rpn, me % rpn, intra, inter)
 
 
 def agree(group: dist.ProcessGroup | None, collective: str, /, **fields: object) -> int:
@@ -333,20 +366,20 @@ def context(group: dist.ProcessGroup) -> GroupContext:
 
 
 def release(group: dist.ProcessGroup, drain: bool = True) -> None:
-    """Destroy ``group`` and drop its context. Each process group holds backend threads
-    and sockets until it is destroyed: a process that runs many jobs one after another
-    (``compare``'s policies, a sweep of runs) must release each job's groups. The
-    sub-groups commpress makes (node levels, control groups) are kept by their ranks and
-    reused by the next group of the same ranks — they are made with local
-    synchronization, whose rendezvous names repeat, so a destroyed one could not be made
-    again. Local: every member calls it after its last collective on ``group``. The
-    default group is left. ``drain=False``: destroy it at once, without waiting for the
-    others (the run failed: a peer may be dead or still inside a collective on it)."""
+    """Destroy ``group``, the sub-groups it owns (node levels, control group) and its
+    context. Each process group holds backend threads and sockets until it is destroyed:
+    a process that runs many jobs one after another (``compare``'s policies, a sweep of
+    runs) must release each job's groups. Local: every member calls it after its last
+    collective on ``group``. The default group is left (its sub-groups go with it at
+    ``destroy_process_group()``). ``drain=False``: destroy it at once, without waiting
+    for the others (the run failed: a peer may be dead or still inside a collective on
+    it)."""
     with _REGISTRY_LOCK:
         _CONTEXTS.pop(group, None)
     if group is not dist.group.WORLD and _alive(group):
         if drain:  # no member may still be sending on it (a held send, a peer's receive)
             dist.barrier(group=group)
+        subgroups.destroy_owned(group)
         dist.destroy_process_group(group)
 
 
@@ -381,43 +414,6 @@ def _alive(*groups: dist.ProcessGroup | None) -> bool:
     """Whether the groups are still registered (not destroyed by the user)."""
     registered = dist.distributed_c10d._world.pg_map
     return all(g is None or g in registered for g in groups)
-
-
-_SHARED: dict[tuple, dist.ProcessGroup] = {}
-_SHARED_LOCK = threading.Lock()
-
-
-def _shared(key: tuple, make: Callable[[], dist.ProcessGroup]) -> dist.ProcessGroup:
-    """The live sub-group ``key`` names (its kind and ranks), made at its first use."""
-    with _SHARED_LOCK:
-        group = _SHARED.get(key)
-        if group is None or not _alive(group):
-            group = _SHARED[key] = make()
-        return group
-
-
-def _make_levels(group: dist.ProcessGroup, ranks: tuple[int, ...], me: int,
-                 rpn: int) -> Levels:
-    world = len(ranks)
-    nodes = world // rpn
-    intra = inter = None
-    if rpn > 1 and nodes > 1:
-        # Only the members of a sub-group create it (local synchronization): ``group``
-        # may be one of several data-parallel groups, whose ranks reach this point at
-        # different times and must not wait for each other.
-        node, local = me // rpn, me % rpn
-        timeout = group_timeout(group)  # torch's default for a new group is 30 min
-        intra_ranks = [ranks[node * rpn + i] for i in range(rpn)]
-        inter_ranks = [ranks[n * rpn + local] for n in range(nodes)]
-        intra = _shared(("ranks", tuple(intra_ranks)), lambda: dist.new_group(
-            intra_ranks, timeout=timeout, use_local_synchronization=True))
-        inter = _shared(("ranks", tuple(inter_ranks)), lambda: dist.new_group(
-            inter_ranks, timeout=timeout, use_local_synchronization=True))
-    elif rpn > 1:
-        intra = group
-    elif nodes > 1:
-        inter = group
-    return Levels(rpn, nodes, me // rpn, me % rpn, intra, inter)
 
 
 # -- naming the ranks that never arrive ------------------------------------------------

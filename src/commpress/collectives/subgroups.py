@@ -1,0 +1,130 @@
+"""The sub-groups a process group owns: its node levels and, on NCCL, its Gloo control group.
+
+Every sub-group commpress makes belongs to exactly one parent group and is destroyed with
+it. Two collectives in flight on two parents over the same ranks (two threads; a DDP
+hook's communication thread beside DiLoCo's) then never share a connection, so their
+payloads cannot pair up in a different order on different ranks — which is what sharing
+sub-groups by rank set did: wrong sums on every rank, then a deadlock. Concurrent calls
+on different groups are as safe as torch's own.
+
+**Names.** torch names a group made by its members alone after its ranks and the number
+of groups the process holds. That name repeats once a group is destroyed, and differs
+between ranks whose threads made groups in another order; a repeated name reads the
+previous group's rendezvous keys in the store and hangs. A sub-group is named here after
+its parent's name (the same on every member: the parent's own rendezvous used it), the
+parent's *incarnation* (how many groups of that name made sub-groups in this process
+before: the same on every member, since each incarnation's members make them in the same
+agreed call), its kind and its ranks. No two sub-groups ever share a name. torch's
+``new_group`` cannot be given a name, so the group is made by the helper ``new_group``
+itself calls, and registered the way ``new_group`` registers one.
+
+**Made without blocking.** Gloo connects a new group's members while holding the GIL:
+two threads making sub-groups of two parents at once (each in its parent's first call)
+deadlock across ranks when the ranks reach them in different orders — rank 0 waits in
+A's connect holding its GIL while rank 1 waits in B's. A Gloo sub-group is therefore made
+with ``TORCH_GLOO_LAZY_INIT`` (torch's documented switch: each pair connects at its first
+exchange, inside the collective, where the GIL is free), set only while it is made.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from collections import defaultdict
+from contextlib import contextmanager
+from datetime import timedelta
+
+import torch.distributed as dist
+
+_LOCK = threading.Lock()
+_INCARNATIONS: dict[str, int] = defaultdict(int)
+# parent (weakly) → the sub-groups it owns; swept for dead parents at each new sub-group
+_OWNED: list[tuple[weakref.ref, list[dist.ProcessGroup]]] = []
+
+
+def next_incarnation(parent_name: str) -> int:
+    """The incarnation of the group named ``parent_name`` that makes sub-groups now."""
+    with _LOCK:
+        n = _INCARNATIONS[parent_name]
+        _INCARNATIONS[parent_name] += 1
+        return n
+
+
+def make(parent: dist.ProcessGroup, incarnation: int, kind: str, ranks: list[int],
+         backend: str, timeout: timedelta | None) -> dist.ProcessGroup:
+    """A new group of the global ``ranks`` (in this order: group rank ``i`` is
+    ``ranks[i]``), owned by ``parent``: made by its members alone (each blocks until the
+    others arrive, or the timeout), destroyed by :func:`destroy_owned`."""
+    c10d = dist.distributed_c10d
+    parent_name = parent.group_name
+    name = f"commpress/{parent_name}/{incarnation}/{kind}/{'-'.join(map(str, ranks))}"
+    default = c10d._get_default_group()
+    store = c10d._world.pg_map[default][1]
+    backend = c10d.Backend(backend)
+    timeout = timeout or c10d._get_default_timeout(backend)
+    with _connect_lazily(backend):
+        group, _ = c10d._new_process_group_helper(
+            len(ranks), ranks.index(dist.get_rank()), list(ranks), backend, store, name,
+            timeout=timeout, device_id=default.bound_device_id,
+            group_desc=f"commpress {kind} of {parent_name}")
+    c10d._world.pg_group_ranks[group] = {g: i for i, g in enumerate(ranks)}
+    with _LOCK:
+        for ref, owned in _OWNED:
+            if ref() is parent:
+                owned.append(group)
+                break
+        else:
+            _OWNED.append((weakref.ref(parent), [group]))
+    _sweep()
+    return group
+
+
+_LAZY = "TORCH_GLOO_LAZY_INIT"
+_ENV_LOCK = threading.Lock()
+
+
+@contextmanager
+def _connect_lazily(backend: str):
+    """While inside, a new Gloo group connects at its first exchange (module docstring)."""
+    if "gloo" not in str(backend):
+        yield
+        return
+    with _ENV_LOCK:
+        kept = os.environ.get(_LAZY)
+        os.environ[_LAZY] = "1"
+        try:
+            yield
+        finally:
+            if kept is None:
+                del os.environ[_LAZY]
+            else:
+                os.environ[_LAZY] = kept
+
+
+def destroy_owned(parent: dist.ProcessGroup) -> None:
+    """Destroy the sub-groups ``parent`` owns (after its last collective)."""
+    with _LOCK:
+        mine = [owned for ref, owned in _OWNED if ref() is parent]
+        _OWNED[:] = [(ref, owned) for ref, owned in _OWNED if ref() is not parent]
+    for owned in mine:
+        _destroy(owned)
+
+
+def _sweep() -> None:
+    """Destroy the sub-groups of parents that were destroyed or dropped: nothing can call
+    on them any more (a parent's calls are the only ones that use its sub-groups)."""
+    registered = dist.distributed_c10d._world.pg_map
+    with _LOCK:
+        dead = [owned for ref, owned in _OWNED if ref() is None or ref() not in registered]
+        _OWNED[:] = [(ref, owned) for ref, owned in _OWNED
+                     if ref() is not None and ref() in registered]
+    for owned in dead:
+        _destroy(owned)
+
+
+def _destroy(groups: list[dist.ProcessGroup]) -> None:
+    registered = dist.distributed_c10d._world.pg_map
+    for group in groups:
+        if group in registered:
+            dist.destroy_process_group(group)
