@@ -20,8 +20,24 @@ def test_a_matching_state_passes():
 
 @pytest.mark.parametrize("state", [None, [], {"format": "kind/2", **MINE}, dict(MINE)])
 def test_another_kind_of_state_is_refused_naming_the_format(state):
-    with pytest.raises(InputError, match=r"not a kind state \(expected format 'kind/1'\)"):
+    with pytest.raises(InputError, match=r"not a kind state \(expected format 'kind/1'"):
         check_saved_state(state, "kind/1", "kind", MINE, "resume alike")
+
+
+def test_a_known_other_format_is_named_with_how_to_load_it():
+    formats = {"kind-whole/1": "a whole state: load it with elastic=True"}
+    with pytest.raises(InputError, match=r"not a kind state: its format 'kind-whole/1' is a "
+                                         r"whole state: load it with elastic=True"):
+        check_saved_state(_saved(format="kind-whole/1"), "kind/1", "kind", MINE, "x", None,
+                          formats)
+
+
+def test_a_differing_dict_is_named_by_its_first_differing_key():
+    mine = {**MINE, "config": {"sync_every": 8, "fragments": 2}}
+    saved = _saved(config={"sync_every": 4, "fragments": 2})
+    with pytest.raises(InputError, match=r"kind checkpoint config.sync_every 4 does not match "
+                                         r"this run's 8; resume alike"):
+        check_saved_state(saved, "kind/1", "kind", mine, "resume alike")
 
 
 def test_the_first_differing_field_is_named_with_both_values_and_the_advice():

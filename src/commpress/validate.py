@@ -104,20 +104,39 @@ def _range(*, gt=None, ge=None, lt=None, le=None) -> str:
 
 
 def check_saved_state(state: object, fmt: str, what: str, mine: dict[str, object],
-                      advice: str, views: dict[str, Callable] | None = None) -> None:
-    """Refuse a saved state that is not a dict of format ``fmt`` (``what`` names its kind),
-    or whose fields ``mine`` — read through ``views[key]`` where given — differ from this
-    run's: the message names the first field that differs, both values and ``advice``."""
+                      advice: str, views: dict[str, Callable] | None = None,
+                      formats: dict[str, str] | None = None) -> None:
+    """Refuse a saved state that is not a dict of format ``fmt`` (``what`` names its kind;
+    ``formats`` says what each other known format is and how to load it), or whose fields
+    ``mine`` — read through ``views[key]`` where given — differ from this run's: the
+    message names the first field that differs (inside a dict, its first key that
+    differs), both values and ``advice``."""
     if not isinstance(state, dict) or state.get("format") != fmt:
-        raise InputError(f"not a {what} state (expected format {fmt!r})")
+        found = state.get("format") if isinstance(state, dict) else None
+        known = (formats or {}).get(found) if isinstance(found, str) else None
+        if known:
+            raise InputError(f"not a {what} state: its format {found!r} is {known} "
+                             f"(expected format {fmt!r})")
+        raise InputError(f"not a {what} state (expected format {fmt!r}"
+                         + (f"; found {found!r})" if found is not None else ")"))
     views = views or {}
     for key, value in mine.items():
         if key not in state:
             raise InputError(f"{what} checkpoint has no {key!r}; {advice}")
         saved = views[key](state[key]) if key in views else state[key]
         if saved != value:
-            raise InputError(f"{what} checkpoint {key} {_short(saved)} does not match this "
+            where, saved, value = _first_difference(key, saved, value)
+            raise InputError(f"{what} checkpoint {where} {_short(saved)} does not match this "
                              f"run's {_short(value)}; {advice}")
+
+
+def _first_difference(key: str, saved: object, value: object) -> tuple[str, object, object]:
+    """The path (``config.sync_every``) and values of the first difference of two values,
+    looking inside dicts with the same keys."""
+    while isinstance(saved, dict) and isinstance(value, dict) and set(saved) == set(value):
+        inner = next(k for k in value if saved[k] != value[k])
+        key, saved, value = f"{key}.{inner}", saved[inner], value[inner]
+    return key, saved, value
 
 
 def _short(value: object, limit: int = 300) -> str:

@@ -30,14 +30,15 @@ def test_a_state_of_this_rank_and_world_keeps_its_memory():
 
 
 @pytest.mark.parametrize("state, needle", [
-    ({"format": "other/1"}, "not a test holder state (expected format 'test/1')"),
+    ({"format": "other/1"}, "not a test holder state (expected format 'test/1'; found "
+                               "'other/1')"),
     ([], "not a test holder state"),
     (_saved(world_size=2), "test holder checkpoint world_size 2 does not match this run's 4"),
     (_saved(rank=0), "test holder checkpoint rank 0 does not match this run's 1"),
     (_saved(rank=0, world_size=2), "checkpoint world_size 2 does not match"),
     (_saved(layout=[3, 6]), "checkpoint layout [3, 6] does not match this run's [3, 5]"),
     ({**_saved(), "policy": Policy.resolve("sdp4bit").to_dict()},
-     "test holder checkpoint policy {'name': 'sdp4bit'"),
+     "test holder checkpoint policy.name 'sdp4bit' does not match this run's 'int2ef'"),
     ({k: v for k, v in _saved().items() if k != "layout"}, "checkpoint has no 'layout'"),
 ])
 def test_another_rank_world_policy_or_field_is_refused_naming_it(state, needle):
@@ -48,14 +49,18 @@ def test_another_rank_world_policy_or_field_is_refused_naming_it(state, needle):
 
 def test_an_elastic_resume_from_another_rank_or_world_starts_the_memory_fresh(caplog):
     caplog.set_level(logging.WARNING, "commpress")
-    # rank 0 says it once per (what, worlds); the other ranks say nothing
+    # another world: rank 0 says it once per (what, worlds); the other ranks say nothing
     assert _check(_saved(world_size=2), rank=0, elastic=True) is False
     assert _check(_saved(world_size=2), rank=0, elastic=True) is False
+    assert _check(_saved(world_size=2), rank=1, elastic=True) is False
+    # the same world, another rank's state: the rank that took it says so, once
+    assert _check(_saved(rank=0), rank=1, elastic=True) is False
     assert _check(_saved(rank=0), rank=1, elastic=True) is False
     said = [r.getMessage() for r in caplog.records]
-    assert said == ["test holder: resuming state saved on 2 ranks on 4: error-feedback "
-                    "memory and rounding streams start fresh (they were laid out for the "
-                    "world that saved them)"]
+    tail = ("error-feedback memory and rounding streams start fresh (they were laid out "
+            "for the rank and world that saved them)")
+    assert said == [f"test holder: resuming state saved on 2 ranks on 4: {tail}",
+                    f"test holder: resuming state of rank 0 on rank 1 (elastic): {tail}"]
     # the policy and the holder's fields still must match
     with pytest.raises(InputError, match="layout"):
         _check(_saved(world_size=2, layout=[1]), rank=0, elastic=True)

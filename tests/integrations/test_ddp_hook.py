@@ -170,7 +170,7 @@ def test_the_played_hooks_state_of_another_run_is_refused_naming_the_field(other
 
     saved = played(2, 1).state_dict()
     played(2, 1).load_state_dict(saved)  # the same run's state loads
-    with pytest.raises(commpress.InputError, match=f"PlayedDDPHook checkpoint {field} "):
+    with pytest.raises(commpress.InputError, match=f"PlayedDDPHook checkpoint {field}[ .]"):
         played(**other).load_state_dict(saved)
     with pytest.raises(commpress.InputError, match="not a PlayedDDPHook state"):
         played(2, 1).load_state_dict({"ranks": 2, "codecs": saved["codecs"]})
@@ -225,8 +225,8 @@ def test_an_elastic_resume_on_another_number_of_ranks_starts_the_memory_fresh(tm
     # the elastic load's fresh memory is no memory at all: the same bits as the hook
     # started from the saved weights without any codec state
     assert all(r["int2ef"] == r["int2ef fresh"] for r in ranks)
-    assert all("DDP hook checkpoint lowrank {" in r["lowrank other config"] and "'rank': 3"
-               in r["lowrank other config"] for r in ranks)
+    assert all("DDP hook checkpoint lowrank.rank 3 does not match" in r["lowrank other config"]
+               for r in ranks)
     said = ranks[0]["logged"]
     # once per kind of state (the two hooks' states are the DDP hook's), on rank 0 only
     assert [m.split(":")[0] for m in said] == ["DDP hook", "DiLoCo"]

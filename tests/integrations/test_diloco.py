@@ -90,7 +90,7 @@ def test_resume_is_bitwise_the_uninterrupted_run_and_another_schedule_is_refused
     ranks = _spawn(diloco_workers.resume, options, 3 * H, split)
     for r in ranks:
         assert r["resumed"] == r["straight"]
-        assert "DiLoCo checkpoint config" in r["refused"] and "'sync_every': 4" in r["refused"]
+        assert "DiLoCo checkpoint config.sync_every 4 does not match this run's 8" in r["refused"]
     if options.get("delay"):
         assert ranks[0]["pending"] == 1
 
@@ -149,18 +149,106 @@ def test_each_preset_has_its_outer_step_and_an_explicit_one_wins():
 def test_inner_optimizers_with_master_weights_and_sharded_parameters_are_refused():
     import torch
 
-    from commpress.integrations.diloco import _check_inner
+    from commpress.integrations.outer_sites import check_inner
 
     class MasterKeeping(torch.optim.SGD):  # as ShardedOptimizer: buckets and a policy
         buckets, policy = [], None
 
     params = [torch.nn.Parameter(torch.ones(2))]
     with pytest.raises(InputError, match="fp32 master shards would undo every sync"):
-        _check_inner(params, MasterKeeping(params, lr=0.1))
+        check_inner(params, MasterKeeping(params, lr=0.1))
 
     class FlatParameter(torch.nn.Parameter):
         pass
 
     with pytest.raises(InputError, match=r"sharded \(FlatParameter: FSDP\)"):
-        _check_inner([FlatParameter(torch.ones(2))], None)
-    _check_inner(params, torch.optim.SGD(params, lr=0.1))  # a plain optimizer is fine
+        check_inner([FlatParameter(torch.ones(2))], None)
+    check_inner(params, torch.optim.SGD(params, lr=0.1))  # a plain optimizer is fine
+
+
+@pytest.mark.parametrize("options", [{"fragments": 2, "delay": 0}, {"fragments": 1},
+                                     {"fragments": 2, "delay": 1}])
+def test_a_site_whose_weights_and_optimizer_went_nonfinite_recovers_and_it_is_said(options):
+    # rank 1's NaN gradient poisons its AdamW moments, then every weight: the next sync
+    # is skipped everywhere, the site restarts from θ_global with that state dropped, and
+    # every later sync applies (before, with fragments, every later sync was skipped)
+    steps, nan_step = 6 * H, H + 1
+    ranks = _spawn(diloco_workers.nonfinite_site, {"policy": "diloco-int4", **options},
+                   steps, nan_step)
+    for step in range(steps):
+        assert ranks[0]["steps"][step]["global"] == ranks[1]["steps"][step]["global"], step
+    record = ranks[0]["steps"]
+    assert 1 <= record[-1]["skipped"] <= 2, record[-1]
+    assert record[3 * H]["skipped"] == record[-1]["skipped"]  # the last syncs all applied
+    assert record[-1]["syncs"] > record[3 * H]["syncs"]
+    for r in ranks:
+        assert r["finite"]
+    assert any("is not finite" in m and "skipped on every site" in m for m in ranks[0]["said"])
+    said = " ".join(ranks[1]["said"])
+    assert "this site's weights were non-finite" in said
+    assert "inner optimizer's non-finite state" in said
+
+
+@pytest.mark.parametrize("scenario", ["unfreeze", "freeze", "add"])
+def test_the_synchronized_parameters_follow_the_model_on_every_site(scenario):
+    steps, at = 4 * H, H + 1
+    ranks = _spawn(diloco_workers.parameter_set_changes, scenario, steps, at)
+    for step in range(steps):  # θ_global bitwise on every site, every step
+        assert ranks[0]["steps"][step]["global"] == ranks[1]["steps"][step]["global"], step
+    changed = [r["changed"] for r in ranks]
+    # a fragment starts every H / 2 steps: the next start after the change takes it in
+    first_sync = next(s for s in range(at + 1, steps) if (s + 1) % (H // 2) == 0)
+    assert changed[0][first_sync] == changed[1][first_sync]  # the sites agree on it
+    if scenario == "freeze":  # frozen: never moved again (no outer momentum on it)
+        assert len({c for c in changed[0][first_sync:]}) == 1
+    else:  # trained from then on: it moves, and every sync keeps the sites together
+        assert changed[0][-1] != changed[0][first_sync]
+    said = " ".join(ranks[0]["said"])
+    assert "the trained parameters changed by inner step" in said
+    assert ("1 left" if scenario == "freeze" else "1 joined") in said
+
+
+def test_tensors_replaced_under_the_optimizer_are_refused_and_a_rebuilt_one_syncs():
+    stale = _spawn(diloco_workers.replaced_tensors, False)
+    for r in stale:
+        assert "the inner optimizer steps" in r["error"], r
+        assert "not parameters of the model" in r["error"] and "assign=True" in r["error"]
+    rebuilt = _spawn(diloco_workers.replaced_tensors, True)
+    assert rebuilt[0]["error"] is None and rebuilt[0]["syncs"] == 2
+    assert rebuilt[0]["global"] == rebuilt[1]["global"]
+    assert rebuilt[0]["local"] == rebuilt[1]["local"]  # the new tensors are the synced ones
+
+
+@pytest.mark.parametrize("how", ["per-rank", "rank0-model", "rank0-all", "rank0-elastic"])
+def test_a_checkpoint_of_rank_0_alone_is_refused_or_converted_as_asked(how, tmp_path):
+    ranks = _spawn(diloco_workers.rank0_checkpoint, str(tmp_path), how)
+    if how == "per-rank":  # each rank its own: bitwise the uninterrupted run
+        for r in ranks:
+            assert r["resumed"] == r["straight"]
+    elif how == "rank0-model":  # told at the next sync, on every rank
+        for r in ranks:
+            assert "this site's model weights and inner optimizer state are not those" \
+                in r["error"], r
+            assert "save_rank_state" in r["error"]
+    elif how == "rank0-all":  # rank 1 refuses rank 0's state, with the way out: everywhere
+        for r in ranks:
+            assert "DiLoCo checkpoint rank 0 does not match this run's 1" in r["error"], r
+            assert "elastic=True" in r["error"] and "save_rank_state" in r["error"]
+    else:  # asked for: every site restarts from θ_global, together
+        for step in range(len(ranks[0]["resumed"])):
+            assert ranks[0]["resumed"][step]["global"] == ranks[1]["resumed"][step]["global"]
+
+
+@pytest.mark.parametrize("layout", ["world-ddp", "world-ddp-inner", "site-ddp"])
+def test_ddp_across_sites_is_refused_or_said_and_ddp_inside_a_site_trains(layout):
+    ranks = _spawn(diloco_workers.ddp_and_sites, layout, world=4, ranks_per_node=2)
+    if layout == "world-ddp":
+        for r in ranks:
+            assert "model is a DistributedDataParallel over ranks [0, 1, 2, 3]" in r["error"]
+            assert "spans sites [0, 1, 2, 3]" in r["error"]
+        return
+    assert all(r["error"] is None for r in ranks)
+    assert len({r["global"] for r in ranks}) == 1
+    said = " ".join(ranks[0]["said"])
+    identical = "every site's local weights are identical at the first sync"
+    assert (identical in said) == (layout == "world-ddp-inner"), said

@@ -63,7 +63,7 @@ from commpress.collectives.agreement import release
 from commpress.collectives.comm import group_timeout
 from commpress.dp import DPBucket
 from commpress.dp.grad_path import warn_if_uncompressed
-from commpress.dp.saved_state import check_resume, envelope
+from commpress.dp.saved_state import check_resume, envelope, on_every_rank
 from commpress.policy import Policy, list_presets
 from commpress.validate import InputError, check_bool, check_int
 
@@ -212,11 +212,12 @@ class DDPHookState:
         state): what every rank holds alike is kept, while the error-feedback memory and
         rounding streams, laid out for the world that saved them, start fresh (said once,
         on rank 0)."""
-        memory = check_resume(
+        memory = on_every_rank(self.group, "DDP hook", lambda: check_resume(
             state, STATE_FORMAT, "DDP hook", self.policy, *self._identity(), elastic,
-            "resume each rank from its own state, with the same number of ranks, policy, "
-            "model and bucket_numel (they fix the layout); another number of ranks: "
-            "load_state_dict(state, elastic=True)", self._fields())
+            "resume each rank from its own state (every rank saves its own: "
+            "commpress.save_rank_state), with the same number of ranks, policy, model and "
+            "bucket_numel (they fix the layout); another number of ranks, or one rank's "
+            "state on every rank: load_state_dict(state, elastic=True)", self._fields()))
         for b, codecs in zip(self.buckets, state["codecs"], strict=True):
             b.dp.load_state_dict(codecs, memory)
         self.calls = state["calls"]

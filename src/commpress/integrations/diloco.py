@@ -19,10 +19,15 @@ keeps its own codecs (error-feedback memory, rounding counters), checkpointed.
 Invariants: every rank holds the same ``θ_global`` after each sync, bitwise — every
 rank decodes the same bytes and applies the same outer step; with ``alpha = 0`` the
 local weights equal it too. A non-finite averaged pseudo-gradient stays non-finite: the
-outer step is skipped on every rank alike (the decision reads only decoded values) and
-the fragment's local weights go back to ``θ_global``. Sites that disagree on H,
-fragments, delay, policy or the model's shapes get a
-:class:`~commpress.CollectiveMismatchError` at construction, on every rank.
+outer step is skipped on every rank alike (the decision reads only decoded values), said
+on the first rank, and the fragment's local weights go back to ``θ_global``; a site whose
+own weights went non-finite restarts every fragment from ``θ_global`` and drops its inner
+optimizer's non-finite state, so one bad step never stops the outer progress for good.
+Sites that disagree on H, fragments, delay, policy or the model's shapes get a
+:class:`~commpress.CollectiveMismatchError` at construction, on every rank; the trained
+parameters are read by name at every sync and followed when they change
+(:mod:`.outer_fragments`); what DiLoCo checks of each site — its own state after a
+resume, DDP kept inside it — is :mod:`.outer_sites`.
 
 The all-reduces run on a process group of their own (the same ranks), so a delayed one
 on the communication thread never interleaves with the inner loop's collectives (DDP's,
@@ -32,7 +37,7 @@ FSDP's) on the user's group.
 from __future__ import annotations
 
 import concurrent.futures
-import hashlib
+import logging
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -41,16 +46,39 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from commpress.collectives import Topology
-from commpress.collectives.agreement import agree, release
-from commpress.dp import DPBucket
-from commpress.dp.grad_path import warn_if_uncompressed
-from commpress.dp.saved_state import check_resume, envelope
+from commpress.collectives.agreement import agree, all_gather_objects, release
+from commpress.dp.grad_path import say_once, warn_if_uncompressed
+from commpress.dp.saved_state import check_resume, envelope, on_every_rank
+from commpress.integrations.buckets import checksum
 from commpress.integrations.ddp import new_hook_group
+from commpress.integrations.outer_fragments import (
+    Fragment,
+    apply_change,
+    change,
+    check_layout,
+    describe,
+    in_words,
+    named_parameters,
+    orphans,
+    refuse_orphans,
+    split,
+    trained,
+)
+from commpress.integrations.outer_sites import (
+    SiteCheck,
+    check_inner,
+    ddp_spanning_sites,
+    drop_nonfinite_state,
+    site_fingerprint,
+    warn_if_sites_identical,
+)
 from commpress.integrations.replica_sync import broadcast_coalesced, group_source
 from commpress.policy import Policy
-from commpress.validate import InputError, check_bool, check_float, check_int
+from commpress.validate import InputError, check_bool, check_float, check_int, raise_if_any
 
-STATE_FORMAT = "commpress.DiLoCo/2"
+log = logging.getLogger(__name__)
+
+STATE_FORMAT = "commpress.DiLoCo/3"
 LABEL = "outer.grad"
 _TRITS_EF = {"codec": "int2:packing=trits,scale_dtype=fp16", "error_feedback": True}
 # Pseudo-gradients, exact inside a site, coded between sites. Bits per element between
@@ -126,36 +154,13 @@ class DiLoCoConfig:
         return (fragment + 1) * (self.sync_every // self.fragments) % self.sync_every
 
 
-class _Fragment:
-    """One fragment: its parameters, ``θ_global`` and momentum (flat fp32), its codecs
-    (a :class:`DPBucket` of the policy's ``outer.grad`` rules)."""
-
-    def __init__(self, index: int, params: list[nn.Parameter], policy: Policy,
-                 topology: Topology) -> None:
-        self.index = index
-        self.params = params
-        self.numels = [p.numel() for p in params]
-        # θ_global starts from the (broadcast) local weights
-        self.global_ = torch.cat([p.detach().reshape(-1).float() for p in params])
-        self.momentum = torch.zeros_like(self.global_)
-        # the fragments' codecs are their own objects: one label counts them all
-        self.dp = DPBucket(policy, topology, LABEL, axis="outer")
-
-    def local(self) -> torch.Tensor:
-        return torch.cat([p.detach().reshape(-1).float() for p in self.params])
-
-    @torch.no_grad()
-    def set_local(self, flat: torch.Tensor) -> None:
-        for p, part in zip(self.params, flat.split(self.numels)):
-            p.copy_(part.view_as(p))
-
-
 class DiLoCo:
     """Outer synchronizer for an existing training loop (module docstring).
 
     Args:
         model: the model each site trains (a DDP/FSDP-wrapped one too); its parameters
-            that require gradients are synchronized, in registration order.
+            that require gradients are synchronized, in registration order, looked up by
+            name at every sync (the set may change: :mod:`.outer_fragments`).
         inner_optimizer: the site's own optimizer; each of its steps counts as an inner
             step (a post-step hook). None: call :meth:`step` after each inner step.
         sync_every: inner steps between two syncs of a fragment (H).
@@ -174,7 +179,8 @@ class DiLoCo:
     Example::
 
         opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
-        sync = commpress.DiLoCo(model, opt, sync_every=32, policy="diloco-int2ef")
+        sync = commpress.DiLoCo(model, opt, sync_every=32, policy="diloco-int2ef",
+                                topology=commpress.Topology(1))   # one rank per site
         for x, y in batches:
             model(x, y).backward(); opt.step(); opt.zero_grad()   # sync runs every 32
     """
@@ -195,30 +201,42 @@ class DiLoCo:
                                    *outer_step(self.policy, outer_lr, outer_momentum),
                                    nesterov, alpha)
         self.topology = topology or Topology()
-        params = [p for p in model.parameters() if p.requires_grad]
-        _check_inner(params, inner_optimizer)
-        if len(params) < fragments:
+        self.model = model
+        self.inner_optimizer = inner_optimizer
+        named = trained(model)
+        check_inner([p for _, p in named], inner_optimizer)
+        if len(named) < fragments:
             raise InputError(f"DiLoCo: fragments={fragments} is not allowed for a model of "
-                             f"{len(params)} trained parameters; allowed: at most "
-                             f"{len(params)}")
+                             f"{len(named)} trained parameters; allowed: at most "
+                             f"{len(named)}")
         self.group = new_hook_group(group)
+        spans = ddp_spanning_sites(model, self.group, self.topology)
         # ranks that disagree on the schedule, the policy or the model are told so now
         agree(self.group, "DiLoCo", label=LABEL, config=asdict(self.config),
-              policy=self.policy.to_dict(), params=_shapes_digest(params))
+              policy=self.policy.to_dict(), trained=describe(named), ddp_across_sites=spans)
+        if spans:
+            raise InputError(f"DiLoCo: model is a DistributedDataParallel over {spans}: DDP "
+                             "would all-reduce every gradient between the sites in full "
+                             "precision each step, undoing what DiLoCo saves; allowed: DDP "
+                             "over each site's own ranks (DDP(model, process_group=<the "
+                             "site's group>)), or one rank per site without DDP "
+                             "(topology=commpress.Topology(1))")
         if self.policy.two_level("outer"):  # the site groups now, not on the thread
             self.topology.resolve(self.group)
         broadcast_coalesced([p.detach() for p in model.parameters()], group_source(self.group),
-                            self.group, params[0].device, "DiLoCo initial weights")
+                            self.group, named[0][1].device, "DiLoCo initial weights")
         warn_if_uncompressed(self.policy, self.topology, self.group, "DiLoCo", axis="outer")
         # internal state
-        self.fragments = [_Fragment(i, part, self.policy, self.topology)
-                          for i, part in enumerate(_split(params, fragments))]
+        self.fragments = [Fragment(i, part, self.policy, self.topology, LABEL)
+                          for i, part in enumerate(split(named, fragments))]
         self.inner_steps = 0
         self._pending: dict[int, tuple[int, Any]] = {}  # fragment → (due step, result)
         self._thread = (concurrent.futures.ThreadPoolExecutor(1, "commpress-diloco")
                         if delay else None)
         self._hook = (inner_optimizer.register_step_post_hook(lambda *_: self.step())
                       if inner_optimizer is not None else None)
+        self._site_check: SiteCheck | None = None  # set by load_state_dict
+        self._first_sync = True
         # stats
         self.syncs = 0
         self.skipped = 0  # outer steps skipped: a non-finite averaged pseudo-gradient
@@ -232,19 +250,69 @@ class DiLoCo:
         for i in sorted(self._pending):
             if self._pending[i][0] == t:
                 self._apply(self.fragments[i], self._result(self._pending.pop(i)[1]))
-        for fragment in self.fragments:
-            if t % self.config.sync_every == self.config.sync_offset(fragment.index):
-                self._start(fragment)
+        starting = [f for f in self.fragments
+                    if t % self.config.sync_every == self.config.sync_offset(f.index)]
+        if starting:
+            agreed = self._follow_the_model()
+            for fragment in starting:
+                self._start(fragment, agreed)
+                agreed = None
 
-    def _start(self, fragment: _Fragment) -> None:
-        delta = fragment.global_ - fragment.local()
+    def _follow_the_model(self) -> dict[str, Any] | None:
+        """Before a sync: re-form the fragments if the trained parameters changed
+        (:mod:`.outer_fragments`). Returns the fields of the sync's agreement, already
+        agreed (a change: the sites agree on the new set before anything moves), or None
+        to agree on them with the all-reduce."""
+        now = trained(self.model)
+        fields = self._sync_fields(now)
+        changed = change(self.fragments, now)
+        if not changed and not fields["orphans"]:
+            return None
+        self.wait()  # nothing in flight while the sites agree and the weights move
+        agree(self.group, "DiLoCo.sync", label=LABEL, step=self.inner_steps, **fields)
+        refuse_orphans(fields["orphans"])
+        for i in sorted(self._pending):  # in-flight results belong to the old fragments
+            self._apply(self.fragments[i], self._result(self._pending.pop(i)[1]))
+        joined = [p.detach() for _, p in changed.joined]
+        broadcast_coalesced(joined, group_source(self.group), self.group,
+                            self.fragments[0].global_.device, "DiLoCo joining parameters")
+        touched = apply_change(self.fragments, changed, named_parameters(self.model))
+        say_once(log, ("reformed", id(self), self.inner_steps), dist.get_rank(self.group),
+                 "DiLoCo: the trained parameters changed by inner step %d: %d left (%s), %d "
+                 "joined (%s); fragments %s re-formed, their codecs (error-feedback memory) "
+                 "fresh", self.inner_steps, len(changed.left), in_words(changed.left),
+                 len(changed.joined), in_words([n for n, _ in changed.joined]), touched)
+        return fields
+
+    def _sync_fields(self, now: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+        """What the sites must agree on at a sync, besides its step and fragment."""
+        return {"trained": describe(now),
+                "orphans": orphans(self.inner_optimizer, self.model)}
+
+    def _start(self, fragment: Fragment, agreed: dict[str, Any] | None) -> None:
+        if not fragment.names:  # every parameter of it left the trained set
+            return
+        model = named_parameters(self.model)
+        delta = fragment.global_ - fragment.local(model)
         step = self.inner_steps
+        fields = agreed or self._sync_fields(trained(self.model))
+        first, self._first_sync = self._first_sync, False
+        site_check, self._site_check = self._site_check, None
+        local = checksum(fragment.local(model)) if first else None
 
         def all_reduce() -> None:
             # sites whose inner steps drifted apart (a step one site's GradScaler skipped)
             # would average pseudo-gradients of different steps: agree on it first, on
             # the thread that runs the all-reduce
-            agree(self.group, "DiLoCo.sync", label=LABEL, step=step, fragment=fragment.index)
+            if agreed is None:
+                agree(self.group, "DiLoCo.sync", label=LABEL, step=step, **fields)
+                refuse_orphans(fields["orphans"])
+            if site_check is not None:  # the first sync since a load: every site's verdict
+                raise_if_any(all_gather_objects(site_check.problem(), self.group,
+                                                "DiLoCo: resumed site state"),
+                             dist.get_rank(self.group), "resumed another site's state")
+            if local is not None:
+                warn_if_sites_identical(local, self.group, self.topology)
             fragment.dp.grad.all_reduce(delta, self.group, op="avg")
 
         if self._thread is None:
@@ -263,24 +331,54 @@ class DiLoCo:
         return delta
 
     @torch.no_grad()
-    def _apply(self, fragment: _Fragment, delta: torch.Tensor) -> None:
+    def _apply(self, fragment: Fragment, delta: torch.Tensor) -> None:
         """The outer step on ``θ_global`` with the averaged ``delta``, then the local
-        weights from it; skipped on every rank alike when ``delta`` is not finite."""
+        weights from it. When ``delta`` is not finite (a site went non-finite) the step is
+        skipped on every rank alike and the sites restart from ``θ_global``
+        (:meth:`_restart_from_global`)."""
         self.syncs += 1
         c = self.config
+        model = named_parameters(self.model)
         if not bool(torch.isfinite(delta).all()):
             self.skipped += 1
-            fragment.set_local(fragment.global_)
+            self._restart_from_global(fragment, model)
             return
         m = fragment.momentum
         m.mul_(c.outer_momentum).add_(delta)  # torch's SGD: buf = μ·buf + Δ
         update = delta.add(m, alpha=c.outer_momentum) if c.nesterov else m
         fragment.global_.sub_(update, alpha=c.outer_lr)
         if c.alpha == 0:
-            fragment.set_local(fragment.global_)
+            fragment.set_local(model, fragment.global_)
         else:
-            fragment.set_local(fragment.local().mul_(c.alpha).add_(fragment.global_,
-                                                                     alpha=1 - c.alpha))
+            fragment.set_local(model, fragment.local(model).mul_(c.alpha).add_(
+                fragment.global_, alpha=1 - c.alpha))
+
+    @torch.no_grad()
+    def _restart_from_global(self, skipped: Fragment, model: dict[str, torch.Tensor]) -> None:
+        """After a skipped outer step: every site puts ``skipped``'s local weights back to
+        its ``θ_global`` (a decision read from decoded values alone: every rank alike); a
+        site whose other fragments are non-finite too does the same for them, and drops
+        the inner optimizer's non-finite state — else its next forward and step would
+        poison the fragment again, and with fragments every later sync (each fragment
+        then restarts before its own sync comes). Said on every site it happens to."""
+        rank = dist.get_rank(self.group)
+        if rank == 0:
+            log.warning("DiLoCo: the averaged pseudo-gradient of fragment %d at inner step %d "
+                        "is not finite (a site's weights or gradients went non-finite): the "
+                        "outer step is skipped on every site and the fragment restarts from "
+                        "θ_global", skipped.index, self.inner_steps)
+        skipped.set_local(model, skipped.global_)
+        poisoned = [f for f in self.fragments if f is not skipped
+                    and not bool(torch.isfinite(f.local(model)).all())]
+        for f in poisoned:
+            f.set_local(model, f.global_)
+        dropped = drop_nonfinite_state(self.inner_optimizer)
+        if poisoned or dropped:
+            log.warning("DiLoCo (rank %d): this site's weights were non-finite: fragments %s "
+                        "restart from θ_global%s", rank, [f.index for f in poisoned] or "none "
+                        "other", f"; the inner optimizer's non-finite state of {dropped} "
+                        "parameters is dropped (it starts again as for a new parameter)"
+                        if dropped else "")
 
     def wait(self) -> None:
         """Finish every all-reduce in flight (its result is applied when it is due)."""
@@ -304,34 +402,58 @@ class DiLoCo:
 
     # -- checkpoints ---------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Outer state: ``θ_global``, momentum and codec state of each fragment, the inner
-        step, and the averaged pseudo-gradients in flight (waited for). The local weights
-        and the inner optimizer are the user's to save."""
+        """Outer state: ``θ_global``, momentum, codec state and parameter names of each
+        fragment, the inner step, the averaged pseudo-gradients in flight (waited for),
+        and checksums of this site's local weights and inner optimizer state. Those two
+        are the site's own to save beside it (each rank its own file:
+        :func:`commpress.save_rank_state`); a resume checks them at its first inner step."""
         self.wait()
+        model = named_parameters(self.model)
         return envelope(
             STATE_FORMAT, self.policy, *self._identity(), config=asdict(self.config),
             inner_steps=self.inner_steps, syncs=self.syncs, skipped=self.skipped,
-            fragments=[{"global": f.global_.clone(), "momentum": f.momentum.clone(),
-                        "codecs": f.dp.state_dict()} for f in self.fragments],
-            pending={i: (due, r.clone()) for i, (due, r) in self._pending.items()})
+            fragments=[{"names": list(f.names), "global": f.global_.clone(),
+                        "momentum": f.momentum.clone(), "codecs": f.dp.state_dict()}
+                       for f in self.fragments],
+            pending={i: (due, r.clone()) for i, (due, r) in self._pending.items()},
+            site=site_fingerprint(self.fragments, model, self.inner_optimizer))
 
     def load_state_dict(self, state: dict[str, Any], elastic: bool = False) -> None:
         """Restore :meth:`state_dict`'s state; one of another schedule, policy, rank or
-        world size, or model, is refused naming the field.
+        world size, or of parameters this model does not have, is refused naming the
+        field. The fragments take the saved parameter sets (the trained set then follows
+        the model at the next sync).
 
-        ``elastic=True`` resumes on another number of ranks or sites (any rank's state
-        will do: θ_global, the momentum and the averages in flight are every rank's
+        The site's own state — its local weights and inner optimizer — must be the one
+        saved with it: at the first inner step after the load it is compared with the
+        checksums saved, and the next sync refuses, on every site, a run whose sites
+        restored another site's (a loop that saves rank 0's model and optimizer only).
+
+        ``elastic=True`` resumes on another number of ranks or sites, or from another
+        rank's state (θ_global, the momentum and the averages in flight are every rank's
         alike); the error-feedback memory, laid out for the world that saved it, starts
-        fresh (said once, on rank 0)."""
-        memory = check_resume(
-            state, STATE_FORMAT, "DiLoCo", self.policy, *self._identity(), elastic,
-            "resume with the same sync_every, fragments, delay, outer optimizer, policy, "
-            "model and ranks (another number of ranks: load_state_dict(state, "
-            "elastic=True))", {"config": asdict(self.config),
-                               "fragments": [f.global_.numel() for f in self.fragments]},
-            views={"fragments": lambda fs: [f["global"].numel() for f in fs]})
+        fresh (said once, on rank 0), and the site's own state is not checked."""
+        rank, world = self._identity()
+        model = named_parameters(self.model)
+
+        def check() -> tuple[dict[str, Any], bool, list]:
+            converted = _from_format_2(state, self.fragments)
+            memory = check_resume(
+                converted, STATE_FORMAT, "DiLoCo", self.policy, rank, world, elastic,
+                "resume with the same sync_every, fragments, delay, outer optimizer, "
+                "policy and ranks, each rank from its own state (save every rank's: "
+                "commpress.save_rank_state(..., f'.../commpress-rank{rank}.pt')); another "
+                "number of ranks, or one rank's state on every rank: "
+                "load_state_dict(state, elastic=True)", {"config": asdict(self.config)},
+                formats={"commpress.DiLoCo/2": "a DiLoCo state of an older commpress "
+                         "whose fragments do not have this model's sizes"})
+            return converted, memory, [check_layout(f, model) for f in converted["fragments"]]
+
+        state, memory, layout = on_every_rank(self.group, "DiLoCo", check)
         self.wait()
-        for f, saved in zip(self.fragments, state["fragments"]):
+        for f, saved, named in zip(self.fragments, state["fragments"], layout):
+            if f.names != saved["names"]:
+                f.reform([], named)
             f.global_.copy_(saved["global"])
             f.momentum.copy_(saved["momentum"])
             f.dp.load_state_dict(saved["codecs"], memory)
@@ -340,6 +462,8 @@ class DiLoCo:
                          state["pending"].items()}
         self.inner_steps, self.syncs = state["inner_steps"], state["syncs"]
         self.skipped = state["skipped"]
+        self._first_sync = False
+        self._site_check = SiteCheck(None if elastic else state.get("site"), self)
 
     def _identity(self) -> tuple[int, int]:
         return dist.get_rank(self.group), dist.get_world_size(self.group)
@@ -349,38 +473,16 @@ class DiLoCo:
         return [f.global_ for f in self.fragments]
 
 
-def _check_inner(params: list[nn.Parameter], inner_optimizer: Any) -> None:
-    """Refuse what the outer step cannot reach: an inner optimizer that keeps master weights
-    of its own (its next step would write them back over θ_global), and sharded
-    parameters (each rank's shard would be averaged with other shards)."""
-    if hasattr(inner_optimizer, "buckets") and hasattr(inner_optimizer, "policy"):
-        raise InputError("DiLoCo: inner_optimizer is a commpress.ShardedOptimizer, whose fp32 "
-                         "master shards would undo every sync; allowed: an optimizer that steps "
-                         "the parameters themselves (DDP inside a site)")
-    sharded = [type(p).__name__ for p in params
-               if type(p).__name__ in ("FlatParameter", "DTensor") or hasattr(p, "_local_tensor")]
-    if sharded:
-        raise InputError(f"DiLoCo: the model's parameters are sharded ({sharded[0]}: FSDP); "
-                         "allowed: whole parameters on every rank (DDP or one process per "
-                         "site)")
-
-
-def _split(params: list[nn.Parameter], fragments: int) -> list[list[nn.Parameter]]:
-    """Contiguous fragments in registration order, about equal in elements, none empty."""
-    total = sum(p.numel() for p in params)
-    out: list[list[nn.Parameter]] = [[]]
-    seen = 0
-    for i, p in enumerate(params):
-        left_params, left_fragments = len(params) - i, fragments - len(out)
-        # a parameter whose middle lies past this fragment's share starts the next
-        full = seen + p.numel() / 2 > len(out) * total / fragments and out[-1]
-        if left_fragments and (full or left_params == left_fragments):
-            out.append([])
-        out[-1].append(p)
-        seen += p.numel()
-    return out
-
-
-def _shapes_digest(params: list[nn.Parameter]) -> str:
-    text = ";".join(f"{tuple(p.shape)}:{p.dtype}" for p in params)
-    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+def _from_format_2(state: Any, fragments: list[Fragment]) -> Any:
+    """A state of the former format (fragments by size, no names) as this one, when its
+    fragments have the sizes of this synchronizer's (the same model and trained set):
+    its parameters are then this synchronizer's, in order. Any other is left to the
+    format check, which names it."""
+    if not isinstance(state, dict) or state.get("format") != "commpress.DiLoCo/2":
+        return state
+    saved = state.get("fragments") or []
+    sizes = [s["global"].numel() for s in saved if isinstance(s, dict) and "global" in s]
+    if sizes != [f.global_.numel() for f in fragments]:
+        return state
+    return {**state, "format": STATE_FORMAT, "site": None,
+            "fragments": [{**s, "names": list(f.names)} for s, f in zip(saved, fragments)]}

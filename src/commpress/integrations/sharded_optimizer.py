@@ -41,7 +41,7 @@ from commpress.collectives.comm import all_gather_single
 from commpress.collectives.handle import completed
 from commpress.dp import DPBucket
 from commpress.dp.grad_path import say_once, warn_if_uncompressed
-from commpress.dp.saved_state import check_resume, envelope
+from commpress.dp.saved_state import check_resume, envelope, on_every_rank
 from commpress.integrations import clip_guard
 from commpress.integrations.buckets import (
     Bucket,
@@ -448,7 +448,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Refuse a consolidated state this run cannot load; its steps and checksums."""
         check_saved_state(state, CONSOLIDATED_FORMAT, "ShardedOptimizer (consolidated)", {
             "policy": self.policy.to_dict()}, "load a consolidate_state_dict() of a run "
-            "with the same policy and model")
+            "with the same policy and model", formats={STATE_FORMAT: "one rank's "
+            "state_dict(): load it without elastic=True on the rank that saved it; for "
+            "elastic=True, every rank calls consolidate_state_dict()"})
         saved = state["buckets"]
         if [b["names"] for b in saved] != [b.names for b in self.buckets]:
             raise InputError("ShardedOptimizer (consolidated): the buckets hold other "
@@ -482,11 +484,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
         said once, on rank 0)."""
         if elastic:
             return self._load_consolidated(state)
-        check_resume(state, STATE_FORMAT, "ShardedOptimizer", self.policy, self.rank,
-                     self.world, False, "resume with the same world size, policy and model; "
-                     "another world size: load_state_dict(consolidated, elastic=True) with "
-                     "the state consolidate_state_dict() returned",
-                     buckets_identity(self.buckets))
+        on_every_rank(self.group, "ShardedOptimizer", lambda: check_resume(
+            state, STATE_FORMAT, "ShardedOptimizer", self.policy, self.rank, self.world, False,
+            "resume each rank from its own state_dict() (every rank saves its own: "
+            "commpress.save_rank_state) with the same world size, policy and model; another "
+            "world size, or one file for every rank: load_state_dict(consolidated, "
+            "elastic=True) with the state consolidate_state_dict() returned",
+            buckets_identity(self.buckets),
+            formats={CONSOLIDATED_FORMAT: "a whole optimizer from consolidate_state_dict(): "
+                     "load it with load_state_dict(state, elastic=True)"}))
         load_buckets_state(self.buckets, self.optimizer, state)
         # torch's load_state_dict makes new group dicts: share them again (a scheduler
         # writing the old ones would no longer reach the shards)
