@@ -175,3 +175,38 @@ if __name__ == "__main__":
 
 def test_a_partial_of_the_launching_scripts_function_runs_on_every_rank(tmp_path):
     assert _run_script(tmp_path, PARTIAL).stdout.strip() == "[0, 10]"
+
+
+def exits_without_a_result(rank, world):
+    if rank == 1:
+        os._exit(0)
+    return rank
+
+
+def returns_what_cannot_travel(rank, world):
+    import threading
+
+    return threading.Lock() if rank == 1 else rank
+
+
+def test_a_rank_that_exits_without_a_result_is_named_at_once():
+    start = time.monotonic()
+    with pytest.raises(Exception, match=r"rank 1 exited \(code 0\) without a result"):
+        spawn(exits_without_a_result, 2, timeout=60)
+    assert time.monotonic() - start < 20  # not the whole timeout
+
+
+def test_a_result_that_cannot_be_pickled_is_the_ranks_error():
+    start = time.monotonic()
+    with pytest.raises(Exception, match=r"rank 1 failed: TypeError: cannot pickle"):
+        spawn(returns_what_cannot_travel, 2, timeout=60)
+    assert time.monotonic() - start < 20
+
+
+def test_launching_from_a_removed_directory_says_so(tmp_path, monkeypatch):
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    monkeypatch.chdir(gone)
+    gone.rmdir()
+    with pytest.raises(Exception, match="working directory no longer exists"):
+        spawn(exits_without_a_result, 2, timeout=60)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import os
+import pickle
 import queue
 import signal
 import socket
@@ -214,6 +215,9 @@ def _worker(fn, rank, world, ranks_per_node, port, pg_timeout_s, args, results, 
         dist.init_process_group(backend, rank=rank, world_size=world,
                                 timeout=timedelta(seconds=pg_timeout_s))
         value = fn(rank, world, *args)
+        # the queue pickles on a feeder thread, which only prints what it cannot send:
+        # a value that cannot travel is this rank's error, told here
+        pickle.dumps(value)
         results.put((rank, "ok", value))
     except BaseException as e:  # noqa: BLE001 - reported to the parent with its traceback
         kind = "bad_input" if isinstance(e, InputError) else "error"
@@ -225,6 +229,27 @@ def _worker(fn, rank, world, ranks_per_node, port, pg_timeout_s, args, results, 
         # a forked rank ends in os._exit, which skips the exit handlers a spawned one runs
         # (commpress's wait for Gloo's workers among them): run them here, once
         atexit._run_exitfuncs()
+
+
+# a rank that exited 0 has put its result before exiting; the queue's pipe delivers it
+# within this long, or it never will (its function ended the process with os._exit)
+RESULT_GRACE_S = 3.0
+
+
+def _note_silent_exits(procs: list, values: dict, errors: dict,
+                       exited: dict[int, float]) -> None:
+    """Name the ranks whose process is gone without a result: one that exited non-zero
+    died (killed, a segfault); one that exited 0 and whose result has not come within
+    :data:`RESULT_GRACE_S` never sent one (``os._exit`` in the function)."""
+    now = time.monotonic()
+    for r, p in enumerate(procs):
+        if r in values or r in errors or p.is_alive():
+            continue
+        if p.exitcode not in (0, None):
+            errors[r] = f"rank {r} exited with code {p.exitcode} without a result"
+        elif now - exited.setdefault(r, now) > RESULT_GRACE_S:
+            errors[r] = (f"rank {r} exited (code 0) without a result: its function ended "
+                         "the process itself (os._exit) before returning")
 
 
 def spawn(
@@ -253,6 +278,12 @@ def spawn(
     rpn = ranks_per_node or nprocs
     if nprocs % rpn:
         raise InputError(f"nprocs={nprocs} is not divisible by ranks_per_node={rpn}")
+    try:
+        cwd = os.getcwd()
+    except FileNotFoundError:
+        raise LaunchError("the launcher's working directory no longer exists (it was "
+                          "removed after the launcher started): cd to an existing "
+                          "directory and launch again", bad_input=True) from None
     ctx = _context(fn)
     results = ctx.Queue()
     port = free_port()
@@ -260,7 +291,7 @@ def spawn(
         raise InputError(f"backend={backend!r} is not allowed; allowed: gloo, nccl")
     if device not in ("cpu", "cuda"):
         raise InputError(f"device={device!r} is not allowed; allowed: cpu, cuda")
-    where = (os.getcwd(), list(sys.path), dict(os.environ), _open_streams())
+    where = (cwd, list(sys.path), dict(os.environ), _open_streams())
     procs = [ctx.Process(target=_worker, args=(_by_name(fn), r, nprocs, rpn, port,
                                                pg_timeout_s, args, results, env or {},
                                                os.getpid(), backend, device, where),
@@ -271,6 +302,7 @@ def spawn(
     values: dict[int, Any] = {}
     errors: dict[int, str] = {}
     bad_input: set[int] = set()
+    exited: dict[int, float] = {}  # rank → when it was first seen gone without a result
     deadline = time.monotonic() + timeout
     try:
         while len(values) + len(errors) < nprocs:
@@ -281,12 +313,7 @@ def spawn(
             try:
                 rank, status, value = results.get(timeout=min(remaining, 1.0))
             except queue.Empty:
-                # a process that exited non-zero without reporting died (killed, segfault);
-                # one that exited 0 has its result in the queue already
-                for r, p in enumerate(procs):
-                    if (r not in values and r not in errors and not p.is_alive()
-                            and p.exitcode not in (0, None)):
-                        errors[r] = f"rank {r} exited with code {p.exitcode} without a result"
+                _note_silent_exits(procs, values, errors, exited)
             else:
                 (values if status == "ok" else errors)[rank] = value
                 if status == "bad_input":
