@@ -61,8 +61,9 @@ topology = commpress.Topology(args.ranks_per_node) if args.ranks_per_node else N
 commpress.transformers.compress(trainer, args.policy, topology=topology)  # commpress
 trainer.train(resume_from_checkpoint=True if args.resume else None)
 
-weights = hashlib.sha256(b"".join(p.detach().contiguous().view(torch.uint8).numpy().tobytes()
-                                  for p in trainer.model.parameters())).hexdigest()
+weights = hashlib.sha256(b"".join(
+    p.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
+    for p in trainer.model.parameters())).hexdigest()
 hashes = [None] * dist.get_world_size()
 dist.all_gather_object(hashes, weights)
 losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]

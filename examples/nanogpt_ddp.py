@@ -93,7 +93,7 @@ def save(iter_num: int) -> None:
 def weights_hash() -> str:
     h = hashlib.sha256()
     for p in raw_model.parameters():
-        h.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(p.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 

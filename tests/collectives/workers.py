@@ -21,7 +21,8 @@ def _rel(a, b):
 
 
 def _digest(t):
-    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+    raw = t.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
+    return hashlib.sha256(raw).hexdigest()
 
 
 def none_matches_torch(rank, world):

@@ -67,7 +67,7 @@ def engine_for(cfg, policy=None, topology=None):
 def weights_hash(engine):
     h = hashlib.sha256()
     for p in engine.module.parameters():
-        h.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(p.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 

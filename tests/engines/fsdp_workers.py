@@ -19,7 +19,7 @@ def _full_params_hash(model: nn.Module) -> str:
     h = hashlib.sha256()
     for p in model.parameters():
         full = p.full_tensor() if hasattr(p, "full_tensor") else p
-        h.update(full.detach().contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(full.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 

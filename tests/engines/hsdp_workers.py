@@ -25,7 +25,7 @@ def local_shards_hash(model) -> str:
     (the replicas) exactly when the replicas agree bit for bit."""
     h = hashlib.sha256()
     for p in model.parameters():
-        h.update(p.to_local().detach().contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(p.to_local().detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 

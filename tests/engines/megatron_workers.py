@@ -194,7 +194,7 @@ def weights_hash(model, replicated_only: bool = False) -> str:
     for name, p in model.module.named_parameters():
         if replicated_only and tensor_parallel_key(name, p):
             continue
-        h.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(p.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 

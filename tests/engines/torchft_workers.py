@@ -99,3 +99,33 @@ def _die_in_call(pg, n):
         return allreduce(tensors, opts)
 
     pg.allreduce = dying
+
+
+def pg_pair(rank, store_port, policy, results):
+    """One of two replicas on a bare quorum (no Manager): torchft's process group,
+    compressed with ``policy`` (None: torchft's own), configured over a shared store; then
+    all-reduces of a 0-d loss and of every float dtype. Puts what each gave, or the error
+    ``configure`` raised and what ``errored()`` then raises."""
+    from torch.distributed import ReduceOp
+
+    try:
+        pg = _pg(policy)
+        try:
+            pg.configure(f"localhost:{store_port}/quorum/1", str(rank), rank, 2)
+        except Exception as e:  # noqa: BLE001 - the test reads it
+            later = None
+            try:
+                pg.errored()
+            except Exception as again:  # noqa: BLE001
+                later = f"{type(again).__name__}: {again}"
+            results.put((rank, {"configure": f"{type(e).__name__}: {e}", "errored": later}))
+            return
+        out = {}
+        for dtype in (torch.float32, torch.bfloat16, torch.float64):
+            for op in (ReduceOp.SUM, ReduceOp.AVG):
+                t = torch.tensor(float(rank + 1), dtype=dtype)  # a 0-d loss
+                pg.allreduce([t], op).wait()
+                out[(str(dtype), str(op))] = t.item()
+        results.put((rank, {"values": out}))
+    except Exception:  # noqa: BLE001 - the test shows it
+        results.put((rank, {"exception": traceback.format_exc()}))

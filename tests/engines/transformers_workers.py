@@ -31,7 +31,7 @@ class _Samples(torch.utils.data.Dataset):
 def _hash(model):
     h = hashlib.sha256()
     for p in model.parameters():
-        h.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(p.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 

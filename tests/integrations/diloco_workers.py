@@ -20,7 +20,7 @@ H = 4
 def _hash(tensors):
     h = hashlib.sha256()
     for t in tensors:
-        h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 

@@ -27,7 +27,7 @@ def _build(options):
 def _grad_hash(model):
     h = hashlib.sha256()
     for p in model.parameters():
-        h.update(p.grad.contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(p.grad.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 

@@ -30,7 +30,7 @@ def _local_batch(data, step, rank, world, seed=0):
 def _hash_params(model):
     h = hashlib.sha256()
     for p in model.parameters():
-        h.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(p.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 

@@ -100,7 +100,8 @@ def fuzz_collectives(rank, world, cases):
 def _hash_params_tensor(t):
     import hashlib
 
-    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+    raw = t.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
+    return hashlib.sha256(raw).hexdigest()
 
 
 def mismatched_dtype(rank, world):

@@ -14,7 +14,8 @@ from commpress.train.run import Run
 
 
 def _digest(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+    raw = t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
+    return hashlib.sha256(raw).hexdigest()
 
 
 def _result(run: Run, losses: list[float], masters: list[list[str]]) -> dict:

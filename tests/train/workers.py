@@ -12,7 +12,7 @@ from commpress.train.run import Run
 def _digest(tensors):
     h = hashlib.sha256()
     for t in tensors:
-        h.update(t.detach().float().contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(t.detach().float().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 

@@ -194,7 +194,7 @@ class GroupContext:
         where = f"commpress.{collective} (label {label!r}, call #{seq} on group {self.name})"
         who = _who(self, _waiting_ranks(self, seq), "never reached it", "were waiting there",
                    "reached it; a connection failed",
-                   "could not tell which ranks are missing (the store is unreachable)")
+                   f"could not tell which ranks are missing ({_no_store()})")
         return CollectiveTimeoutError(f"{where} timed out: {who}. Cause: "
                                       f"{type(cause).__name__}: {cause}")
 
@@ -489,6 +489,14 @@ def _reported(ctx: GroupContext, key_of: Callable[[int], str]) -> set[int] | Non
         return None
 
 
+def _no_store() -> str:
+    """Why the ranks' reports could not be read: no default store to ask, or it is gone."""
+    if not dist.is_initialized():
+        return ("this process has no torch.distributed default store to ask: its groups "
+                "are made outside torch.distributed, as torchft's are")
+    return "the default store is unreachable: the rank that hosts it is gone?"
+
+
 def _who(ctx: GroupContext, reported: set[int] | None, absent: str, present: str,
          everyone: str, unknown: str) -> str:
     """Which ranks of ``ctx`` did not report (by global rank) and which did, in words."""
@@ -511,6 +519,6 @@ def transfer_failed(group: dist.ProcessGroup, label: str,
     who = _who(ctx, _reported(ctx, lambda rank: f"commpress/failed/{ctx.name}/{rank}"),
                "never finished it (dead, or stuck elsewhere)", "saw the transfer fail",
                "saw the transfer fail: a connection broke",
-               "could not tell which rank failed (the store is unreachable: rank 0 is gone?)")
+               f"could not tell which rank failed ({_no_store()})")
     return CollectiveTimeoutError(f"{where} failed: {who}. Cause: {type(cause).__name__}: "
                                   f"{cause}")

@@ -18,9 +18,17 @@ own. Every replica decodes the same bytes, so live replicas keep bitwise-identic
 results; a healing replica's zeroed tensor encodes to exact zeros.
 
 **Quorum changes.** torchft rebuilds the process group (``configure``) whenever the set
-of live replica groups changes; the new members then agree on the policy before their
-first payload, so replicas on different policies get a
-:class:`~commpress.CollectiveMismatchError` (torchft logs it and commits no step).
+of live replica groups changes. The new members first announce their policy in the
+quorum's store — a replica that announces none within the timeout runs torchft's own
+process group, without commpress — then agree on it before their first payload.
+torchft retries a failed step forever, so a replica of another policy, or one without
+commpress, would leave the job retrying with the reason only in torchft's log: the
+error (:class:`~commpress.CollectiveMismatchError`, naming the replicas and policies) is
+raised into the training loop instead, from ``Manager.should_commit``.
+
+**What is compressed.** SUM and AVG all-reduces of float32, bfloat16 and float16 tensors
+(a 0-d loss too); float64 and integer tensors, and every other collective, are torchft's
+own.
 The codecs allowed here keep no state that another replica must share: no error-feedback
 memory and no stochastic-rounding counter. Error-feedback memory belongs to one tensor,
 and torchft hands the process group anonymous ones — after a retried step, another
@@ -46,15 +54,19 @@ from torchft.process_group import ProcessGroupWrapper
 from torchft.work import _DummyWork
 
 from commpress.codecs.error_feedback import split
-from commpress.collectives import all_reduce
+from commpress.collectives import CollectiveMismatchError, all_reduce
 from commpress.collectives.agreement import agree
 from commpress.integrations.diloco import LABEL, outer_policy
 from commpress.policy import Policy
 from commpress.validate import InputError
 
+WHAT = "commpress.torchft"
 _OPS = ((dist.ReduceOp.SUM, "sum"), (dist.ReduceOp.AVG, "avg"))
+_CODED = (torch.float32, torch.bfloat16, torch.float16)  # what the codecs take
 # torchft's process groups that run collectives in this process on a c10d group
 _IN_PROCESS = ("ProcessGroupGloo",)
+# the presets without state another replica must share (the others are refused here)
+STATELESS = ("diloco", "diloco-int8", "diloco-int4")
 
 
 class CompressedProcessGroup(ProcessGroupWrapper):
@@ -66,26 +78,35 @@ class CompressedProcessGroup(ProcessGroupWrapper):
     def __init__(self, pg: TorchftProcessGroup, policy: str | dict | Policy = "diloco-int4",
                  timeout: timedelta = timedelta(seconds=60)) -> None:
         if type(pg).__name__ not in _IN_PROCESS or not isinstance(pg, ProcessGroupWrapper):
-            raise InputError(f"commpress.torchft: pg={type(pg).__name__} is not allowed; "
+            raise InputError(f"{WHAT}: pg={type(pg).__name__} is not allowed; "
                              f"allowed: torchft's {', '.join(_IN_PROCESS)} (a process group "
                              "that runs its collectives in this process)")
         super().__init__(timeout=timeout, pg=pg)
-        self.policy = outer_policy(policy)
+        self.policy = outer_policy(policy, WHAT, STATELESS)
         # replicas are sites: what crosses between them is the inter level's (or the one)
         self.codec = self.policy.codec_for("outer", "grad", "inter")
         _check_stateless(self.codec, self.policy.name)
+        self._timeout = timeout
+        self._fatal: Exception | None = None  # a quorum that can never agree
 
     def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int,
                   *args: Any, **kwargs: Any) -> None:
-        """torchft's reconfiguration for a new quorum; then the members agree on the policy
-        (before any payload on the new group)."""
+        """torchft's reconfiguration for a new quorum; then the members announce their
+        policy in the quorum's store and agree on it (before any payload on the new
+        group). A quorum that cannot agree is remembered: :meth:`errored` raises it."""
         super().configure(store_addr, replica_id, rank, world_size, *args, **kwargs)
-        agree(self._group(), "torchft.configure", label=LABEL, policy=self.policy.to_dict())
+        self._fatal = None
+        try:
+            _announce(store_addr, rank, world_size, self.policy, self._timeout)
+            agree(self._group(), "torchft.configure", label=LABEL, policy=self.policy.to_dict())
+        except CollectiveMismatchError as e:
+            self._fatal = e
+            raise
 
     def allreduce(self, tensors: list[torch.Tensor], opts: object) -> dist.Work:
         given = getattr(opts, "reduceOp", opts)  # a ReduceOp compares equal, hashes apart
         op = next((name for reduce_op, name in _OPS if given == reduce_op), None)
-        if op is None or not all(t.is_floating_point() for t in tensors):
+        if op is None or not all(t.dtype in _CODED for t in tensors):
             return super().allreduce(tensors, opts)
         group = self._group()
         for t in tensors:
@@ -93,6 +114,12 @@ class CompressedProcessGroup(ProcessGroupWrapper):
         return _DummyWork(tensors)
 
     def errored(self) -> Exception | None:
+        """torchft's error of the step; a quorum of replicas that can never agree (another
+        policy, or no commpress) is raised instead — torchft asks this in
+        ``Manager.should_commit``, on the training thread, and would otherwise retry the
+        step forever."""
+        if self._fatal is not None:
+            raise self._fatal
         return self._pg.errored()
 
     def set_timeout(self, timeout: timedelta) -> None:
@@ -118,16 +145,56 @@ def compress(pg: TorchftProcessGroup, policy: str | dict | Policy = "diloco-int4
     return CompressedProcessGroup(pg, policy, timeout)
 
 
+def _announce(store_addr: str, rank: int, world_size: int, policy: Policy,
+              timeout: timedelta) -> None:
+    """Write this replica's policy in the quorum's store and read every member's within
+    ``timeout``: a member that wrote none runs torchft without commpress (its collectives
+    would meet the agreement's and hang or corrupt); one that wrote another policy is
+    named too. Raises :class:`CollectiveMismatchError` naming them."""
+    from torchft.process_group import create_store_client
+
+    store = create_store_client(store_addr, timeout=timeout)
+    mine = repr(policy.to_dict())
+    store.set(f"commpress/policy/{rank}", mine)
+    keys = [f"commpress/policy/{r}" for r in range(world_size)]
+    try:
+        store.wait(keys, timeout)
+    except Exception:  # noqa: BLE001 - the store's timeout: who never wrote is named below
+        silent = [r for r, key in enumerate(keys) if not store.check([key])]
+        raise CollectiveMismatchError(
+            f"{WHAT}: replica ranks {silent} of this quorum announced no commpress policy "
+            f"within {timeout.total_seconds():.0f} s: they run torchft's own process group. "
+            f"Every replica must wrap it the same way: {WHAT}.compress(ProcessGroupGloo(), "
+            f"{policy.name!r})") from None
+    others = {r: store.get(key).decode() for r, key in enumerate(keys)}
+    differ = sorted(r for r, text in others.items() if text != mine)
+    if differ:
+        raise CollectiveMismatchError(
+            f"{WHAT}: replicas disagree on the policy: rank {rank} has {policy.name!r}, "
+            f"ranks {differ} have {[_name(others[r]) for r in differ]}; every replica must "
+            "compress with the same policy")
+
+
+def _name(policy_repr: str) -> str:
+    """The preset name in a policy's announced ``repr`` (the whole text if none)."""
+    import ast
+
+    try:
+        return ast.literal_eval(policy_repr).get("name", policy_repr)
+    except (ValueError, SyntaxError):
+        return policy_repr
+
+
 def _check_stateless(codec: Any, policy: str) -> None:
     plain, memory = split(codec)
     if memory is not None:
-        raise InputError(f"commpress.torchft: policy {policy!r} uses error feedback, whose "
+        raise InputError(f"{WHAT}: policy {policy!r} uses error feedback, whose "
                          "memory belongs to one tensor, and torchft hands the process group "
                          "anonymous tensors (retried steps, fragments and new quorums would "
                          "add it to other values); allowed: a policy without error feedback "
-                         "(diloco, diloco-int8, diloco-int4), or commpress.DiLoCo for memory "
-                         "per fragment")
+                         f"({', '.join(STATELESS)}), or commpress.DiLoCo for memory per "
+                         "fragment")
     if getattr(plain, "rounding", "nearest") != "nearest":
-        raise InputError(f"commpress.torchft: policy {policy!r} rounds stochastically, from "
+        raise InputError(f"{WHAT}: policy {policy!r} rounds stochastically, from "
                          "a counter a rejoining replica would not share; allowed: "
                          "rounding=nearest")

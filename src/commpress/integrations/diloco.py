@@ -112,14 +112,16 @@ def outer_step(spec: str | dict | Policy, lr: float | None = None,
     return (default[0] if lr is None else lr, default[1] if momentum is None else momentum)
 
 
-def outer_policy(spec: str | dict | Policy) -> Policy:
+def outer_policy(spec: str | dict | Policy, what: str = "DiLoCo",
+                 allowed: tuple[str, ...] = tuple(OUTER_PRESETS)) -> Policy:
     """The policy of an outer synchronizer: a name of :data:`OUTER_PRESETS`, or a policy
-    (file, dict, :class:`Policy`) whose ``outer.grad`` rule says what crosses sites."""
+    (file, dict, :class:`Policy`) whose ``outer.grad`` rule says what crosses sites.
+    An unknown name is refused naming ``what`` asks and the presets it ``allowed``."""
     if isinstance(spec, str) and spec in OUTER_PRESETS:
         return Policy.from_dict({"name": spec, **OUTER_PRESETS[spec]})
     if isinstance(spec, str) and not spec.endswith((".yaml", ".yml", ".toml")):
-        raise InputError(f"DiLoCo: policy={spec!r} is not allowed; allowed: "
-                         f"{', '.join(OUTER_PRESETS)}, a policy file or dict with outer.grad")
+        raise InputError(f"{what}: policy={spec!r} is not allowed; allowed: "
+                         f"{', '.join(allowed)}, a policy file or dict with outer.grad")
     return Policy.resolve(spec)
 
 
