@@ -87,3 +87,17 @@ def test_diloco_across_nodes_trains_sends_codes_between_sites_and_resumes_bitwis
         TrainConfig(outer="diloco-int2ef")
     with pytest.raises(ValueError, match="delay=4 is not allowed"):
         TrainConfig(engine="ddp", outer="diloco", sync_every=4, outer_delay=4)
+
+
+def test_diloco_on_one_node_and_its_options_without_outer_are_refused_naming_why(tmp_path):
+    # one node: DDP keeps every rank identical, DiLoCo would send the model between copies
+    with pytest.raises(Exception, match=r"runs DiLoCo across nodes, and the 2 data-parallel "
+                                        r"ranks here are one node of 2") as e:
+        train(TrainConfig(out=str(tmp_path / "one"), **dict(TINY, nproc=2, steps=2),
+                          ddp_hook="commpress", policy="none", outer="diloco", sync_every=2))
+    assert "ranks_per_node=1" in str(e.value)
+    for options in ({"sync_every": 64}, {"fragments": 2}, {"outer_delay": 1},
+                    {"outer_lr": 0.5}):
+        name = next(iter(options))
+        with pytest.raises(ValueError, match=f"{name}=.* given without outer"):
+            TrainConfig(engine="ddp", **options)

@@ -157,11 +157,16 @@ def warn_if_uncompressed(policy: Policy, topology: Topology, group: dist.Process
     if world == 1 or not lossy or any((lv or "single") in used for lv in lossy):
         return False
     nodes = world // rpn
+    # what to use instead, in the words of the front-end's own arguments
+    instead = ("the topology of the sites (topology=commpress.Topology(1): one rank per "
+               "site), or a policy whose outer.grad is one codec "
+               "({'outer': {'grad': 'int4:hadamard=128'}})" if axis == "outer" else
+               "the topology of a multi-node run, or a one-level codec such as "
+               "'int4:hadamard=128'")
     say_once(log, ("uncompressed", what, policy.name, world, rpn), dist.get_rank(group),
              "%s: policy %r compresses nothing here: its lossy %s.grad codecs are for the %s "
              "level, and %d ranks in %d node(s) of %d have no %s link (topology from "
-             "LOCAL_WORLD_SIZE or Topology(ranks_per_node)); give the topology of a "
-             "multi-node run, or a one-level codec such as 'int4:hadamard=128'",
+             "LOCAL_WORLD_SIZE or Topology(ranks_per_node)); give %s",
              what, policy.name, axis, "/".join(lv for lv in lossy if lv), world, nodes, rpn,
-             "inter-node" if nodes == 1 else "intra-node")
+             "inter-node" if nodes == 1 else "intra-node", instead)
     return True

@@ -18,6 +18,10 @@ MAX_TIMEOUT_S = 1_000_000  # about 11.6 days: longer than any wait worth waiting
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+# the DiLoCo schedule's fields: meaningful with --outer only
+OUTER_OPTIONS = ("sync_every", "fragments", "outer_delay", "outer_lr", "outer_momentum")
+
+
 def _opt(default, help: str):
     """A field whose ``help`` is its ``--help`` text (one sentence, defaults said once)."""
     return dataclasses.field(default=default, metadata={"help": help})
@@ -108,6 +112,16 @@ class TrainConfig:
             if self.engine != "ddp":
                 raise InputError(f"outer={self.outer!r} needs engine=ddp (DDP inside a site); "
                                  f"got engine={self.engine!r}")
+        else:  # the schedule's options do nothing without --outer: never silently dropped
+            # (resolved() fills the outer step's defaults in: not given either)
+            unset = dict(zip(("outer_lr", "outer_momentum"), outer_step("none"), strict=True))
+            given = [f"{name}={getattr(self, name)!r}" for name in OUTER_OPTIONS
+                     if getattr(self, name) not in (
+                         TrainConfig.__dataclass_fields__[name].default, unset.get(name))]
+            if given:
+                raise InputError(f"{', '.join(given)} given without outer; allowed: those "
+                                 "options with outer=PRESET (DiLoCo across sites), or none of "
+                                 "them")
         if self.nonfinite not in ("skip", "raise"):
             raise InputError(f"nonfinite={self.nonfinite!r} is not allowed; allowed: skip, raise")
         if self.seq_len > MODEL_PRESETS[self.model].block_size:

@@ -69,6 +69,13 @@ class RealRank:
         cfg, topology = self.cfg, Topology(self.dp_per_node)
         if cfg.engine == "ddp":
             outer = cfg.diloco_options() if cfg.outer != "none" else None
+            if outer and cfg.dp // self.dp_per_node < 2:
+                raise InputError(
+                    f"outer={cfg.outer!r} runs DiLoCo across nodes, and the {cfg.dp} "
+                    f"data-parallel ranks here are one node of {self.dp_per_node} "
+                    "(ranks_per_node, else the launcher's LOCAL_WORLD_SIZE): DDP keeps them "
+                    "identical, so DiLoCo would send the whole model between identical "
+                    "replicas; allowed: 2 or more nodes (ranks_per_node=1: one rank per site)")
             if outer:
                 self.site_group = site_group(self.dp_per_node)
             return [DDPEngine(stages[0], self.site_group or self.dp_group, policy,
