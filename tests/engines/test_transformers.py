@@ -5,7 +5,7 @@ Trainer without commpress."""
 import pytest
 
 import commpress
-from commpress.launch import LaunchError, spawn
+from commpress.launch import spawn
 from commpress.validate import InputError
 from tests.engines import transformers_workers as workers
 from tests.reliability.killing import assert_survivors_name_the_dead_rank
@@ -61,12 +61,14 @@ def test_checkpoints_carry_each_ranks_state_and_resume_bit_for_bit(two_ranks):
         assert rank["int2ef resumed"]["losses"] == rank["int2ef saved"]["losses"]
 
 
-def test_a_checkpoint_without_the_state_is_refused_on_every_rank(tmp_path):
-    results = spawn(workers.resume_without_state, 2, (str(tmp_path),), timeout=600,
-                    allow_errors=True)
-    for r in results:
-        assert isinstance(r, LaunchError)
-        assert "commpress-rank" in str(r) and "compress(trainer" in str(r)
+def test_a_checkpoint_without_the_state_is_refused_naming_how_to_add_compression(tmp_path):
+    results = spawn(workers.resume_without_state, 2, (str(tmp_path),), timeout=600)
+    for r in results:  # refused on every rank, with the way to add commpress to the run
+        assert "commpress-rank" in r["refused"], r
+        assert ("to add commpress to a run whose checkpoints were saved without it: "
+                "commpress.transformers.compress(trainer, ..., elastic=True)") in r["refused"]
+    assert results[0]["step"] == results[1]["step"] == 3  # resumed that way, trained on
+    assert results[0]["hash"] == results[1]["hash"]
 
 
 def test_remove_undoes_compress_before_training_and_is_refused_after(two_ranks):

@@ -141,11 +141,20 @@ def killed_mid_step(rank, world, victim, directory):
 
 
 def resume_without_state(rank, world, directory):
-    """A checkpoint saved without commpress, resumed with it: refused."""
+    """A checkpoint saved without commpress, resumed with it: refused, naming the way on;
+    resumed that way (``elastic=True``, the same number of ranks): trains on."""
     _quiet()
     data = TextData(load_tokens(max_bytes=200_000))
     _run(data, directory, 2, save_steps=1)
-    _run(data, directory, 2, "int2ef", resume=True)
+    try:
+        _run(data, directory, 2, "int2ef", resume=True)
+        refused = None
+    except ValueError as e:
+        refused = str(e)
+    trainer = _trainer(data, directory, 3)
+    commpress.transformers.compress(trainer, "int2ef", topology=Topology(1), elastic=True)
+    trainer.train(resume_from_checkpoint=True)
+    return {"refused": refused, "step": trainer.state.global_step, "hash": _hash(trainer.model)}
 
 
 def save_int2ef(rank, world, directory):

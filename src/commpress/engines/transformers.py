@@ -13,7 +13,9 @@ training begins, and keeps each rank's codec state in the Trainer's own checkpoi
 Each ``checkpoint-<step>/`` gets ``commpress-rank<r>.pt`` per rank (verified files,
 :mod:`commpress.integrations.rank_state`): error-feedback memory and rounding counters
 are each rank's own. Resuming from a checkpoint without them, or with another rank's or
-world's, is refused on every rank naming the file. Gradient accumulation (the Trainer's
+world's, is refused on every rank naming the file and the way on: ``compress(trainer,
+..., elastic=True)`` resumes a checkpoint of another number of ranks, or of a run saved
+without commpress, its codecs starting fresh. Gradient accumulation (the Trainer's
 ``no_sync`` micro-steps), ``ddp_find_unused_parameters`` and ``max_grad_norm`` work as with
 DDP's own all-reduce. DeepSpeed and FSDP in the Trainer are refused (their adapters are
 ``commpress.deepspeed`` and ``commpress.fsdp``); one process has nothing to compress and
@@ -129,7 +131,9 @@ def compress(trainer: Trainer, policy: str | dict | Policy = "int4:hadamard=128"
     :func:`~commpress.lowrank_hook` arguments). Call it before ``trainer.train()``.
     ``elastic=True`` lets ``train(resume_from_checkpoint=...)`` resume a checkpoint saved
     on another number of ranks, the codecs starting fresh (said once); without it such a
-    checkpoint is refused by name."""
+    checkpoint is refused by name. ``elastic=True`` also adds compression to a run whose
+    checkpoints were saved without it (they hold no commpress state: the codecs start
+    fresh, said once)."""
     if not isinstance(trainer, Trainer):
         raise InputError(f"{WHAT}: trainer must be a transformers.Trainer; got "
                          f"{type(trainer).__name__}")

@@ -103,11 +103,15 @@ def resume_from(checkpoint: str | os.PathLike, what: str, missing: str, elastic:
     """What an engine adapter does when its engine loads ``checkpoint``: this rank's
     state from its :func:`file_of`, or with ``elastic`` :func:`load_elastic`'s (rank 0's
     file stands for every rank's when another world saved it; None when the checkpoint
-    holds none). ``elastic_option`` says how the user asks for an elastic resume (named
-    when a file of another world is refused)."""
+    holds none: a run saved without commpress, which it is now added to). ``elastic_option``
+    says how the user asks for an elastic resume (named when a file of another world, or
+    none, is refused)."""
     mine, first = file_of(checkpoint, beside=beside), file_of(checkpoint, 0, beside)
     if elastic:
         return load_elastic(mine, first, None, what, missing)
+    # a checkpoint of a run without commpress is resumed as an elastic one: fresh codecs
+    missing = (f"{missing}; to add commpress to a run whose checkpoints were saved without "
+               f"it: {elastic_option} (the codecs start fresh)")
     return load(mine, None, what, missing,
                 other_world=f"on another number of ranks: {elastic_option}")
 
