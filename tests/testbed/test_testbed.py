@@ -71,3 +71,17 @@ def test_needs_root_message(monkeypatch):
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     with pytest.raises(TestbedError, match="needs root"):
         Cluster(2).up()
+
+
+@needs_root
+def test_a_latency_on_a_kernel_without_netem_is_said_with_what_to_do():
+    before = _namespaces()
+    try:
+        with Cluster(2, "20mbit", "5ms") as c:
+            qd = subprocess.run(["ip", "netns", "exec", c.ns(0), "tc", "qdisc", "show", "dev",
+                                 "eth0"], capture_output=True, text=True).stdout
+            assert "netem" in qd and "tbf" in qd, qd  # a kernel with netem: both in place
+    except TestbedError as e:
+        assert "needs the kernel's netem queueing discipline (sch_netem)" in str(e)
+        assert "commpress plan --latency" in str(e)
+    assert _namespaces() == before

@@ -37,6 +37,12 @@ def _run(*cmd: str) -> None:
         raise TestbedError(f"{' '.join(cmd)} failed: {proc.stderr.strip()}")
 
 
+def _netem_missing(tc_error: str) -> bool:
+    """Whether tc failed because the kernel has no netem (not a bad argument)."""
+    return any(words in tc_error for words in ("Unknown qdisc", "qdisc kind is unknown",
+                                               "No such file or directory", "not supported"))
+
+
 def check_requirements() -> None:
     if os.geteuid() != 0:
         raise TestbedError("the testbed needs root (network namespaces and tc); run as root")
@@ -90,8 +96,19 @@ class Cluster:
         burst = max(32 * 1024, int(rate_bits(self.bandwidth) / 8 / 250))  # ≥ 4 ms of traffic
         tbf = ["tbf", "rate", self.bandwidth, "burst", str(burst), "latency", "200ms"]
         if self.latency:
-            _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root",
-                 "handle", "1:", "netem", "delay", self.latency)
+            try:
+                _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root",
+                     "handle", "1:", "netem", "delay", self.latency)
+            except TestbedError as e:
+                if not _netem_missing(str(e)):
+                    raise
+                raise TestbedError(
+                    f"latency {self.latency!r} needs the kernel's netem queueing discipline "
+                    "(sch_netem), which this kernel does not have (tc: "
+                    f"{str(e).rsplit('failed: ', 1)[-1]}); allowed here: no latency (the "
+                    "links are still shaped to the bandwidth), with `commpress plan "
+                    "--latency` to model it, or a kernel with sch_netem (modprobe "
+                    "sch_netem)") from None
             _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "parent", "1:",
                  "handle", "2:", *tbf)
         else:
