@@ -144,11 +144,13 @@ def test_ranks_with_other_seeds_steps_or_swapped_states_are_refused(hook):
     on another rank would apply that rank's memory. Each is refused; each rank's own state
     resumes."""
     ranks = _spawn(lowrank_workers.disagreeing_states, hook)
-    for rank, r in enumerate(ranks):
+    for r in ranks:
         if hook == "lowrank":
             assert "CollectiveMismatchError" in r["seed"] and "seed differs" in r["seed"]
             assert "iter differs" in r["steps"], r["steps"]
         else:  # int2ef's memory is each rank's own; its step counter is not agreed on
             assert r["steps"] is None
-        assert "InputError" in r["swapped"] and f"match this run's {rank}" in r["swapped"]
+        # refused on every rank together, with the first refusing rank's reason
+        assert "InputError" in r["swapped"] and "checkpoint rank" in r["swapped"]
+        assert "does not match this run's 0" in r["swapped"] and "refused it" in r["swapped"]
         assert r["own"] is None

@@ -187,6 +187,8 @@ class DDPHookState:
         by_name = dict(named)
         self._where = {id(by_name[name]): (j, i)  # parameter → (hook bucket, position)
                        for j, b in enumerate(self.buckets) for i, name in enumerate(b.names)}
+        self._module: nn.Module | None = module  # to see parameters unfrozen since
+        self._ignored = ignored
         self._waiting: dict[int, list[_Waiting]] = {}  # hook bucket index → DDP buckets
         self._done_buckets = 0
         self._lock = threading.Lock()
@@ -232,7 +234,7 @@ class DDPHookState:
     def __getstate__(self) -> dict[str, Any]:
         d = dict(self.__dict__)
         d.update(group=None, hook_group=None, _thread=None, _lock=None, _waiting={},
-                 _failure=None)
+                 _failure=None, _module=None)
         return d
 
     def __setstate__(self, d: dict[str, Any]) -> None:
@@ -261,6 +263,23 @@ class DDPHookState:
             self.topology.resolve(hook_group)
         return hook_group
 
+    def _check_no_parameter_unfrozen(self) -> None:
+        """Refuse parameters that require gradients now but did not when DDP was built:
+        DDP never hands them to a hook, so every rank would train them apart (stock DDP
+        lets them drift silently)."""
+        if self._module is None:
+            return
+        unfrozen = [n for n, p in self._module.named_parameters()
+                    if p.requires_grad and n not in self._ignored and id(p) not in self._where]
+        if unfrozen:
+            raise InputError(
+                f"commpress.ddp_hook: {len(unfrozen)} parameters require gradients but did "
+                f"not when DDP was built ({', '.join(unfrozen[:3])}"
+                f"{', …' if len(unfrozen) > 3 else ''}): DDP never reduces them, so every "
+                "rank would train them apart. Allowed: build DDP and its hook after changing "
+                "requires_grad (or keep them trainable from the start, with lr 0 in a "
+                "parameter group of their own until they are to train)")
+
     # -- the hook's work ------------------------------------------------------------
     def take(self, bucket: dist.GradBucket) -> torch.futures.Future:
         """Copy a DDP bucket's gradients into the hook buckets; start every hook bucket
@@ -268,6 +287,8 @@ class DDPHookState:
         fut: torch.futures.Future = torch.futures.Future()
         if self.hook_group is None:  # unpickled: every rank's DDP reaches its first bucket
             self.hook_group = self._make_hook_group()
+        if self._done_buckets == 0 and not any(hb.ready for hb in self.buckets):
+            self._check_no_parameter_unfrozen()  # the first bucket of a backward
         complete, touched = [], set()
         for p, g in zip(bucket.parameters(), bucket.gradients()):
             hb_index, i = self._where[id(p)]

@@ -305,6 +305,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return loss if closure is not None else stepped
 
     def _step(self) -> bool:
+        self._check_trained_parameters()
         # Steps 1-2: the reduced gradients and their norm (unless clip_grad_norm_ did)
         norm = self._reduce_gradients()
         limits = [x for x in (self.max_grad_norm, self._clip_norm) if x is not None]
@@ -314,6 +315,27 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return finish_step(self, norm, min(limits) if limits else None, "ShardedOptimizer step",
                            lambda: [(b.master, b.grad_shard) for b in self.buckets],
                            self._gather_params)
+
+    def _check_trained_parameters(self) -> None:
+        """Refuse a change of which parameters train since the optimizer was built: its
+        flat buckets step whole, so a frozen parameter would keep moving (momentum, weight
+        decay), and one unfrozen, added or replaced would never train."""
+        frozen = [n for b in self.buckets for n, p in zip(b.names, b.params)
+                  if not p.requires_grad]
+        outside = [] if self.model is None else [
+            n for n, p in self.model.named_parameters()
+            if p.requires_grad and id(p) not in self._where]
+        if frozen or outside:
+            what = (f"{len(frozen)} of its parameters no longer require gradients "
+                    f"({_few(frozen)}): their buckets step whole, so they would keep moving"
+                    if frozen else f"{len(outside)} parameters of the model require "
+                    f"gradients but are not among those it was built over ({_few(outside)}: "
+                    "unfrozen, added, or replaced by load_state_dict(..., assign=True) since): "
+                    "they would never train")
+            raise InputError(f"ShardedOptimizer: {what}. Allowed: the parameters it was built "
+                             "over, training throughout; to hold some still for a while, put "
+                             "them in a parameter group of their own and set lr 0 in every "
+                             "optimizer group whose 'group' is its index")
 
     def _reduce_gradients(self) -> float:
         """Finish this step's gradient reduce-scatters, once; return the global norm."""
@@ -498,6 +520,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # writing the old ones would no longer reach the shards)
         self.param_groups = self.optimizer.param_groups
         self.state = self.optimizer.state
+        for b, group in zip(self.buckets, self.param_groups, strict=True):
+            group["group"] = b.group  # a state saved before optimizer groups named theirs
         for b, codecs in zip(self.buckets, state["codecs"], strict=True):
             b.dp.load_state_dict(codecs)
         self.steps = state["steps"]
@@ -527,7 +551,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             b.master.data.copy_(_padded(s["master"], b.numel)[lo])
             inner["state"][i] = {**s["scalars"], **{
                 k: _padded(v, b.numel)[lo].clone() for k, v in s["state"].items()}}
-            inner["param_groups"][i] = {**s["options"],
+            inner["param_groups"][i] = {**s["options"], "group": b.group,
                                         "params": inner["param_groups"][i]["params"]}
             # fresh codecs: this rank's memory of the old world means nothing here
             b.dp.fresh()
@@ -685,3 +709,7 @@ def _check_arguments(model, optimizer_cls, policy, nonfinite: str, bucket_numel:
     if not isinstance(broadcast_buffers, bool):
         raise InputError(f"broadcast_buffers={broadcast_buffers!r} is not allowed; allowed: "
                          "True, False")
+
+
+def _few(names: list[str], limit: int = 3) -> str:
+    return ", ".join(names[:limit]) + (", …" if len(names) > limit else "")
