@@ -105,6 +105,7 @@ class GroupContext:
         self._levels: dict[int, Levels] = {}
         self._control: dist.ProcessGroup | None = group if "gloo" in self.backend else None
         self._incarnation: int | None = None  # of this group's name, once it owns sub-groups
+        self._store: dist.Store | None = None  # its sub-groups' connection to the store
         self._held: list = []  # (work, buffers) sent without a caller to wait on them
         self._group_ref = weakref.ref(group)
         # stats
@@ -179,8 +180,9 @@ class GroupContext:
                                "(Topology(1) or a one-level codec) on a Gloo group")
         if self._incarnation is None:
             self._incarnation = subgroups.next_incarnation(self.name)
+            self._store = subgroups.store_client()
         return subgroups.make(group, self._incarnation, kind, ranks, backend,
-                              group_timeout(group))
+                              group_timeout(group), self._store)
 
     def _wait(self, work, seq: int, collective: str, label: object) -> None:
         with _watched(self, seq):

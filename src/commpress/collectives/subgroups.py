@@ -23,7 +23,8 @@ two threads making sub-groups of two parents at once (each in its parent's first
 deadlock across ranks when the ranks reach them in different orders — rank 0 waits in
 A's connect holding its GIL while rank 1 waits in B's. A Gloo sub-group is therefore made
 with ``TORCH_GLOO_LAZY_INIT`` (torch's documented switch: each pair connects at its first
-exchange, inside the collective, where the GIL is free), set only while it is made.
+exchange, inside the collective, where the GIL is free), set only while it is made, and
+each parent's sub-groups use a store connection of their own (:func:`store_client`).
 """
 
 from __future__ import annotations
@@ -51,16 +52,34 @@ def next_incarnation(parent_name: str) -> int:
         return n
 
 
+def store_client() -> dist.Store:
+    """A connection of its own to the default store, for one parent's sub-groups
+    (``Store.clone``, torch's way to use a store from several threads). A TCP store client
+    serializes its requests, and a Gloo sub-group's first exchange waits in ``get`` for
+    its peers' addresses: on a client shared with another thread's sub-groups, that wait
+    held up their store calls — a peer's sub-group among them, across ranks: a deadlock.
+    A parent's calls come one at a time, so its sub-groups share one connection. (A new
+    connection to torch's store server takes 5 s about once in 25 here: one per parent
+    that makes sub-groups, not one per sub-group.) A store that cannot be cloned is
+    shared."""
+    c10d = dist.distributed_c10d
+    store = c10d._world.pg_map[c10d._get_default_group()][1]
+    try:
+        return store.clone()
+    except (NotImplementedError, RuntimeError, AttributeError):
+        return store
+
+
 def make(parent: dist.ProcessGroup, incarnation: int, kind: str, ranks: list[int],
-         backend: str, timeout: timedelta | None) -> dist.ProcessGroup:
+         backend: str, timeout: timedelta | None, store: dist.Store) -> dist.ProcessGroup:
     """A new group of the global ``ranks`` (in this order: group rank ``i`` is
-    ``ranks[i]``), owned by ``parent``: made by its members alone (each blocks until the
-    others arrive, or the timeout), destroyed by :func:`destroy_owned`."""
+    ``ranks[i]``), owned by ``parent``, over ``store`` (:func:`store_client`): made by its
+    members alone without waiting for them (they connect at the first exchange, within
+    the timeout), destroyed by :func:`destroy_owned`."""
     c10d = dist.distributed_c10d
     parent_name = parent.group_name
     name = f"commpress/{parent_name}/{incarnation}/{kind}/{'-'.join(map(str, ranks))}"
     default = c10d._get_default_group()
-    store = c10d._world.pg_map[default][1]
     backend = c10d.Backend(backend)
     timeout = timeout or c10d._get_default_timeout(backend)
     with _connect_lazily(backend):
