@@ -5,8 +5,10 @@
 A tiny GPT-2 built from a config (no download) trained on real text by the Trainer's
 own DDP; ``commpress.transformers.compress`` registers the hook inside it and keeps each
 rank's codec state in the Trainer's checkpoints (``checkpoint-<step>/commpress-rank<r>.pt``),
-so ``--resume`` continues from the last one. ``--ranks-per-node 1`` lets ``int2ef``
-(exact inside a node) send its codes between the processes of one machine.
+so ``--resume`` continues from the last one. The default, 4-bit codes after a Hadamard
+rotation, compresses on any layout; ``--policy int2ef`` (exact inside a node, 1.7-bit
+codes between nodes) is for several machines, or ``--ranks-per-node 1`` to play nodes on
+one.
 """
 
 import argparse
@@ -22,7 +24,8 @@ import commpress
 from commpress.train.data import TextData, load_tokens
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-parser.add_argument("--policy", default="int2ef", help="preset, policy file or codec spec")
+parser.add_argument("--policy", default="int4:hadamard=128",
+                    help="preset, policy file or codec spec")
 parser.add_argument("--ranks-per-node", type=int, default=None, help="the topology")
 parser.add_argument("--steps", type=int, default=20)
 parser.add_argument("--seq-len", type=int, default=32)

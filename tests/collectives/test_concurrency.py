@@ -9,7 +9,8 @@ from commpress.launch import spawn
 from tests.collectives import concurrency_workers as workers
 
 
-@pytest.mark.parametrize("world, ranks_per_node, threads", [(4, 2, 2), (8, 4, 3)])
+@pytest.mark.parametrize("world, ranks_per_node, threads", [
+    (4, 2, 2), pytest.param(8, 4, 3, marks=pytest.mark.slow)])
 def test_threads_on_groups_of_the_same_ranks_get_what_they_get_alone(world, ranks_per_node,
                                                                      threads):
     ranks = spawn(workers.threads_on_groups_of_the_same_ranks, world,

@@ -42,8 +42,8 @@ def test_fsdp_codec_state_of_other_modules_or_another_policy_is_refused():
     assert "saved for other FSDP modules" in message
     assert "this model's [] are not in it" in message
     assert "'blocks.0'" in message and "'blocks.1'" in message
-    assert "FSDP codec checkpoint policy {'name': 'int2ef'" in result["errors"]["policy"]
-    assert "does not match this run's {'name': 'sdp4bit'" in result["errors"]["policy"]
+    assert "FSDP codec checkpoint policy.name 'int2ef' does not match" in result["errors"]["policy"]
+    assert "does not match this run's 'sdp4bit'" in result["errors"]["policy"]
 
 
 def test_a_codec_state_of_the_other_rank_or_cut_short_is_refused_by_name():

@@ -18,9 +18,12 @@ def _run(entries, steps):
 
 @pytest.mark.parametrize("entries", [
     [("streaming", 0), ("streaming", 1)],                 # two synchronizers' threads
-    [("ddp", 0), ("streaming", 1)],                       # a hook's thread and DiLoCo's
-    [("sharded", 0), ("ddp", 1)],                         # overlapped backward + a hook
-    [("ddp", 0), ("ddp", 1), ("diloco", 2)],              # two models' hooks, and DiLoCo
+    pytest.param([("ddp", 0), ("streaming", 1)],          # a hook's thread and DiLoCo's
+                 marks=pytest.mark.slow),
+    pytest.param([("sharded", 0), ("ddp", 1)],            # overlapped backward + a hook
+                 marks=pytest.mark.slow),
+    pytest.param([("ddp", 0), ("ddp", 1), ("diloco", 2)],  # two models' hooks, and DiLoCo
+                 marks=pytest.mark.slow),
 ])
 def test_front_ends_side_by_side_train_as_they_do_alone(entries):
     steps = 5

@@ -166,8 +166,9 @@ def test_inner_optimizers_with_master_weights_and_sharded_parameters_are_refused
     check_inner(params, torch.optim.SGD(params, lr=0.1))  # a plain optimizer is fine
 
 
-@pytest.mark.parametrize("options", [{"fragments": 2, "delay": 0}, {"fragments": 1},
-                                     {"fragments": 2, "delay": 1}])
+@pytest.mark.parametrize("options", [
+    {"fragments": 2, "delay": 0}, pytest.param({"fragments": 1}, marks=pytest.mark.slow),
+    pytest.param({"fragments": 2, "delay": 1}, marks=pytest.mark.slow)])
 def test_a_site_whose_weights_and_optimizer_went_nonfinite_recovers_and_it_is_said(options):
     # rank 1's NaN gradient poisons its AdamW moments, then every weight: the next sync
     # is skipped everywhere, the site restarts from θ_global with that state dropped, and
@@ -219,7 +220,9 @@ def test_tensors_replaced_under_the_optimizer_are_refused_and_a_rebuilt_one_sync
     assert rebuilt[0]["local"] == rebuilt[1]["local"]  # the new tensors are the synced ones
 
 
-@pytest.mark.parametrize("how", ["per-rank", "rank0-model", "rank0-all", "rank0-elastic"])
+@pytest.mark.parametrize("how", [pytest.param("per-rank", marks=pytest.mark.slow),
+                                 "rank0-model", "rank0-all",
+                                 pytest.param("rank0-elastic", marks=pytest.mark.slow)])
 def test_a_checkpoint_of_rank_0_alone_is_refused_or_converted_as_asked(how, tmp_path):
     ranks = _spawn(diloco_workers.rank0_checkpoint, str(tmp_path), how)
     if how == "per-rank":  # each rank its own: bitwise the uninterrupted run
@@ -239,7 +242,8 @@ def test_a_checkpoint_of_rank_0_alone_is_refused_or_converted_as_asked(how, tmp_
             assert ranks[0]["resumed"][step]["global"] == ranks[1]["resumed"][step]["global"]
 
 
-@pytest.mark.parametrize("layout", ["world-ddp", "world-ddp-inner", "site-ddp"])
+@pytest.mark.parametrize("layout", ["world-ddp", "world-ddp-inner",
+                                    pytest.param("site-ddp", marks=pytest.mark.slow)])
 def test_ddp_across_sites_is_refused_or_said_and_ddp_inside_a_site_trains(layout):
     ranks = _spawn(diloco_workers.ddp_and_sites, layout, world=4, ranks_per_node=2)
     if layout == "world-ddp":

@@ -32,14 +32,15 @@ def test_a_finished_run_from_before_a_field_existed_counts_with_the_fields_defau
     from commpress.train.compare import _finished_summary
     from commpress.train.config import TrainConfig
 
-    cfg = TrainConfig(model="gpt-tiny", seq_len=32, steps=2, nproc=2)
+    run = dict(model="gpt-tiny", seq_len=32, steps=2, nproc=2, engine="ddp", outer="diloco",
+               ranks_per_node=1)
+    cfg = TrainConfig(**run)
     saved = cfg.resolved().to_dict()
     del saved["outer_momentum"]
     (tmp_path / "summary.json").write_text(json.dumps({"final_val_loss": 5.0}))
     (tmp_path / "config.json").write_text(json.dumps({"train": saved}))
     assert _finished_summary(str(tmp_path), cfg) == {"final_val_loss": 5.0}
-    other = TrainConfig(model="gpt-tiny", seq_len=32, steps=2, nproc=2,
-                        outer_momentum=0.5)
+    other = TrainConfig(**run, outer_momentum=0.5)
     with pytest.raises(InputError, match="finished with outer_momentum=0.9, this comparison "
                                          "has outer_momentum=0.5"):
         _finished_summary(str(tmp_path), other)
