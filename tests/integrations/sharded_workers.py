@@ -3,9 +3,11 @@
 import hashlib
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 import commpress
+from tests.integrations import workers
 
 
 def _net_with_frozen_weight_and_batchnorm(seed: int) -> nn.Module:
@@ -196,3 +198,21 @@ def consolidated_resume(rank, world, policy, path, first, then, load):
             torch.save(state, path)
         out["steps"] = opt.steps
     return out
+
+
+def rank0_state_everywhere(rank, world, directory):
+    """A loop that checkpoints on rank 0 alone (nanoGPT's) and loads rank 0's optimizer
+    state on every rank: what each rank's ``load_state_dict`` raises."""
+    data = workers._data()
+    model = workers._model(seed=rank)
+    opt = commpress.ShardedOptimizer(model, torch.optim.AdamW, "sdp4bit", lr=3e-3,
+                                     bucket_numel=30_000)
+    workers.train_steps(model, opt, data, rank, world, 0, 2)
+    if rank == 0:
+        torch.save(opt.state_dict(), f"{directory}/ckpt.pt")
+    dist.barrier()
+    try:
+        opt.load_state_dict(torch.load(f"{directory}/ckpt.pt", weights_only=False))
+    except commpress.InputError as e:
+        return str(e)
+    return None

@@ -238,3 +238,12 @@ def test_a_consolidated_sdp4bit_state_resumes_on_fewer_ranks(tmp_path):
         assert len({r["hashes"][step] for r in resumed[2]}) == 1
         assert resumed[2][0]["losses"][step] == pytest.approx(
             straight[0]["losses"][2 + step], rel=0.02)
+
+
+def test_rank_0s_state_loaded_on_every_rank_is_refused_on_every_rank(tmp_path):
+    # not refused on rank 1 alone while rank 0 trained on into a collective it never reaches
+    ranks = spawn(sharded_workers.rank0_state_everywhere, 2, (str(tmp_path),), timeout=300)
+    for refused in ranks:
+        assert "ShardedOptimizer checkpoint rank 0 does not match this run's 1" in refused
+        assert "save_rank_state" in refused and "consolidate_state_dict()" in refused
+    assert ranks[0].endswith("[reported by rank 1]")  # rank 0's own state loaded, yet told
