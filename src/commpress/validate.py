@@ -155,3 +155,8 @@ def raise_if_any(problems: list[str | None], rank: int, what: str,
         others = f" (ranks {sorted(bad)} {what})" if len(bad) > 1 else ""
         raise error(f"{bad[first]}" + ("" if first == rank else f" [reported by rank {first}]")
                     + others)
+
+
+def few(names: list[str], limit: int = 3) -> str:
+    """The first ``limit`` of ``names``, comma-separated, "…" when there are more."""
+    return ", ".join(names[:limit]) + (", …" if len(names) > limit else "")

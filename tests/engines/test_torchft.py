@@ -119,15 +119,15 @@ def test_replicas_on_different_policies_stop_their_loops_naming_why():
         assert "replicas disagree on the policy" in record["exception"], record
 
 
-def pair(policies):
-    """Two replicas on a bare quorum (:func:`workers.pg_pair`): what each reported."""
+def pair(policies, quorums=1):
+    """Two replicas on bare quorums (:func:`workers.pg_pair`): what each reported."""
     from torch.distributed import TCPStore
 
     store = TCPStore("localhost", 0, 1, is_master=True, wait_for_workers=False)
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=workers.pg_pair, args=(r, store.port, policies[r], results))
-             for r in range(2)]
+    procs = [ctx.Process(target=workers.pg_pair, args=(r, store.port, policies[r], results,
+                                                       quorums)) for r in range(2)]
     for p in procs:
         p.start()
     try:
@@ -147,19 +147,26 @@ def test_a_0d_loss_and_every_float_dtype_reduce_like_torchft_own():
         assert ours[rank]["values"] == theirs[rank]["values"], (ours[rank], theirs[rank])
 
 
-@pytest.mark.parametrize("policies, needle", [
-    (["diloco-int4", "diloco-int8"], "replicas disagree on the policy: rank {rank} has "),
-    (["diloco-int4", None], "replica ranks [1] of this quorum announced no commpress policy"),
-])
-def test_a_quorum_that_can_never_agree_is_raised_into_the_loop_naming_why(policies, needle):
+def test_replicas_on_another_policy_are_raised_into_the_loop_at_once():
     # torchft retries a failed step forever; this error reaches should_commit instead
-    records = pair(policies)
-    for rank, policy in enumerate(policies):
-        if policy is None:  # torchft's own group: it fails on its own, we cannot tell it
-            continue
-        record = records[rank]
-        assert needle.format(rank=rank) in record["configure"], record
-        assert record["errored"] == record["configure"], record  # should_commit raises it
+    records = pair(["diloco-int4", "diloco-int8"], quorums=3)
+    for rank in range(2):
+        refused = records[rank]["refused"]
+        assert len(refused) == 1, refused  # the first quorum: no retry can mend it
+        assert f"replicas disagree on the policy: rank {rank} has " in refused[0]["configure"]
+        assert refused[0]["errored"] == refused[0]["configure"]
+
+
+def test_a_replica_without_commpress_is_raised_after_a_few_quorums_not_at_the_first():
+    # the compressed replica cannot tell a peer without commpress from one that died as the
+    # quorum formed: a retryable error, until the same happens in SILENT_QUORUMS quorums
+    records = pair(["diloco-int4", None], quorums=commpress.torchft.SILENT_QUORUMS)
+    refused = records[0]["refused"]
+    assert len(refused) == commpress.torchft.SILENT_QUORUMS
+    assert all("replica ranks [1] of this quorum announced no commpress policy" in r["configure"]
+               for r in refused)
+    assert [r["errored"] is None for r in refused] == [True, True, False]
+    assert "in 3 quorums in a row" in refused[-1]["errored"]
 
 
 @pytest.mark.parametrize("policy", ["diloco-int2ef", "diloco-sparse"])

@@ -3,6 +3,7 @@ own DiLoCo over its Manager, the Manager's process group plain or compressed by 
 The lighthouse runs in the test's process."""
 
 import os
+import time
 import traceback
 from datetime import timedelta
 
@@ -16,11 +17,11 @@ H = 4  # inner steps per sync
 TIMEOUT = timedelta(seconds=10)
 
 
-def _pg(policy):
+def _pg(policy, timeout=TIMEOUT):
     from torchft.process_group import ProcessGroupGloo
 
-    inner = ProcessGroupGloo(timeout=TIMEOUT)
-    return inner if policy is None else commpress.torchft.compress(inner, policy)
+    inner = ProcessGroupGloo(timeout=timeout)
+    return inner if policy is None else commpress.torchft.compress(inner, policy, timeout)
 
 
 def replica(replica_id, lighthouse, policy, syncs, results, die_in_sync=None):
@@ -101,24 +102,32 @@ def _die_in_call(pg, n):
     pg.allreduce = dying
 
 
-def pg_pair(rank, store_port, policy, results):
-    """One of two replicas on a bare quorum (no Manager): torchft's process group,
-    compressed with ``policy`` (None: torchft's own), configured over a shared store; then
-    all-reduces of a 0-d loss and of every float dtype. Puts what each gave, or the error
-    ``configure`` raised and what ``errored()`` then raises."""
+def pg_pair(rank, store_port, policy, results, quorums=1):
+    """One of two replicas on bare quorums (no Manager): torchft's process group,
+    compressed with ``policy`` (None: torchft's own), configured ``quorums`` times over a
+    shared store (a new quorum each time, as torchft reconfigures after a failed step);
+    then all-reduces of a 0-d loss and of every float dtype. Puts what each gave, or what
+    each ``configure`` raised and what ``errored()`` then raised."""
     from torch.distributed import ReduceOp
 
     try:
-        pg = _pg(policy)
-        try:
-            pg.configure(f"localhost:{store_port}/quorum/1", str(rank), rank, 2)
-        except Exception as e:  # noqa: BLE001 - the test reads it
-            later = None
+        pg = _pg(policy, timeout=timedelta(seconds=3))
+        refused = []
+        for quorum in range(quorums):
+            try:
+                pg.configure(f"localhost:{store_port}/quorum/{quorum}", str(rank), rank, 2)
+                if policy is None and quorums > 1:  # torchft's own, in step with its peer
+                    time.sleep(4)  # (its lighthouse would hold it in the quorum)
+                continue
+            except Exception as e:  # noqa: BLE001 - the test reads it
+                refused.append({"configure": f"{type(e).__name__}: {e}", "errored": None})
             try:
                 pg.errored()
-            except Exception as again:  # noqa: BLE001
-                later = f"{type(again).__name__}: {again}"
-            results.put((rank, {"configure": f"{type(e).__name__}: {e}", "errored": later}))
+            except Exception as again:  # noqa: BLE001 - should_commit would raise this
+                refused[-1]["errored"] = f"{type(again).__name__}: {again}"
+                break
+        if refused:
+            results.put((rank, {"refused": refused}))
             return
         out = {}
         for dtype in (torch.float32, torch.bfloat16, torch.float64):

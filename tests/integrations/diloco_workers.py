@@ -151,7 +151,7 @@ def faults(rank, world):
 
 
 class _Said:
-    """The warnings commpress's DiLoCo logs on this rank, while inside."""
+    """The warnings commpress's DiLoCo and its site checks log on this rank, while inside."""
 
     def __enter__(self):
         import logging
@@ -159,7 +159,7 @@ class _Said:
         self.messages = []
         self.handler = logging.Handler()
         self.handler.emit = lambda record: self.messages.append(record.getMessage())
-        self.logger = logging.getLogger("commpress.integrations.diloco")
+        self.logger = logging.getLogger("commpress.integrations")
         self.logger.addHandler(self.handler)
         return self
 

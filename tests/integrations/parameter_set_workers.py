@@ -13,7 +13,10 @@ from tests.integrations import workers
 CHANGE_AFTER = 1  # the change comes after this step
 
 
-def _change(model, opt, change):
+def _change(model, opt, change, rank):
+    change, _, only = change.partition("@")  # "freeze@0": on rank 0 alone
+    if only and int(only) != rank:
+        return
     if change == "freeze":
         model.blocks[1].mlp.fc.weight.requires_grad_(False)
     elif change == "unfreeze":
@@ -25,7 +28,7 @@ def _change(model, opt, change):
         model.load_state_dict(copy.deepcopy(model.state_dict()), assign=True)
     elif change == "hold still":  # the way offered: lr 0 in a group of their own
         for group in opt.param_groups:  # the sharded optimizer's groups are per bucket
-            if group.get("group", 1) == 1:
+            if group["param_group"] == 1:
                 group["lr"] = 0.0
 
 
@@ -35,12 +38,13 @@ def changed_mid_run(rank, world, front_end, change, steps=4):
     error the change met."""
     data = workers._data()
     model = workers._model(seed=rank)
-    if change == "unfreeze":
+    if change.startswith("unfreeze"):
         model.wte.weight.requires_grad_(False)
     held = [model.blocks[1].mlp.fc.weight]
     others = [p for p in model.parameters() if all(p is not h for h in held)]
     if front_end == "ddp":
-        forward = DDP(model, bucket_cap_mb=0.1, find_unused_parameters=change == "freeze")
+        forward = DDP(model, bucket_cap_mb=0.1,
+                      find_unused_parameters=change.startswith("freeze"))
         forward.register_comm_hook(*commpress.ddp_hook(forward, "int8", bucket_numel=25_000))
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     else:
@@ -60,9 +64,9 @@ def changed_mid_run(rank, world, front_end, change, steps=4):
             opt.step()
             opt.zero_grad()
             if step == CHANGE_AFTER:
-                _change(model, opt, change)
+                _change(model, opt, change, rank)
             hashes.append({"all": workers._hash_params(model),
                            "held": workers._hash_params(torch.nn.ParameterList(held))})
-    except commpress.InputError as e:
-        return {"hashes": hashes, "error": str(e)}
+    except (commpress.InputError, RuntimeError) as e:  # DDP wraps its hook's errors
+        return {"hashes": hashes, "error": f"{type(e).__name__}: {e}"}
     return {"hashes": hashes, "error": None}

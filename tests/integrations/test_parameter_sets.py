@@ -46,3 +46,18 @@ def test_a_parameter_held_still_stays_put_and_replicas_identical(front_end, chan
         assert len(set(held)) == 1  # not moved once held still (no momentum, no decay)
         assert r["hashes"][-1]["all"] != r["hashes"][AFTER]["all"]  # the rest trains
     assert ranks[0]["hashes"] == ranks[1]["hashes"]
+
+
+@pytest.mark.parametrize("front_end, change", [("ddp", "unfreeze@0"), ("sharded", "freeze@0")])
+def test_a_change_on_one_rank_alone_is_told_to_the_others_not_waited_for(front_end, change):
+    # the rank that refuses tells the others at their next collective: they fail there
+    # with a mismatch naming its refusal, within seconds, instead of waiting for it (in
+    # the sharded optimizer the frozen bucket is already late in backward: the ranks'
+    # reduce-scatters disagree first, and say so)
+    ranks = _run(front_end, change)
+    for r in ranks:
+        assert "CollectiveMismatchError" in r["error"], r
+        if front_end == "ddp":
+            assert "refused differs" in r["error"] and "require gradients" in r["error"], r
+        else:
+            assert "differs" in r["error"], r

@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TypeVar
+from typing import NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -206,7 +206,10 @@ class GroupContext:
         by ``group``)."""
         with self._lock:
             levels = self._levels.get(ranks_per_node)
-            if levels is None or not _alive(levels.intra, levels.inter):
+            if levels is not None and not _alive(levels.intra, levels.inter):
+                self._incarnation = None  # made again: under names never used before
+                levels = None
+            if levels is None:
                 levels = self._make_levels(group, ranks_per_node)
                 self._levels[ranks_per_node] = levels
             return levels
@@ -235,6 +238,17 @@ def agree(group: dist.ProcessGroup | None, collective: str, /, **fields: object)
     directly (a replica check, a buffer broadcast, an adapter's set-up), so that ranks
     that disagree, or one that never comes, get a named error rather than a hang."""
     return context(resolve_group(group)).agree(collective, **fields)
+
+
+def refuse(group: dist.ProcessGroup | None, collective: str, error: Exception) -> NoReturn:
+    """Raise ``error``, a refusal this rank found by itself (its model changed under a
+    front-end), after an agreed call that tells the other ranks of ``group``: they meet it
+    at their next collective there, which then fails on every rank with a mismatch naming
+    the refusal — or, if every rank refused alike, passes and each raises ``error``. So no
+    rank trains on into a collective the refusing one never reaches, and ranks that did
+    not refuse pay nothing."""
+    agree(group, collective, refused=str(error))
+    raise error
 
 
 def agree_across(collective: str, /, checks: list[tuple[dist.ProcessGroup, dict]]) -> None:

@@ -14,7 +14,8 @@ previous group's rendezvous keys in the store and hangs. A sub-group is named he
 its parent's name (the same on every member: the parent's own rendezvous used it), the
 parent's *incarnation* (how many groups of that name made sub-groups in this process
 before: the same on every member, since each incarnation's members make them in the same
-agreed call), its kind and its ranks. No two sub-groups ever share a name. torch's
+agreed call; counted afresh in a re-initialized world), its kind and its ranks: no two
+sub-groups of one world share a name. torch's
 ``new_group`` cannot be given a name, so the group is made by the helper ``new_group``
 itself calls, and registered the way ``new_group`` registers one.
 
@@ -25,6 +26,15 @@ A's connect holding its GIL while rank 1 waits in B's. A Gloo sub-group is there
 with ``TORCH_GLOO_LAZY_INIT`` (torch's documented switch: each pair connects at its first
 exchange, inside the collective, where the GIL is free), set only while it is made, and
 each parent's sub-groups use a store connection of their own (:func:`store_client`).
+The switch is the process's environment: a Gloo group another thread makes in that
+instant connects lazily too, which changes when it connects, not what it does (torch
+offers no per-group option).
+
+**Known limit:** on NCCL with a default group bound to a device
+(``init_process_group(device_id=...)``), torch splits every new NCCL group from the
+default communicator, which every rank of the world must join; the node levels of a
+group smaller than the world are made by its members alone and would wait (as they did
+through ``new_group(use_local_synchronization=True)`` before). Not yet run on a GPU.
 """
 
 from __future__ import annotations
@@ -39,16 +49,20 @@ from datetime import timedelta
 import torch.distributed as dist
 
 _LOCK = threading.Lock()
-_INCARNATIONS: dict[str, int] = defaultdict(int)
-# parent (weakly) → the sub-groups it owns; swept for dead parents at each new sub-group
+# per default group (a re-initialized world numbers its groups afresh): name → incarnations
+_INCARNATIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# parent (weakly) → the sub-groups it owns, destroyed with it
 _OWNED: list[tuple[weakref.ref, list[dist.ProcessGroup]]] = []
 
 
 def next_incarnation(parent_name: str) -> int:
-    """The incarnation of the group named ``parent_name`` that makes sub-groups now."""
+    """The incarnation of the group named ``parent_name`` (in this default group's world)
+    that makes sub-groups now."""
+    world = dist.distributed_c10d._get_default_group()
     with _LOCK:
-        n = _INCARNATIONS[parent_name]
-        _INCARNATIONS[parent_name] += 1
+        counts = _INCARNATIONS.setdefault(world, defaultdict(int))
+        n = counts[parent_name]
+        counts[parent_name] += 1
         return n
 
 
@@ -95,7 +109,6 @@ def make(parent: dist.ProcessGroup, incarnation: int, kind: str, ranks: list[int
                 break
         else:
             _OWNED.append((weakref.ref(parent), [group]))
-    _sweep()
     return group
 
 
@@ -122,23 +135,16 @@ def _connect_lazily(backend: str):
 
 
 def destroy_owned(parent: dist.ProcessGroup) -> None:
-    """Destroy the sub-groups ``parent`` owns (after its last collective)."""
+    """Destroy the sub-groups ``parent`` owns (after its last collective; every member
+    calls it at the same point, as it releases the parent). Only here: destroying a group
+    changes the count torch names the next groups by, so it must happen alike on every
+    rank — never in passing, when one rank happens to notice a dead parent. A parent
+    destroyed with torch's own ``destroy_process_group(group)`` leaves its sub-groups until
+    the whole world is destroyed."""
     with _LOCK:
         mine = [owned for ref, owned in _OWNED if ref() is parent]
         _OWNED[:] = [(ref, owned) for ref, owned in _OWNED if ref() is not parent]
     for owned in mine:
-        _destroy(owned)
-
-
-def _sweep() -> None:
-    """Destroy the sub-groups of parents that were destroyed or dropped: nothing can call
-    on them any more (a parent's calls are the only ones that use its sub-groups)."""
-    registered = dist.distributed_c10d._world.pg_map
-    with _LOCK:
-        dead = [owned for ref, owned in _OWNED if ref() is None or ref() not in registered]
-        _OWNED[:] = [(ref, owned) for ref, owned in _OWNED
-                     if ref() is not None and ref() in registered]
-    for owned in dead:
         _destroy(owned)
 
 

@@ -20,11 +20,14 @@ results; a healing replica's zeroed tensor encodes to exact zeros.
 **Quorum changes.** torchft rebuilds the process group (``configure``) whenever the set
 of live replica groups changes. The new members first announce their policy in the
 quorum's store — a replica that announces none within the timeout runs torchft's own
-process group, without commpress — then agree on it before their first payload.
-torchft retries a failed step forever, so a replica of another policy, or one without
-commpress, would leave the job retrying with the reason only in torchft's log: the
-error (:class:`~commpress.CollectiveMismatchError`, naming the replicas and policies) is
-raised into the training loop instead, from ``Manager.should_commit``.
+process group, without commpress, or died as the quorum formed — then agree on it
+before their first payload. torchft retries a failed step forever, so a replica of
+another policy, or one without commpress, would leave the job retrying with the reason
+only in torchft's log: the error (:class:`~commpress.CollectiveMismatchError`, naming the
+replicas and policies) is raised into the training loop instead, from
+``Manager.should_commit`` — at once for another policy, after
+:data:`SILENT_QUORUMS` quorums in a row for a replica that announces nothing (a dead one
+is gone from the next quorum; torchft retries that as any fault).
 
 **What is compressed.** SUM and AVG all-reduces of float32, bfloat16 and float16 tensors
 (a 0-d loss too); float64 and integer tensors, and every other collective, are torchft's
@@ -54,7 +57,7 @@ from torchft.process_group import ProcessGroupWrapper
 from torchft.work import _DummyWork
 
 from commpress.codecs.error_feedback import split
-from commpress.collectives import CollectiveMismatchError, all_reduce
+from commpress.collectives import CollectiveMismatchError, CollectiveTimeoutError, all_reduce
 from commpress.collectives.agreement import agree
 from commpress.integrations.diloco import LABEL, outer_policy
 from commpress.policy import Policy
@@ -67,6 +70,9 @@ _CODED = (torch.float32, torch.bfloat16, torch.float16)  # what the codecs take
 _IN_PROCESS = ("ProcessGroupGloo",)
 # the presets without state another replica must share (the others are refused here)
 STATELESS = ("diloco", "diloco-int8", "diloco-int4")
+# quorums in a row with a member that announced no policy before it is taken for one
+# without commpress (a replica that died as a quorum formed is gone from the next)
+SILENT_QUORUMS = 3
 
 
 class CompressedProcessGroup(ProcessGroupWrapper):
@@ -88,20 +94,33 @@ class CompressedProcessGroup(ProcessGroupWrapper):
         _check_stateless(self.codec, self.policy.name)
         self._timeout = timeout
         self._fatal: Exception | None = None  # a quorum that can never agree
+        self._silent_quorums = 0  # quorums in a row with a replica that announced nothing
 
     def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int,
                   *args: Any, **kwargs: Any) -> None:
         """torchft's reconfiguration for a new quorum; then the members announce their
         policy in the quorum's store and agree on it (before any payload on the new
         group). A quorum that cannot agree is remembered: :meth:`errored` raises it."""
+        # announced before torchft connects: a peer slow to configure is not taken for one
+        # without commpress
+        store = _announce(store_addr, rank, self.policy, self._timeout)
         super().configure(store_addr, replica_id, rank, world_size, *args, **kwargs)
         self._fatal = None
         try:
-            _announce(store_addr, rank, world_size, self.policy, self._timeout)
+            _read_announcements(store, rank, world_size, self.policy, self._timeout)
             agree(self._group(), "torchft.configure", label=LABEL, policy=self.policy.to_dict())
+        except _Unannounced as e:
+            # a replica that died as the quorum formed is gone from the next one; one that
+            # runs torchft's own group is in every quorum: told after a few
+            self._silent_quorums += 1
+            if self._silent_quorums >= SILENT_QUORUMS:
+                self._fatal = CollectiveMismatchError(
+                    f"{e} (in {self._silent_quorums} quorums in a row)")
+            raise
         except CollectiveMismatchError as e:
             self._fatal = e
             raise
+        self._silent_quorums = 0
 
     def allreduce(self, tensors: list[torch.Tensor], opts: object) -> dist.Work:
         given = getattr(opts, "reduceOp", opts)  # a ReduceOp compares equal, hashes apart
@@ -145,27 +164,36 @@ def compress(pg: TorchftProcessGroup, policy: str | dict | Policy = "diloco-int4
     return CompressedProcessGroup(pg, policy, timeout)
 
 
-def _announce(store_addr: str, rank: int, world_size: int, policy: Policy,
-              timeout: timedelta) -> None:
-    """Write this replica's policy in the quorum's store and read every member's within
-    ``timeout``: a member that wrote none runs torchft without commpress (its collectives
-    would meet the agreement's and hang or corrupt); one that wrote another policy is
-    named too. Raises :class:`CollectiveMismatchError` naming them."""
+class _Unannounced(CollectiveTimeoutError):
+    """Quorum members announced no commpress policy within the timeout."""
+
+
+def _announce(store_addr: str, rank: int, policy: Policy, timeout: timedelta) -> Any:
+    """Write this replica's policy in the quorum's store; the store client."""
     from torchft.process_group import create_store_client
 
     store = create_store_client(store_addr, timeout=timeout)
-    mine = repr(policy.to_dict())
-    store.set(f"commpress/policy/{rank}", mine)
+    store.set(f"commpress/policy/{rank}", repr(policy.to_dict()))
+    return store
+
+
+def _read_announcements(store: Any, rank: int, world_size: int, policy: Policy,
+                        timeout: timedelta) -> None:
+    """Read every quorum member's announced policy within ``timeout``: a member that wrote
+    none is named (:class:`_Unannounced`: it died as the quorum formed, or runs torchft's
+    own process group, whose collectives would meet the agreement's); one that wrote
+    another policy too (:class:`CollectiveMismatchError`)."""
     keys = [f"commpress/policy/{r}" for r in range(world_size)]
     try:
         store.wait(keys, timeout)
     except Exception:  # noqa: BLE001 - the store's timeout: who never wrote is named below
         silent = [r for r, key in enumerate(keys) if not store.check([key])]
-        raise CollectiveMismatchError(
+        raise _Unannounced(
             f"{WHAT}: replica ranks {silent} of this quorum announced no commpress policy "
-            f"within {timeout.total_seconds():.0f} s: they run torchft's own process group. "
-            f"Every replica must wrap it the same way: {WHAT}.compress(ProcessGroupGloo(), "
-            f"{policy.name!r})") from None
+            f"within {timeout.total_seconds():.0f} s: they died as the quorum formed, or run "
+            f"torchft's own process group. Every replica must wrap it the same way: "
+            f"{WHAT}.compress(ProcessGroupGloo(), {policy.name!r})") from None
+    mine = repr(policy.to_dict())
     others = {r: store.get(key).decode() for r, key in enumerate(keys)}
     differ = sorted(r for r, text in others.items() if text != mine)
     if differ:

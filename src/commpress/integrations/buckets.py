@@ -147,12 +147,13 @@ def build_optimizer(buckets: list[Bucket], optimizer_cls: type[torch.optim.Optim
                     optimizer_kwargs: dict[str, Any],
                     group_options: list[dict[str, Any]] | None = None) -> torch.optim.Optimizer:
     """The inner optimizer over the buckets' fp32 masters, one group per bucket with the
-    options of its parameter group (``group_options``) and, as ``"group"``, that group's
-    index (the way to set one group's options: every optimizer group with its index); the
+    options of its parameter group (``group_options``) and, as ``"param_group"``, that
+    group's index (the way to set one group's options: every optimizer group with its
+    index); the
     optimizer's weight decay (given or its default) applies to decaying buckets, the
     others get ``weight_decay=0``."""
     options = group_options or [{}]
-    groups = [{**options[b.group], "params": [b.master], "group": b.group,
+    groups = [{**options[b.group], "params": [b.master], "param_group": b.group,
                **({} if b.decay else {"weight_decay": 0.0})} for b in buckets]
     return (optimizer_cls or torch.optim.AdamW)(groups, **optimizer_kwargs)
 

@@ -59,13 +59,13 @@ from torch.nn.parallel import DistributedDataParallel
 
 from commpress.codecs import codec as build_codec
 from commpress.collectives import Topology, context
-from commpress.collectives.agreement import release
+from commpress.collectives.agreement import refuse, release
 from commpress.collectives.comm import group_timeout
 from commpress.dp import DPBucket
 from commpress.dp.grad_path import warn_if_uncompressed
 from commpress.dp.saved_state import check_resume, envelope, on_every_rank
 from commpress.policy import Policy, list_presets
-from commpress.validate import InputError, check_bool, check_int
+from commpress.validate import InputError, check_bool, check_int, few
 
 STATE_FORMAT = "commpress.DDPHookState/4"
 log = logging.getLogger(__name__)
@@ -272,13 +272,12 @@ class DDPHookState:
         unfrozen = [n for n, p in self._module.named_parameters()
                     if p.requires_grad and n not in self._ignored and id(p) not in self._where]
         if unfrozen:
-            raise InputError(
+            refuse(self.hook_group, "ddp_hook.parameters", InputError(
                 f"commpress.ddp_hook: {len(unfrozen)} parameters require gradients but did "
-                f"not when DDP was built ({', '.join(unfrozen[:3])}"
-                f"{', …' if len(unfrozen) > 3 else ''}): DDP never reduces them, so every "
+                f"not when DDP was built ({few(unfrozen)}): DDP never reduces them, so every "
                 "rank would train them apart. Allowed: build DDP and its hook after changing "
                 "requires_grad (or keep them trainable from the start, with lr 0 in a "
-                "parameter group of their own until they are to train)")
+                "parameter group of their own until they are to train)"))
 
     # -- the hook's work ------------------------------------------------------------
     def take(self, bucket: dist.GradBucket) -> torch.futures.Future:

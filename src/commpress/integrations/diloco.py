@@ -49,7 +49,6 @@ from commpress.collectives import Topology
 from commpress.collectives.agreement import agree, all_gather_objects, release
 from commpress.dp.grad_path import say_once, warn_if_uncompressed
 from commpress.dp.saved_state import check_resume, envelope, on_every_rank
-from commpress.integrations.buckets import checksum
 from commpress.integrations.ddp import new_hook_group
 from commpress.integrations.outer_fragments import (
     Fragment,
@@ -57,7 +56,6 @@ from commpress.integrations.outer_fragments import (
     change,
     check_layout,
     describe,
-    in_words,
     named_parameters,
     orphans,
     refuse_orphans,
@@ -71,10 +69,18 @@ from commpress.integrations.outer_sites import (
     drop_nonfinite_state,
     site_fingerprint,
     warn_if_sites_identical,
+    weights_checksum,
 )
 from commpress.integrations.replica_sync import broadcast_coalesced, group_source
 from commpress.policy import Policy
-from commpress.validate import InputError, check_bool, check_float, check_int, raise_if_any
+from commpress.validate import (
+    InputError,
+    check_bool,
+    check_float,
+    check_int,
+    few,
+    raise_if_any,
+)
 
 log = logging.getLogger(__name__)
 
@@ -215,7 +221,8 @@ class DiLoCo:
         spans = ddp_spanning_sites(model, self.group, self.topology)
         # ranks that disagree on the schedule, the policy or the model are told so now
         agree(self.group, "DiLoCo", label=LABEL, config=asdict(self.config),
-              policy=self.policy.to_dict(), trained=describe(named), ddp_across_sites=spans)
+              policy=self.policy.to_dict(), trained=describe(named),
+              ddp_across_sites=bool(spans))
         if spans:
             raise InputError(f"DiLoCo: model is a DistributedDataParallel over {spans}: DDP "
                              "would all-reduce every gradient between the sites in full "
@@ -255,21 +262,22 @@ class DiLoCo:
         starting = [f for f in self.fragments
                     if t % self.config.sync_every == self.config.sync_offset(f.index)]
         if starting:
-            agreed = self._follow_the_model()
+            now = trained(self.model)
+            fields = self._sync_fields(now)
+            agreed = self._follow_the_model(now, fields)
             for fragment in starting:
-                self._start(fragment, agreed)
-                agreed = None
+                self._start(fragment, fields, agreed)
+                agreed = False
 
-    def _follow_the_model(self) -> dict[str, Any] | None:
+    def _follow_the_model(self, now: list[tuple[str, torch.Tensor]],
+                          fields: dict[str, Any]) -> bool:
         """Before a sync: re-form the fragments if the trained parameters changed
-        (:mod:`.outer_fragments`). Returns the fields of the sync's agreement, already
-        agreed (a change: the sites agree on the new set before anything moves), or None
-        to agree on them with the all-reduce."""
-        now = trained(self.model)
-        fields = self._sync_fields(now)
+        (:mod:`.outer_fragments`). Returns whether the sync's ``fields`` were agreed on
+        here (a change: the sites agree on the new set before anything moves), else they
+        are with the all-reduce."""
         changed = change(self.fragments, now)
         if not changed and not fields["orphans"]:
-            return None
+            return False
         self.wait()  # nothing in flight while the sites agree and the weights move
         agree(self.group, "DiLoCo.sync", label=LABEL, step=self.inner_steps, **fields)
         refuse_orphans(fields["orphans"])
@@ -282,31 +290,30 @@ class DiLoCo:
         say_once(log, ("reformed", id(self), self.inner_steps), dist.get_rank(self.group),
                  "DiLoCo: the trained parameters changed by inner step %d: %d left (%s), %d "
                  "joined (%s); fragments %s re-formed, their codecs (error-feedback memory) "
-                 "fresh", self.inner_steps, len(changed.left), in_words(changed.left),
-                 len(changed.joined), in_words([n for n, _ in changed.joined]), touched)
-        return fields
+                 "fresh", self.inner_steps, len(changed.left), few(changed.left) or "-",
+                 len(changed.joined), few([n for n, _ in changed.joined]) or "-", touched)
+        return True
 
     def _sync_fields(self, now: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:
         """What the sites must agree on at a sync, besides its step and fragment."""
         return {"trained": describe(now),
                 "orphans": orphans(self.inner_optimizer, self.model)}
 
-    def _start(self, fragment: Fragment, agreed: dict[str, Any] | None) -> None:
+    def _start(self, fragment: Fragment, fields: dict[str, Any], agreed: bool) -> None:
         if not fragment.names:  # every parameter of it left the trained set
             return
         model = named_parameters(self.model)
         delta = fragment.global_ - fragment.local(model)
         step = self.inner_steps
-        fields = agreed or self._sync_fields(trained(self.model))
         first, self._first_sync = self._first_sync, False
         site_check, self._site_check = self._site_check, None
-        local = checksum(fragment.local(model)) if first else None
+        local = weights_checksum(fragment.params(model)) if first else None
 
         def all_reduce() -> None:
             # sites whose inner steps drifted apart (a step one site's GradScaler skipped)
             # would average pseudo-gradients of different steps: agree on it first, on
             # the thread that runs the all-reduce
-            if agreed is None:
+            if not agreed:
                 agree(self.group, "DiLoCo.sync", label=LABEL, step=step, **fields)
                 refuse_orphans(fields["orphans"])
             if site_check is not None:  # the first sync since a load: every site's verdict
@@ -345,10 +352,7 @@ class DiLoCo:
             self.skipped += 1
             self._restart_from_global(fragment, model)
             return
-        m = fragment.momentum
-        m.mul_(c.outer_momentum).add_(delta)  # torch's SGD: buf = μ·buf + Δ
-        update = delta.add(m, alpha=c.outer_momentum) if c.nesterov else m
-        fragment.global_.sub_(update, alpha=c.outer_lr)
+        fragment.outer_step(delta, c.outer_lr, c.outer_momentum, c.nesterov)
         if c.alpha == 0:
             fragment.set_local(model, fragment.global_)
         else:
@@ -395,6 +399,9 @@ class DiLoCo:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+        if self._site_check is not None:
+            self._site_check.close()
+            self._site_check = None
         if self._thread is not None:
             self._thread.shutdown()
             self._thread = None
@@ -410,15 +417,12 @@ class DiLoCo:
         are the site's own to save beside it (each rank its own file:
         :func:`commpress.save_rank_state`); a resume checks them at its first inner step."""
         self.wait()
-        model = named_parameters(self.model)
         return envelope(
             STATE_FORMAT, self.policy, *self._identity(), config=asdict(self.config),
             inner_steps=self.inner_steps, syncs=self.syncs, skipped=self.skipped,
-            fragments=[{"names": list(f.names), "global": f.global_.clone(),
-                        "momentum": f.momentum.clone(), "codecs": f.dp.state_dict()}
-                       for f in self.fragments],
+            fragments=[f.state_dict() for f in self.fragments],
             pending={i: (due, r.clone()) for i, (due, r) in self._pending.items()},
-            site=site_fingerprint(self.fragments, model, self.inner_optimizer))
+            site=site_fingerprint(self._all_params(), self.inner_optimizer))
 
     def load_state_dict(self, state: dict[str, Any], elastic: bool = False) -> None:
         """Restore :meth:`state_dict`'s state; one of another schedule, policy, rank or
@@ -451,21 +455,25 @@ class DiLoCo:
                          "whose fragments do not have this model's sizes"})
             return converted, memory, [check_layout(f, model) for f in converted["fragments"]]
 
+        self.wait()  # the all-reduce in flight on the thread uses the group too
         state, memory, layout = on_every_rank(self.group, "DiLoCo", check)
-        self.wait()
         for f, saved, named in zip(self.fragments, state["fragments"], layout):
-            if f.names != saved["names"]:
-                f.reform([], named)
-            f.global_.copy_(saved["global"])
-            f.momentum.copy_(saved["momentum"])
-            f.dp.load_state_dict(saved["codecs"], memory)
+            f.load_state_dict(saved, named, memory)
         device = self.fragments[0].global_.device
         self._pending = {int(i): (due, r.to(device)) for i, (due, r) in
                          state["pending"].items()}
         self.inner_steps, self.syncs = state["inner_steps"], state["syncs"]
         self.skipped = state["skipped"]
         self._first_sync = False
-        self._site_check = SiteCheck(None if elastic else state.get("site"), self)
+        if self._site_check is not None:
+            self._site_check.close()
+        self._site_check = SiteCheck(None if elastic else state.get("site"),
+                                     self._all_params, self.inner_optimizer)
+
+    def _all_params(self) -> list[torch.Tensor]:
+        """Every fragment's parameters, as the model holds them now."""
+        model = named_parameters(self.model)
+        return [p for f in self.fragments for p in f.params(model)]
 
     def _identity(self) -> tuple[int, int]:
         return dist.get_rank(self.group), dist.get_world_size(self.group)
@@ -486,5 +494,8 @@ def _from_format_2(state: Any, fragments: list[Fragment]) -> Any:
     sizes = [s["global"].numel() for s in saved if isinstance(s, dict) and "global" in s]
     if sizes != [f.global_.numel() for f in fragments]:
         return state
+    log.warning("DiLoCo: loading a state of the former format (fragments by size): its "
+                "parameters are taken to be this synchronizer's, in order (the same model "
+                "and trained parameters)")
     return {**state, "format": STATE_FORMAT, "site": None,
             "fragments": [{**s, "names": list(f.names)} for s, f in zip(saved, fragments)]}

@@ -32,7 +32,7 @@ import torch.nn as nn
 from commpress.collectives import Topology
 from commpress.dp import DPBucket
 from commpress.policy import Policy
-from commpress.validate import InputError
+from commpress.validate import InputError, few
 
 
 class Fragment:
@@ -68,9 +68,38 @@ class Fragment:
 
     def global_of(self, name: str) -> torch.Tensor:
         """``θ_global`` of one parameter (a view, flat)."""
+        return self.global_[self._span(name)]
+
+    def momentum_of(self, name: str) -> torch.Tensor:
+        return self.momentum[self._span(name)]
+
+    def _span(self, name: str) -> slice:
         i = self.names.index(name)
         start = sum(self.numels[:i])
-        return self.global_[start:start + self.numels[i]]
+        return slice(start, start + self.numels[i])
+
+    @torch.no_grad()
+    def outer_step(self, delta: torch.Tensor, lr: float, momentum: float,
+                   nesterov: bool) -> None:
+        """The outer SGD on ``θ_global`` with the averaged pseudo-gradient ``delta``,
+        as torch's SGD: ``buf = μ·buf + Δ``; Nesterov's update ``Δ + μ·buf``."""
+        self.momentum.mul_(momentum).add_(delta)
+        update = delta.add(self.momentum, alpha=momentum) if nesterov else self.momentum
+        self.global_.sub_(update, alpha=lr)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"names": list(self.names), "global": self.global_.clone(),
+                "momentum": self.momentum.clone(), "codecs": self.dp.state_dict()}
+
+    def load_state_dict(self, saved: dict[str, Any], named: list[tuple[str, torch.Tensor]],
+                        memory: bool) -> None:
+        """Restore :meth:`state_dict`'s state, for the model's parameters ``named``
+        (:func:`check_layout`); ``memory=False``: the codecs start fresh."""
+        if self.names != saved["names"]:
+            self.reform([], named)
+        self.global_.copy_(saved["global"])
+        self.momentum.copy_(saved["momentum"])
+        self.dp.load_state_dict(saved["codecs"], memory)
 
     def reform(self, keep: list[str], joined: list[tuple[str, torch.Tensor]]) -> None:
         """Keep the parameters ``keep`` (with their θ_global and momentum) and add
@@ -85,11 +114,6 @@ class Fragment:
         self.global_ = _cat(globals_, self.global_)
         self.momentum = _cat(momenta, self.momentum)
         self.dp.fresh()
-
-    def momentum_of(self, name: str) -> torch.Tensor:
-        i = self.names.index(name)
-        start = sum(self.numels[:i])
-        return self.momentum[start:start + self.numels[i]]
 
 
 def named_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -175,8 +199,7 @@ def refuse_orphans(shapes: list[str]) -> None:
     if shapes:
         raise InputError(
             f"DiLoCo: the inner optimizer steps {len(shapes)} tensors that are not "
-            f"parameters of the model (shapes {', '.join(shapes[:4])}"
-            f"{', …' if len(shapes) > 4 else ''}): DiLoCo synchronizes the model's "
+            f"parameters of the model (shapes {few(shapes, 4)}): DiLoCo synchronizes the model's "
             "parameters, so those would never be synchronized. Allowed: a module added to "
             "the model before add_param_group, and an optimizer made after "
             "model.load_state_dict(..., assign=True) (which replaces the tensors)")
@@ -204,10 +227,6 @@ def check_layout(saved: dict[str, Any], model: dict[str, torch.Tensor]
                          f"for parameters of {offset} in this model; resume with the same "
                          "model")
     return out
-
-
-def in_words(names: list[str], limit: int = 4) -> str:
-    return ", ".join(names[:limit]) + (", …" if len(names) > limit else "") if names else "-"
 
 
 def split(named: list[tuple[str, torch.Tensor]],

@@ -14,6 +14,7 @@ identical (the module inside a DDP given).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -23,58 +24,71 @@ import torch.nn as nn
 from commpress.collectives import Topology
 from commpress.collectives.agreement import all_gather_objects
 from commpress.integrations.buckets import checksum
-from commpress.integrations.outer_fragments import Fragment, named_parameters
 from commpress.validate import InputError
 
-log = logging.getLogger("commpress.integrations.diloco")
+log = logging.getLogger(__name__)
 
 
 class SiteCheck:
     """A resumed site's own state against the checksums saved with the synchronizer's:
-    compared before the first inner step after the load (an inner optimizer pre-step
-    hook), the sites' verdicts gathered at the next sync. ``saved`` None (an elastic
-    resume, or no inner optimizer to check before): nothing to compare."""
+    compared before the first inner step after the load (a pre-step hook on the inner
+    optimizer, removed when it has run, or by :meth:`close`), the sites' verdicts gathered
+    at the next sync. ``saved`` None (an elastic resume), or no inner optimizer to check
+    before: nothing to compare."""
 
-    def __init__(self, saved: dict[str, int | None] | None, sync: Any) -> None:
+    def __init__(self, saved: dict[str, int | None] | None,
+                 params: Callable[[], list[torch.Tensor]],
+                 optimizer: torch.optim.Optimizer | None) -> None:
         self.wrong: list[str] = []
-        optimizer = sync.inner_optimizer
+        self._hook = None
         if saved is None or optimizer is None:
             return
 
         def check(*_: Any) -> None:
-            hook.remove()
-            mine = site_fingerprint(sync.fragments, named_parameters(sync.model), optimizer)
+            self.close()
+            mine = site_fingerprint(params(), optimizer)
             self.wrong = [what for what, key in (("model weights", "weights"),
                                                  ("inner optimizer state", "inner"))
                           if saved.get(key) is not None and mine[key] != saved[key]]
 
-        hook = optimizer.register_step_pre_hook(check)
+        self._hook = optimizer.register_step_pre_hook(check)
+
+    def close(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
 
     def problem(self) -> str | None:
         if not self.wrong:
             return None
         return (f"DiLoCo: this site's {' and '.join(self.wrong)} are not those saved with "
-                "its DiLoCo state: a checkpoint that restores one rank's model and optimizer "
+                "its DiLoCo state. A checkpoint that restores one rank's model and optimizer "
                 "on every site (a loop that saves on rank 0 alone) loses every other site's "
-                "local weights and inner optimizer state. Save and load each rank's own "
+                "local weights and inner optimizer state: save and load each rank's own "
                 "(commpress.save_rank_state({'model': ..., 'optimizer': ..., 'diloco': "
-                "sync.state_dict()}, f'.../commpress-rank{rank}.pt')), or restart every site "
-                "from θ_global: load_state_dict(state, elastic=True)")
+                "sync.state_dict()}, f'.../commpress-rank{rank}.pt')). A synchronizer "
+                "constructed after the model was loaded broadcast the first rank's weights "
+                "over it: construct it first, then load the model, the optimizer and its "
+                "state. Or restart every site from θ_global: load_state_dict(state, "
+                "elastic=True)")
 
 
-def site_fingerprint(fragments: list[Fragment], model: dict[str, torch.Tensor],
+def weights_checksum(params: list[torch.Tensor]) -> int:
+    """One checksum of ``params``' bits, one parameter at a time (no flat copy)."""
+    return sum(checksum(p) * (i + 1) for i, p in enumerate(params))
+
+
+def site_fingerprint(params: list[torch.Tensor],
                      optimizer: torch.optim.Optimizer | None) -> dict[str, int | None]:
     """Checksums of this site's own state, which a checkpoint must bring back with the
-    synchronizer's: the local weights of the trained parameters, and the inner optimizer's
-    state (None without one)."""
-    weights = sum(checksum(p) * (i + 1) for i, p in
-                  enumerate(p for f in fragments for p in f.params(model)))
+    synchronizer's: the local weights of the trained parameters ``params``, and the inner
+    optimizer's state (None without one)."""
     inner = None
     if optimizer is not None:
         tensors = [v for s in optimizer.state_dict()["state"].values() for v in s.values()
                    if isinstance(v, torch.Tensor)]
-        inner = sum(checksum(t) * (i + 1) for i, t in enumerate(tensors))
-    return {"weights": weights, "inner": inner}
+        inner = weights_checksum(tensors)
+    return {"weights": weights_checksum(params), "inner": inner}
 
 
 def warn_if_sites_identical(local: int, group: dist.ProcessGroup,

@@ -36,7 +36,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
 from commpress.collectives import Topology
-from commpress.collectives.agreement import agree, all_gather_objects
+from commpress.collectives.agreement import agree, all_gather_objects, refuse
 from commpress.collectives.comm import all_gather_single
 from commpress.collectives.handle import completed
 from commpress.dp import DPBucket
@@ -62,6 +62,7 @@ from commpress.validate import (
     check_float,
     check_int,
     check_saved_state,
+    few,
     raise_if_any,
 )
 
@@ -327,15 +328,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if p.requires_grad and id(p) not in self._where]
         if frozen or outside:
             what = (f"{len(frozen)} of its parameters no longer require gradients "
-                    f"({_few(frozen)}): their buckets step whole, so they would keep moving"
+                    f"({few(frozen)}): their buckets step whole, so they would keep moving"
                     if frozen else f"{len(outside)} parameters of the model require "
-                    f"gradients but are not among those it was built over ({_few(outside)}: "
+                    f"gradients but are not among those it was built over ({few(outside)}: "
                     "unfrozen, added, or replaced by load_state_dict(..., assign=True) since): "
                     "they would never train")
-            raise InputError(f"ShardedOptimizer: {what}. Allowed: the parameters it was built "
-                             "over, training throughout; to hold some still for a while, put "
-                             "them in a parameter group of their own and set lr 0 in every "
-                             "optimizer group whose 'group' is its index")
+            refuse(self.group, "ShardedOptimizer.step", InputError(
+                f"ShardedOptimizer: {what}. Allowed: the parameters it was built over, "
+                "training throughout; to hold some still for a while, put them in a "
+                "parameter group of their own and set lr 0 in every optimizer group whose "
+                "'param_group' is its index"))
 
     def _reduce_gradients(self) -> float:
         """Finish this step's gradient reduce-scatters, once; return the global norm."""
@@ -521,7 +523,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.param_groups = self.optimizer.param_groups
         self.state = self.optimizer.state
         for b, group in zip(self.buckets, self.param_groups, strict=True):
-            group["group"] = b.group  # a state saved before optimizer groups named theirs
+            group["param_group"] = b.group  # a state saved before groups named theirs
         for b, codecs in zip(self.buckets, state["codecs"], strict=True):
             b.dp.load_state_dict(codecs)
         self.steps = state["steps"]
@@ -551,7 +553,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             b.master.data.copy_(_padded(s["master"], b.numel)[lo])
             inner["state"][i] = {**s["scalars"], **{
                 k: _padded(v, b.numel)[lo].clone() for k, v in s["state"].items()}}
-            inner["param_groups"][i] = {**s["options"], "group": b.group,
+            inner["param_groups"][i] = {**s["options"], "param_group": b.group,
                                         "params": inner["param_groups"][i]["params"]}
             # fresh codecs: this rank's memory of the old world means nothing here
             b.dp.fresh()
@@ -661,6 +663,10 @@ def parameter_groups(params: Any) -> tuple[nn.Module | None, list[tuple[str, nn.
                             f"'params'; got {type(group).__name__}")
         members = group["params"]
         members = [members] if isinstance(members, torch.Tensor) else list(members)
+        if "param_group" in group:
+            raise InputError(f"ShardedOptimizer: parameter group {g} has a 'param_group' key; "
+                             "allowed: any other (the optimizer's groups name their "
+                             "parameter group's index with it)")
         options.append({k: v for k, v in group.items() if k != "params"})
         for i, p in enumerate(members):
             if not isinstance(p, nn.Parameter):
@@ -709,7 +715,3 @@ def _check_arguments(model, optimizer_cls, policy, nonfinite: str, bucket_numel:
     if not isinstance(broadcast_buffers, bool):
         raise InputError(f"broadcast_buffers={broadcast_buffers!r} is not allowed; allowed: "
                          "True, False")
-
-
-def _few(names: list[str], limit: int = 3) -> str:
-    return ", ".join(names[:limit]) + (", …" if len(names) > limit else "")
