@@ -22,18 +22,17 @@ carry a header and descriptor ahead of the payload and an acknowledgement back
 
 **A rank that never arrives** is named: a watchdog thread publishes, in the default
 store, which call each rank has been waiting in for over a second; when the header
-exchange times out, the error lists the ranks that never reached the call.
+exchange times out, the error lists the ranks that never reached the call
+(:mod:`commpress.collectives.watchdog`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import threading
-import time
 import weakref
 from collections import defaultdict
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import NoReturn, TypeVar
@@ -51,10 +50,9 @@ from commpress.collectives.comm import (
     registered,
     resolve_group,
 )
+from commpress.collectives.watchdog import no_store, reported, waiting_ranks, watched, who
 
 HEADER_WORDS = 3  # sequence number, 128-bit digest as two int64
-PUBLISH_AFTER_S = 1.0  # a wait longer than this is published for the timeout diagnosis
-GRACE_S = 5.0  # how long a timed-out rank looks for the others' published waits
 T = TypeVar("T")
 
 
@@ -185,7 +183,7 @@ class GroupContext:
                               group_timeout(group), self._store)
 
     def _wait(self, work, seq: int, collective: str, label: object) -> None:
-        with _watched(self, seq):
+        with watched(self, seq):
             try:
                 work.wait()
             except RuntimeError as e:
@@ -194,10 +192,10 @@ class GroupContext:
     def _timeout_error(self, seq: int, collective: str, label: object,
                        cause: Exception) -> CollectiveTimeoutError:
         where = f"commpress.{collective} (label {label!r}, call #{seq} on group {self.name})"
-        who = _who(self, _waiting_ranks(self, seq), "never reached it", "were waiting there",
-                   "reached it; a connection failed",
-                   f"could not tell which ranks are missing ({_no_store()})")
-        return CollectiveTimeoutError(f"{where} timed out: {who}. Cause: "
+        named = who(self, waiting_ranks(self, seq), "never reached it", "were waiting there",
+                    "reached it; a connection failed",
+                    f"could not tell which ranks are missing ({no_store()})")
+        return CollectiveTimeoutError(f"{where} timed out: {named}. Cause: "
                                       f"{type(cause).__name__}: {cause}")
 
     # -- node levels -------------------------------------------------------------------
@@ -432,98 +430,6 @@ def _alive(*groups: dist.ProcessGroup | None) -> bool:
     return all(g is None or g in registered for g in groups)
 
 
-# -- naming the ranks that never arrive ------------------------------------------------
-
-_WATCH_LOCK = threading.Lock()
-_WATCHED: dict[int, tuple[GroupContext, int, float, bool]] = {}
-_WATCHDOG: threading.Thread | None = None
-
-
-def _store_key(ctx: GroupContext, seq: int, rank: int) -> str:
-    return f"commpress/wait/{ctx.name}/{seq}/{rank}"
-
-
-def _publish(ctx: GroupContext, seq: int) -> None:
-    try:
-        dist.distributed_c10d._get_default_store().set(_store_key(ctx, seq, ctx.rank), b"1")
-    except Exception:  # noqa: BLE001 - best effort: the diagnosis says so when it fails
-        pass
-
-
-@contextmanager
-def _watched(ctx: GroupContext, seq: int) -> Iterator[None]:
-    """While inside, a wait of more than PUBLISH_AFTER_S is published in the store."""
-    token = threading.get_ident()
-    with _WATCH_LOCK:
-        _WATCHED[token] = (ctx, seq, time.monotonic(), False)
-        _start_watchdog()
-    try:
-        yield
-    finally:
-        with _WATCH_LOCK:
-            _WATCHED.pop(token, None)
-
-
-def _start_watchdog() -> None:
-    global _WATCHDOG
-    if _WATCHDOG is None or not _WATCHDOG.is_alive():
-        _WATCHDOG = threading.Thread(target=_watch, name="commpress-watchdog", daemon=True)
-        _WATCHDOG.start()
-
-
-def _watch() -> None:
-    while True:
-        time.sleep(PUBLISH_AFTER_S / 2)
-        now = time.monotonic()
-        with _WATCH_LOCK:
-            due = [(t, e) for t, e in _WATCHED.items()
-                   if not e[3] and now - e[2] > PUBLISH_AFTER_S]
-            for token, (ctx, seq, since, _) in due:
-                _WATCHED[token] = (ctx, seq, since, True)
-        for _, (ctx, seq, _, _) in due:
-            _publish(ctx, seq)
-
-
-def _waiting_ranks(ctx: GroupContext, seq: int) -> set[int] | None:
-    """Group ranks that published a wait in call ``seq``; None if the store is gone."""
-    return _reported(ctx, lambda rank: _store_key(ctx, seq, rank))
-
-
-def _reported(ctx: GroupContext, key_of: Callable[[int], str]) -> set[int] | None:
-    """Publish this rank's ``key_of(rank)``, then the group ranks whose key is in the
-    store within GRACE_S (all of them, as soon as they are); None if the store is gone."""
-    try:
-        store = dist.distributed_c10d._get_default_store()
-        store.set(key_of(ctx.rank), b"1")
-        deadline = time.monotonic() + GRACE_S
-        while True:
-            found = {r for r in range(ctx.world) if store.check([key_of(r)])}
-            if len(found) == ctx.world or time.monotonic() > deadline:
-                return found
-            time.sleep(0.2)
-    except Exception:  # noqa: BLE001 - the store died with its host rank
-        return None
-
-
-def _no_store() -> str:
-    """Why the ranks' reports could not be read: no default store to ask, or it is gone."""
-    if not dist.is_initialized():
-        return ("this process has no torch.distributed default store to ask: its groups "
-                "are made outside torch.distributed, as torchft's are")
-    return "the default store is unreachable: the rank that hosts it is gone?"
-
-
-def _who(ctx: GroupContext, reported: set[int] | None, absent: str, present: str,
-         everyone: str, unknown: str) -> str:
-    """Which ranks of ``ctx`` did not report (by global rank) and which did, in words."""
-    if reported is None:
-        return unknown
-    missing = [ctx.ranks[r] for r in range(ctx.world) if r not in reported]
-    seen = sorted(ctx.ranks[r] for r in reported)
-    return f"ranks {missing} {absent}; ranks {seen} {present}" if missing else (
-        f"every rank ({seen}) {everyone}")
-
-
 def transfer_failed(group: dist.ProcessGroup, label: str,
                     cause: Exception) -> CollectiveTimeoutError:
     """The error for a payload transfer on ``group`` that failed after every rank had
@@ -532,9 +438,9 @@ def transfer_failed(group: dist.ProcessGroup, label: str,
     ranks that never report are named (dead, or stuck outside this collective)."""
     ctx = context(group)
     where = f"commpress transfer (label {label!r}, after call #{ctx._seq - 1} on group {ctx.name})"
-    who = _who(ctx, _reported(ctx, lambda rank: f"commpress/failed/{ctx.name}/{rank}"),
-               "never finished it (dead, or stuck elsewhere)", "saw the transfer fail",
-               "saw the transfer fail: a connection broke",
-               f"could not tell which rank failed ({_no_store()})")
-    return CollectiveTimeoutError(f"{where} failed: {who}. Cause: {type(cause).__name__}: "
+    named = who(ctx, reported(ctx, lambda rank: f"commpress/failed/{ctx.name}/{rank}"),
+                "never finished it (dead, or stuck elsewhere)", "saw the transfer fail",
+                "saw the transfer fail: a connection broke",
+                f"could not tell which rank failed ({no_store()})")
+    return CollectiveTimeoutError(f"{where} failed: {named}. Cause: {type(cause).__name__}: "
                                   f"{cause}")

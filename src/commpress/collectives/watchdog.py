@@ -1,0 +1,114 @@
+"""Naming the ranks that never arrive: what a timed-out collective says.
+
+A watchdog thread publishes, in the default store, which call each rank has been waiting
+in for over :data:`PUBLISH_AFTER_S`; when a header exchange times out, or a transfer fails
+after every rank agreed to it, each rank reports in the store and looks for the others'
+reports for :data:`GRACE_S`, and the error lists the ranks that never reached the call
+(dead, or stuck elsewhere). Everything here is best effort: with the store gone, or none
+to ask, the error says so instead.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from commpress.collectives.agreement import GroupContext
+
+PUBLISH_AFTER_S = 1.0  # a wait longer than this is published for the timeout diagnosis
+GRACE_S = 5.0  # how long a timed-out rank looks for the others' published waits
+
+_WATCH_LOCK = threading.Lock()
+_WATCHED: dict[int, tuple[GroupContext, int, float, bool]] = {}
+_WATCHDOG: threading.Thread | None = None
+
+
+def _store_key(ctx: GroupContext, seq: int, rank: int) -> str:
+    return f"commpress/wait/{ctx.name}/{seq}/{rank}"
+
+
+def _publish(ctx: GroupContext, seq: int) -> None:
+    try:
+        dist.distributed_c10d._get_default_store().set(_store_key(ctx, seq, ctx.rank), b"1")
+    except Exception:  # noqa: BLE001 - best effort: the diagnosis says so when it fails
+        pass
+
+
+@contextmanager
+def watched(ctx: GroupContext, seq: int) -> Iterator[None]:
+    """While inside, a wait of more than PUBLISH_AFTER_S is published in the store."""
+    token = threading.get_ident()
+    with _WATCH_LOCK:
+        _WATCHED[token] = (ctx, seq, time.monotonic(), False)
+        _start_watchdog()
+    try:
+        yield
+    finally:
+        with _WATCH_LOCK:
+            _WATCHED.pop(token, None)
+
+
+def _start_watchdog() -> None:
+    global _WATCHDOG
+    if _WATCHDOG is None or not _WATCHDOG.is_alive():
+        _WATCHDOG = threading.Thread(target=_watch, name="commpress-watchdog", daemon=True)
+        _WATCHDOG.start()
+
+
+def _watch() -> None:
+    while True:
+        time.sleep(PUBLISH_AFTER_S / 2)
+        now = time.monotonic()
+        with _WATCH_LOCK:
+            due = [(t, e) for t, e in _WATCHED.items()
+                   if not e[3] and now - e[2] > PUBLISH_AFTER_S]
+            for token, (ctx, seq, since, _) in due:
+                _WATCHED[token] = (ctx, seq, since, True)
+        for _, (ctx, seq, _, _) in due:
+            _publish(ctx, seq)
+
+
+def waiting_ranks(ctx: GroupContext, seq: int) -> set[int] | None:
+    """Group ranks that published a wait in call ``seq``; None if the store is gone."""
+    return reported(ctx, lambda rank: _store_key(ctx, seq, rank))
+
+
+def reported(ctx: GroupContext, key_of: Callable[[int], str]) -> set[int] | None:
+    """Publish this rank's ``key_of(rank)``, then the group ranks whose key is in the
+    store within GRACE_S (all of them, as soon as they are); None if the store is gone."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set(key_of(ctx.rank), b"1")
+        deadline = time.monotonic() + GRACE_S
+        while True:
+            found = {r for r in range(ctx.world) if store.check([key_of(r)])}
+            if len(found) == ctx.world or time.monotonic() > deadline:
+                return found
+            time.sleep(0.2)
+    except Exception:  # noqa: BLE001 - the store died with its host rank
+        return None
+
+
+def no_store() -> str:
+    """Why the ranks' reports could not be read: no default store to ask, or it is gone."""
+    if not dist.is_initialized():
+        return ("this process has no torch.distributed default store to ask: its groups "
+                "are made outside torch.distributed, as torchft's are")
+    return "the default store is unreachable: the rank that hosts it is gone?"
+
+
+def who(ctx: GroupContext, reported: set[int] | None, absent: str, present: str,
+         everyone: str, unknown: str) -> str:
+    """Which ranks of ``ctx`` did not report (by global rank) and which did, in words."""
+    if reported is None:
+        return unknown
+    missing = [ctx.ranks[r] for r in range(ctx.world) if r not in reported]
+    seen = sorted(ctx.ranks[r] for r in reported)
+    return f"ranks {missing} {absent}; ranks {seen} {present}" if missing else (
+        f"every rank ({seen}) {everyone}")
