@@ -57,10 +57,10 @@ def test_an_elastic_resume_from_another_rank_or_world_starts_the_memory_fresh(ca
     assert _check(_saved(rank=0), rank=1, elastic=True) is False
     assert _check(_saved(rank=0), rank=1, elastic=True) is False
     said = [r.getMessage() for r in caplog.records]
-    tail = ("error-feedback memory and rounding streams start fresh (they were laid out "
-            "for the rank and world that saved them)")
-    assert said == [f"test holder: resuming state saved on 2 ranks on 4: {tail}",
-                    f"test holder: resuming state of rank 0 on rank 1 (elastic): {tail}"]
+    tail = "error-feedback memory and rounding streams start fresh (they were laid out for the"
+    assert said == [f"test holder: resuming state saved on 2 ranks on 4: {tail} world that "
+                    "saved them)", f"test holder: resuming state of rank 0 on rank 1 "
+                    f"(elastic): {tail} rank that saved them)"]
     # the policy and the holder's fields still must match
     with pytest.raises(InputError, match="layout"):
         _check(_saved(world_size=2, layout=[1]), rank=0, elastic=True)

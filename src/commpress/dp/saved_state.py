@@ -60,12 +60,12 @@ def check_resume(state: object, fmt: str, what: str, policy: Policy, rank: int,
         return True
     if saved["world_size"] != world_size:  # every rank alike: said once, on rank 0
         whose, teller = f"saved on {saved['world_size']} ranks on {world_size}", rank
+        by = "world"
     else:  # this rank took another's state: said by this rank
-        whose, teller = f"of rank {saved['rank']} on rank {rank} (elastic)", 0
+        whose, teller, by = f"of rank {saved['rank']} on rank {rank} (elastic)", 0, "rank"
     say_once(log, ("resized", what, saved["world_size"], world_size, saved["rank"], rank),
              teller, "%s: resuming state %s: error-feedback memory and rounding streams "
-             "start fresh (they were laid out for the rank and world that saved them)",
-             what, whose)
+             "start fresh (they were laid out for the %s that saved them)", what, whose, by)
     return False
 
 
