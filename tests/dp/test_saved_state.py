@@ -66,3 +66,14 @@ def test_an_elastic_resume_from_another_rank_or_world_starts_the_memory_fresh(ca
         _check(_saved(world_size=2, layout=[1]), rank=0, elastic=True)
     with pytest.raises(InputError, match="policy"):
         _check(_saved(world_size=2), rank=0, elastic=True, policy=Policy.resolve("none"))
+
+
+def test_a_malformed_state_is_refused_by_name_not_raised_raw():
+    # a resume check that trips over a malformed state (a missing key) on one rank must
+    # still reach the agreement; without a group the refusal is raised here
+    from commpress.dp.saved_state import on_every_rank
+
+    with pytest.raises(InputError, match=r"test holder: the saved state is malformed "
+                                         r"\(KeyError: 'global'\)"):
+        on_every_rank(None, "test holder", lambda: {}["global"])
+    assert on_every_rank(None, "test holder", lambda: 7) == 7

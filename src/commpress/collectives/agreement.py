@@ -104,6 +104,8 @@ class GroupContext:
         self._control: dist.ProcessGroup | None = group if "gloo" in self.backend else None
         self._incarnation: int | None = None  # of this group's name, once it owns sub-groups
         self._store: dist.Store | None = None  # its sub-groups' connection to the store
+        # (the connection of the thread that made its first one)
+        self.subgroups: list[dist.ProcessGroup] = []  # made for it, destroyed with it
         self._held: list = []  # (work, buffers) sent without a caller to wait on them
         self._group_ref = weakref.ref(group)
         # stats
@@ -179,8 +181,10 @@ class GroupContext:
         if self._incarnation is None:
             self._incarnation = subgroups.next_incarnation(self.name)
             self._store = subgroups.store_client()
-        return subgroups.make(group, self._incarnation, kind, ranks, backend,
+        made = subgroups.make(self.name, self._incarnation, kind, ranks, backend,
                               group_timeout(group), self._store)
+        self.subgroups.append(made)
+        return made
 
     def _wait(self, work, seq: int, collective: str, label: object) -> None:
         with watched(self, seq):
@@ -389,11 +393,12 @@ def release(group: dist.ProcessGroup, drain: bool = True) -> None:
     for the others (the run failed: a peer may be dead or still inside a collective on
     it)."""
     with _REGISTRY_LOCK:
-        _CONTEXTS.pop(group, None)
+        ctx = _CONTEXTS.pop(group, None)
     if group is not dist.group.WORLD and _alive(group):
         if drain:  # no member may still be sending on it (a held send, a peer's receive)
             dist.barrier(group=group)
-        subgroups.destroy_owned(group)
+        if ctx is not None:
+            subgroups.destroy(ctx.subgroups)
         dist.destroy_process_group(group)
 
 

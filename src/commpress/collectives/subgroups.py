@@ -25,7 +25,8 @@ deadlock across ranks when the ranks reach them in different orders — rank 0 w
 A's connect holding its GIL while rank 1 waits in B's. A Gloo sub-group is therefore made
 with ``TORCH_GLOO_LAZY_INIT`` (torch's documented switch: each pair connects at its first
 exchange, inside the collective, where the GIL is free), set only while it is made, and
-each parent's sub-groups use a store connection of their own (:func:`store_client`).
+the sub-groups each thread makes use a store connection of their own
+(:func:`store_client`).
 The switch is the process's environment: a Gloo group another thread makes in that
 instant connects lazily too, which changes when it connects, not what it does (torch
 offers no per-group option).
@@ -51,8 +52,8 @@ import torch.distributed as dist
 _LOCK = threading.Lock()
 # per default group (a re-initialized world numbers its groups afresh): name → incarnations
 _INCARNATIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-# parent (weakly) → the sub-groups it owns, destroyed with it
-_OWNED: list[tuple[weakref.ref, list[dist.ProcessGroup]]] = []
+# per default group: thread → its connection to the store (store_client)
+_CLIENTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def next_incarnation(parent_name: str) -> int:
@@ -67,31 +68,41 @@ def next_incarnation(parent_name: str) -> int:
 
 
 def store_client() -> dist.Store:
-    """A connection of its own to the default store, for one parent's sub-groups
-    (``Store.clone``, torch's way to use a store from several threads). A TCP store client
-    serializes its requests, and a Gloo sub-group's first exchange waits in ``get`` for
-    its peers' addresses: on a client shared with another thread's sub-groups, that wait
-    held up their store calls — a peer's sub-group among them, across ranks: a deadlock.
-    A parent's calls come one at a time, so its sub-groups share one connection. (A new
-    connection to torch's store server takes 5 s about once in 25 here: one per parent
-    that makes sub-groups, not one per sub-group.) A store that cannot be cloned is
-    shared."""
-    c10d = dist.distributed_c10d
-    store = c10d._world.pg_map[c10d._get_default_group()][1]
+    """This thread's connection of its own to the default store, for the sub-groups it
+    makes (``Store.clone``, torch's way to use a store from several threads). A TCP store
+    client serializes its requests, and a Gloo sub-group's first exchange waits in ``get``
+    for its peers' addresses: on a client shared with another thread's sub-groups, that
+    wait held up their store calls — a peer's sub-group among them, across ranks: a
+    deadlock. The sub-groups one thread makes are made in the same order on every rank
+    (each in an agreed call), so a wait on its connection is for a peer that reaches that
+    sub-group before anything later: they may share it. A new connection can take 5 s
+    (BENCHMARKS.md, "Connections to torch's store"): one per thread that makes sub-groups,
+    not one per sub-group."""
+    world = dist.distributed_c10d._get_default_group()
+    with _LOCK:
+        clients = _CLIENTS.setdefault(world, {})
+        client = clients.get(threading.get_ident())
+        if client is None:
+            client = clients[threading.get_ident()] = _clone(world)
+        return client
+
+
+def _clone(world: dist.ProcessGroup) -> dist.Store:
+    store = dist.distributed_c10d._world.pg_map[world][1]
     try:
         return store.clone()
-    except (NotImplementedError, RuntimeError, AttributeError):
-        return store
+    except (NotImplementedError, RuntimeError, AttributeError):  # a store of the user's
+        return store  # own making without clone(): shared, as every group shares it
 
 
-def make(parent: dist.ProcessGroup, incarnation: int, kind: str, ranks: list[int],
-         backend: str, timeout: timedelta | None, store: dist.Store) -> dist.ProcessGroup:
+def make(parent_name: str, incarnation: int, kind: str, ranks: list[int], backend: str,
+         timeout: timedelta | None, store: dist.Store) -> dist.ProcessGroup:
     """A new group of the global ``ranks`` (in this order: group rank ``i`` is
-    ``ranks[i]``), owned by ``parent``, over ``store`` (:func:`store_client`): made by its
-    members alone without waiting for them (they connect at the first exchange, within
-    the timeout), destroyed by :func:`destroy_owned`."""
+    ``ranks[i]``) for the parent group named ``parent_name``, over ``store``
+    (:func:`store_client`): made by its members alone without waiting for them (they
+    connect at the first exchange, within the timeout); the parent's context keeps it and
+    :func:`destroy` ends it."""
     c10d = dist.distributed_c10d
-    parent_name = parent.group_name
     name = f"commpress/{parent_name}/{incarnation}/{kind}/{'-'.join(map(str, ranks))}"
     default = c10d._get_default_group()
     backend = c10d.Backend(backend)
@@ -102,13 +113,6 @@ def make(parent: dist.ProcessGroup, incarnation: int, kind: str, ranks: list[int
             timeout=timeout, device_id=default.bound_device_id,
             group_desc=f"commpress {kind} of {parent_name}")
     c10d._world.pg_group_ranks[group] = {g: i for i, g in enumerate(ranks)}
-    with _LOCK:
-        for ref, owned in _OWNED:
-            if ref() is parent:
-                owned.append(group)
-                break
-        else:
-            _OWNED.append((weakref.ref(parent), [group]))
     return group
 
 
@@ -134,21 +138,13 @@ def _connect_lazily(backend: str):
                 os.environ[_LAZY] = kept
 
 
-def destroy_owned(parent: dist.ProcessGroup) -> None:
-    """Destroy the sub-groups ``parent`` owns (after its last collective; every member
-    calls it at the same point, as it releases the parent). Only here: destroying a group
-    changes the count torch names the next groups by, so it must happen alike on every
-    rank — never in passing, when one rank happens to notice a dead parent. A parent
-    destroyed with torch's own ``destroy_process_group(group)`` leaves its sub-groups until
-    the whole world is destroyed."""
-    with _LOCK:
-        mine = [owned for ref, owned in _OWNED if ref() is parent]
-        _OWNED[:] = [(ref, owned) for ref, owned in _OWNED if ref() is not parent]
-    for owned in mine:
-        _destroy(owned)
-
-
-def _destroy(groups: list[dist.ProcessGroup]) -> None:
+def destroy(groups: list[dist.ProcessGroup]) -> None:
+    """Destroy a parent's sub-groups (after its last collective; every member calls it at
+    the same point, as it releases the parent). Only there: destroying a group changes the
+    count torch names the next groups by, so it must happen alike on every rank — never
+    in passing, when one rank happens to notice a dead parent. A parent destroyed with
+    torch's own ``destroy_process_group(group)`` leaves its sub-groups until the whole
+    world is destroyed."""
     registered = dist.distributed_c10d._world.pg_map
     for group in groups:
         if group in registered:

@@ -75,10 +75,12 @@ def on_every_rank(group: dist.ProcessGroup | None, what: str, check: Callable[[]
     refusing rank's reason, naming the others. Every rank of the group must call it, as it
     calls the holder's ``load_state_dict``. Without a group (one process), ``check()``."""
     problem, value = None, None
-    try:
+    try:  # whatever is wrong with the state, every rank must still reach the gather
         value = check()
     except InputError as e:
         problem = str(e)
+    except Exception as e:  # noqa: BLE001 - a malformed state: refused on every rank
+        problem = f"{what}: the saved state is malformed ({type(e).__name__}: {e})"
     if group is not None and dist.is_initialized() and group.size() > 1:
         raise_if_any(all_gather_objects(problem, group, f"{what} resume"), rank_in(group),
                      "refused it")

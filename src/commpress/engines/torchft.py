@@ -65,7 +65,6 @@ from commpress.validate import InputError
 
 WHAT = "commpress.torchft"
 _OPS = ((dist.ReduceOp.SUM, "sum"), (dist.ReduceOp.AVG, "avg"))
-_CODED = (torch.float32, torch.bfloat16, torch.float16)  # what the codecs take
 # torchft's process groups that run collectives in this process on a c10d group
 _IN_PROCESS = ("ProcessGroupGloo",)
 # the presets without state another replica must share (the others are refused here)
@@ -92,6 +91,7 @@ class CompressedProcessGroup(ProcessGroupWrapper):
         # replicas are sites: what crosses between them is the inter level's (or the one)
         self.codec = self.policy.codec_for("outer", "grad", "inter")
         _check_stateless(self.codec, self.policy.name)
+        self._dtypes = split(self.codec)[0].supported_dtypes  # the rest: torchft's own
         self._timeout = timeout
         self._fatal: Exception | None = None  # a quorum that can never agree
         self._silent_quorums = 0  # quorums in a row with a replica that announced nothing
@@ -125,7 +125,7 @@ class CompressedProcessGroup(ProcessGroupWrapper):
     def allreduce(self, tensors: list[torch.Tensor], opts: object) -> dist.Work:
         given = getattr(opts, "reduceOp", opts)  # a ReduceOp compares equal, hashes apart
         op = next((name for reduce_op, name in _OPS if given == reduce_op), None)
-        if op is None or not all(t.dtype in _CODED for t in tensors):
+        if op is None or not all(t.dtype in self._dtypes for t in tensors):
             return super().allreduce(tensors, opts)
         group = self._group()
         for t in tensors:
