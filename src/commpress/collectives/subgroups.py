@@ -26,7 +26,11 @@ A's connect holding its GIL while rank 1 waits in B's. A Gloo sub-group is there
 with ``TORCH_GLOO_LAZY_INIT`` (torch's documented switch: each pair connects at its first
 exchange, inside the collective, where the GIL is free), set only while it is made, and
 the sub-groups each thread makes use a store connection of their own
-(:func:`store_client`).
+(:func:`store_client`). A lazy connect does not honour the group's timeout (a peer that
+never comes held a collective 5 s or for as long as the peer stayed away, whatever the
+timeout), so every pair is connected at once, by an exchange between all members whose
+wait is bounded by the timeout (:func:`_connect_every_pair`): past it, a group behaves as
+an eagerly connected one.
 The switch is the process's environment: a Gloo group another thread makes in that
 instant connects lazily too, which changes when it connects, not what it does (torch
 offers no per-group option).
@@ -47,6 +51,7 @@ from collections import defaultdict
 from contextlib import contextmanager
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 _LOCK = threading.Lock()
@@ -113,7 +118,25 @@ def make(parent_name: str, incarnation: int, kind: str, ranks: list[int], backen
             timeout=timeout, device_id=default.bound_device_id,
             group_desc=f"commpress {kind} of {parent_name}")
     c10d._world.pg_group_ranks[group] = {g: i for i, g in enumerate(ranks)}
+    if "gloo" in str(backend):
+        _connect_every_pair(group, name, ranks, timeout)
     return group
+
+
+def _connect_every_pair(group: dist.ProcessGroup, name: str, ranks: list[int],
+                        timeout: timedelta) -> None:
+    """An all-to-all (every member sends to every other) waited on for at most
+    ``timeout``, in the agreed call that made the group: each lazy pair connects here, where
+    the wait is bounded and the GIL free."""
+    n = len(ranks)
+    work = dist.all_to_all_single(torch.zeros(n), torch.zeros(n), group=group, async_op=True)
+    try:
+        work.wait(timeout)
+    except RuntimeError as e:
+        raise RuntimeError(
+            f"commpress: the members of sub-group {name} (global ranks {ranks}) did not all "
+            f"connect within its timeout of {timeout.total_seconds():g} s: one never reached "
+            f"the call that makes it, or cannot be reached. Cause: {e}") from e
 
 
 _LAZY = "TORCH_GLOO_LAZY_INIT"
