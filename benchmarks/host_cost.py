@@ -59,7 +59,7 @@ def _count_bucket_calls() -> tuple[int, int, int]:
         model(x).sum().backward()
     finally:
         sys.setprofile(None)
-    state.release()
+    state.remove()
     return calls, len(functions), switches
 
 

@@ -92,7 +92,7 @@ def site(args) -> dict:
     pg = ProcessGroupGloo(timeout=timeout)
     policy, buckets = ROWS[args.policy]
     if policy is not None:
-        pg = commpress.torchft.compress(pg, policy, timeout=timeout)
+        pg = commpress.torchft.compress(pg, policy, timeout=timeout).process_group
     store = TCPStore(address, 0, 1, is_master=True)
     outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
     manager = Manager(

@@ -8,6 +8,8 @@ import queue
 import time
 
 import pytest
+import torch
+import torch.distributed as dist
 from torchft.coordination import LighthouseServer
 from torchft.process_group import ProcessGroupGloo
 
@@ -181,3 +183,16 @@ def test_only_in_process_groups_are_taken():
     import commpress.torchft as by_import  # the name users import
 
     assert by_import is commpress.torchft
+
+
+def test_the_handle_saves_its_policy_refuses_anothers_and_stops_with_remove():
+    comp = commpress.torchft.compress(ProcessGroupGloo(), "diloco-int4")
+    other = commpress.torchft.compress(ProcessGroupGloo(), "diloco-int8")
+    comp.load_state_dict(comp.state_dict())  # its own: taken
+    with pytest.raises(InputError, match="of policy 'diloco-int8'.*compresses with 'diloco-int4'"):
+        comp.load_state_dict(other.state_dict())
+    with pytest.raises(InputError, match="format None is not allowed"):
+        comp.load_state_dict({"policy": comp.state_dict()["policy"]})
+    comp.remove()
+    with pytest.raises(RuntimeError, match="compression was removed"):
+        comp.process_group.allreduce([torch.ones(2)], dist.ReduceOp.SUM)

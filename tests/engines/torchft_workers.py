@@ -21,7 +21,8 @@ def _pg(policy, timeout=TIMEOUT):
     from torchft.process_group import ProcessGroupGloo
 
     inner = ProcessGroupGloo(timeout=timeout)
-    return inner if policy is None else commpress.torchft.compress(inner, policy, timeout)
+    return inner if policy is None else commpress.torchft.compress(inner, policy,
+                                                                  timeout).process_group
 
 
 def replica(replica_id, lighthouse, policy, syncs, results, die_in_sync=None):

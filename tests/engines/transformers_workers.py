@@ -81,7 +81,8 @@ def _compression(trainer):
 
 
 def _remove(trainer):
-    """What remove() says once training has begun (None: nothing to remove)."""
+    """What remove() says once training has begun (None: nothing to remove; "removed":
+    the Trainer's own ``train`` and callbacks again)."""
     compression = _compression(trainer)
     if compression is None:
         return None
@@ -89,7 +90,8 @@ def _remove(trainer):
         compression.remove()
     except commpress.InputError as e:
         return str(e)
-    return "removed"
+    restored = "train" not in vars(trainer) and _compression(trainer) is None
+    return "removed" if restored else "left behind"
 
 
 def remove_before_training(data, out_dir):

@@ -60,7 +60,7 @@ class _FrontEnd:
         if self.kind in ("diloco", "streaming"):
             self.sync.remove()
         elif self.kind == "ddp":
-            self.state.release()
+            self.state.remove()
 
 
 def side_by_side(rank, world, entries, steps):

@@ -168,7 +168,7 @@ def uncompressed_warnings(rank, world):
         ddp = DDP(workers._model(), bucket_cap_mb=0.1)
         state, _ = commpress.ddp_hook(ddp, "int2ef", topology=topology, bucket_numel=25_000)
         seen.append(len(records))
-        state.release()
+        state.remove()
     return {"messages": records, "after_each": seen}
 
 
@@ -243,9 +243,28 @@ def elastic(rank, world, directory, phase):
             torch.save(state.state_dict(), path.format(rank))
             if rank == 0:
                 torch.save(model.state_dict(), os.path.join(directory, f"{front}-model.pt"))
-        if front == "diloco":
-            state.remove()
-        else:
-            state.release()
+        state.remove()  # one verb for every front-end
     out["logged"] = records
     return out
+
+
+def backward_after_remove(rank, world, lowrank):
+    """One step with the hook, remove(), one more backward: what that backward raises
+    (torch cannot unregister the hook; a silent re-made group would train on)."""
+    data = workers._data()
+    ddp = DDP(SkippingGPT(workers._model()), bucket_cap_mb=0.1)
+    if lowrank:
+        state, hook = commpress.lowrank_hook(ddp, rank=2, bucket_numel=25_000)
+    else:
+        state, hook = commpress.ddp_hook(ddp, "int8", bucket_numel=25_000)
+    ddp.register_comm_hook(state, hook)
+    x, y = workers._local_batch(data, 0, rank, world, 0)
+    ddp(x, y).backward()
+    state.remove()
+    saved = state.state_dict()  # still readable after remove()
+    try:
+        ddp(x, y).backward()
+        error = None
+    except RuntimeError as e:
+        error = str(e)
+    return {"error": error, "saved": sorted(saved)}

@@ -232,3 +232,10 @@ def test_an_elastic_resume_on_another_number_of_ranks_starts_the_memory_fresh(tm
     assert [m.split(":")[0] for m in said] == ["DDP hook", "DiLoCo"]
     assert all(f"saved on {saved} ranks on {resumed}" in m for m in said)
     assert all(r["logged"] == [] for r in ranks[1:])
+
+
+@pytest.mark.parametrize("lowrank", [False, True])
+def test_a_backward_after_remove_is_refused_by_name(lowrank):
+    for r in spawn(ddp_workers.backward_after_remove, 2, (lowrank,)):
+        assert r["error"] is not None and "the hook was removed (remove())" in r["error"], r
+        assert r["saved"], r

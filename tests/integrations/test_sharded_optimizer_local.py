@@ -195,14 +195,14 @@ def test_torch_clip_grad_norm_refuses_part_of_an_optimizer_or_two_of_them():
     opt_b.step()
 
 
-def test_torch_clip_grad_norm_sees_grad_again_after_remove_hooks_and_stops_on_nonfinite():
+def test_torch_clip_grad_norm_sees_grad_again_after_remove_and_stops_on_nonfinite():
     a, _ = _two_linear_models()
     opt = commpress.ShardedOptimizer(a, torch.optim.SGD, "none", lr=0.1)
     a(torch.full((2, 4), float("nan"))).sum().backward()
     with pytest.raises(RuntimeError, match="non-finite"):
         torch.nn.utils.clip_grad_norm_(a.parameters(), 1.0, error_if_nonfinite=True)
     opt.zero_grad()
-    opt.remove_hooks()
+    opt.remove()
     a(torch.ones(2, 4)).sum().backward()  # into .grad again: torch's own norm
     want = torch.cat([p.grad.reshape(-1) for p in a.parameters()]).norm()
     assert float(torch.nn.utils.clip_grad_norm_(a.parameters(), 1e9)) == pytest.approx(
@@ -373,9 +373,9 @@ def test_a_consolidated_state_is_refused_without_elastic_and_for_another_policy_
 def test_an_old_optimizers_release_leaves_the_new_ones_routing():
     a, _ = _two_linear_models()
     old = commpress.ShardedOptimizer(a, torch.optim.SGD, "none", lr=0.1)
-    old.remove_hooks()
+    old.remove()
     new = commpress.ShardedOptimizer(a, torch.optim.SGD, "none", lr=0.1)
-    old.remove_hooks()  # again, after the new one took the parameters
+    old.remove()  # again, after the new one took the parameters
     a(torch.ones(2, 4)).sum().backward()
     norm = float(torch.nn.utils.clip_grad_norm_(a.parameters(), 1e9))
     assert norm > 0 and norm == pytest.approx(float(new.clip_grad_norm_(1e9)))

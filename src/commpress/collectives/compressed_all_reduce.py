@@ -86,19 +86,23 @@ def all_reduce(
     op: str = "avg",
     label: str | None = None,
     async_op: bool = False,
+    *,
+    also_agree: dict[str, object] | None = None,
 ) -> torch.Tensor | Handle:
     """All-reduce ``tensor`` in place: sum (``op="sum"``) or mean (``op="avg"``) over ranks.
 
     Steps: 1. encode ``tensor`` once, chunk ``i`` for rank ``i``; 2. all-to-all; 3. decode
     and sum the received chunks in fp32 (and divide for ``avg``); 4. encode that shard
     once; 5. all-gather the codes; 6. every rank decodes all shards into ``tensor``.
-    With ``codec="none"`` this is torch's own all-reduce.
+    With ``codec="none"`` this is torch's own all-reduce. ``also_agree``: fields the
+    caller's ranks must agree on too (a front-end's own check), in the same round as the
+    call's.
 
     Example::
 
         commpress.all_reduce(grad, "int4:hadamard=128", label="dp.grad")
     """
     call = begin("all_reduce", group, label, {"codec": codec}, op=op,
-                 tensors={"tensor": tensor})
+                 tensors={"tensor": tensor}, **(also_agree or {}))
     return end(run_all_reduce(tensor, call.codec, call.group, call.stats, call.label, op),
                async_op)

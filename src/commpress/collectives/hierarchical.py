@@ -340,6 +340,7 @@ def hierarchical_all_reduce(
     op: str = "avg",
     label: str | None = None,
     async_op: bool = False,
+    also_agree: dict[str, object] | None = None,
 ) -> torch.Tensor | Handle:
     """Two-level all-reduce of ``tensor`` in place; bitwise identical on every rank.
 
@@ -352,14 +353,16 @@ def hierarchical_all_reduce(
     the node sends its sum once, not each rank its own gradient. With ``async_op``
     the call returns once the transfer across nodes has started. One node uses
     ``intra`` alone, one rank per node ``inter`` alone. Stats go to ``label + ".intra"``,
-    ``label + ".inter"`` and ``label + ".gather.intra"``.
+    ``label + ".inter"`` and ``label + ".gather.intra"``. ``also_agree``: as
+    :func:`commpress.all_reduce`'s.
 
     Example::
 
         commpress.hierarchical_all_reduce(grad, intra="none", inter="int4", label="dp.grad")
     """
     call, used, peers = begin_two_level("hierarchical_all_reduce", group, label, intra, inter,
-                                        topology, op=op, tensors={"tensor": tensor})
+                                        topology, op=op, tensors={"tensor": tensor},
+                                        **(also_agree or {}))
     in_place = tensor.numel() % peers[1].size == 0  # the last gather writes into it: no copies
     return end(run_into(tensor, lambda flat: all_reduce_levels_steps(
         flat, call.codecs, used, *peers, call.stats, call.label, op,

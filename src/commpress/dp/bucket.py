@@ -23,6 +23,7 @@ import torch.distributed as dist
 from commpress.codecs.error_feedback import split
 from commpress.collectives import Handle, Topology
 from commpress.collectives.byte_stats import Stats
+from commpress.collectives.call import is_exact
 from commpress.collectives.transport import Peers, Steps
 from commpress.dp.grad_path import GradPath
 from commpress.dp.weight_gather import gather_weights, weight_gather_steps
@@ -57,13 +58,102 @@ class DPBucket:
         self.grad = self.reducer() if self.grads else None
         self.param = None if self.param_rule is None else self.param_rule.build()
 
+    # -- what the bucket's owner may ask -------------------------------------------------
     @property
     def alignment(self) -> int:
         """Element count every codec of the bucket splits evenly on."""
         units = [] if self.grad is None else [self.grad.alignment]
         if self.param is not None:
-            units.append(max(split(self.param)[0].alignment, 1))
+            units.append(self.weights_alignment)
         return math.lcm(*units)
+
+    @property
+    def grad_alignment(self) -> int:
+        """Element count the gradient codecs split evenly on."""
+        return self.grad.alignment
+
+    @property
+    def weights_alignment(self) -> int:
+        """Element count the weight codec splits evenly on."""
+        return max(split(self.param)[0].alignment, 1)
+
+    @property
+    def grad_lossy(self) -> bool:
+        """Whether the reduced gradients can differ from an exact reduction."""
+        return not all(is_exact(c) for c in self.grad.codecs.values())
+
+    @property
+    def weights_lossy(self) -> bool:
+        """Whether the gathered weights can differ from the ranks' own."""
+        plain, memory = split(self.param)
+        return not (is_exact(self.param) or (memory is None and plain.lossless))
+
+    @property
+    def sends_differences(self) -> bool:
+        """qWD: the weights travel as differences from a reference every replica holds."""
+        return self.param_rule is not None and self.param_rule.delta
+
+    # -- gradients --------------------------------------------------------------------
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor,
+                       group: dist.ProcessGroup | None, op: str = "avg",
+                       async_op: bool = False) -> torch.Tensor | Handle:
+        """This rank's slice of the gradients reduced over ``group``."""
+        return self.grad.reduce_scatter(output, input, group, op=op, async_op=async_op)
+
+    def reduce_scatter_parts(self, parts: list[torch.Tensor],
+                             group: dist.ProcessGroup | None, op: str = "avg") -> torch.Tensor:
+        """:func:`commpress.reduce_scatter_parts` of uneven ``parts``."""
+        return self.grad.reduce_scatter_parts(parts, group, op=op)
+
+    def all_reduce(self, tensor: torch.Tensor, group: dist.ProcessGroup | None,
+                   op: str = "avg", async_op: bool = False,
+                   also_agree: dict[str, object] | None = None) -> torch.Tensor | Handle:
+        """The gradients reduced over ``group``, in place; ``also_agree``: the owner's own
+        fields, agreed in the same round (:func:`commpress.all_reduce`)."""
+        if also_agree:
+            return self.grad.all_reduce(tensor, group, op=op, async_op=async_op,
+                                        also_agree=also_agree)
+        return self.grad.all_reduce(tensor, group, op=op, async_op=async_op)
+
+    def reduce_scatter_steps(self, flat: torch.Tensor, sizes: int | list[int],
+                             peers: tuple[Peers, Peers, Peers], stats: Stats,
+                             op: str = "avg") -> Steps:
+        """The steps of :meth:`reduce_scatter` for one (played) rank."""
+        return self.grad.reduce_scatter_steps(flat, sizes, peers, stats, op)
+
+    def all_reduce_steps(self, flat: torch.Tensor, peers: tuple[Peers, Peers, Peers],
+                         stats: Stats, op: str = "avg") -> Steps:
+        """The steps of :meth:`all_reduce` for one (played) rank."""
+        return self.grad.all_reduce_steps(flat, peers, stats, op)
+
+    # -- weights ----------------------------------------------------------------------
+    def follow(self, mine: torch.Tensor) -> None:
+        """qWD, for an engine that overwrites its own replica: the reference is now
+        ``mine``, this rank's slice as every replica holds it (at set-up, after a checkpoint
+        load, or each backward). Nothing without differences."""
+        if not self.sends_differences:
+            return
+        if self.reference is None:
+            self.reference = mine.detach().clone()
+        else:
+            self.reference.copy_(mine)
+
+    def take_new_weights(self, mine: torch.Tensor) -> torch.Tensor:
+        """The new weights to gather from ``mine``, this rank's slice of a replica the
+        engine has just overwritten with them; with a reference (:meth:`follow`) ``mine``
+        gets the reference back — the weights every replica holds, which the differences
+        are taken against — and :meth:`weights_gathered` then makes it the next one."""
+        if self.reference is None:
+            return mine
+        new = mine.clone()
+        mine.copy_(self.reference)
+        return new
+
+    def weights_gathered(self, mine: torch.Tensor) -> None:
+        """After the gather of :meth:`take_new_weights`: ``mine`` holds the new weights as
+        every replica has them, the next reference."""
+        if self.reference is not None:
+            self.reference.copy_(mine)
 
     def gather_weights(self, weights: torch.Tensor, new: torch.Tensor,
                        group: dist.ProcessGroup, async_op: bool = False

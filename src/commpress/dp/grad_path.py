@@ -89,13 +89,15 @@ class GradPath:
                                     group=group, op=op, label=self.label)
 
     def all_reduce(self, tensor: torch.Tensor, group: dist.ProcessGroup | None, op: str = "avg",
-                   async_op: bool = False) -> torch.Tensor | Handle:
+                   async_op: bool = False, also_agree: dict[str, object] | None = None
+                   ) -> torch.Tensor | Handle:
         if not self.two_level:
             return all_reduce(tensor, self.codecs["single"], group=group, op=op,
-                              label=self.label, async_op=async_op)
+                              label=self.label, async_op=async_op, also_agree=also_agree)
         return hierarchical_all_reduce(tensor, intra=self.codecs["intra"],
                                        inter=self.codecs["inter"], topology=self.topology,
-                                       group=group, op=op, label=self.label, async_op=async_op)
+                                       group=group, op=op, label=self.label, async_op=async_op,
+                                       also_agree=also_agree)
 
     def reduce_scatter_steps(self, flat: torch.Tensor, sizes: int | list[int],
                              peers: tuple[Peers, Peers, Peers], stats: Stats,

@@ -154,7 +154,7 @@ class DeepSpeedCompression:
             by_rank[dst].append(view.reshape(-1))
         parts = [torch.cat(views) if views else tensor.new_empty(0) for views in by_rank]
         # DeepSpeed has divided by the world size already: a sum, as its reduction
-        reduced = self._grad_bucket(tensor, comm_dtype).grad.reduce_scatter_parts(
+        reduced = self._grad_bucket(tensor, comm_dtype).reduce_scatter_parts(
             parts, self.group, op="sum")
         reduced = reduced.to(comm_dtype)
         # as DeepSpeed's reduction: the owner's slices (and its fp32 partition buffer, if
@@ -222,16 +222,10 @@ class DeepSpeedCompression:
         for i, (flat, parts) in enumerate(zip(groups_flat, partitions)):
             if dist.get_world_size(groups[i]) == 1:
                 continue
-            new = mine = parts[dist.get_rank(groups[i])]
+            mine = parts[dist.get_rank(groups[i])]  # DeepSpeed wrote the new weights here
             weights = self.weight_groups[i]
-            if weights.reference is not None:
-                # qWD: the difference is taken against this rank's partition as every
-                # replica holds it, which DeepSpeed has just overwritten with the new weights
-                new = mine.clone()
-                mine.copy_(weights.reference)
-            weights.gather_weights(flat, new, groups[i])
-            if weights.reference is not None:
-                weights.reference.copy_(mine)
+            weights.gather_weights(flat, weights.take_new_weights(mine), groups[i])
+            weights.weights_gathered(mine)
 
     def _take_references(self) -> None:
         """qWD's references: this rank's partitions as DeepSpeed now holds them (at
@@ -239,9 +233,7 @@ class DeepSpeedCompression:
         opt = self.optimizer
         for i, (weights, parts) in enumerate(zip(self.weight_groups,
                                                  opt.parallel_partitioned_bit16_groups)):
-            if weights.param_rule.delta:
-                mine = parts[dist.get_rank(opt.real_dp_process_group[i])].detach()
-                weights.reference = mine.clone()
+            weights.follow(parts[dist.get_rank(opt.real_dp_process_group[i])])
 
     # -- checkpoints ------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

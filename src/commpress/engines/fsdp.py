@@ -43,7 +43,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo
 
-from commpress.collectives import Topology, all_gather, all_reduce
+from commpress.collectives import Topology, all_reduce
 from commpress.collectives.agreement import agree, agree_across, rendezvous
 from commpress.collectives.comm import all_gather_single
 from commpress.dp import DPBucket
@@ -74,8 +74,7 @@ class CompressedAllGather(_Allocate, AllGather):
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, async_op: bool = False) -> None:
         if input_tensor.is_floating_point():
-            all_gather(output_tensor, input_tensor, self.dp.param, group=group,
-                       label=self.label)
+            self.dp.gather_weights(output_tensor, input_tensor, group)
         else:  # mixed-dtype parameters travel as raw bytes: nothing to quantize
             agree(group, "all_gather", label=self.label, bytes=input_tensor.numel())
             all_gather_single(output_tensor, input_tensor, group)
@@ -98,8 +97,8 @@ class CompressedReduceScatter(_Allocate, ReduceScatter):
                  group: dist.ProcessGroup, op, async_op: bool = False) -> None:
         if self.replicate is not None:
             self.replicate.check()
-        self.dp.grad.reduce_scatter(output_tensor, input_tensor, group,
-                                    op=_op_name(op, input_tensor))
+        self.dp.reduce_scatter(output_tensor, input_tensor, group,
+                               op=_op_name(op, input_tensor))
         if self.replicate is not None:
             self.replicate(output_tensor)
 

@@ -99,10 +99,32 @@ class CommpressDDPStrategy(DDPStrategy):
         # state stays readable for a checkpoint saved after the fit. After a failure the
         # group is destroyed without waiting: a peer may be dead, and Lightning re-raises
         # the fit's own error only if the teardown raises none
-        if self.hook_state is not None:
-            self.hook_state.release(drain=not self._failed)
-        self._failed = False
+        self.remove()
         super().teardown()
+
+    # -- the handle every adapter offers ------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's codec state (what ``<checkpoint>.commpress-rank<r>.pt`` holds); once
+        the fit has registered the hook."""
+        if self.hook_state is None:
+            raise InputError(f"{WHAT}: state_dict() before the fit is not allowed: the hook, "
+                             "and its state, exist from trainer.fit() on")
+        return self.hook_state.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        """Restore :meth:`state_dict` (``elastic`` as given to the strategy); before the
+        fit, kept for the hook it registers. ``None``: the codecs start fresh."""
+        if state is not None and self.hook_state is not None:
+            self.hook_state.load_state_dict(state, self.elastic)
+        else:
+            self._loaded_hook_state = state
+
+    def remove(self) -> None:
+        """End the hook's thread and process group (the fit's teardown does it). A fit
+        after it registers a new hook."""
+        if self.hook_state is not None:
+            self.hook_state.remove(drain=not self._failed)
+        self._failed = False
 
     # -- checkpoints: each rank's codec state beside the checkpoint ---------------------
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | os.PathLike,
@@ -117,8 +139,5 @@ class CommpressDDPStrategy(DDPStrategy):
         state = rank_state.resume_from(checkpoint_path, WHAT, "save it with this strategy",
                                        self.elastic, f"{WHAT}(..., elastic=True)",
                                        beside=True)
-        if state is not None and self.hook_state is not None:  # resumed after setup
-            self.hook_state.load_state_dict(state, self.elastic)
-        else:  # None: elastic, and no state was saved: the hook's codecs start fresh
-            self._loaded_hook_state = state
+        self.load_state_dict(state)  # None: elastic, nothing saved: the codecs start fresh
         return checkpoint

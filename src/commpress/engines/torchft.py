@@ -8,8 +8,10 @@ group is the one seam that reaches all of them::
     from torchft import Manager, ProcessGroupGloo
     import commpress.torchft
 
-    pg = commpress.torchft.compress(ProcessGroupGloo(), policy="diloco-int4")
-    manager = Manager(pg=pg, ...)          # then torchft's DiLoCo / LocalSGD / DDP as before
+    comp = commpress.torchft.compress(ProcessGroupGloo(), policy="diloco-int4")
+    manager = Manager(pg=comp.process_group, ...)  # then torchft's DiLoCo / LocalSGD / DDP
+    ...
+    comp.remove()                          # after the last step
 
 Floating-point SUM and AVG all-reduces then cross replica groups through
 :func:`commpress.all_reduce` with the policy's between-site codec (``outer.grad``'s
@@ -58,7 +60,7 @@ from torchft.work import _DummyWork
 
 from commpress.codecs.error_feedback import split
 from commpress.collectives import CollectiveMismatchError, CollectiveTimeoutError, all_reduce
-from commpress.collectives.agreement import agree
+from commpress.collectives.agreement import agree, release
 from commpress.integrations.diloco import LABEL, outer_policy
 from commpress.policy import Policy
 from commpress.validate import InputError
@@ -72,6 +74,7 @@ STATELESS = ("diloco", "diloco-int8", "diloco-int4")
 # quorums in a row with a member that announced no policy before it is taken for one
 # without commpress (a replica that died as a quorum formed is gone from the next)
 SILENT_QUORUMS = 3
+STATE_FORMAT = "commpress.torchft/1"
 
 
 class CompressedProcessGroup(ProcessGroupWrapper):
@@ -95,6 +98,7 @@ class CompressedProcessGroup(ProcessGroupWrapper):
         self._timeout = timeout
         self._fatal: Exception | None = None  # a quorum that can never agree
         self._silent_quorums = 0  # quorums in a row with a replica that announced nothing
+        self._removed = False
 
     def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int,
                   *args: Any, **kwargs: Any) -> None:
@@ -123,6 +127,9 @@ class CompressedProcessGroup(ProcessGroupWrapper):
         self._silent_quorums = 0
 
     def allreduce(self, tensors: list[torch.Tensor], opts: object) -> dist.Work:
+        if self._removed:
+            raise RuntimeError(f"{WHAT}: this process group's compression was removed "
+                               "(remove()); allowed: a Manager on a new process group")
         given = getattr(opts, "reduceOp", opts)  # a ReduceOp compares equal, hashes apart
         op = next((name for reduce_op, name in _OPS if given == reduce_op), None)
         if op is None or not all(t.dtype in self._dtypes for t in tensors):
@@ -157,11 +164,48 @@ class CompressedProcessGroup(ProcessGroupWrapper):
         return f"CompressedProcessGroup(pg={self._pg!r}, policy={self.policy.name!r})"
 
 
+class Compression:
+    """What :func:`compress` returns, the handle every adapter returns:
+    ``process_group`` for ``torchft.Manager(pg=...)``; :meth:`state_dict` /
+    :meth:`load_state_dict` (the codecs allowed here keep no state of their own: what is
+    saved is the policy, and a state of another policy is refused); :meth:`remove`."""
+
+    def __init__(self, process_group: CompressedProcessGroup) -> None:
+        self.process_group = process_group
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"format": STATE_FORMAT, "policy": self.process_group.policy.to_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        policy = self.process_group.policy
+        found = state.get("format") if isinstance(state, dict) else type(state).__name__
+        if found != STATE_FORMAT:
+            raise InputError(f"{WHAT}: a saved state of format {found!r} is not allowed; "
+                             f"allowed: {STATE_FORMAT!r}, from {WHAT}'s state_dict()")
+        if state.get("policy") != policy.to_dict():
+            raise InputError(f"{WHAT}: the saved state is of policy "
+                             f"{_name(repr(state.get('policy')))!r}; this run compresses with "
+                             f"{policy.name!r}: resume with the same policy")
+
+    def remove(self) -> None:
+        """End compression on this process group after the last step: commpress's state
+        for its current group is released, and a later all-reduce through it is refused
+        by name (a Manager cannot take its process group back; a new one trains without
+        commpress)."""
+        pg = self.process_group
+        pg._removed = True
+        try:
+            group = pg._group()
+        except Exception:  # noqa: BLE001 - never configured: nothing of commpress's to free
+            return
+        release(group, drain=False)
+
+
 def compress(pg: TorchftProcessGroup, policy: str | dict | Policy = "diloco-int4",
-             timeout: timedelta = timedelta(seconds=60)) -> CompressedProcessGroup:
+             timeout: timedelta = timedelta(seconds=60)) -> Compression:
     """``pg`` (torchft's ``ProcessGroupGloo``) with its all-reduces compressed by
-    ``policy``: pass the result to ``torchft.Manager(pg=...)``."""
-    return CompressedProcessGroup(pg, policy, timeout)
+    ``policy``: pass the handle's ``process_group`` to ``torchft.Manager(pg=...)``."""
+    return Compression(CompressedProcessGroup(pg, policy, timeout))
 
 
 class _Unannounced(CollectiveTimeoutError):

@@ -32,6 +32,7 @@ from typing import Any
 from torch.nn.parallel import DistributedDataParallel
 
 from commpress.collectives import Topology
+from commpress.engines.seam import Swap, install, restore
 from commpress.integrations import rank_state
 from commpress.integrations.ddp import BUCKET_NUMEL, ddp_hook
 from commpress.integrations.ddp_lowrank import lowrank_hook
@@ -50,8 +51,9 @@ WHAT = "commpress.transformers"
 
 
 class Compression(TrainerCallback):
-    """The callback :func:`compress` adds, and its handle: ``hook_state`` (the hook's
-    :meth:`state_dict` / :meth:`load_state_dict`), :meth:`remove`."""
+    """The callback :func:`compress` adds, and its handle: :meth:`state_dict` /
+    :meth:`load_state_dict` (the hook's codec state, which the Trainer's checkpoints
+    carry by themselves) and :meth:`remove`."""
 
     def __init__(self, trainer: Trainer, policy: str | dict | Policy, lowrank: dict | None,
                  topology: Topology | None, overlap: bool, bucket_numel: int,
@@ -63,15 +65,17 @@ class Compression(TrainerCallback):
         self.hook_state: Any = None
         self._ddp: DistributedDataParallel | None = None
         self._resume: str | None = None  # the checkpoint ``train()`` resumes from
-        self._train = trainer.train
+        self._loaded: dict | None = None  # load_state_dict before the hook exists
+        original = trainer.train
 
-        @functools.wraps(self._train)
+        @functools.wraps(original)
         def train(resume_from_checkpoint: str | bool | None = None, *args: Any,
                   **kwargs: Any) -> Any:
             self._resume = _checkpoint_dir(trainer, resume_from_checkpoint)
-            return self._train(resume_from_checkpoint, *args, **kwargs)
+            return original(resume_from_checkpoint, *args, **kwargs)
 
-        trainer.train = train
+        # the one way an adapter changes an engine's object (engines/seam.py)
+        self._swaps = install([Swap(trainer, "train", train)])
 
     # -- the Trainer's events --------------------------------------------------------
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -87,6 +91,9 @@ class Compression(TrainerCallback):
             self.hook_state, hook = self._hook(ddp)
             ddp.register_comm_hook(self.hook_state, hook)
             self._ddp = ddp
+            if self._loaded is not None:
+                self.hook_state.load_state_dict(self._loaded, self.elastic)
+                self._loaded = None
         if self._resume is not None:
             missing = f"save the checkpoint with {WHAT}.compress(trainer, ...) applied"
             saved = rank_state.resume_from(self._resume, WHAT, missing, self.elastic,
@@ -102,16 +109,31 @@ class Compression(TrainerCallback):
         rank_state.save_in(self.hook_state.state_dict(), folder, WHAT)
 
     # -- the handle ------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's codec state (what each checkpoint folder's
+        ``commpress-rank<r>.pt`` holds); only once training has registered the hook."""
+        if self.hook_state is None:
+            raise InputError(f"{WHAT}: state_dict() before training began is not allowed: "
+                             "the hook, and its state, exist from trainer.train() on")
+        return self.hook_state.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (checked as a checkpoint's is; ``elastic`` as given
+        to :func:`compress`); before training, kept for the hook ``train()`` registers."""
+        if self.hook_state is None:
+            self._loaded = state
+        else:
+            self.hook_state.load_state_dict(state, self.elastic)
+
     def remove(self) -> None:
-        """Undo :func:`compress` before training has begun: the Trainer's own ``train`` and
-        callbacks again. Once the hook is registered it stays on the Trainer's DDP module
-        (torch cannot unregister a communication hook), and its state in the checkpoints
-        with it: refused then."""
-        if self._ddp is not None:
-            raise InputError(f"{WHAT}: remove() after training began is not allowed: the "
-                             "Trainer's DDP module keeps the hook (torch cannot unregister "
-                             "one); build a new Trainer to train without commpress")
-        self.trainer.train = self._train
+        """Undo :func:`compress`: the Trainer's own ``train`` and callbacks again. After
+        training began, the hook's thread and process group end too; torch cannot
+        unregister a communication hook, so training this Trainer's DDP module again is
+        refused by the hook by name (a new Trainer trains without commpress)."""
+        if self.hook_state is not None:
+            self.hook_state.remove()
+        restore(self._swaps)
+        self._swaps = []
         self.trainer.remove_callback(self)
 
     def _hook(self, ddp: DistributedDataParallel) -> tuple[Any, Any]:

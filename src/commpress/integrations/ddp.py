@@ -178,12 +178,12 @@ class DDPHookState:
         self.topology = topology or Topology()
         self.group = _ddp_group(model, group)
         self.overlap = overlap
+        self.label = label
         # internal state
         ignored = ddp_ignored(model)
         named = [(n, p) for n, p in module.named_parameters()
                  if p.requires_grad and n not in ignored]
-        self.buckets = hook_layout(named, bucket_numel,
-                                   lambda: DPBucket(self.policy, self.topology, label))
+        self.buckets = hook_layout(named, bucket_numel, self._make_dp)
         by_name = dict(named)
         self._where = {id(by_name[name]): (j, i)  # parameter → (hook bucket, position)
                        for j, b in enumerate(self.buckets) for i, name in enumerate(b.names)}
@@ -194,6 +194,7 @@ class DDPHookState:
         self._lock = threading.Lock()
         self._thread: _CommThread | None = None
         self._failure: BaseException | None = None  # the first bucket that failed
+        self._removed = False
         self.hook_group: dist.ProcessGroup | None = self._make_hook_group()
         warn_if_uncompressed(self.policy, self.topology, self.hook_group, "ddp_hook")
         # stats
@@ -224,6 +225,10 @@ class DDPHookState:
             b.dp.load_state_dict(codecs, memory)
         self.calls = state["calls"]
 
+    def _make_dp(self, index: int, names: list[str]) -> DPBucket:
+        """Hook bucket ``index``'s reducer, of the parameters ``names``: the policy's."""
+        return DPBucket(self.policy, self.topology, self.label)
+
     def _identity(self) -> tuple[int, int]:
         return dist.get_rank(self.group), dist.get_world_size(self.group)
 
@@ -241,12 +246,15 @@ class DDPHookState:
         self.__dict__.update(d)
         self._lock = threading.Lock()
 
-    def release(self, drain: bool = True) -> None:
+    def remove(self, drain: bool = True) -> None:
         """Stop the communication thread and destroy the hook's process group (with the
         sub-groups made for it), after the last step: a process that trains one model
-        after another must not keep every earlier hook's threads and sockets.
+        after another must not keep every earlier hook's threads and sockets. torch cannot
+        unregister a communication hook, so a later backward through the DDP module is
+        refused by name. Its state stays readable (a checkpoint after the last step).
         ``drain=False`` after a failed run: no waiting for the other ranks (one may be
         dead), and nothing raised in place of the run's own error."""
+        self._removed = True
         if self._thread is not None:
             self._thread.stop()
             self._thread = None
@@ -284,6 +292,10 @@ class DDPHookState:
         """Copy a DDP bucket's gradients into the hook buckets; start every hook bucket
         that is now complete; return a future for ``bucket``'s reduced values."""
         fut: torch.futures.Future = torch.futures.Future()
+        if self._removed:
+            raise RuntimeError("commpress.ddp_hook: the hook was removed (remove()), and torch "
+                               "cannot unregister it from this DDP module; allowed: a new "
+                               "DDP module (with or without a new hook) to train on")
         if self.hook_group is None:  # unpickled: every rank's DDP reaches its first bucket
             self.hook_group = self._make_hook_group()
         if self._done_buckets == 0 and not any(hb.ready for hb in self.buckets):
@@ -329,8 +341,7 @@ class DDPHookState:
                 raise RuntimeError(f"commpress.ddp_hook: not reducing bucket {j}: an earlier "
                                    f"bucket failed, so the hook's group is out of step "
                                    f"({type(self._failure).__name__}: {self._failure})")
-            handle = hb.dp.grad.all_reduce(hb.buffer, self.hook_group, op="avg",
-                                             async_op=True)
+            handle = hb.dp.all_reduce(hb.buffer, self.hook_group, op="avg", async_op=True)
             return handle.wait
 
         done = functools.partial(self._reduced, j)
@@ -378,9 +389,10 @@ def ddp_ignored(model: nn.Module) -> set[str]:
 
 
 def hook_layout(named: list[tuple[str, nn.Parameter]], bucket_numel: int,
-                make_dp: Callable[[], DPBucket]) -> list[_HookBucket]:
+                make_dp: Callable[[int, list[str]], DPBucket]) -> list[_HookBucket]:
     """Fixed buckets: parameters in reverse registration order (roughly the order their
-    gradients become ready), one dtype per bucket, about ``bucket_numel`` elements each."""
+    gradients become ready), one dtype per bucket, about ``bucket_numel`` elements each;
+    ``make_dp(index, names)`` makes each one's :class:`DPBucket`."""
     groups: list[dict[str, int]] = []  # each bucket's parameters: name → numel
     dtype = None
     for name, p in reversed(named):
@@ -388,7 +400,8 @@ def hook_layout(named: list[tuple[str, nn.Parameter]], bucket_numel: int,
             groups.append({})
         groups[-1][name] = p.numel()
         dtype = p.dtype
-    return [_HookBucket(list(g), list(g.values()), make_dp()) for g in groups]
+    return [_HookBucket(list(g), list(g.values()), make_dp(j, list(g)))
+            for j, g in enumerate(groups)]
 
 
 def grad_policy(spec: str | dict | Policy) -> Policy:

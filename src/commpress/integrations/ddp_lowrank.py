@@ -47,6 +47,7 @@ poison later steps; the decision depends only on decoded values, the same everyw
 # No ``from __future__ import annotations``: DDP compares the hook's annotations with
 # ``dist.GradBucket`` and ``torch.futures.Future[torch.Tensor]`` as objects.
 import hashlib
+import itertools
 from dataclasses import asdict, dataclass
 from functools import partial
 from typing import Any
@@ -190,14 +191,15 @@ class LowRankReducer:
 
     def all_reduce(self, tensor: torch.Tensor, group: dist.ProcessGroup | None, op: str = "avg",
                    async_op: bool = False):
-        """Average ``tensor`` (the hook bucket) in place; done when it returns."""
+        """Average ``tensor`` (the hook bucket) in place. Done when it returns, also with
+        ``async_op=True`` (each factor's sum feeds the next step): a completed handle then."""
         assert op == "avg", op
         if not self._agreed:
             self._check_same_factors(group)
         if self.iter < self.config.start_iter:
             self._reduce(tensor, self.exact, group)
             self.iter += 1
-            return completed(tensor)
+            return completed(tensor) if async_op else tensor
         # Step 1: add the memory: M = G + E
         if self.error is None:
             self.error = torch.zeros_like(tensor, dtype=torch.float32)
@@ -250,7 +252,7 @@ class LowRankReducer:
             self.ps, self.qs = [p.clone() for p in ps], [q.clone() for q in qs]
         tensor.copy_(result)
         self.iter += 1
-        return completed(tensor)
+        return completed(tensor) if async_op else tensor
 
     def state_dict(self) -> dict[str, Any]:
         return {"iter": self.iter, "qs": [q.clone() for q in self.qs],
@@ -307,15 +309,17 @@ class LowRankHookState(DDPHookState):
     def __init__(self, model: nn.Module, config: LowRankConfig,
                  group: dist.ProcessGroup | None = None, topology: Topology | None = None,
                  overlap: bool = True, bucket_numel: int = BUCKET_NUMEL) -> None:
+        self.config = config
+        self._shapes = {n: p.shape for n, p in getattr(model, "module", model).named_parameters()}
         super().__init__(model, "none", group, topology, label=LABEL, overlap=overlap,
                          bucket_numel=bucket_numel)
-        self.config = config
-        module = getattr(model, "module", model)
-        shapes = {n: p.shape for n, p in module.named_parameters()}
-        for j, hb in enumerate(self.buckets):
-            hb.dp = DPBucket(self.policy, self.topology, LABEL, reducer=partial(
-                LowRankReducer, [shapes[n] for n in hb.names], hb.offsets, sum(hb.numels),
-                config, self.topology, j))
+
+    def _make_dp(self, index: int, names: list[str]) -> DPBucket:
+        shapes = [self._shapes[n] for n in names]
+        offsets = list(itertools.accumulate((s.numel() for s in shapes[:-1]), initial=0))
+        return DPBucket(self.policy, self.topology, LABEL, reducer=partial(
+            LowRankReducer, shapes, offsets, sum(s.numel() for s in shapes), self.config,
+            self.topology, index))
 
     def _make_hook_group(self) -> dist.ProcessGroup:
         # node groups are made now, with the hook group, not on the communication thread

@@ -309,20 +309,19 @@ class DiLoCo:
         site_check, self._site_check = self._site_check, None
         local = weights_checksum(fragment.params(model)) if first else None
 
+        # sites whose inner steps drifted apart (a step one site's GradScaler skipped) would
+        # average pseudo-gradients of different steps: they agree on it in the all-reduce's
+        # own round (orphans, if any, were agreed and refused before: _follow_the_model)
+        sync = None if agreed else {"sync": "DiLoCo.sync", "step": step, **fields}
+
         def all_reduce() -> None:
-            # sites whose inner steps drifted apart (a step one site's GradScaler skipped)
-            # would average pseudo-gradients of different steps: agree on it first, on
-            # the thread that runs the all-reduce
-            if not agreed:
-                agree(self.group, "DiLoCo.sync", label=LABEL, step=step, **fields)
-                refuse_orphans(fields["orphans"])
             if site_check is not None:  # the first sync since a load: every site's verdict
                 raise_if_any(all_gather_objects(site_check.problem(), self.group,
                                                 "DiLoCo: resumed site state"),
                              dist.get_rank(self.group), "resumed another site's state")
             if local is not None:
                 warn_if_sites_identical(local, self.group, self.topology)
-            fragment.dp.grad.all_reduce(delta, self.group, op="avg")
+            fragment.dp.all_reduce(delta, self.group, op="avg", also_agree=sync)
 
         if self._thread is None:
             all_reduce()

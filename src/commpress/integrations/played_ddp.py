@@ -49,7 +49,7 @@ class PlayedDDPHook:
         topology = Topology(ranks_per_node)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.params = dict(named)
-        make_dp = lambda: DPBucket(self.policy, topology, label)  # noqa: E731
+        make_dp = lambda *_: DPBucket(self.policy, topology, label)  # noqa: E731
         self.buckets = hook_layout(named, bucket_numel, make_dp)
         # each rank's own codecs per bucket: played rank 0's are the bucket's own
         self.dps = [[b.dp, *(make_dp() for _ in range(1, ranks))] for b in self.buckets]
@@ -75,7 +75,7 @@ class PlayedDDPHook:
 
     def _all_reduce(self, j: int) -> Played:
         dps = self.dps[j]  # every rank ends with the same values: rank 0's are kept
-        return Played(self.world, lambda r, flat: dps[r].grad.all_reduce_steps(
+        return Played(self.world, lambda r, flat: dps[r].all_reduce_steps(
             flat, played_peers(r, self.world, self.L), self.stats), keep=(0,))
 
     @torch.no_grad()

@@ -95,7 +95,7 @@ class PlayedShardedOptimizer:
     # -- gradients ---------------------------------------------------------------------
     def _reduce_scatter(self, j: int, b: Bucket) -> Played:
         dps, m = self.dps[j], b.numel // self.world
-        return Played(self.world, lambda r, flat: dps[r].grad.reduce_scatter_steps(
+        return Played(self.world, lambda r, flat: dps[r].reduce_scatter_steps(
             flat, m, self._peers(r), self.stats))
 
     @torch.no_grad()

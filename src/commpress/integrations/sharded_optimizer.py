@@ -212,7 +212,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                  len(self.buckets), sum(b.numel for b in self.buckets), self.world,
                  self.policy.name)
 
-    def remove_hooks(self) -> None:
+    def remove(self) -> None:
         """Remove the gradient hooks this optimizer put on the model's parameters, once it
         is done with them: the model then no longer keeps it alive — nor its process
         group's threads, which live as long as the group object does (a process that runs
@@ -260,8 +260,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             b.grad_shard.copy_(b.grad_buffer)
             b.handle = completed(b.grad_shard)
         else:
-            b.handle = b.dp.grad.reduce_scatter(b.grad_shard, b.grad_buffer, self.group,
-                                                op="avg", async_op=True)
+            b.handle = b.dp.reduce_scatter(b.grad_shard, b.grad_buffer, self.group, op="avg",
+                                           async_op=True)
 
     # -- step ----------------------------------------------------------------------
     @torch.no_grad()

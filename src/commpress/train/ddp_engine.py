@@ -166,7 +166,7 @@ class DDPEngine:
     def release(self) -> None:
         """The commpress hook's thread and process group, after the last step."""
         if isinstance(self.hook_state, DDPHookState):
-            self.hook_state.release()
+            self.hook_state.remove()
         if self.outer is not None:
             self.outer.remove()
 

@@ -143,12 +143,12 @@ class RealRank:
         """The process groups and the DDP hook's thread, after the last collective
         (``compare`` runs one policy after another in one process)."""
         if self.cfg.engine == "ddp":
-            opts[0].release()
+            opts[0].remove()
             if self.site_group is not None:
                 release(self.site_group)
         else:  # the parameters' hooks would keep the optimizer and its dp group alive
             for opt in opts:
-                opt.remove_hooks()
+                opt.remove()
         self.mesh.release()
 
 

@@ -100,7 +100,7 @@ def _bucket_numels(cfg: TrainConfig, policy: Policy, ranks: int, rpn: int) -> li
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if cfg.engine == "ddp":
         return [sum(b.numels) for b in hook_layout(
-            named, BUCKET_NUMEL, lambda: DPBucket(policy, Topology(rpn)))]
+            named, BUCKET_NUMEL, lambda *_: DPBucket(policy, Topology(rpn)))]
     return [b.numel for b in build_buckets(
         named[::-1], cfg.bucket_numel, False,
         lambda: DPBucket(policy, Topology(rpn), weights=True), ranks, tensor_parallel_key)]

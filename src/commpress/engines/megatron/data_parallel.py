@@ -35,9 +35,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.distributed import param_and_grad_buffer as pgb
 
-from commpress.codecs.error_feedback import split
 from commpress.collectives import Handle, Topology
-from commpress.collectives.call import is_exact
 from commpress.dp import DPBucket
 from commpress.engines.megatron.layout import Layout
 from commpress.engines.megatron.seams import REGISTRY, ModuleView
@@ -66,8 +64,9 @@ class BucketComm:
         # per kind ("grad", "param"): elements equal on every TP rank, when the bucket
         # mixes them with others (see layout.py)
         self.identical = identical
-        if distributed_optimizer and self.dp.param_rule.delta:
-            self.dp.reference = self.shard(bucket.param_data).clone()
+        self.distributed_optimizer = distributed_optimizer
+        if distributed_optimizer:
+            self.dp.follow(self.shard(bucket.param_data))
         self._layouts: dict[tuple[int, int], Layout] = {}
 
     def shard(self, t: torch.Tensor) -> torch.Tensor:
@@ -83,25 +82,21 @@ class BucketComm:
             self._layouts[key] = Layout(self.identical[kind], rows, key[1])
         return self._layouts[key]
 
-    @property
-    def _grad_lossy(self) -> bool:
-        return not all(is_exact(c) for c in self.dp.grad.codecs.values())
-
     # -- the collectives Megatron calls ---------------------------------------------
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str) -> Handle:
         """Megatron's gradient reduce-scatter of this bucket into this rank's slice."""
-        if self.dp.reference is not None:
+        dp = self.dp
+        if self.distributed_optimizer:
             # during backward every slice holds the weights this step used, the ones the
             # next difference is taken against: whatever wrote them (the last gather, a
             # checkpoint load, broadcast_params), the reference follows
-            self.dp.reference.copy_(self.shard(self.bucket.param_data))
-        grad = self.dp.grad
-        layout = self._layout("grad", self._grad_lossy, grad.alignment, self.world)
+            dp.follow(self.shard(self.bucket.param_data))
+        layout = self._layout("grad", dp.grad_lossy, dp.grad_alignment, self.world)
         if layout is None:
-            return grad.reduce_scatter(output, input, self.group, op=op, async_op=True)
+            return dp.reduce_scatter(output, input, self.group, op=op, async_op=True)
         wire = layout.to_wire(input)
         out = torch.empty(layout.width, dtype=input.dtype, device=input.device)
-        handle = grad.reduce_scatter(out, wire.view(-1), self.group, op=op, async_op=True)
+        handle = dp.reduce_scatter(out, wire.view(-1), self.group, op=op, async_op=True)
 
         def finish() -> torch.Tensor:
             handle.wait()
@@ -114,12 +109,12 @@ class BucketComm:
         """Megatron's gradient all-reduce of this bucket (no distributed optimizer)."""
         # one row; each kind padded to world × alignment, so that no rank's chunk of any
         # stage (one or two levels) puts the two kinds in one group
-        grad = self.dp.grad
-        layout = self._layout("grad", self._grad_lossy, grad.alignment * self.world, 1)
+        dp = self.dp
+        layout = self._layout("grad", dp.grad_lossy, dp.grad_alignment * self.world, 1)
         if layout is None:
-            return grad.all_reduce(tensor, self.group, op=op, async_op=True)
+            return dp.all_reduce(tensor, self.group, op=op, async_op=True)
         wire = layout.to_wire(tensor).view(-1)
-        handle = grad.all_reduce(wire, self.group, op=op, async_op=True)
+        handle = dp.all_reduce(wire, self.group, op=op, async_op=True)
 
         def finish() -> torch.Tensor:
             handle.wait()
@@ -131,18 +126,14 @@ class BucketComm:
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Handle:
         """The distributed optimizer's weight all-gather: ``input`` is this rank's slice of
         ``output`` holding the optimizer's new weights."""
-        dp, new = self.dp, input
-        if dp.param_rule.delta:
-            new = input.clone()
-            input.copy_(dp.reference)  # the weights every rank holds for this slice
-        plain, memory = split(dp.param)
-        lossy = not (is_exact(dp.param) or (memory is None and plain.lossless))
-        layout = self._layout("param", lossy, plain.alignment, self.world)
+        dp = self.dp
+        new = dp.take_new_weights(input)  # qWD: input holds what every rank holds again
+        layout = self._layout("param", dp.weights_lossy, dp.weights_alignment, self.world)
         if layout is None:
             handle = dp.gather_weights(output, new, self.group, async_op=True)
             wire = None
         else:
-            wire = (layout.to_wire(output) if dp.param_rule.delta else
+            wire = (layout.to_wire(output) if dp.sends_differences else
                     output.new_empty(self.world, layout.width))
             handle = dp.gather_weights(wire.view(-1), layout.row_to_wire(new, self.rank),
                                        self.group, async_op=True)
@@ -151,8 +142,7 @@ class BucketComm:
             handle.wait()
             if wire is not None:
                 layout.from_wire(wire, output)
-            if dp.reference is not None:
-                dp.reference.copy_(input)
+            dp.weights_gathered(input)
             return output
 
         return Handle(finish)
