@@ -50,6 +50,7 @@ from commpress.collectives.comm import (
     registered,
     resolve_group,
 )
+from commpress.collectives.levels import levels_used
 from commpress.collectives.watchdog import no_store, reported, waiting_ranks, watched, who
 
 HEADER_WORDS = 3  # sequence number, 128-bit digest as two int64
@@ -219,17 +220,18 @@ class GroupContext:
     def _make_levels(self, group: dist.ProcessGroup, rpn: int) -> Levels:
         me, ranks = self.rank, self.ranks
         nodes = self.world // rpn
+        used = levels_used(True, self.world, rpn) if self.world > 1 else ()
         intra = inter = None
-        if rpn > 1 and nodes > 1:
+        if used == ("intra", "inter"):
             node, local = me // rpn, me % rpn
             backend = self.backend
             intra = self._subgroup(f"intra{rpn}", [ranks[node * rpn + i] for i in range(rpn)],
                                    backend)
             inter = self._subgroup(f"inter{rpn}",
                                    [ranks[n * rpn + local] for n in range(nodes)], backend)
-        elif rpn > 1:
+        elif used == ("intra",):
             intra = group
-        elif nodes > 1:
+        elif used == ("inter",):
             inter = group
         return Levels(rpn, nodes, me // rpn, me % rpn, intra, inter)
 

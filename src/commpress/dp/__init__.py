@@ -3,7 +3,7 @@ bucket's codecs and their state (:class:`DPBucket`), its gradient path
 (:class:`GradPath`: one level or two, decided from the topology) and how the new weights
 reach every replica (:mod:`commpress.dp.weight_gather`)."""
 
-from commpress.dp.bucket import DPBucket
-from commpress.dp.grad_path import GradPath
+from commpress.dp.bucket import DPBucket, needs_node_levels
+from commpress.dp.grad_path import GradPath, grad_levels, make_levels_now
 
-__all__ = ["DPBucket", "GradPath"]
+__all__ = ["DPBucket", "GradPath", "grad_levels", "make_levels_now", "needs_node_levels"]

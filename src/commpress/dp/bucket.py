@@ -31,6 +31,12 @@ from commpress.policy import Policy, Rule
 from commpress.validate import InputError
 
 
+def needs_node_levels(policy: Policy) -> bool:
+    """Whether the policy's data-parallel path may split a group into node levels:
+    two-level gradients, or a lossy weight gather (:func:`weight_gather_levels`)."""
+    return policy.two_level() or not policy.rule("dp", "param").exact
+
+
 class DPBucket:
     """The codecs of one bucket: ``grad``, what reduces its gradients (the policy's
     :class:`GradPath`, or what ``reducer()`` makes: the low-rank hook's factors; none

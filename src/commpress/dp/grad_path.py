@@ -134,6 +134,22 @@ class GradPath:
             c.load_state_dict(state[k])
 
 
+def grad_levels(policy: Policy, world: int, ranks_per_node: int,
+                axis: str = "dp") -> tuple[str, ...]:
+    """The levels the policy's ``axis.grad`` codecs run on over ``world`` ranks in nodes of
+    ``ranks_per_node`` (checked to divide it) — what the front-ends, the played ranks and
+    the cost model ask, answered here alone (:func:`levels_used`)."""
+    return levels_used(policy.two_level(axis), world, ranks_per_node)
+
+
+def make_levels_now(policy: Policy, topology: Topology, group: dist.ProcessGroup,
+                    axis: str = "dp") -> None:
+    """Make the node levels of ``group`` that the policy's ``axis.grad`` path needs now, in
+    the caller's set-up that every rank reaches, not later on a communication thread."""
+    if policy.two_level(axis):
+        topology.resolve(group)
+
+
 _SAID: set[tuple] = set()
 
 
@@ -152,10 +168,9 @@ def warn_if_uncompressed(policy: Policy, topology: Topology, group: dist.Process
     instead. Returns whether it is so."""
     world = dist.get_world_size(group)
     rpn = topology.ranks_per_node_in(world)
-    two_level = policy.two_level(axis)
-    levels = ["intra", "inter"] if two_level else [None]
+    levels = ["intra", "inter"] if policy.two_level(axis) else [None]
     lossy = [lv for lv in levels if not policy.rule(axis, "grad", lv).exact]
-    used = levels_used(two_level, world, rpn)
+    used = grad_levels(policy, world, rpn, axis)
     if world == 1 or not lossy or any((lv or "single") in used for lv in lossy):
         return False
     nodes = world // rpn

@@ -26,6 +26,7 @@ from commpress.collectives.hierarchical import (
     begin_two_level,
     two_level_all_gather_steps,
 )
+from commpress.collectives.levels import levels_used
 from commpress.collectives.transport import Peers, Steps, run_into
 from commpress.policy import Rule
 
@@ -37,7 +38,8 @@ def weight_gather_levels(rule: Rule, nodes: int, ranks_per_node: int) -> tuple[s
     nodes once per shard, then shared exactly inside the node — or ``("single",)``, one
     all-gather over the group (uncompressed, one node, or one rank per node). Decided
     here alone: the optimizer, its played ranks and the cost model ask."""
-    if nodes > 1 and ranks_per_node > 1 and not rule.exact:
+    if not rule.exact and levels_used(True, nodes * ranks_per_node,
+                                      ranks_per_node) == ("intra", "inter"):
         return ("inter", "intra")
     return ("single",)
 

@@ -62,7 +62,7 @@ from commpress.collectives import Topology, context
 from commpress.collectives.agreement import refuse, release
 from commpress.collectives.comm import group_timeout
 from commpress.dp import DPBucket
-from commpress.dp.grad_path import warn_if_uncompressed
+from commpress.dp.grad_path import make_levels_now, warn_if_uncompressed
 from commpress.dp.saved_state import check_resume, envelope, on_every_rank
 from commpress.policy import Policy, list_presets
 from commpress.validate import InputError, check_bool, check_int, few
@@ -267,8 +267,7 @@ class DDPHookState:
         group and node levels are made now too, not on the communication thread."""
         hook_group = new_hook_group(self.group)
         context(hook_group).control_group()
-        if self.policy.two_level():
-            self.topology.resolve(hook_group)
+        make_levels_now(self.policy, self.topology, hook_group)
         return hook_group
 
     def _check_no_parameter_unfrozen(self) -> None:

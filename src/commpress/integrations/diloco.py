@@ -47,7 +47,7 @@ import torch.nn as nn
 
 from commpress.collectives import Topology
 from commpress.collectives.agreement import agree, all_gather_objects, release
-from commpress.dp.grad_path import say_once, warn_if_uncompressed
+from commpress.dp.grad_path import make_levels_now, say_once, warn_if_uncompressed
 from commpress.dp.saved_state import check_resume, envelope, on_every_rank
 from commpress.integrations.ddp import new_hook_group
 from commpress.integrations.outer_fragments import (
@@ -230,8 +230,7 @@ class DiLoCo:
                              "over each site's own ranks (DDP(model, process_group=<the "
                              "site's group>)), or one rank per site without DDP "
                              "(topology=commpress.Topology(1))")
-        if self.policy.two_level("outer"):  # the site groups now, not on the thread
-            self.topology.resolve(self.group)
+        make_levels_now(self.policy, self.topology, self.group, "outer")  # not on the thread
         broadcast_coalesced([p.detach() for p in model.parameters()], group_source(self.group),
                             self.group, named[0][1].device, "DiLoCo initial weights")
         warn_if_uncompressed(self.policy, self.topology, self.group, "DiLoCo", axis="outer")

@@ -22,8 +22,7 @@ import torch.nn as nn
 from commpress.collectives import Topology
 from commpress.collectives.byte_stats import Stats
 from commpress.collectives.played import Played, played_peers
-from commpress.collectives.topology import levels_used
-from commpress.dp import DPBucket
+from commpress.dp import DPBucket, grad_levels
 from commpress.integrations.ddp import BUCKET_NUMEL, grad_policy, hook_layout
 from commpress.policy import Policy
 from commpress.validate import check_saved_state
@@ -42,7 +41,7 @@ class PlayedDDPHook:
                  ranks_per_node: int, bucket_numel: int = BUCKET_NUMEL,
                  label: str = "dp.grad", stats: Stats | None = None) -> None:
         self.policy = grad_policy(policy)
-        levels_used(self.policy.two_level(), ranks, ranks_per_node)  # checks the layout
+        grad_levels(self.policy, ranks, ranks_per_node)  # checks the layout
         self.world, self.L, self.label = ranks, ranks_per_node, label
         # gradient bytes every rank sends, summed over the ranks
         self.stats = stats if stats is not None else Stats()

@@ -25,8 +25,7 @@ import torch.nn as nn
 from commpress.collectives import Topology
 from commpress.collectives.byte_stats import Stats
 from commpress.collectives.played import Played, played_peers
-from commpress.collectives.topology import levels_used
-from commpress.dp import DPBucket
+from commpress.dp import DPBucket, grad_levels
 from commpress.integrations.buckets import (
     Bucket,
     buckets_identity,
@@ -60,7 +59,7 @@ class PlayedShardedOptimizer:
                  norm_weights: dict[str, float] | None = None,
                  **optimizer_kwargs: Any) -> None:
         self.policy = Policy.resolve(policy)
-        levels_used(self.policy.two_level(), ranks, ranks_per_node)  # checks the layout
+        grad_levels(self.policy, ranks, ranks_per_node)  # checks the layout
         self.world, self.L = ranks, ranks_per_node
         self.max_grad_norm = max_grad_norm
         self.nonfinite = nonfinite

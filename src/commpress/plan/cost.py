@@ -49,7 +49,7 @@ from typing import Any
 
 from commpress.codecs import codec as build_codec
 from commpress.collectives.compressed_all_reduce import two_rank_exchange
-from commpress.collectives.topology import levels_used
+from commpress.dp.grad_path import grad_levels
 from commpress.dp.weight_gather import weight_gather_levels
 from commpress.files import read_regular
 from commpress.plan.hardware import CODEC_GBps
@@ -349,7 +349,7 @@ def _dp_grad_cost(c: ClusterSpec, j: JobSpec, policy: Policy, n_local: int, shar
     G, nodes = c.gpus_per_node, j.dp // n_local
     if j.dp == 1:
         return [], 0.0
-    used = levels_used(policy.two_level(), nodes * n_local, n_local)
+    used = grad_levels(policy, nodes * n_local, n_local)
     if len(used) == 2:
         intra = policy.rule("dp", "grad", "intra")
         inter = policy.rule("dp", "grad", "inter")

@@ -163,8 +163,9 @@ class DDPEngine:
         self.skipped_steps += not stepped
         return stepped
 
-    def release(self) -> None:
-        """The commpress hook's thread and process group, after the last step."""
+    def remove(self) -> None:
+        """The commpress hook's thread and process group, after the last step (the same
+        verb as the optimizers the trainer holds)."""
         if isinstance(self.hook_state, DDPHookState):
             self.hook_state.remove()
         if self.outer is not None:

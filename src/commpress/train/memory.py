@@ -20,8 +20,7 @@ import torch
 from commpress.codecs.error_feedback import split
 from commpress.collectives import Topology
 from commpress.collectives.call import is_exact
-from commpress.collectives.topology import levels_used
-from commpress.dp import DPBucket, GradPath
+from commpress.dp import DPBucket, GradPath, grad_levels
 from commpress.integrations.buckets import build_buckets, tensor_parallel_key
 from commpress.integrations.ddp import BUCKET_NUMEL, hook_layout
 from commpress.model.gpt import GPT, config_from_preset
@@ -109,7 +108,7 @@ def _bucket_numels(cfg: TrainConfig, policy: Policy, ranks: int, rpn: int) -> li
 def _held_codes(path: GradPath, numel: int, ranks: int, rpn: int) -> int:
     """What a played reduction keeps of every rank until it ends: the codes of the last
     level (an exact reduction keeps only a running sum)."""
-    levels = levels_used(path.two_level, ranks, rpn)
+    levels = grad_levels(path.policy, ranks, rpn, path.axis)
     codec = path.codecs[levels[-1]]
     if ranks == 1 or is_exact(codec):
         return 0

@@ -13,6 +13,7 @@ from megatron.core.distributed import DistributedDataParallel
 
 from commpress.collectives import CollectiveMismatchError, Topology
 from commpress.collectives.agreement import agree_across
+from commpress.dp import needs_node_levels
 from commpress.dp.saved_state import check_resume, envelope
 from commpress.engines.megatron import data_parallel, model_parallel
 from commpress.engines.megatron.data_parallel import BucketComm
@@ -310,7 +311,7 @@ def _bucket_comms(chunks: list[DistributedDataParallel], policy: Policy,
                   ranks_per_node: int) -> dict[str, BucketComm]:
     distopt = chunks[0].ddp_config.use_distributed_optimizer
     config = chunks[0].config
-    needs_nodes = policy.two_level() or not policy.rule("dp", "param").exact
+    needs_nodes = needs_node_levels(policy)
     mixed_tp = chunks[0].tp_group.size() > 1
     out: dict[str, BucketComm] = {}
     for c, chunk in enumerate(chunks):
