@@ -111,6 +111,17 @@ def lightning_fit(rank, world, strategy, steps, start=0, ckpt_path=None, save_to
             "finite": all(bool(p.isfinite().all()) for p in module.gpt.parameters())}
 
 
+def _same(a, b):
+    """Whether two nested states are equal, tensors bit for bit."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(map(_same, a, b))
+    return a == b
+
+
 EF = {"name": "ef", "dp": {"grad": {"codec": "int2", "error_feedback": True}}}
 
 
@@ -134,7 +145,17 @@ def lightning_runs(rank, world, directory, steps):
     # save after `steps`, resume for `steps` more: equals 2·steps uninterrupted
     ckpt = os.path.join(directory, "half.ckpt")
     out["ef uninterrupted"] = lightning_fit(rank, world, CommpressDDPStrategy(EF), 2 * steps)
-    lightning_fit(rank, world, CommpressDDPStrategy(EF), steps, save_to=ckpt)
+    saver = CommpressDDPStrategy(EF)
+    try:
+        saver.state_dict()
+        out["state before fit"] = None
+    except commpress.InputError as e:
+        out["state before fit"] = str(e)
+    lightning_fit(rank, world, saver, steps, save_to=ckpt)
+    # the handle's state is what the checkpoint carries beside it
+    from commpress.integrations import rank_state
+    saved = rank_state.resume_from(ckpt, "test", "", False, "", beside=True)
+    out["handle equals file"] = _same(saver.state_dict(), saved)
     dist.barrier()
     out["ef resumed"] = lightning_fit(rank, world, CommpressDDPStrategy(EF), steps, start=steps,
                                       ckpt_path=ckpt)

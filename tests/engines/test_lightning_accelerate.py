@@ -61,6 +61,9 @@ def test_accelerate_prepare_returns_ddp_for_the_hook(two_ranks):
 def test_lightning_checkpoint_carries_the_hook_state(two_ranks):
     for rank in two_ranks:
         runs = rank["lightning"]
+        # the strategy's handle verbs: its state is the checkpoint's, none before the fit
+        assert runs["handle equals file"] is True
+        assert "state_dict() before the fit is not allowed" in runs["state before fit"]
         # int2 with error feedback: resumed after STEPS equals the uninterrupted run
         assert runs["ef resumed"]["hashes"] == runs["ef uninterrupted"]["hashes"][STEPS:]
         assert runs["ef resumed"]["losses"] == runs["ef uninterrupted"]["losses"][STEPS:]

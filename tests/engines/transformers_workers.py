@@ -100,11 +100,16 @@ def remove_before_training(data, out_dir):
     train = trainer.train
     compression = commpress.transformers.compress(trainer, "int2ef")
     compressed_train = trainer.train
+    try:
+        compression.state_dict()
+        before = None
+    except commpress.InputError as e:
+        before = str(e)
     compression.remove()
     again = commpress.transformers.compress(trainer, "int2ef")  # allowed once removed
     again.remove()
     return {"train restored": trainer.train == train and compressed_train != train,
-            "callback gone": _compression(trainer) is None}
+            "callback gone": _compression(trainer) is None, "state before training": before}
 
 
 def everything(rank, world, directory):
