@@ -155,6 +155,16 @@ class CompressedProcessGroup(ProcessGroupWrapper):
     def getBackendName(self) -> str:
         return f"commpress-{super().getBackendName()}"
 
+    def end_compression(self) -> None:
+        """Refuse later all-reduces by name and release commpress's state for the current
+        quorum's group (:meth:`Compression.remove`)."""
+        self._removed = True
+        try:
+            group = self._group()
+        except Exception:  # noqa: BLE001 - never configured: nothing of commpress's to free
+            return
+        release(group, drain=False)
+
     def _group(self) -> dist.ProcessGroup:
         """The c10d group torchft built for this quorum (not registered with
         torch.distributed: commpress's collectives take it as it is)."""
@@ -192,13 +202,7 @@ class Compression:
         for its current group is released, and a later all-reduce through it is refused
         by name (a Manager cannot take its process group back; a new one trains without
         commpress)."""
-        pg = self.process_group
-        pg._removed = True
-        try:
-            group = pg._group()
-        except Exception:  # noqa: BLE001 - never configured: nothing of commpress's to free
-            return
-        release(group, drain=False)
+        self.process_group.end_compression()
 
 
 def compress(pg: TorchftProcessGroup, policy: str | dict | Policy = "diloco-int4",
