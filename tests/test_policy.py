@@ -22,7 +22,9 @@ def test_sdp4bit_preset_is_the_paper():
 def test_fallback_and_error_feedback():
     p = Policy.from_dict({"dp": {"grad": {"codec": "int2", "error_feedback": True}}})
     assert p.rule("dp", "grad", "inter").codec == "int2"
-    assert isinstance(p.codec_for("dp", "grad"), ErrorFeedback)
+    assert isinstance(p.memory_for("dp", "grad"), ErrorFeedback)
+    assert p.codec_for("dp", "grad").name == "int2"  # the codec alone, memory beside it
+    assert p.memory_for("dp", "param") is None
     assert p.rule("pp", "act").codec == "none"
 
 

@@ -64,14 +64,24 @@ class Rule:
     error_feedback: bool = False
     delta: bool = False
 
-    def build(self) -> Codec | ErrorFeedback:
+    def build(self) -> Codec:
         """A fresh codec object (each collective keeps its own state)."""
-        c = codec(self.codec)
-        return ErrorFeedback(c) if self.error_feedback else c
+        return codec(self.codec)
+
+    def build_memory(self) -> ErrorFeedback | None:
+        """A fresh error-feedback memory to hold beside :meth:`build`'s codec, or None."""
+        return ErrorFeedback() if self.error_feedback else None
 
     @property
     def exact(self) -> bool:
+        """Whether the collective is torch's own: no codec, no memory."""
         return self.codec == "none" and not self.error_feedback
+
+    @property
+    def lossy(self) -> bool:
+        """Whether what arrives can differ from what was sent — the one place this is
+        decided: a codec that is not lossless, or a memory (which changes what is sent)."""
+        return self.error_feedback or not codec(self.codec).lossless
 
     def to_dict(self) -> str | dict[str, Any]:
         if not self.error_feedback and not self.delta:
@@ -106,9 +116,14 @@ class Policy:
             return self.rules[f"{key}.{level}"]
         return self.rules.get(key, Rule())
 
-    def codec_for(self, axis: str, kind: str, level: str | None = None) -> Codec | ErrorFeedback:
+    def codec_for(self, axis: str, kind: str, level: str | None = None) -> Codec:
         """A fresh codec object for ``(axis, kind, level)``."""
         return self.rule(axis, kind, level).build()
+
+    def memory_for(self, axis: str, kind: str, level: str | None = None
+                   ) -> ErrorFeedback | None:
+        """A fresh error-feedback memory for ``(axis, kind, level)``, or None."""
+        return self.rule(axis, kind, level).build_memory()
 
     def two_level(self, axis: str = "dp", kind: str = "grad") -> bool:
         """Whether the policy names separate intra- and inter-node codecs for this kind."""

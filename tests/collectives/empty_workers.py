@@ -24,9 +24,9 @@ def _calls(spec, dtype, rank, topology):
         return recv
 
     def with_error_feedback(out):
-        ef = commpress.ErrorFeedback(commpress.codec(spec))
-        commpress.reduce_scatter(empty(), empty(), ef)
-        return commpress.all_gather(out, empty(), ef)
+        ef = commpress.ErrorFeedback()
+        commpress.reduce_scatter(empty(), empty(), spec, memory=ef)
+        return commpress.all_gather(out, empty(), spec, memory=ef)
 
     return {
         "all_reduce": lambda: commpress.all_reduce(empty(), spec),

@@ -21,3 +21,14 @@ def test_point_to_point_tags_fit_torch_distributed(call, tag):
 def test_topology_ranks_per_node(ranks_per_node):
     with pytest.raises(ValueError, match=f"ranks_per_node={ranks_per_node!r} is not allowed"):
         commpress.Topology(ranks_per_node)
+
+
+def test_error_feedback_is_memory_beside_the_codec():
+    """The memory is not a codec: passing it as one, or wrapping a codec in it, is refused
+    by name with the keyword to use."""
+    with pytest.raises(ValueError, match=r"ErrorFeedback\(.*\) is not allowed.*memory="):
+        commpress.ErrorFeedback(commpress.codec("int2"))
+    with pytest.raises(ValueError, match=r"codec=ErrorFeedback.*is not allowed.*memory="):
+        commpress.isend(torch.ones(4), 1, commpress.ErrorFeedback())
+    with pytest.raises(ValueError, match=r"memory='int2' is not allowed; allowed: None or"):
+        commpress.isend(torch.ones(4), 1, "int2", memory="int2")

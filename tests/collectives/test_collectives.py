@@ -203,3 +203,9 @@ def test_values_at_the_dtype_max_gather_finite_and_sum_as_torch_does():
             continue
         assert result[spec]["all_reduce"] == result["none"]["all_reduce"] is False, spec
         assert result[spec]["reduce_scatter"] == result["none"]["reduce_scatter"] is False, spec
+
+
+def test_error_feedback_decodes_once_and_ranks_agree_on_having_it():
+    for r in spawn(workers.error_feedback_decodes_once, 2):
+        assert r["decodes"] == 1 and r["exact_residual"], r
+        assert r["told"] is not None and "int4" in r["told"] and "+ef" in r["told"], r

@@ -97,7 +97,7 @@ def hierarchical(rank, world, ranks_per_node, numel):
     # the generic path (an error-feedback wrapper is not fusable) gives a comparable result
     out_generic = torch.empty(numel)
     commpress.hierarchical_reduce_scatter(
-        out_generic, x, intra=commpress.ErrorFeedback(commpress.codec("int8:hadamard=128")),
+        out_generic, x, intra="int8:hadamard=128", intra_memory=commpress.ErrorFeedback(),
         inter="int4:hadamard=128", topology=topo, op="sum", label="generic")
     return {"err": _rel(out, exact), "single": single, "stats": commpress.stats(),
             "err_generic": _rel(out_generic, exact)}
@@ -189,8 +189,9 @@ def async_and_p2p(rank, world):
 
 
 def error_feedback_all_reduce(rank, world):
-    """An ErrorFeedback codec through all_reduce: the time-average converges to the mean."""
-    ef = commpress.ErrorFeedback(commpress.codec("int2"))
+    """An ErrorFeedback memory beside all_reduce's codec: the time-average converges to the
+    mean."""
+    ef = commpress.ErrorFeedback()
     x = _data(rank, 4096, torch.float32, seed=13)
     full = [torch.empty_like(x) for _ in range(world)]
     dist.all_gather(full, x)
@@ -199,7 +200,7 @@ def error_feedback_all_reduce(rank, world):
     steps = 30
     for _ in range(steps):
         y = x.clone()
-        commpress.all_reduce(y, ef, label="ef")
+        commpress.all_reduce(y, "int2", memory=ef, label="ef")
         acc += y
     plain = x.clone()
     commpress.all_reduce(plain, "int2", label="plain")
@@ -429,3 +430,31 @@ def near_dtype_max(rank, world, specs):
                      "all_reduce": bool(torch.isfinite(y).all()),
                      "reduce_scatter": bool(torch.isfinite(part).all())}
     return out
+
+
+def error_feedback_decodes_once(rank, world):
+    """An all-gather with memory: its codec decodes once per call (the residual takes this
+    rank's row of the gathered values), and the residual is exactly what was sent minus
+    what every rank decoded of it. Ranks that disagree on having a memory are told."""
+    codec = commpress.codec("int4:hadamard=128")
+    decode, calls = codec.decode, []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return decode(*args, **kwargs)
+
+    codec.decode = counted
+    memory = commpress.ErrorFeedback()
+    m = 1024
+    x = _data(rank, m, torch.float32, seed=31)
+    out = torch.empty(world * m)
+    commpress.all_gather(out, x, codec, memory=memory, label="ag")
+    mine = out[rank * m:(rank + 1) * m]
+    exact_residual = torch.equal(memory.residuals["ag"], x - mine)
+    try:
+        commpress.all_reduce(x.clone(), "int4", memory=commpress.ErrorFeedback()
+                             if rank == 0 else None, label="mixed")
+        told = None
+    except commpress.CollectiveMismatchError as e:
+        told = str(e)
+    return {"decodes": len(calls), "exact_residual": exact_residual, "told": told}

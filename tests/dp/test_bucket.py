@@ -16,7 +16,7 @@ STATEFUL = Policy.from_dict({
 def _used(dp: DPBucket) -> DPBucket:
     """Advance every codec's state: memory, rounding counters."""
     x = torch.randn(4096)
-    encode(dp.grad.codecs["single"], x, rng_stream=0, key="g")
+    encode(dp.grad.codecs["single"], x, rng_stream=0, key="g", memory=dp.grad.memories["single"])
     dp.param.encode(x)
     return dp
 

@@ -132,7 +132,7 @@ def resume(rank, world, directory, steps):
     first, _ = train(engine, data, 0, steps, rank, world)
     engine.save_checkpoint(directory, tag="half")
     residuals = sum(float(r.abs().sum()) for b in engine.commpress.grad_buckets.values()
-                    for r in b.grad.codecs["single"].residuals.values())
+                    for r in b.grad.memories["single"].residuals.values())
     uninterrupted = train(engine, data, steps, steps, rank, world)
     engine.commpress.remove()
     resumed_engine = engine_for(config(world=world), STATEFUL)

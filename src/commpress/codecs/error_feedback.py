@@ -4,12 +4,19 @@ For a residual ``e`` (zero at first) and input ``g``: send ``C(g + e)`` and keep
 ``e ← g + e − Ĉ(g + e)`` (Seide et al. 2014; Karimireddy et al. 2019). It makes biased
 codecs (top-k, int2, sign-like) converge, and trims the error of the others.
 
-The residual is kept in fp32 per ``key`` (a parameter or bucket name) and is part of
-``state_dict()``. Where the compensated value is not finite the old residual is
-kept: a NaN/Inf step must not poison every later step through the memory. Where
-``g + e`` is finite but beyond the range of ``g``'s dtype (fp16's 65504), it saturates
-there before encoding — the excess stays in the residual — rather than overflowing to
-±Inf and sending a non-finite value for finite input.
+The memory is kept apart from the codec (GRACE's compressor / memory split): a codec only
+turns values into bytes and back; :class:`ErrorFeedback` only holds residuals; a
+collective applies the memory around its codec — :meth:`ErrorFeedback.compensate` before
+the encode, :meth:`ErrorFeedback.update` with the decoded values after — and so can
+decode once what it sent (an all-gather takes this rank's decoded row from the gathered
+bytes it decodes anyway).
+
+Residuals are fp32, one per ``key`` (a label, or a label and part), and part of
+``state_dict()``. Where the compensated value is not finite the old residual is kept: a
+NaN/Inf step must not poison every later step through the memory. Where ``g + e`` is
+finite but beyond the range of ``g``'s dtype (fp16's 65504), it saturates there before
+encoding — the excess stays in the residual — rather than overflowing to ±Inf and
+sending a non-finite value for finite input.
 """
 
 from __future__ import annotations
@@ -24,29 +31,28 @@ from commpress.validate import InputError
 
 
 class ErrorFeedback:
-    """Residual memory around ``codec`` (grace's ``Memory``), per key.
+    """Residual memory (GRACE's ``Memory``), per key, held beside a codec.
 
-    A collective applies it around its codec — :meth:`compensate` before the encode,
-    :meth:`update` after — and reads and writes bytes with ``codec`` alone
-    (:func:`split`). It is not a codec: none of a codec's members are forwarded, so a
-    codec method can never be reached through it by mistake.
+    Collectives take it as ``memory=`` next to their ``codec``; each call site keeps its
+    own (the memory belongs to the values it compresses).
 
     Example::
 
-        ef = ErrorFeedback(codec("int2"))
-        packet = ef.encode(grad, key="layer0.weight")
-        approx = ef.decode(packet)
+        memory = commpress.ErrorFeedback()
+        commpress.all_reduce(grad, "int2", memory=memory, label="dp.grad")
     """
 
-    def __init__(self, codec: Codec) -> None:
-        if isinstance(codec, ErrorFeedback):
-            raise InputError(f"ErrorFeedback({codec!r}): wrap a plain codec once")
-        self.codec = codec
-        # internal state: residual per key, fp32, same shape as the input
+    def __init__(self, *args: object) -> None:
+        if args:
+            raise InputError(f"ErrorFeedback({', '.join(map(repr, args))}) is not allowed: the "
+                             "memory holds no codec; allowed: ErrorFeedback(), passed as "
+                             "memory= beside the codec (e.g. all_reduce(x, 'int2', "
+                             "memory=ErrorFeedback()))")
+        # internal state: residual per key, fp32, the shape of what is encoded
         self.residuals: dict[str, torch.Tensor] = {}
 
     def spec(self) -> str:
-        return f"ef({self.codec.spec()})"
+        return "ef"
 
     def compensate(self, x: torch.Tensor, key: str) -> tuple[torch.Tensor, torch.Tensor]:
         """``(to encode, x + residual[key] in fp32)``; what is encoded is in ``x``'s dtype,
@@ -60,47 +66,62 @@ class ErrorFeedback:
         return saturate(compensated, x.dtype).to(x.dtype), compensated
 
     def update(self, key: str, compensated: torch.Tensor, decoded: torch.Tensor) -> None:
-        """``residual[key] ← compensated − decoded`` where finite (else the old one)."""
+        """``residual[key] ← compensated − decoded`` where finite (else the old one);
+        ``compensated`` (from :meth:`compensate`) is consumed."""
         old = self.residuals.get(key)
-        new = compensated.sub_(decoded.float())  # in place: one pass
+        new = compensated.sub_(decoded.reshape(compensated.shape).float())  # in place
         # keep the old memory where this step was not finite (no host sync to check)
         self.residuals[key] = torch.where(torch.isfinite(new), new,
                                           old if old is not None else 0.0)
 
-    def encode(self, x: torch.Tensor, *, key: str = "default", rng_stream: int = 0) -> Packet:
-        """Encode ``x + residual[key]`` with the codec and update the residual."""
+    def encode(self, codec: Codec, x: torch.Tensor, *, key: str, rng_stream: int = 0
+               ) -> Packet:
+        """Encode ``x + residual[key]`` with ``codec`` and update the residual (a caller
+        that decodes the packet anyway calls :meth:`compensate` and :meth:`update`
+        itself, and decodes once)."""
         sent, compensated = self.compensate(x, key)
-        packet = self.codec.encode(sent, rng_stream=rng_stream)
-        self.update(key, compensated, self.codec.decode(packet))
+        packet = codec.encode(sent, rng_stream=rng_stream)
+        self.update(key, compensated, codec.decode(packet))
         return packet
 
-    def decode(self, packet: Packet, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Decode what :meth:`encode` sent (the codec's own decode)."""
-        return self.codec.decode(packet, out)
-
     def state_dict(self) -> dict[str, Any]:
-        return {"codec": self.codec.state_dict(),
-                "residuals": {k: v.clone() for k, v in self.residuals.items()}}
+        return {"residuals": {k: v.clone() for k, v in self.residuals.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.codec.load_state_dict(state["codec"])
         self.residuals = {k: v.clone().float() for k, v in state["residuals"].items()}
 
     def __repr__(self) -> str:
-        return f"ErrorFeedback({self.codec!r})"
+        return f"ErrorFeedback({len(self.residuals)} residuals)"
 
 
-def split(coder: Codec | ErrorFeedback) -> tuple[Codec, ErrorFeedback | None]:
-    """The codec that reads and writes the bytes, and the memory applied around it."""
-    if isinstance(coder, ErrorFeedback):
-        return coder.codec, coder
-    return coder, None
-
-
-def encode(coder: Codec | ErrorFeedback, x: torch.Tensor, *, rng_stream: int,
-           key: str) -> Packet:
-    """Encode ``x``, through the memory (keyed by ``key``) when there is one."""
-    codec, memory = split(coder)
+def encode(codec: Codec, x: torch.Tensor, *, rng_stream: int, key: str,
+           memory: ErrorFeedback | None = None) -> Packet:
+    """Encode ``x`` with ``codec``, through ``memory`` (keyed by ``key``) when given."""
     if memory is None:
         return codec.encode(x, rng_stream=rng_stream)
-    return memory.encode(x, key=key, rng_stream=rng_stream)
+    return memory.encode(codec, x, key=key, rng_stream=rng_stream)
+
+
+def coder_state(codec: Codec, memory: ErrorFeedback | None) -> dict[str, Any]:
+    """One call site's saved state: its codec's, and with memory ``{"codec": …,
+    "residuals": …}`` (the layout checkpoints have always had)."""
+    if memory is None:
+        return codec.state_dict()
+    return {"codec": codec.state_dict(), **memory.state_dict()}
+
+
+def load_coder_state(codec: Codec, memory: ErrorFeedback | None,
+                     state: dict[str, Any]) -> None:
+    """Restore :func:`coder_state`; a state with memory for a site without it, or the
+    reverse, is refused by name."""
+    saved_memory = isinstance(state, dict) and "residuals" in state
+    if saved_memory != (memory is not None):
+        raise InputError(f"codec state {'with' if saved_memory else 'without'} error-feedback "
+                         f"memory for a {codec.spec()} site "
+                         f"{'with' if memory is not None else 'without'} it: resume with the "
+                         "same policy")
+    if memory is None:
+        codec.load_state_dict(state)
+        return
+    codec.load_state_dict(state["codec"])
+    memory.load_state_dict(state)

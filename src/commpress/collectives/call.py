@@ -19,26 +19,35 @@ import torch.distributed as dist
 
 from commpress.codecs import Codec, ErrorFeedback
 from commpress.codecs import codec as build_codec
-from commpress.codecs.error_feedback import split
 from commpress.collectives.agreement import GroupContext, context
 from commpress.collectives.byte_stats import Stats
-from commpress.collectives.chunks import AnyCodec
 from commpress.collectives.comm import check_op, describe, resolve_group
 from commpress.collectives.handle import Handle
 from commpress.validate import InputError
 
 
-def resolve_codec(codec: Any) -> AnyCodec:
-    """A codec object from a spec, dict or codec (an ErrorFeedback passes through)."""
-    if isinstance(codec, Codec | ErrorFeedback):
+def resolve_codec(codec: Any, field: str = "codec") -> Codec:
+    """A codec object from a spec, dict or codec."""
+    if isinstance(codec, ErrorFeedback):
+        raise InputError(f"{field}={codec!r} is not allowed: error feedback is memory beside "
+                         f"the codec; allowed: a codec or spec as {field}=, and the memory "
+                         "as memory= (intra_memory=/inter_memory= for two levels)")
+    if isinstance(codec, Codec):
         return codec
     return build_codec(codec)
 
 
-def is_exact(codec: AnyCodec) -> bool:
-    """Whether a collective can use torch's own uncompressed collective for this codec."""
-    plain, memory = split(codec)
-    return plain.name == "none" and memory is None
+def resolve_memory(memory: Any, field: str = "memory") -> ErrorFeedback | None:
+    if memory is None or isinstance(memory, ErrorFeedback):
+        return memory
+    raise InputError(f"{field}={memory!r} is not allowed; allowed: None or a "
+                     "commpress.ErrorFeedback()")
+
+
+def is_exact(codec: Codec, memory: ErrorFeedback | None = None) -> bool:
+    """Whether a collective can use torch's own uncompressed collective: codec ``none``
+    with no memory (a memory of an exact codec is always zero, but it was asked for)."""
+    return codec.name == "none" and memory is None
 
 
 def check_float(name: str, t: torch.Tensor) -> None:
@@ -50,17 +59,24 @@ def check_float(name: str, t: torch.Tensor) -> None:
 
 @dataclass
 class Call:
-    """A checked call: its group, context, codecs and label."""
+    """A checked call: its group, context, codecs and their memories (by the same
+    names), and label."""
 
     group: dist.ProcessGroup
     ctx: GroupContext
-    codecs: dict[str, AnyCodec]
+    codecs: dict[str, Codec]
+    memories: dict[str, ErrorFeedback | None]
     label: str
 
     @property
-    def codec(self) -> AnyCodec:
+    def codec(self) -> Codec:
         """The codec of a one-codec collective."""
         return next(iter(self.codecs.values()))
+
+    @property
+    def memory(self) -> ErrorFeedback | None:
+        """The memory of a one-codec collective."""
+        return next(iter(self.memories.values()))
 
     @property
     def stats(self) -> Stats:
@@ -77,16 +93,20 @@ class Call:
 
 def begin(collective: str, group: dist.ProcessGroup | None, label: str | None,
           codecs: dict[str, Any], *, tensors: dict[str, torch.Tensor], op: str | None = None,
-          check: Callable[[int], None] | None = None, **fields: object) -> Call:
+          check: Callable[[int], None] | None = None,
+          memories: dict[str, Any] | None = None, **fields: object) -> Call:
     """Resolve, check locally, then agree across ranks; returns the :class:`Call`.
 
     ``tensors`` are the call's floating-point inputs and outputs by argument name; their
-    element counts, dtypes and device types, the codec specs, ``op`` and ``fields`` are
-    what every rank must agree on. ``check(world_size)`` runs the collective's own local
-    checks (sizes) before anything is exchanged.
+    element counts, dtypes and device types, the codec specs (with whether each has a
+    memory: ``memories``, by the codecs' names), ``op`` and ``fields`` are what every rank
+    must agree on. ``check(world_size)`` runs the collective's own local checks (sizes)
+    before anything is exchanged.
     """
+    resolved = {name: resolve_codec(c, _field(name, "codec")) for name, c in codecs.items()}
+    memories = {name: resolve_memory((memories or {}).get(name), _field(name, "memory"))
+                for name in codecs}
     group = resolve_group(group)
-    resolved = {name: resolve_codec(c) for name, c in codecs.items()}
     if op is not None:
         check_op(op)
     described: dict[str, object] = {}
@@ -97,12 +117,21 @@ def begin(collective: str, group: dist.ProcessGroup | None, label: str | None,
     if check is not None:
         check(ctx.world)
     label = label or collective
-    specs = {name: c.spec() for name, c in resolved.items()}
+    specs = {name: c.spec() + ("+ef" if memories[name] is not None else "")
+             for name, c in resolved.items()}
     ctx.agree(collective, label=label, op=op, **specs, **described, **fields)
-    return Call(group, ctx, resolved, label)
+    return Call(group, ctx, resolved, memories, label)
 
 
-def owned_input(input: torch.Tensor, codec: AnyCodec, async_op: bool) -> torch.Tensor:
+def _field(name: str, what: str) -> str:
+    """The argument a codec (``what="codec"``) or memory of this name came from: ``intra``
+    and ``intra_memory`` for a level, else ``codec`` and ``memory``."""
+    if name in ("intra", "inter"):
+        return name if what == "codec" else f"{name}_memory"
+    return what
+
+
+def owned_input(input: torch.Tensor, codec: Codec, async_op: bool) -> torch.Tensor:
     """The input an exact asynchronous collective hands torch: a copy, since torch reads
     it until the transfer ends and the caller may reuse it once the call returns
     (compressed paths have encoded it by then)."""

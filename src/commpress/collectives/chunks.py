@@ -7,8 +7,8 @@ bytes out as a ``(world, row_bytes)`` tensor whose row ``i`` goes to rank ``i``.
 Variable-rate or unsplittable codecs (zfp, nvcomp, topk) encode chunk by chunk into
 a list of byte tensors of different sizes.
 
-Each function takes a codec or an :class:`ErrorFeedback`: its memory is applied
-around the encode; everything else is the codec's own (:func:`split`).
+The functions take a plain codec; :func:`encode_rows` also an error-feedback memory,
+applied around the encode.
 """
 
 from __future__ import annotations
@@ -19,20 +19,18 @@ import torch
 
 from commpress.codecs import Codec, ErrorFeedback, Packet, packet_to_bytes
 from commpress.codecs.base import itemsize, sum_rows
-from commpress.codecs.error_feedback import encode, split
+from commpress.codecs.error_feedback import encode
 
-AnyCodec = Codec | ErrorFeedback
 Rows = torch.Tensor | list[torch.Tensor]
 
 
-def padded_chunk(codec: AnyCodec, m: int) -> int:
+def padded_chunk(codec: Codec, m: int) -> int:
     """Chunk length after padding to the codec's alignment (unchanged if it has none)."""
-    a = split(codec)[0].alignment
+    a = codec.alignment
     return m if a <= 1 else -(-m // a) * a
 
 
-def splittable(codec: AnyCodec) -> bool:
-    codec = split(codec)[0]
+def splittable(codec: Codec) -> bool:
     return codec.fixed_rate and codec.alignment > 0
 
 
@@ -43,10 +41,10 @@ def rows_of_packet(packet: Packet, n: int) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
 
-def packet_of_rows(codec: AnyCodec, rows: torch.Tensor, m_pad: int,
+def packet_of_rows(codec: Codec, rows: torch.Tensor, m_pad: int,
                    wire_dtype: torch.dtype) -> Packet:
     """Inverse of :func:`rows_of_packet`: the ``(n, m_pad)`` packet of ``n`` byte rows."""
-    codec, n = split(codec)[0], rows.shape[0]
+    n = rows.shape[0]
     tensors, offset = [], 0
     for dt, count in codec.packet_layout(n * m_pad, wire_dtype):
         width = count * itemsize(dt) // n
@@ -55,13 +53,13 @@ def packet_of_rows(codec: AnyCodec, rows: torch.Tensor, m_pad: int,
     return Packet(tuple(tensors), n * m_pad, (n, m_pad), torch.float32)
 
 
-def rows_of_parts(codec: AnyCodec, packet: Packet, padded: list[int]) -> Rows:
+def rows_of_parts(codec: Codec, packet: Packet, padded: list[int]) -> Rows:
     """A splittable packet of parts of ``padded`` elements laid end to end (each a multiple
     of the codec's alignment) as one byte row per part: a ``(n, row_bytes)`` tensor when
     the parts are equal (:func:`rows_of_packet`), else a list."""
     if len(set(padded)) == 1:
         return rows_of_packet(packet, len(padded))
-    a = split(codec)[0].alignment
+    a = codec.alignment
     bounds = list(itertools.accumulate((p // a for p in padded), initial=0))
     # each tensor splits into bounds[-1] equal pieces of ``a`` elements (the alignment's
     # contract); a part's row holds its pieces of every tensor, as rows_of_packet's do
@@ -70,44 +68,46 @@ def rows_of_parts(codec: AnyCodec, packet: Packet, padded: list[int]) -> Rows:
             for lo, hi in zip(bounds, bounds[1:])]
 
 
-def encode_rows(codec: AnyCodec, x: torch.Tensor, *, rng_stream: int, key: str,
-                padded: list[int] | None = None) -> Rows:
+def encode_rows(codec: Codec, x: torch.Tensor, *, rng_stream: int, key: str,
+                padded: list[int] | None = None, memory: ErrorFeedback | None = None) -> Rows:
     """Encode ``x`` into byte rows, one per chunk: ``x`` of shape ``(n, m_pad)``, or 1-D
     holding parts of ``padded`` elements end to end (uneven parts, each a multiple of
-    the codec's alignment). A splittable codec encodes everything in one call."""
+    the codec's alignment). A splittable codec encodes everything in one call;
+    ``memory``, keyed by ``key`` (and the part, for one call per part), is applied
+    around the encode."""
     if padded is None:
         padded = [x.shape[1]] * x.shape[0]
     x = x.reshape(-1)
     if splittable(codec):
-        return rows_of_parts(codec, encode(codec, x, rng_stream=rng_stream, key=key), padded)
-    return [packet_to_bytes(encode(codec, part, rng_stream=rng_stream, key=f"{key}#{i}"))
+        return rows_of_parts(codec, encode(codec, x, rng_stream=rng_stream, key=key,
+                                           memory=memory), padded)
+    return [packet_to_bytes(encode(codec, part, rng_stream=rng_stream, key=f"{key}#{i}",
+                                   memory=memory))
             for i, part in enumerate(x.split(padded))]
 
 
-def _row_packet(codec: AnyCodec, row: torch.Tensor, m_pad: int,
+def _row_packet(codec: Codec, row: torch.Tensor, m_pad: int,
                 wire_dtype: torch.dtype) -> Packet:
-    p = split(codec)[0].packet_from_bytes(row, m_pad, (m_pad,), wire_dtype)
+    p = codec.packet_from_bytes(row, m_pad, (m_pad,), wire_dtype)
     return Packet(p.tensors, p.numel, p.shape, torch.float32)
 
 
-def decode_rows(codec: AnyCodec, rows: Rows, m_pad: int,
+def decode_rows(codec: Codec, rows: Rows, m_pad: int,
                 wire_dtype: torch.dtype) -> torch.Tensor:
     """Decode byte rows (as produced by :func:`encode_rows`) to ``(n, m_pad)`` fp32.
 
     ``wire_dtype`` is the dtype the sender encoded (it fixes the layout of codecs that
     send values in the input's dtype, such as ``none`` and ``topk``).
     """
-    codec = split(codec)[0]
     if isinstance(rows, list):
         return torch.stack([codec.decode(_row_packet(codec, r, m_pad, wire_dtype))
                             for r in rows])
     return codec.decode(packet_of_rows(codec, rows, m_pad, wire_dtype))
 
 
-def decode_sum_rows(codec: AnyCodec, rows: Rows, m_pad: int,
+def decode_sum_rows(codec: Codec, rows: Rows, m_pad: int,
                     wire_dtype: torch.dtype) -> torch.Tensor:
     """Decode byte rows and sum them in fp32, in row order → ``(m_pad,)``."""
-    codec = split(codec)[0]
     if isinstance(rows, list):
         return sum_rows(decode_rows(codec, rows, m_pad, wire_dtype))
     return codec.decode_sum(packet_of_rows(codec, rows, m_pad, wire_dtype))

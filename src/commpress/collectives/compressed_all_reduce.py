@@ -18,9 +18,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from commpress.codecs import Codec, ErrorFeedback
 from commpress.collectives import chunks
 from commpress.collectives.byte_stats import Stats, count_sent
-from commpress.collectives.call import AnyCodec, begin, end, is_exact
+from commpress.collectives.call import begin, end, is_exact
 from commpress.collectives.comm import rank_in
 from commpress.collectives.compressed_all_gather import all_gather_steps
 from commpress.collectives.compressed_reduce_scatter import exchange_and_sum
@@ -35,15 +36,16 @@ def two_rank_exchange(world: int) -> bool:
     return world == 2
 
 
-def all_reduce_steps(flat: torch.Tensor, codec: AnyCodec, peers: Peers, stats: Stats,
-                     label: str, op: str) -> Steps:
+def all_reduce_steps(flat: torch.Tensor, codec: Codec, peers: Peers, stats: Stats,
+                     label: str, op: str, memory: ErrorFeedback | None = None) -> Steps:
     """One rank's all-reduce of ``flat`` → the reduced values in its dtype, bitwise the
-    same on every rank (``flat`` itself, reduced in place, when exact)."""
+    same on every rank (``flat`` itself, reduced in place, when exact). ``memory`` is
+    applied around both encodes (keys ``label`` and ``label.shard``)."""
     n, numel, dtype = peers.size, flat.numel(), flat.dtype
     if n == 1 or numel == 0:
         return flat
     chunk = -(-numel // n)
-    if is_exact(codec):
+    if is_exact(codec, memory):
         size = 2 * (n - 1) * chunk * flat.element_size()
         count_sent(stats, label, 2 * (n - 1) * chunk, size, flat.element_size())
         request = Reduce(peers, stats, label, False, flat, op)
@@ -54,7 +56,7 @@ def all_reduce_steps(flat: torch.Tensor, codec: AnyCodec, peers: Peers, stats: S
         x = chunks.pad_chunks(flat, 1, numel, m_pad).view(-1)
         del flat
         # both ranks sum the two decoded copies in rank order: bitwise identical
-        total = yield from all_gather_steps(x, codec, peers, stats, label,
+        total = yield from all_gather_steps(x, codec, peers, stats, label, memory=memory,
                                             then=lambda values: values[0] + values[1])
         return (total / 2 if op == "avg" else total)[:numel].to(dtype)
     # Step 1-3: encode once, chunk i for rank i; all-to-all; decode and sum in fp32
@@ -62,21 +64,22 @@ def all_reduce_steps(flat: torch.Tensor, codec: AnyCodec, peers: Peers, stats: S
     x = chunks.pad_parts(flat, [chunk] * n, padded)
     del flat
     shard = yield from exchange_and_sum(x, padded, codec, peers, stats, label,
-                                        rng_stream=peers.rank)
+                                        rng_stream=peers.rank, memory=memory)
     if op == "avg":
         shard /= n
     # Step 4-6: encode that shard once (in the tensor's dtype, like the input), all-gather
     # its codes; every rank decodes every shard from the same bytes
     return (yield from all_gather_steps(
         shard.to(dtype), codec, peers, stats, label, key=label + ".shard", count_call=False,
-        then=lambda values: values[:, :chunk].reshape(-1)[:numel].to(dtype)))
+        memory=memory, then=lambda values: values[:, :chunk].reshape(-1)[:numel].to(dtype)))
 
 
-def run_all_reduce(tensor: torch.Tensor, codec: AnyCodec, group: dist.ProcessGroup,
-                   stats: Stats, label: str, op: str) -> Handle:
+def run_all_reduce(tensor: torch.Tensor, codec: Codec, memory: ErrorFeedback | None,
+                   group: dist.ProcessGroup, stats: Stats, label: str, op: str) -> Handle:
     """The all-reduce itself, once ranks agree, over torch.distributed."""
     peers = Peers(rank_in(group), group.size(), group)
-    return run_into(tensor, lambda flat: all_reduce_steps(flat, codec, peers, stats, label, op))
+    return run_into(tensor, lambda flat: all_reduce_steps(flat, codec, peers, stats, label, op,
+                                                          memory))
 
 
 def all_reduce(
@@ -87,6 +90,7 @@ def all_reduce(
     label: str | None = None,
     async_op: bool = False,
     *,
+    memory: ErrorFeedback | None = None,
     also_agree: dict[str, object] | None = None,
 ) -> torch.Tensor | Handle:
     """All-reduce ``tensor`` in place: sum (``op="sum"``) or mean (``op="avg"``) over ranks.
@@ -94,7 +98,8 @@ def all_reduce(
     Steps: 1. encode ``tensor`` once, chunk ``i`` for rank ``i``; 2. all-to-all; 3. decode
     and sum the received chunks in fp32 (and divide for ``avg``); 4. encode that shard
     once; 5. all-gather the codes; 6. every rank decodes all shards into ``tensor``.
-    With ``codec="none"`` this is torch's own all-reduce. ``also_agree``: fields the
+    With ``codec="none"`` this is torch's own all-reduce. ``memory``: a
+    :class:`commpress.ErrorFeedback` applied around both encodes. ``also_agree``: fields the
     caller's ranks must agree on too (a front-end's own check), in the same round as the
     call's.
 
@@ -103,6 +108,6 @@ def all_reduce(
         commpress.all_reduce(grad, "int4:hadamard=128", label="dp.grad")
     """
     call = begin("all_reduce", group, label, {"codec": codec}, op=op,
-                 tensors={"tensor": tensor}, **(also_agree or {}))
-    return end(run_all_reduce(tensor, call.codec, call.group, call.stats, call.label, op),
-               async_op)
+                 memories={"codec": memory}, tensors={"tensor": tensor}, **(also_agree or {}))
+    return end(run_all_reduce(tensor, call.codec, call.memory, call.group, call.stats,
+                              call.label, op), async_op)

@@ -14,15 +14,16 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from commpress.codecs import Codec, ErrorFeedback
 from commpress.collectives import chunks
 from commpress.collectives.byte_stats import Stats, count_sent
-from commpress.collectives.call import AnyCodec, begin, end, is_exact, owned_input
+from commpress.collectives.call import begin, end, is_exact, owned_input
 from commpress.collectives.comm import check_sizes, rank_in
 from commpress.collectives.handle import Handle
 from commpress.collectives.transport import AllToAll, Peers, Reduce, Rows, Steps, run_into
 
 
-def send_rows(rows: Rows, codec: AnyCodec, peers: Peers, stats: Stats, label: str,
+def send_rows(rows: Rows, codec: Codec, peers: Peers, stats: Stats, label: str,
               padded: list[int], itemsize: int, eager: bool = False) -> Steps:
     """Count and send ``codec``'s byte rows (row ``i``, the codes of ``padded[i]``
     elements, to peer ``i``) → the rows received. Uneven rows of a fixed-rate codec
@@ -36,35 +37,38 @@ def send_rows(rows: Rows, codec: AnyCodec, peers: Peers, stats: Stats, label: st
     return (yield AllToAll(peers, stats, label, eager, rows, received))
 
 
-def exchange_and_sum(x: torch.Tensor, padded: list[int], codec: AnyCodec, peers: Peers,
-                     stats: Stats, label: str, *, rng_stream: int,
-                     eager: bool = False) -> Steps:
+def exchange_and_sum(x: torch.Tensor, padded: list[int], codec: Codec, peers: Peers,
+                     stats: Stats, label: str, *, rng_stream: int, eager: bool = False,
+                     memory: ErrorFeedback | None = None) -> Steps:
     """Encode ``x`` — the parts for each peer, ``padded[i]`` elements for peer ``i``, end
-    to end — once, exchange, decode what every peer sent this rank and sum in fp32, in
-    peer order → ``(padded[peers.rank],)``."""
+    to end — once (through ``memory``, keyed by ``label``), exchange, decode what every
+    peer sent this rank and sum in fp32, in peer order → ``(padded[peers.rank],)``."""
     dtype, itemsize, device = x.dtype, x.element_size(), x.device
     with stats.timed(label, "encode_s", device):
-        rows = chunks.encode_rows(codec, x, rng_stream=rng_stream, key=label, padded=padded)
+        rows = chunks.encode_rows(codec, x, rng_stream=rng_stream, key=label, padded=padded,
+                                  memory=memory)
     del x  # only codes are kept while the peers answer
     received = yield from send_rows(rows, codec, peers, stats, label, padded, itemsize, eager)
     with stats.timed(label, "decode_s", device):
         return chunks.decode_sum_rows(codec, received, padded[peers.rank], dtype)
 
 
-def reduce_scatter_steps(flat: torch.Tensor, sizes: int | list[int], codec: AnyCodec,
+def reduce_scatter_steps(flat: torch.Tensor, sizes: int | list[int], codec: Codec,
                          peers: Peers, stats: Stats, label: str, op: str, *,
-                         out: torch.Tensor | None = None, eager: bool = False) -> Steps:
+                         out: torch.Tensor | None = None, eager: bool = False,
+                         memory: ErrorFeedback | None = None) -> Steps:
     """One rank's reduce-scatter of ``flat``, the parts for each peer end to end:
     ``sizes`` elements each (an int), or ``sizes[i]`` for peer ``i`` (uneven parts, any
     length, zero included) → its ``sizes[rank]`` values (fp32 when compressed; ``out``
     itself when exact, even and given). Each part is padded to the codec's alignment
-    alone, so a rank receives only its elements, each encoded once."""
+    alone, so a rank receives only its elements, each encoded once; ``memory``: the
+    error feedback applied around the encode."""
     n = peers.size
     if n == 1:
         return flat
     sizes = [sizes] * n if isinstance(sizes, int) else list(sizes)
     m = sizes[peers.rank]
-    if is_exact(codec) and len(set(sizes)) == 1:
+    if is_exact(codec, memory) and len(set(sizes)) == 1:
         count_sent(stats, label, (n - 1) * m, (n - 1) * m * flat.element_size(),
                    flat.element_size())
         request = Reduce(peers, stats, label, eager, flat, op, True, out)
@@ -76,18 +80,20 @@ def reduce_scatter_steps(flat: torch.Tensor, sizes: int | list[int], codec: AnyC
     del flat
     # Step 3: decode the parts received and sum them in fp32, in rank order
     total = yield from exchange_and_sum(x, padded, codec, peers, stats, label,
-                                        rng_stream=peers.rank, eager=eager)
+                                        rng_stream=peers.rank, eager=eager, memory=memory)
     if op == "avg":
         total /= n
     return total[:m]
 
 
-def run_reduce_scatter(output: torch.Tensor, input: torch.Tensor, codec: AnyCodec,
-                       group: dist.ProcessGroup, stats: Stats, label: str, op: str) -> Handle:
+def run_reduce_scatter(output: torch.Tensor, input: torch.Tensor, codec: Codec,
+                       memory: ErrorFeedback | None, group: dist.ProcessGroup, stats: Stats,
+                       label: str, op: str) -> Handle:
     """The reduce-scatter itself, once ranks agree, over torch.distributed."""
     peers = Peers(rank_in(group), group.size(), group)
     return run_into(output, lambda out: reduce_scatter_steps(
-        input.reshape(-1), out.numel(), codec, peers, stats, label, op, out=out))
+        input.reshape(-1), out.numel(), codec, peers, stats, label, op, out=out,
+        memory=memory))
 
 
 def reduce_scatter(
@@ -98,6 +104,8 @@ def reduce_scatter(
     op: str = "avg",
     label: str | None = None,
     async_op: bool = False,
+    *,
+    memory: ErrorFeedback | None = None,
 ) -> torch.Tensor | Handle:
     """Reduce-scatter ``input`` (``world × output.numel()`` elements) into ``output``.
 
@@ -113,16 +121,18 @@ def reduce_scatter(
         op: ``"avg"`` or ``"sum"``.
         label: key for :func:`commpress.stats` (default ``"reduce_scatter"``).
         async_op: return a :class:`Handle` whose ``wait()`` finishes decoding.
+        memory: a :class:`commpress.ErrorFeedback` applied around the encode (this call
+            site's own; its residuals are keyed by ``label``).
 
     Example::
 
         commpress.reduce_scatter(shard, grads, "int4:hadamard=128", label="dp.grad")
     """
     call = begin("reduce_scatter", group, label, {"codec": codec}, op=op,
-                 tensors={"input": input, "output": output},
+                 memories={"codec": memory}, tensors={"input": input, "output": output},
                  check=lambda n: check_sizes("reduce_scatter", input, output, n, "input",
                                              "output"))
     input = owned_input(input, call.codec, async_op)
-    return end(run_reduce_scatter(output, input, call.codec, call.group, call.stats,
-                                  call.label, op), async_op)
+    return end(run_reduce_scatter(output, input, call.codec, call.memory, call.group,
+                                  call.stats, call.label, op), async_op)
 

@@ -23,9 +23,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from commpress.codecs import Delta
+from commpress.codecs import Codec, Delta, ErrorFeedback
 from commpress.collectives.byte_stats import Stats
-from commpress.collectives.call import AnyCodec, end
+from commpress.collectives.call import end
 from commpress.collectives.compressed_all_gather import all_gather_steps
 from commpress.collectives.handle import Handle
 from commpress.collectives.hierarchical import EXACT, begin_two_level
@@ -43,6 +43,7 @@ def delta_all_gather(
     group: dist.ProcessGroup | None = None,
     label: str | None = None,
     async_op: bool = False,
+    memory: ErrorFeedback | None = None,
 ) -> torch.Tensor | Handle:
     """Move every rank's slice of the replicated ``weights`` to that rank's new ``shard``,
     sending codes of the differences (qWD); ``weights`` is updated in place.
@@ -54,6 +55,7 @@ def delta_all_gather(
             ``weights.dtype`` before the difference is taken.
         codec: the difference codec (the paper: ``int4:group=2048``).
         topology: node layout; with several nodes of several ranks, two levels.
+        memory: error feedback around the differences' encode.
 
     Bytes this rank sends: ``wire_bytes(m)`` to each peer, ``m = shard.numel()``; two
     levels: to the ``nodes − 1`` peers of its local index, then ``m`` weights of
@@ -67,14 +69,14 @@ def delta_all_gather(
         raise InputError("delta_all_gather: weights must be contiguous (the flat replica "
                          "every rank holds)")
     call, used, peers = begin_two_level(
-        "delta_all_gather", group, label, EXACT, codec, topology,
+        "delta_all_gather", group, label, EXACT, codec, topology, inter_memory=memory,
         tensors={"weights": weights, "shard": shard},
         check=lambda n: _check_sizes(weights, shard, n))
     flat = weights.view(-1)
     # one level: every rank applies every rank's difference
     intra, inter = peers[1:] if len(used) == 2 else (Peers(0, 1, None), peers[0])
     steps = delta_gather_steps(flat, shard.reshape(-1), call.codecs["inter"], intra, inter,
-                               call.stats, call.label)
+                               call.stats, call.label, call.memories["inter"])
     return end(run(steps, lambda new: flat.copy_(new).view_as(weights)), async_op)
 
 
@@ -84,11 +86,13 @@ def _check_sizes(weights: torch.Tensor, shard: torch.Tensor, world: int) -> None
                          f"shard.numel() ({shard.numel()}) elements; got {weights.numel()}")
 
 
-def delta_gather_steps(weights: torch.Tensor, shard: torch.Tensor, codec: AnyCodec,
-                       intra: Peers, inter: Peers, stats: Stats, label: str) -> Steps:
+def delta_gather_steps(weights: torch.Tensor, shard: torch.Tensor, codec: Codec,
+                       intra: Peers, inter: Peers, stats: Stats, label: str,
+                       memory: ErrorFeedback | None = None) -> Steps:
     """One rank's qWD gather → the new flat replica. ``weights`` is the flat replica
     (read, not written), ``shard`` this rank's new values. One level when ``intra`` has
-    one rank: the differences cross ``inter``, labelled ``label``."""
+    one rank: the differences cross ``inter``, labelled ``label``, encoded through
+    ``memory`` when given."""
     L, nodes, m = intra.size, inter.size, shard.numel()
     shards = weights.view(nodes, L, m)  # rank node·L + l owns shards[node, l]
     diff = Delta.difference(shard.to(weights.dtype), shards[inter.rank, intra.rank])
@@ -96,7 +100,7 @@ def delta_gather_steps(weights: torch.Tensor, shard: torch.Tensor, codec: AnyCod
     # Step 1: the differences of this local index cross nodes once and are applied to
     # its shards; every rank that gathers them computes the same
     mine = yield from all_gather_steps(
-        diff, codec, inter, stats, label if L == 1 else f"{label}.inter",
+        diff, codec, inter, stats, label if L == 1 else f"{label}.inter", memory=memory,
         then=lambda full: Delta.apply(shards[:, intra.rank], full.reshape(nodes, m)))
     if L == 1:
         return mine.view(-1)

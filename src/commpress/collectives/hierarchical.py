@@ -44,10 +44,10 @@ import math
 import torch
 import torch.distributed as dist
 
-from commpress.codecs.error_feedback import split
+from commpress.codecs import Codec, ErrorFeedback
 from commpress.collectives import chunks
 from commpress.collectives.byte_stats import Stats, count_sent
-from commpress.collectives.call import AnyCodec, Call, begin, end, is_exact, resolve_codec
+from commpress.collectives.call import Call, begin, end, is_exact, resolve_codec
 from commpress.collectives.comm import check_sizes, resolve_group
 from commpress.collectives.compressed_all_gather import all_gather_steps, run_all_gather
 from commpress.collectives.compressed_all_reduce import all_reduce_steps
@@ -67,7 +67,8 @@ EXACT = resolve_codec("none")
 def begin_two_level(collective: str, group: dist.ProcessGroup | None, label: str | None,
                     intra, inter, topology: Topology | None, *,
                     tensors: dict[str, torch.Tensor], op: str | None = None,
-                    check=None, **fields: object
+                    check=None, intra_memory: ErrorFeedback | None = None,
+                    inter_memory: ErrorFeedback | None = None, **fields: object
                     ) -> tuple[Call, tuple[str, ...], tuple[Peers, Peers, Peers]]:
     """The prologue of a two-level collective: agree on everything, including the node
     size, *before* the sub-groups are made (ranks that disagree on it would otherwise
@@ -79,7 +80,8 @@ def begin_two_level(collective: str, group: dist.ProcessGroup | None, label: str
     world = dist.get_world_size(resolve_group(group))
     rpn = topology.ranks_per_node_in(world)
     call = begin(collective, group, label, {"intra": intra, "inter": inter}, op=op,
-                 tensors=tensors, check=check, ranks_per_node=rpn, **fields)
+                 memories={"intra": intra_memory, "inter": inter_memory}, tensors=tensors,
+                 check=check, ranks_per_node=rpn, **fields)
     levels = call.ctx.levels(call.group, rpn)
     peers = (Peers(call.rank, call.world, call.group),
              Peers(levels.local_rank, levels.ranks_per_node, levels.intra),
@@ -98,12 +100,17 @@ def hierarchical_reduce_scatter(
     op: str = "avg",
     label: str | None = None,
     async_op: bool = False,
+    intra_memory: ErrorFeedback | None = None,
+    inter_memory: ErrorFeedback | None = None,
 ) -> torch.Tensor | Handle:
     """Two-level reduce-scatter of ``input`` (``world × output.numel()``) into ``output``.
 
     Rank ``r`` gets the sum or mean over all ranks of chunk ``r``, exactly as
     :func:`commpress.reduce_scatter`. Stats go to ``label + ".intra"`` and
     ``label + ".inter"`` (default label ``"hierarchical_reduce_scatter"``).
+    ``intra_memory``/``inter_memory``: error feedback around each level's encode (a
+    level with memory does not fuse its re-quantization: the residual needs the values
+    it sent).
 
     Example::
 
@@ -112,26 +119,32 @@ def hierarchical_reduce_scatter(
     """
     call, used, peers = begin_two_level(
         "hierarchical_reduce_scatter", group, label, intra, inter, topology, op=op,
+        intra_memory=intra_memory, inter_memory=inter_memory,
         tensors={"input": input, "output": output},
         check=lambda n: check_sizes("hierarchical_reduce_scatter", input, output, n, "input",
                                     "output"))
     return end(run_into(output, lambda out: reduce_scatter_levels_steps(
         input.reshape(-1), out.numel(), call.codecs, used, *peers, call.stats, call.label, op,
-        call.rank)), async_op)
+        call.rank, call.memories)), async_op)
 
 
 def reduce_scatter_levels_steps(flat: torch.Tensor, sizes: int | list[int],
-                                codecs: dict[str, AnyCodec], used: tuple[str, ...],
+                                codecs: dict[str, Codec], used: tuple[str, ...],
                                 peers: Peers, intra: Peers, inter: Peers, stats: Stats,
-                                label: str, op: str, rank: int) -> Steps:
+                                label: str, op: str, rank: int,
+                                memories: dict[str, ErrorFeedback | None] | None = None
+                                ) -> Steps:
     """A reduce-scatter (even or uneven ``sizes``, :func:`reduce_scatter_steps`) on the
     levels ``used`` (:func:`levels_used`): one level over ``peers`` with that level's
-    codec and label, or TLq-HS over ``intra``/``inter``."""
+    codec, memory and label, or TLq-HS over ``intra``/``inter``."""
+    memories = memories or {}
     if len(used) == 1:
         return reduce_scatter_steps(flat, sizes, codecs[used[0]], peers, stats,
-                                    level_label(label, used[0]), op)
+                                    level_label(label, used[0]), op,
+                                    memory=memories.get(used[0]))
     return two_level_reduce_scatter_steps(flat, sizes, codecs["intra"], codecs["inter"],
-                                          intra, inter, stats, label, op, rank)
+                                          intra, inter, stats, label, op, rank,
+                                          memories.get("intra"), memories.get("inter"))
 
 
 def reduce_scatter_parts(
@@ -145,6 +158,9 @@ def reduce_scatter_parts(
     op: str = "avg",
     label: str | None = None,
     async_op: bool = False,
+    memory: ErrorFeedback | None = None,
+    intra_memory: ErrorFeedback | None = None,
+    inter_memory: ErrorFeedback | None = None,
 ) -> torch.Tensor | Handle:
     """Reduce-scatter with uneven parts: the sum (``op="sum"``) or mean (``"avg"``) over
     ranks of the part each rank holds for this rank, in fp32.
@@ -167,6 +183,8 @@ def reduce_scatter_parts(
         topology: node layout for two levels (default from ``LOCAL_WORLD_SIZE``).
         label: key for :func:`commpress.stats` (``label.intra`` / ``label.inter`` with
             two levels; default ``"reduce_scatter_parts"``).
+        memory, intra_memory, inter_memory: error feedback around the encode of the
+            one level, or of each of two.
 
     Returns:
         ``len(parts[rank])`` fp32 values (a :class:`Handle` with ``async_op``).
@@ -192,35 +210,42 @@ def reduce_scatter_parts(
     tensors = {"parts": parts[0]}
     if intra is None:
         call = begin("reduce_scatter_parts", group, label, {"single": codec}, op=op,
-                     tensors=tensors, sizes=sizes)
+                     memories={"single": memory}, tensors=tensors, sizes=sizes)
         whole = Peers(call.rank, call.world, call.group)
         used, peers = ("single",), (whole, whole, whole)
     else:
         call, used, peers = begin_two_level("reduce_scatter_parts", group, label, intra,
                                             inter, topology, op=op, tensors=tensors,
-                                            sizes=sizes)
+                                            intra_memory=intra_memory,
+                                            inter_memory=inter_memory, sizes=sizes)
     flat = torch.cat([p.reshape(-1) for p in parts])
     return end(run(reduce_scatter_levels_steps(flat, sizes, call.codecs, used, *peers,
-                                               call.stats, call.label, op, call.rank)),
-               async_op)
+                                               call.stats, call.label, op, call.rank,
+                                               call.memories)), async_op)
 
 
-def all_reduce_levels_steps(flat: torch.Tensor, codecs: dict[str, AnyCodec],
+def all_reduce_levels_steps(flat: torch.Tensor, codecs: dict[str, Codec],
                             used: tuple[str, ...], peers: Peers, intra: Peers, inter: Peers,
                             stats: Stats, label: str, op: str, *,
-                            gather_out: torch.Tensor | None = None) -> Steps:
-    """An all-reduce on the levels ``used``: one level over ``peers``, or two."""
+                            gather_out: torch.Tensor | None = None,
+                            memories: dict[str, ErrorFeedback | None] | None = None) -> Steps:
+    """An all-reduce on the levels ``used``: one level over ``peers``, or two; each
+    level's codec with its memory (``memories``, by the same names)."""
+    memories = memories or {}
     if len(used) == 1:
         return all_reduce_steps(flat, codecs[used[0]], peers, stats,
-                                level_label(label, used[0]), op)
+                                level_label(label, used[0]), op, memories.get(used[0]))
     return two_level_all_reduce_steps(flat, codecs["intra"], codecs["inter"], intra, inter,
-                                      stats, label, op, gather_out=gather_out)
+                                      stats, label, op, gather_out=gather_out,
+                                      intra_memory=memories.get("intra"),
+                                      inter_memory=memories.get("inter"))
 
 
 def two_level_reduce_scatter_steps(flat: torch.Tensor, sizes: int | list[int],
-                                   intra: AnyCodec, inter: AnyCodec, intra_peers: Peers,
+                                   intra: Codec, inter: Codec, intra_peers: Peers,
                                    inter_peers: Peers, stats: Stats, label: str, op: str,
-                                   rank: int) -> Steps:
+                                   rank: int, intra_memory: ErrorFeedback | None = None,
+                                   inter_memory: ErrorFeedback | None = None) -> Steps:
     """One rank's TLq-HS reduce-scatter of ``flat``, the parts for each rank end to end
     (``sizes`` as in :func:`reduce_scatter_steps`: even or uneven) → its values in fp32;
     ``rank`` (in the whole group) seeds its random streams."""
@@ -228,9 +253,8 @@ def two_level_reduce_scatter_steps(flat: torch.Tensor, sizes: int | list[int],
     n, itemsize, device = L * nodes, flat.element_size(), flat.device
     local, node = intra_peers.rank, inter_peers.rank
     sizes = [sizes] * n if isinstance(sizes, int) else list(sizes)
-    (intra_codec, intra_memory), (inter_codec, inter_memory) = split(intra), split(inter)
     # every part aligned to both codecs: the node sums re-encode part by part
-    unit = math.lcm(max(intra_codec.alignment, 1), max(inter_codec.alignment, 1))
+    unit = math.lcm(max(intra.alignment, 1), max(inter.alignment, 1))
     padded = [-(-size // unit) * unit for size in sizes]
     x = chunks.pad_parts(flat, sizes, padded)
     del flat
@@ -247,8 +271,7 @@ def two_level_reduce_scatter_steps(flat: torch.Tensor, sizes: int | list[int],
     # and re-encode for the slow link. Eager, not in wait(): the fast intra-node exchange
     # is short, and the slow transfer then runs while an async caller goes on computing.
     # fused only without memory: a residual needs the decoded values of what is sent
-    if intra_memory is None and inter_memory is None and intra_codec.requantizes_into(
-            inter_codec):
+    if intra_memory is None and inter_memory is None and intra.requantizes_into(inter):
         with stats.timed(lab_intra, "encode_s", device):
             rows = chunks.encode_rows(intra, x, rng_stream=rank, key=lab_intra,
                                       padded=for_local)
@@ -258,7 +281,7 @@ def two_level_reduce_scatter_steps(flat: torch.Tensor, sizes: int | list[int],
         with stats.timed(lab_inter, "encode_s", device):
             packet = chunks.packet_of_rows(intra, received, for_local[local], torch.float32)
             rows = chunks.rows_of_parts(
-                inter, intra_codec.sum_requantize(packet, inter_codec, rng_stream=rank),
+                inter, intra.sum_requantize(packet, inter, rng_stream=rank),
                 for_node)
         del received, packet
         # Step 4-5: exchange across nodes, decode, sum (and the inverse rotation, once)
@@ -268,9 +291,10 @@ def two_level_reduce_scatter_steps(flat: torch.Tensor, sizes: int | list[int],
             total = chunks.decode_sum_rows(inter, received, for_node[node], torch.float32)
     else:
         partial = yield from exchange_and_sum(x, for_local, intra, intra_peers, stats,
-                                              lab_intra, rng_stream=rank, eager=True)
+                                              lab_intra, rng_stream=rank, eager=True,
+                                              memory=intra_memory)
         total = yield from exchange_and_sum(partial, for_node, inter, inter_peers, stats,
-                                            lab_inter, rng_stream=rank)
+                                            lab_inter, rng_stream=rank, memory=inter_memory)
     if op == "avg":
         total /= n
     return total[:sizes[rank]]
@@ -286,6 +310,8 @@ def hierarchical_all_gather(
     group: dist.ProcessGroup | None = None,
     label: str | None = None,
     async_op: bool = False,
+    intra_memory: ErrorFeedback | None = None,
+    inter_memory: ErrorFeedback | None = None,
 ) -> torch.Tensor | Handle:
     """Two-level all-gather of every rank's ``input`` into ``output`` (rank order).
 
@@ -294,7 +320,8 @@ def hierarchical_all_gather(
     were quantized once already, and a second quantization would add its error for
     little gain on fast links). Every rank decodes the same bytes, so ``output`` is
     bitwise identical everywhere. One node uses ``intra`` alone, one rank per node
-    ``inter`` alone. Stats go to ``label + ".inter"`` and ``label + ".intra"``.
+    ``inter`` alone. Stats go to ``label + ".inter"`` and ``label + ".intra"``;
+    ``intra_memory``/``inter_memory``: error feedback around each level's encode.
 
     Example::
 
@@ -302,31 +329,35 @@ def hierarchical_all_gather(
     """
     call, used, peers = begin_two_level(
         "hierarchical_all_gather", group, label, intra, inter, topology,
+        intra_memory=intra_memory, inter_memory=inter_memory,
         tensors={"input": input, "output": output},
         check=lambda n: check_sizes("hierarchical_all_gather", output, input, n, "output",
                                     "input"))
     if len(used) == 1:
-        return end(run_all_gather(output, input, call.codecs[used[0]], call.group, call.stats,
-                                  level_label(call.label, used[0])), async_op)
+        return end(run_all_gather(output, input, call.codecs[used[0]], call.memories[used[0]],
+                                  call.group, call.stats, level_label(call.label, used[0])),
+                   async_op)
     return end(run_into(output, lambda out: two_level_all_gather_steps(
         input.reshape(-1), call.codecs["intra"], call.codecs["inter"], *peers[1:], call.stats,
-        call.label)), async_op)
+        call.label, call.memories["intra"], call.memories["inter"])), async_op)
 
 
-def two_level_all_gather_steps(flat: torch.Tensor, intra: AnyCodec, inter: AnyCodec,
+def two_level_all_gather_steps(flat: torch.Tensor, intra: Codec, inter: Codec,
                                intra_peers: Peers, inter_peers: Peers, stats: Stats,
-                               label: str) -> Steps:
+                               label: str, intra_memory: ErrorFeedback | None = None,
+                               inter_memory: ErrorFeedback | None = None) -> Steps:
     """One rank's two-level all-gather of ``flat`` → every rank's values, node-major, in
     ``flat``'s dtype."""
     L, nodes, m, dtype = intra_peers.size, inter_peers.size, flat.numel(), flat.dtype
     # Step 1: shards cross nodes once, among ranks of this local index
     across = yield from all_gather_steps(flat, inter, inter_peers, stats, f"{label}.inter",
+                                         memory=inter_memory,
                                          then=lambda v: v.to(dtype).reshape(-1))
     del flat
     # Step 2: the node shares what it decoded; local rank l's row holds the nodes'
     # shards l, and rank order is node-major
     return (yield from all_gather_steps(
-        across, intra, intra_peers, stats, f"{label}.intra",
+        across, intra, intra_peers, stats, f"{label}.intra", memory=intra_memory,
         then=lambda v: v.to(dtype).view(L, nodes, m).transpose(0, 1).reshape(-1)))
 
 
@@ -341,6 +372,8 @@ def hierarchical_all_reduce(
     label: str | None = None,
     async_op: bool = False,
     also_agree: dict[str, object] | None = None,
+    intra_memory: ErrorFeedback | None = None,
+    inter_memory: ErrorFeedback | None = None,
 ) -> torch.Tensor | Handle:
     """Two-level all-reduce of ``tensor`` in place; bitwise identical on every rank.
 
@@ -354,7 +387,8 @@ def hierarchical_all_reduce(
     the call returns once the transfer across nodes has started. One node uses
     ``intra`` alone, one rank per node ``inter`` alone. Stats go to ``label + ".intra"``,
     ``label + ".inter"`` and ``label + ".gather.intra"``. ``also_agree``: as
-    :func:`commpress.all_reduce`'s.
+    :func:`commpress.all_reduce`'s; ``intra_memory``/``inter_memory``: error feedback
+    around each level's encodes.
 
     Example::
 
@@ -362,17 +396,20 @@ def hierarchical_all_reduce(
     """
     call, used, peers = begin_two_level("hierarchical_all_reduce", group, label, intra, inter,
                                         topology, op=op, tensors={"tensor": tensor},
+                                        intra_memory=intra_memory, inter_memory=inter_memory,
                                         **(also_agree or {}))
     in_place = tensor.numel() % peers[1].size == 0  # the last gather writes into it: no copies
     return end(run_into(tensor, lambda flat: all_reduce_levels_steps(
         flat, call.codecs, used, *peers, call.stats, call.label, op,
-        gather_out=flat if in_place else None)), async_op)
+        gather_out=flat if in_place else None, memories=call.memories)), async_op)
 
 
-def two_level_all_reduce_steps(flat: torch.Tensor, intra: AnyCodec, inter: AnyCodec,
+def two_level_all_reduce_steps(flat: torch.Tensor, intra: Codec, inter: Codec,
                                intra_peers: Peers, inter_peers: Peers, stats: Stats,
                                label: str, op: str, *,
-                               gather_out: torch.Tensor | None = None) -> Steps:
+                               gather_out: torch.Tensor | None = None,
+                               intra_memory: ErrorFeedback | None = None,
+                               inter_memory: ErrorFeedback | None = None) -> Steps:
     """One rank's two-level all-reduce of ``flat`` → the reduced values in its dtype
     (bitwise the same on every rank); ``gather_out``, a ``L · ceil(numel / L)`` buffer
     the last exact gather may write into."""
@@ -385,7 +422,7 @@ def two_level_all_reduce_steps(flat: torch.Tensor, intra: AnyCodec, inter: AnyCo
         padded[:numel] = flat
     del flat
     # Step 1: reduce inside the node; local rank l holds chunk l of the node's sum
-    if is_exact(intra):
+    if is_exact(intra, intra_memory):
         # an all-to-all and a sum in local-rank order: deterministic, and on Gloo
         # about twice as fast as its reduce-scatter
         count_sent(stats, f"{label}.intra", (L - 1) * m, (L - 1) * m * itemsize, itemsize)
@@ -394,12 +431,13 @@ def two_level_all_reduce_steps(flat: torch.Tensor, intra: AnyCodec, inter: AnyCo
         chunk = torch.sum((yield request), dim=0)
     else:
         chunk = (yield from reduce_scatter_steps(padded, m, intra, intra_peers, stats,
-                                                 f"{label}.intra", "sum", eager=True))
+                                                 f"{label}.intra", "sum", eager=True,
+                                                 memory=intra_memory))
         del padded
         chunk = chunk.to(dtype)
     # Step 2: across nodes; the slow transfer starts now, an async caller computes on
     chunk = (yield from all_reduce_steps(chunk, inter, inter_peers, stats, f"{label}.inter",
-                                         "sum")).to(dtype)
+                                         "sum", inter_memory)).to(dtype)
     if op == "avg":
         chunk = chunk / n  # not in place: the played transport shares gathered results
     # Step 3: share the result inside the node, exactly

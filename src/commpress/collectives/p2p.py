@@ -47,9 +47,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from commpress.codecs import packet_to_bytes
-from commpress.codecs.error_feedback import split
-from commpress.collectives import chunks
+from commpress.codecs import Codec, ErrorFeedback, packet_to_bytes
+from commpress.codecs.error_feedback import encode
 from commpress.collectives.agreement import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
@@ -60,7 +59,7 @@ from commpress.collectives.agreement import (
     mismatch_message,
 )
 from commpress.collectives.byte_stats import Stats, count_sent
-from commpress.collectives.call import AnyCodec, check_float, resolve_codec
+from commpress.collectives.call import check_float, resolve_codec, resolve_memory
 from commpress.collectives.comm import resolve_group
 from commpress.collectives.handle import Handle
 from commpress.validate import InputError, check_int
@@ -80,7 +79,7 @@ def _wire_device(ctx: GroupContext, tensor: torch.Tensor) -> torch.device:
     return torch.device("cpu") if "gloo" in ctx.backend else tensor.device
 
 
-def _descriptor(ctx: GroupContext, seq: int, label: str, codec: AnyCodec, tensor: torch.Tensor,
+def _descriptor(ctx: GroupContext, seq: int, label: str, codec: Codec, tensor: torch.Tensor,
                 src: int, dst: int, tag: int) -> str:
     return describe_call("p2p", seq, {
         "label": label, "codec": codec.spec(), "numel": tensor.numel(),
@@ -197,14 +196,14 @@ def _inbox(ctx: GroupContext, group: dist.ProcessGroup, peer: int, tag: int) -> 
 
 def _begin(tensor: torch.Tensor, peer: int, name: str, codec, group: dist.ProcessGroup | None,
            label: str | None, tag: int
-           ) -> tuple[dist.ProcessGroup, AnyCodec, GroupContext, str, torch.device]:
+           ) -> tuple[dist.ProcessGroup, Codec, GroupContext, str, torch.device]:
     """Check a transfer's arguments (``name``: ``dst`` or ``src``) → its group, codec,
     context, label and wire device."""
     # torch.distributed takes a tag that fits a C ``int`` and is not negative (a negative
     # one fails only on the sending side, and the receiver then waits out the timeout)
     check_int("tag", tag, ge=0, le=2**31 - 1)
-    group = resolve_group(group)
     codec = resolve_codec(codec)
+    group = resolve_group(group)
     check_float("tensor", tensor)
     ctx = context(group)
     if not isinstance(peer, int) or not 0 <= peer < ctx.world or peer == ctx.rank:
@@ -214,15 +213,19 @@ def _begin(tensor: torch.Tensor, peer: int, name: str, codec, group: dist.Proces
 
 
 def isend(tensor: torch.Tensor, dst: int, codec="none", group: dist.ProcessGroup | None = None,
-          label: str | None = None, tag: int = 0) -> Handle:
-    """Start sending ``tensor`` encoded with ``codec`` to group rank ``dst``.
+          label: str | None = None, tag: int = 0, *,
+          memory: ErrorFeedback | None = None) -> Handle:
+    """Start sending ``tensor`` encoded with ``codec`` to group rank ``dst``; ``memory``:
+    the sender's error feedback, keyed ``"<label>-><dst>"`` (the receiver decodes with the
+    codec alone).
 
     ``wait()`` returns once the receiver has acknowledged and the bytes are sent; it
     raises :class:`CollectiveMismatchError` if the receiver expected another transfer.
     """
+    memory = resolve_memory(memory)
     group, codec, ctx, label, device = _begin(tensor, dst, "dst", codec, group, label, tag)
     payload = encode_payload(codec, tensor, ctx.stats, label, device,
-                             rng_stream=dist.get_rank(), key=f"{label}->{dst}")
+                             rng_stream=dist.get_rank(), key=f"{label}->{dst}", memory=memory)
     seq = ctx.next_p2p("send", dst, tag)
     text = _descriptor(ctx, seq, label, codec, tensor, ctx.rank, dst, tag)
     inbox = _inbox(ctx, group, dst, tag)
@@ -266,8 +269,7 @@ def irecv(tensor: torch.Tensor, src: int, codec="none", group: dist.ProcessGroup
     with ctx.stats.timed(label, "comm_s", tensor.device):
         arrival = inbox.next_transfer(device, what)
         theirs = arrival.text()
-    wire = split(codec)[0]  # decoding needs the codec alone, not its sender's memory
-    expected = wire.wire_bytes(tensor.numel(), tensor.dtype)
+    expected = codec.wire_bytes(tensor.numel(), tensor.dtype)
     agreed = arrival.digest == digest(mine) and (expected is None
                                                   or arrival.payload_bytes == expected)
     if not agreed:
@@ -290,12 +292,14 @@ def irecv(tensor: torch.Tensor, src: int, codec="none", group: dist.ProcessGroup
     return Handle(finish)
 
 
-def encode_payload(codec: AnyCodec, tensor: torch.Tensor, stats: Stats, label: str,
-                   device: torch.device, *, rng_stream: int, key: str) -> torch.Tensor:
-    """Encode ``tensor`` for a transfer and count its bytes → the payload on ``device``
-    (never the tensor's own storage: the sender may reuse it once the send returns)."""
+def encode_payload(codec: Codec, tensor: torch.Tensor, stats: Stats, label: str,
+                   device: torch.device, *, rng_stream: int, key: str,
+                   memory: ErrorFeedback | None = None) -> torch.Tensor:
+    """Encode ``tensor`` (through ``memory``, keyed ``key``) for a transfer and count its
+    bytes → the payload on ``device`` (never the tensor's own storage: the sender may
+    reuse it once the send returns)."""
     with stats.timed(label, "encode_s", tensor.device):
-        packet = chunks.encode(codec, tensor.detach(), rng_stream=rng_stream, key=key)
+        packet = encode(codec, tensor.detach(), rng_stream=rng_stream, key=key, memory=memory)
         payload = packet_to_bytes(packet).to(device)
         if payload.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr():
             payload = payload.clone()  # codec "none" sends the tensor itself
@@ -303,12 +307,11 @@ def encode_payload(codec: AnyCodec, tensor: torch.Tensor, stats: Stats, label: s
     return payload
 
 
-def decode_payload(codec: AnyCodec, payload: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def decode_payload(codec: Codec, payload: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """Decode a transfer's ``payload`` into ``out`` (the codec alone: the memory of error
     feedback is the sender's)."""
-    wire = split(codec)[0]
-    packet = wire.packet_from_bytes(payload, out.numel(), tuple(out.shape), out.dtype)
-    return wire.decode(packet, out=out)
+    packet = codec.packet_from_bytes(payload, out.numel(), tuple(out.shape), out.dtype)
+    return codec.decode(packet, out=out)
 
 
 def _refuse(ctx: GroupContext, inbox: _Inbox, arrival: _Arrival, mine: str,
@@ -322,9 +325,11 @@ def _refuse(ctx: GroupContext, inbox: _Inbox, arrival: _Arrival, mine: str,
 
 
 def send(tensor: torch.Tensor, dst: int, codec="none", group: dist.ProcessGroup | None = None,
-         label: str | None = None, tag: int = 0) -> None:
-    """Send ``tensor`` encoded with ``codec`` to group rank ``dst`` (blocking)."""
-    isend(tensor, dst, codec, group, label, tag).wait()
+         label: str | None = None, tag: int = 0, *,
+         memory: ErrorFeedback | None = None) -> None:
+    """Send ``tensor`` encoded with ``codec`` to group rank ``dst`` (blocking); ``memory``
+    as :func:`isend`'s."""
+    isend(tensor, dst, codec, group, label, tag, memory=memory).wait()
 
 
 def recv(tensor: torch.Tensor, src: int, codec="none", group: dist.ProcessGroup | None = None,
@@ -344,10 +349,14 @@ class P2POp:
     group: dist.ProcessGroup | None = None
     label: str | None = None
     tag: int = 0
+    memory: ErrorFeedback | None = None  # a send's error feedback
 
     def __post_init__(self) -> None:
         if self.op not in ("send", "recv"):
             raise InputError(f"P2POp: op={self.op!r} is not allowed; allowed: send, recv")
+        if self.op == "recv" and self.memory is not None:
+            raise InputError("P2POp: memory= on a recv is not allowed; allowed: memory on a "
+                             "send only (error feedback is the sender's)")
 
 
 def batch_isend_irecv(ops: list[P2POp]) -> list[Handle]:
@@ -356,7 +365,8 @@ def batch_isend_irecv(ops: list[P2POp]) -> list[Handle]:
     handles: dict[int, Handle] = {}
     for i, p in enumerate(ops):
         if p.op == "send":
-            handles[i] = isend(p.tensor, p.peer, p.codec, p.group, p.label, p.tag)
+            handles[i] = isend(p.tensor, p.peer, p.codec, p.group, p.label, p.tag,
+                               memory=p.memory)
     sends = list(handles.values())
     try:
         for i, p in enumerate(ops):

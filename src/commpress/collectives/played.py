@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
+from commpress.codecs import Codec, ErrorFeedback
 from commpress.collectives.byte_stats import Stats
-from commpress.collectives.call import AnyCodec
 from commpress.collectives.p2p import decode_payload, encode_payload
 from commpress.collectives.transport import AllGather, AllToAll, Peers, Reduce, Request, Steps
 
@@ -128,13 +128,16 @@ def _received(rows_by_source: list, index: int, stacked: bool):
         picked)
 
 
-def played_transfer(send_codec: AnyCodec, recv_codec: AnyCodec, tensor: torch.Tensor, *,
+def played_transfer(send_codec: Codec, recv_codec: Codec, tensor: torch.Tensor, *,
                     rng_stream: int, key: str, stats: Stats | None = None,
-                    label: str = "p2p") -> torch.Tensor:
+                    label: str = "p2p", send_memory: ErrorFeedback | None = None
+                    ) -> torch.Tensor:
     """What :func:`commpress.recv` writes on the receiver when the sender calls
     :func:`commpress.isend` on ``tensor`` (``rng_stream``: the sender's global rank;
-    ``key``: ``"<label>-><dst>"``) — the same encode, bytes and decode into a new tensor."""
+    ``key``: ``"<label>-><dst>"``; ``send_memory``: the sender's) — the same encode, bytes
+    and decode into a new tensor."""
     payload = encode_payload(send_codec, tensor, Stats() if stats is None else stats, label,
-                             tensor.device, rng_stream=rng_stream, key=key)
+                             tensor.device, rng_stream=rng_stream, key=key,
+                             memory=send_memory)
     out = torch.empty_like(tensor, memory_format=torch.contiguous_format)
     return decode_payload(recv_codec, payload, out)

@@ -20,10 +20,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from commpress.codecs.error_feedback import split
+from commpress.codecs.error_feedback import coder_state, load_coder_state
 from commpress.collectives import Handle, Topology
 from commpress.collectives.byte_stats import Stats
-from commpress.collectives.call import is_exact
 from commpress.collectives.transport import Peers, Steps
 from commpress.dp.grad_path import GradPath
 from commpress.dp.weight_gather import gather_weights, weight_gather_steps
@@ -48,12 +47,13 @@ class DPBucket:
     overwrites its own (saved with the state)."""
 
     def __init__(self, policy: Policy, topology: Topology, label: str = "dp.grad", *,
-                 axis: str = "dp", grads: bool = True, weights: bool = False,
-                 param_rule: Rule | None = None,
+                 axis: str = "dp", level: str | None = None, grads: bool = True,
+                 weights: bool = False, param_rule: Rule | None = None,
                  reducer: Callable[[], Any] | None = None) -> None:
         self.policy, self.topology, self.label, self.grads = policy, topology, label, grads
-        # axis "outer": DiLoCo's pseudo-gradients, by the policy's outer.grad rules
-        self.reducer = reducer or (lambda: GradPath(policy, topology, label, axis))
+        # axis "outer": DiLoCo's pseudo-gradients, by the policy's outer.grad rules; level:
+        # one level's rule alone (GradPath)
+        self.reducer = reducer or (lambda: GradPath(policy, topology, label, axis, level))
         self.param_rule = param_rule or (policy.rule("dp", "param") if weights else None)
         self.reference: torch.Tensor | None = None
         self.fresh()
@@ -62,7 +62,12 @@ class DPBucket:
         """The codecs as the policy builds them: no memory, rounding streams from their
         start (a new run, or an elastic resume on another number of ranks)."""
         self.grad = self.reducer() if self.grads else None
-        self.param = None if self.param_rule is None else self.param_rule.build()
+        self._fresh_param()
+
+    def _fresh_param(self) -> None:
+        rule = self.param_rule
+        self.param = None if rule is None else rule.build()
+        self.param_memory = None if rule is None else rule.build_memory()
 
     # -- what the bucket's owner may ask -------------------------------------------------
     @property
@@ -79,20 +84,24 @@ class DPBucket:
         return self.grad.alignment
 
     @property
+    def grad_dtypes(self) -> frozenset[torch.dtype]:
+        """The gradient dtypes the gradient codecs take."""
+        return self.grad.supported_dtypes
+
+    @property
     def weights_alignment(self) -> int:
         """Element count the weight codec splits evenly on."""
-        return max(split(self.param)[0].alignment, 1)
+        return max(self.param.alignment, 1)
 
     @property
     def grad_lossy(self) -> bool:
         """Whether the reduced gradients can differ from an exact reduction."""
-        return not all(is_exact(c) for c in self.grad.codecs.values())
+        return self.grad.lossy
 
     @property
     def weights_lossy(self) -> bool:
         """Whether the gathered weights can differ from the ranks' own."""
-        plain, memory = split(self.param)
-        return not (is_exact(self.param) or (memory is None and plain.lossless))
+        return self.param_rule.lossy
 
     @property
     def sends_differences(self) -> bool:
@@ -166,20 +175,21 @@ class DPBucket:
                        ) -> torch.Tensor | Handle:
         """Every rank's ``new`` shard into the replicated ``weights`` with this bucket's
         weight codec (:func:`commpress.dp.weight_gather.gather_weights`)."""
-        return gather_weights(weights, new, self.param, self.param_rule, self.topology, group,
-                              async_op)
+        return gather_weights(weights, new, self.param, self.param_memory, self.param_rule,
+                              self.topology, group, async_op)
 
     def gather_weights_steps(self, weights: torch.Tensor, new: torch.Tensor,
                              peers: tuple[Peers, Peers, Peers], stats: Stats) -> Steps:
         """The steps of :meth:`gather_weights` for one (played) rank."""
-        return weight_gather_steps(weights, new, self.param, self.param_rule, peers, stats)
+        return weight_gather_steps(weights, new, self.param, self.param_memory, self.param_rule,
+                                   peers, stats)
 
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {}
         if self.grad is not None:
             state["grad"] = self.grad.state_dict()
         if self.param is not None:
-            state["param"] = self.param.state_dict()
+            state["param"] = coder_state(self.param, self.param_memory)
         if self.reference is not None:
             state["reference"] = self.reference.detach().clone()
         return state
@@ -206,9 +216,9 @@ class DPBucket:
         if self.grad is not None:  # without memory: what every rank holds alike is kept
             self.grad.load_state_dict(state["grad"], memory)
         if not memory:
-            self.param = None if self.param_rule is None else self.param_rule.build()
+            self._fresh_param()
             return
         if self.param is not None:
-            self.param.load_state_dict(state["param"])
+            load_coder_state(self.param, self.param_memory, state["param"])
         if saved is not None:
             self.reference.copy_(saved)

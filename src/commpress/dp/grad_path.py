@@ -18,7 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from commpress.codecs.error_feedback import split
+from commpress.codecs import Codec, ErrorFeedback
+from commpress.codecs.error_feedback import coder_state, load_coder_state
 from commpress.collectives import (
     Handle,
     Topology,
@@ -44,21 +45,24 @@ log = logging.getLogger(__name__)
 class GradPath:
     """One bucket's gradient codecs: ``{"single": c}`` or ``{"intra": a, "inter": b}``,
     from the policy's ``dp.grad`` rules (``axis="outer"``: its ``outer.grad`` rules, the
-    pseudo-gradients of :class:`commpress.DiLoCo`)."""
+    pseudo-gradients of :class:`commpress.DiLoCo`), and beside each its error-feedback
+    memory where the rule asks for one (``memories``, by the same names). ``level``: one
+    level's rule alone, run as the one level of a group that spans only that link
+    (HSDP's all-reduce across replicas: ``"inter"``)."""
 
     def __init__(self, policy: Policy, topology: Topology, label: str = "dp.grad",
-                 axis: str = "dp") -> None:
+                 axis: str = "dp", level: str | None = None) -> None:
         self.topology = topology
         self.label = label
-        self.policy, self.axis = policy, axis
-        self.codecs = self._fresh_codecs()
+        self.policy, self.axis, self.level = policy, axis, level
+        self.codecs, self.memories = self._fresh()
 
-    def _fresh_codecs(self) -> dict[str, Any]:
+    def _fresh(self) -> tuple[dict[str, Codec], dict[str, ErrorFeedback | None]]:
         policy, axis = self.policy, self.axis
-        if policy.two_level(axis):
-            return {"intra": policy.codec_for(axis, "grad", "intra"),
-                    "inter": policy.codec_for(axis, "grad", "inter")}
-        return {"single": policy.codec_for(axis, "grad")}
+        levels = {"intra": "intra", "inter": "inter"} if (
+            self.level is None and policy.two_level(axis)) else {"single": self.level}
+        return ({name: policy.codec_for(axis, "grad", lv) for name, lv in levels.items()},
+                {name: policy.memory_for(axis, "grad", lv) for name, lv in levels.items()})
 
     @property
     def two_level(self) -> bool:
@@ -67,18 +71,31 @@ class GradPath:
     @property
     def alignment(self) -> int:
         """Element count every codec of the path splits evenly on."""
-        return math.lcm(*(max(split(c)[0].alignment, 1) for c in self.codecs.values()))
+        return math.lcm(*(max(c.alignment, 1) for c in self.codecs.values()))
+
+    @property
+    def supported_dtypes(self) -> frozenset[torch.dtype]:
+        """The input dtypes every codec of the path takes."""
+        return frozenset.intersection(*(frozenset(c.supported_dtypes)
+                                        for c in self.codecs.values()))
+
+    @property
+    def lossy(self) -> bool:
+        """Whether the reduced gradients can differ from an exact reduction."""
+        levels = [self.level] if "single" in self.codecs else list(self.codecs)
+        return any(self.policy.rule(self.axis, "grad", lv).lossy for lv in levels)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor,
                        group: dist.ProcessGroup | None, op: str = "avg",
                        async_op: bool = False) -> torch.Tensor | Handle:
         if not self.two_level:
             return reduce_scatter(output, input, self.codecs["single"], group=group, op=op,
-                                  label=self.label, async_op=async_op)
+                                  label=self.label, async_op=async_op,
+                                  memory=self.memories["single"])
         return hierarchical_reduce_scatter(output, input, intra=self.codecs["intra"],
                                            inter=self.codecs["inter"], topology=self.topology,
                                            group=group, op=op, label=self.label,
-                                           async_op=async_op)
+                                           async_op=async_op, **self._level_memories())
 
     def reduce_scatter_parts(self, parts: list[torch.Tensor], group: dist.ProcessGroup | None,
                              op: str = "avg") -> torch.Tensor:
@@ -86,18 +103,25 @@ class GradPath:
         return reduce_scatter_parts(parts, self.codecs.get("single", "none"),
                                     intra=self.codecs.get("intra"),
                                     inter=self.codecs.get("inter"), topology=self.topology,
-                                    group=group, op=op, label=self.label)
+                                    group=group, op=op, label=self.label,
+                                    memory=self.memories.get("single"),
+                                    **self._level_memories())
 
     def all_reduce(self, tensor: torch.Tensor, group: dist.ProcessGroup | None, op: str = "avg",
                    async_op: bool = False, also_agree: dict[str, object] | None = None
                    ) -> torch.Tensor | Handle:
         if not self.two_level:
             return all_reduce(tensor, self.codecs["single"], group=group, op=op,
-                              label=self.label, async_op=async_op, also_agree=also_agree)
+                              label=self.label, async_op=async_op, also_agree=also_agree,
+                              memory=self.memories["single"])
         return hierarchical_all_reduce(tensor, intra=self.codecs["intra"],
                                        inter=self.codecs["inter"], topology=self.topology,
                                        group=group, op=op, label=self.label, async_op=async_op,
-                                       also_agree=also_agree)
+                                       also_agree=also_agree, **self._level_memories())
+
+    def _level_memories(self) -> dict[str, ErrorFeedback | None]:
+        return {"intra_memory": self.memories.get("intra"),
+                "inter_memory": self.memories.get("inter")}
 
     def reduce_scatter_steps(self, flat: torch.Tensor, sizes: int | list[int],
                              peers: tuple[Peers, Peers, Peers], stats: Stats,
@@ -108,7 +132,8 @@ class GradPath:
         whole, intra, inter = peers
         used = levels_used(self.two_level, whole.size, intra.size)
         return reduce_scatter_levels_steps(flat, sizes, self.codecs, used, whole, intra,
-                                           inter, stats, self.label, op, whole.rank)
+                                           inter, stats, self.label, op, whole.rank,
+                                           self.memories)
 
     def all_reduce_steps(self, flat: torch.Tensor, peers: tuple[Peers, Peers, Peers],
                          stats: Stats, op: str = "avg") -> Steps:
@@ -116,10 +141,10 @@ class GradPath:
         whole, intra, inter = peers
         used = levels_used(self.two_level, whole.size, intra.size)
         return all_reduce_levels_steps(flat, self.codecs, used, whole, intra, inter, stats,
-                                       self.label, op)
+                                       self.label, op, memories=self.memories)
 
     def state_dict(self) -> dict[str, Any]:
-        return {k: c.state_dict() for k, c in self.codecs.items()}
+        return {k: coder_state(c, self.memories[k]) for k, c in self.codecs.items()}
 
     def load_state_dict(self, state: dict[str, Any], memory: bool = True) -> None:
         """Restore the codecs' state; ``memory=False`` checks it and starts the codecs
@@ -128,10 +153,10 @@ class GradPath:
             raise InputError(f"gradient codec state has levels {sorted(state)}; this policy "
                              f"has {sorted(self.codecs)}")
         if not memory:
-            self.codecs = self._fresh_codecs()
+            self.codecs, self.memories = self._fresh()
             return
         for k, c in self.codecs.items():
-            c.load_state_dict(state[k])
+            load_coder_state(c, self.memories[k], state[k])
 
 
 def grad_levels(policy: Policy, world: int, ranks_per_node: int,
@@ -162,16 +187,16 @@ def say_once(logger: logging.Logger, key: tuple, rank: int, message: str, *args)
 
 def warn_if_uncompressed(policy: Policy, topology: Topology, group: dist.ProcessGroup | None,
                          what: str, axis: str = "dp") -> bool:
-    """Warn once, on the group's first rank, when the policy's ``axis.grad`` codecs are lossy
+    """Warn once, on the group's first rank, when the policy's ``axis.grad`` codecs compress
     but none of them runs on this group's topology — ``int2ef`` (exact inside a node) on
     one node compresses nothing — naming the policy, the topology seen and what to use
     instead. Returns whether it is so."""
     world = dist.get_world_size(group)
     rpn = topology.ranks_per_node_in(world)
     levels = ["intra", "inter"] if policy.two_level(axis) else [None]
-    lossy = [lv for lv in levels if not policy.rule(axis, "grad", lv).exact]
+    compressed = [lv for lv in levels if not policy.rule(axis, "grad", lv).exact]
     used = grad_levels(policy, world, rpn, axis)
-    if world == 1 or not lossy or any((lv or "single") in used for lv in lossy):
+    if world == 1 or not compressed or any((lv or "single") in used for lv in compressed):
         return False
     nodes = world // rpn
     # what to use instead, in the words of the front-end's own arguments
@@ -181,9 +206,9 @@ def warn_if_uncompressed(policy: Policy, topology: Topology, group: dist.Process
                "the topology of a multi-node run, or a one-level codec such as "
                "'int4:hadamard=128'")
     say_once(log, ("uncompressed", what, policy.name, world, rpn), dist.get_rank(group),
-             "%s: policy %r compresses nothing here: its lossy %s.grad codecs are for the %s "
+             "%s: policy %r compresses nothing here: its compressed %s.grad codecs are for the %s "
              "level, and %d ranks in %d node(s) of %d have no %s link (topology from "
              "LOCAL_WORLD_SIZE or Topology(ranks_per_node)); give %s",
-             what, policy.name, axis, "/".join(lv for lv in lossy if lv), world, nodes, rpn,
+             what, policy.name, axis, "/".join(lv for lv in compressed if lv), world, nodes, rpn,
              "inter-node" if nodes == 1 else "intra-node", instead)
     return True

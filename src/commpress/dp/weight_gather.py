@@ -10,11 +10,10 @@ played ranks (:func:`weight_gather_steps`) and the cost model alike.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.distributed as dist
 
+from commpress.codecs import Codec, ErrorFeedback
 from commpress.collectives import Handle, Topology
 from commpress.collectives.byte_stats import Stats
 from commpress.collectives.call import end, owned_input
@@ -44,9 +43,9 @@ def weight_gather_levels(rule: Rule, nodes: int, ranks_per_node: int) -> tuple[s
     return ("single",)
 
 
-def gather_weights(weights: torch.Tensor, new: torch.Tensor, codec: Any, rule: Rule,
-                   topology: Topology, group: dist.ProcessGroup,
-                   async_op: bool = False) -> torch.Tensor | Handle:
+def gather_weights(weights: torch.Tensor, new: torch.Tensor, codec: Codec,
+                   memory: ErrorFeedback | None, rule: Rule, topology: Topology,
+                   group: dist.ProcessGroup, async_op: bool = False) -> torch.Tensor | Handle:
     """Move every rank's ``new`` shard into the replicated ``weights`` (rank order) with
     the policy's ``dp.param`` rule: differences (qWD) when ``rule.delta``, else the
     weights themselves, on the levels :func:`weight_gather_levels` picks. One prologue
@@ -54,14 +53,17 @@ def gather_weights(weights: torch.Tensor, new: torch.Tensor, codec: Any, rule: R
     runs (:func:`weight_gather_steps`)."""
     call, _, peers = begin_two_level(
         "gather_weights", group, LABEL, EXACT, codec, topology, delta=rule.delta,
+        inter_memory=memory,
         tensors={"weights": weights, "new": new},
         check=lambda n: check_sizes("gather_weights", weights, new, n, "weights", "new"))
     new = owned_input(new, call.codecs["inter"], async_op).reshape(-1)
     return end(run_into(weights, lambda flat: weight_gather_steps(
-        flat, new, call.codecs["inter"], rule, peers, call.stats, out=flat)), async_op)
+        flat, new, call.codecs["inter"], call.memories["inter"], rule, peers, call.stats,
+        out=flat)), async_op)
 
 
-def weight_gather_steps(weights: torch.Tensor, new: torch.Tensor, codec: Any, rule: Rule,
+def weight_gather_steps(weights: torch.Tensor, new: torch.Tensor, codec: Codec,
+                        memory: ErrorFeedback | None, rule: Rule,
                         peers: tuple[Peers, Peers, Peers], stats: Stats,
                         out: torch.Tensor | None = None) -> Steps:
     """The steps of :func:`gather_weights` for one rank → the new flat replica, given its
@@ -72,10 +74,11 @@ def weight_gather_steps(weights: torch.Tensor, new: torch.Tensor, codec: Any, ru
     if weight_gather_levels(rule, inter.size, intra.size) == ("single",):
         if rule.delta:  # every rank applies every rank's difference
             return delta_gather_steps(weights, new, codec, Peers(0, 1, None), whole, stats,
-                                      LABEL)
+                                      LABEL, memory)
         dtype = new.dtype
-        return all_gather_steps(new, codec, whole, stats, LABEL, out=out,
+        return all_gather_steps(new, codec, whole, stats, LABEL, out=out, memory=memory,
                                 then=lambda values: values.to(dtype).reshape(-1))
     if rule.delta:
-        return delta_gather_steps(weights, new, codec, intra, inter, stats, LABEL)
-    return two_level_all_gather_steps(new, EXACT, codec, intra, inter, stats, LABEL)
+        return delta_gather_steps(weights, new, codec, intra, inter, stats, LABEL, memory)
+    return two_level_all_gather_steps(new, EXACT, codec, intra, inter, stats, LABEL,
+                                      inter_memory=memory)

@@ -43,7 +43,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo
 
-from commpress.collectives import Topology, all_reduce
+from commpress.collectives import Topology
 from commpress.collectives.agreement import agree, agree_across, rendezvous
 from commpress.collectives.comm import all_gather_single
 from commpress.dp import DPBucket
@@ -113,13 +113,12 @@ class ReplicateAllReduce:
     rank decodes the same bytes, so replicas stay bitwise identical.
     """
 
-    def __init__(self, codec, group: dist.ProcessGroup, param_group: Any,
-                 in_flight: InFlight, label: str = "dp.grad.inter") -> None:
-        self.codec = codec
+    def __init__(self, dp: DPBucket, group: dist.ProcessGroup, param_group: Any,
+                 in_flight: InFlight) -> None:
+        self.dp = dp  # the inter-node rule alone, one level over the replicate group
         self.group = group
         self.param_group = param_group
         self.in_flight = in_flight
-        self.label = label
 
     def check(self) -> None:
         if not self.param_group.all_reduce_grads:
@@ -135,8 +134,7 @@ class ReplicateAllReduce:
         (:class:`InFlight`); otherwise it finishes here."""
         op = "avg" if self.param_group.gradient_divide_factor is None else "sum"
         later = _untouched_until_step(self.param_group, tensor)
-        handle = all_reduce(tensor, self.codec, group=self.group, op=op, label=self.label,
-                            async_op=later)
+        handle = self.dp.all_reduce(tensor, self.group, op=op, async_op=later)
         if later:
             self.in_flight.add(handle)
 
@@ -216,8 +214,9 @@ def _replicate_all_reduce(param_group: Any, policy: Policy, in_flight: InFlight
     swaps = [Swap(param_group, "mesh_info", shard_only)]
     if param_group.post_forward_mesh_info is mesh_info:  # reshard_after_forward=True
         swaps.append(Swap(param_group, "post_forward_mesh_info", shard_only))
-    return ReplicateAllReduce(policy.codec_for("dp", "grad", "inter"),
-                              mesh_info.replicate_process_group, param_group, in_flight), swaps
+    dp = DPBucket(policy, Topology(1), "dp.grad.inter", level="inter")
+    return ReplicateAllReduce(dp, mesh_info.replicate_process_group, param_group,
+                              in_flight), swaps
 
 
 def _op_name(op, input_tensor: torch.Tensor) -> str:
@@ -289,7 +288,7 @@ class FSDPCompression:
         for name, (_, scatter) in self.modules.items():
             states[name] = scatter.dp.state_dict()
             if scatter.replicate is not None:
-                states[name]["replicate"] = scatter.replicate.codec.state_dict()
+                states[name]["replicate"] = scatter.replicate.dp.state_dict()
         return states
 
     def state_dict(self) -> dict[str, Any]:
@@ -344,7 +343,7 @@ class FSDPCompression:
                         scatter.replicate is not None)
             scatter.dp.load_state_dict({k: v for k, v in saved.items() if k != "replicate"})
             if scatter.replicate is not None:
-                scatter.replicate.codec.load_state_dict(saved["replicate"])
+                scatter.replicate.dp.load_state_dict(saved["replicate"])
 
     def elastic(self) -> _ElasticLoad:
         """The ``Stateful`` to give ``dcp.load`` in this one's place when the checkpoint
@@ -360,7 +359,7 @@ class FSDPCompression:
         for _, scatter in self.modules.values():
             scatter.dp.fresh()
             if scatter.replicate is not None:
-                scatter.replicate.codec = self.policy.codec_for("dp", "grad", "inter")
+                scatter.replicate.dp.fresh()
 
 
 class _ElasticLoad:

@@ -58,9 +58,9 @@ from torchft.process_group import ProcessGroup as TorchftProcessGroup
 from torchft.process_group import ProcessGroupWrapper
 from torchft.work import _DummyWork
 
-from commpress.codecs.error_feedback import split
-from commpress.collectives import CollectiveMismatchError, CollectiveTimeoutError, all_reduce
+from commpress.collectives import CollectiveMismatchError, CollectiveTimeoutError, Topology
 from commpress.collectives.agreement import agree, release
+from commpress.dp import DPBucket
 from commpress.integrations.diloco import LABEL, outer_policy
 from commpress.policy import Policy
 from commpress.validate import InputError
@@ -92,9 +92,9 @@ class CompressedProcessGroup(ProcessGroupWrapper):
         super().__init__(timeout=timeout, pg=pg)
         self.policy = outer_policy(policy, WHAT, STATELESS)
         # replicas are sites: what crosses between them is the inter level's (or the one)
-        self.codec = self.policy.codec_for("outer", "grad", "inter")
-        _check_stateless(self.codec, self.policy.name)
-        self._dtypes = split(self.codec)[0].supported_dtypes  # the rest: torchft's own
+        _check_stateless(self.policy)
+        self.dp = DPBucket(self.policy, Topology(1), LABEL, axis="outer", level="inter")
+        self._dtypes = self.dp.grad_dtypes  # the rest: torchft's own
         self._timeout = timeout
         self._fatal: Exception | None = None  # a quorum that can never agree
         self._silent_quorums = 0  # quorums in a row with a replica that announced nothing
@@ -136,7 +136,7 @@ class CompressedProcessGroup(ProcessGroupWrapper):
             return super().allreduce(tensors, opts)
         group = self._group()
         for t in tensors:
-            all_reduce(t, self.codec, group=group, op=op, label=LABEL)
+            self.dp.all_reduce(t, group, op=op)
         return _DummyWork(tensors)
 
     def errored(self) -> Exception | None:
@@ -261,16 +261,16 @@ def _name(policy_repr: str) -> str:
         return policy_repr
 
 
-def _check_stateless(codec: Any, policy: str) -> None:
-    plain, memory = split(codec)
-    if memory is not None:
-        raise InputError(f"{WHAT}: policy {policy!r} uses error feedback, whose "
+def _check_stateless(policy: Policy) -> None:
+    rule = policy.rule("outer", "grad", "inter")
+    if rule.error_feedback:
+        raise InputError(f"{WHAT}: policy {policy.name!r} uses error feedback, whose "
                          "memory belongs to one tensor, and torchft hands the process group "
                          "anonymous tensors (retried steps, fragments and new quorums would "
                          "add it to other values); allowed: a policy without error feedback "
                          f"({', '.join(STATELESS)}), or commpress.DiLoCo for memory per "
                          "fragment")
-    if getattr(plain, "rounding", "nearest") != "nearest":
-        raise InputError(f"{WHAT}: policy {policy!r} rounds stochastically, from "
+    if getattr(rule.build(), "rounding", "nearest") != "nearest":
+        raise InputError(f"{WHAT}: policy {policy.name!r} rounds stochastically, from "
                          "a counter a rejoining replica would not share; allowed: "
                          "rounding=nearest")

@@ -58,6 +58,7 @@ import torch.nn as nn
 
 from commpress.codecs import ErrorFeedback
 from commpress.codecs import codec as build_codec
+from commpress.codecs.error_feedback import coder_state, load_coder_state
 from commpress.collectives import Topology, hierarchical_all_reduce
 from commpress.collectives.agreement import agree
 from commpress.collectives.call import is_exact
@@ -113,8 +114,8 @@ class LowRankReducer:
         self.exact = build_codec("none")
         self.codec = build_codec(config.factor_codec)
         # for the factor that multiplies the update, and the vectors (module docstring)
-        self.codec_ef = (self.codec if is_exact(self.codec) else
-                         ErrorFeedback(build_codec(config.factor_codec)))
+        self.codec_ef = build_codec(config.factor_codec)
+        self.memory = None if is_exact(self.codec_ef) else ErrorFeedback()
         self.matrices: list[_Matrix] = []
         self.vector_slices: list[tuple[int, int]] = []  # (offset, numel)
         for shape, offset in zip(shapes, offsets):
@@ -164,13 +165,14 @@ class LowRankReducer:
         return [(n_p if self._sends_p() else n_q) + vectors]
 
     def _reduce(self, flat: torch.Tensor, codec, group: dist.ProcessGroup | None,
-                label: str = LABEL) -> None:
+                label: str = LABEL, memory: ErrorFeedback | None = None) -> None:
         hierarchical_all_reduce(flat, intra=self.exact, inter=codec, topology=self.topology,
-                                group=group, op="avg", label=label)
+                                group=group, op="avg", label=label, inter_memory=memory)
 
     def _send(self, views: list[torch.Tensor], bases: list[torch.Tensor], left: bool,
-              vectors: torch.Tensor | None, group,
-              codec) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+              vectors: torch.Tensor | None, group, codec,
+              memory: ErrorFeedback | None = None
+              ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Average ``M B`` (``Mᵀ B`` when ``left``) of every matrix, with ``vectors``
         appended, across the group; returns the averaged factors, then the vectors, and
         this rank's own factors before averaging."""
@@ -186,7 +188,7 @@ class LowRankReducer:
         factors = [out.view(b.shape[1], -1).t() for out, b in zip(parts, bases)]
         local = [f.clone() for f in factors]
         # P and Q each their own label: the codec's memory is kept per label
-        self._reduce(flat, codec, group, f"{LABEL}.{'q' if left else 'p'}")
+        self._reduce(flat, codec, group, f"{LABEL}.{'q' if left else 'p'}", memory)
         return factors + parts[len(bases):], local
 
     def all_reduce(self, tensor: torch.Tensor, group: dist.ProcessGroup | None, op: str = "avg",
@@ -221,18 +223,18 @@ class LowRankReducer:
             ps = self._send(views, qs, False, None, group, self.codec)[0][:-1]
             ps = [torch.linalg.qr(p).Q for p in ps]
             (*qs, vectors), local = self._send(views, ps, True, vectors, group,
-                                               self.codec_ef)
+                                               self.codec_ef, self.memory)
         elif self._sends_p():
             # ACP-SGD (Zhang et al., ICDCS 2023): one factor per step, alternating;
             # P = M orth(Q), averaged with the vectors; the update is P orth(Q)ᵀ
             qs = [torch.linalg.qr(q).Q for q in self.qs]
             (*ps, vectors), local = self._send(views, qs, False, vectors, group,
-                                               self.codec_ef)
+                                               self.codec_ef, self.memory)
             left = False
         else:
             ps = [torch.linalg.qr(p).Q for p in self.ps]
             (*qs, vectors), local = self._send(views, ps, True, vectors, group,
-                                               self.codec_ef)
+                                               self.codec_ef, self.memory)
         # Step 6: the update, P Qᵀ for matrices and the averaged vectors
         result = torch.empty_like(compensated)
         for x, p, q in zip(self.matrices, ps, qs):
@@ -258,7 +260,8 @@ class LowRankReducer:
         return {"iter": self.iter, "qs": [q.clone() for q in self.qs],
                 "ps": [p.clone() for p in self.ps],
                 "error": None if self.error is None else self.error.clone(),
-                "codec": self.codec.state_dict(), "codec_ef": self.codec_ef.state_dict()}
+                "codec": self.codec.state_dict(),
+                "codec_ef": coder_state(self.codec_ef, self.memory)}
 
     def load_state_dict(self, state: dict[str, Any], memory: bool = True) -> None:
         """Restore the factors and step (every rank holds them alike) and, unless
@@ -277,7 +280,7 @@ class LowRankReducer:
         self.error = None if state["error"] is None else state["error"].to(self.device,
                                                                              copy=True)
         self.codec.load_state_dict(state["codec"])
-        self.codec_ef.load_state_dict(state["codec_ef"])
+        load_coder_state(self.codec_ef, self.memory, state["codec_ef"])
 
 
 FLOAT32_MAX = torch.finfo(torch.float32).max

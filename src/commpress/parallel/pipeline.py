@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from commpress.codecs.error_feedback import coder_state, load_coder_state
 from commpress.collectives import isend, recv
 from commpress.collectives.byte_stats import Stats
 from commpress.collectives.played import played_transfer
@@ -30,6 +31,8 @@ from commpress.model.gpt import GPT
 from commpress.parallel.mesh import Mesh, MeshShape
 from commpress.policy import Policy
 from commpress.validate import InputError
+
+KINDS = ("act", "act_grad")
 
 
 def stage_layers(n_layer: int, pp: int) -> list[tuple[int, int]]:
@@ -81,13 +84,13 @@ class ProcessP2P:
 
     def __init__(self, mesh: Mesh, policy: Policy) -> None:
         self.mesh = mesh
-        self.codecs = {"act": policy.codec_for("pp", "act"),
-                       "act_grad": policy.codec_for("pp", "act_grad")}
+        self.codecs = {kind: policy.codec_for("pp", kind) for kind in KINDS}
+        self.memories = {kind: policy.memory_for("pp", kind) for kind in KINDS}  # the sends'
         self._sends: list = []
 
     def send(self, kind: str, src: int, dst: int, tensor: torch.Tensor) -> None:
         self._sends.append(isend(tensor, dst, self.codecs[kind], group=self.mesh.pp_group,
-                                 label=f"pp.{kind}"))
+                                 label=f"pp.{kind}", memory=self.memories[kind]))
 
     def recv(self, kind: str, src: int, dst: int, like: torch.Tensor) -> torch.Tensor:
         return recv(like, src, self.codecs[kind], group=self.mesh.pp_group, label=f"pp.{kind}")
@@ -101,11 +104,12 @@ class ProcessP2P:
             dist.broadcast(loss_mean, src=self.mesh.pp_ranks[-1], group=self.mesh.pp_group)
 
     def state_dict(self) -> dict:
-        return {kind: codec.state_dict() for kind, codec in self.codecs.items()}
+        return {kind: coder_state(codec, self.memories[kind])
+                for kind, codec in self.codecs.items()}
 
     def load_state_dict(self, state: dict) -> None:
         for kind, codec in self.codecs.items():
-            codec.load_state_dict(state[kind])
+            load_coder_state(codec, self.memories[kind], state[kind])
 
 
 class PlayedP2P:
@@ -117,7 +121,9 @@ class PlayedP2P:
                  stats: Stats) -> None:
         self.shape, self.dp_idx, self.tp_idx, self.stats = shape, dp_idx, tp_idx, stats
         self.codecs = {kind: [policy.codec_for("pp", kind) for _ in range(shape.pp)]
-                       for kind in ("act", "act_grad")}
+                       for kind in KINDS}
+        self.memories = {kind: [policy.memory_for("pp", kind) for _ in range(shape.pp)]
+                         for kind in KINDS}
         self._sent: dict[tuple[str, int, int], torch.Tensor] = {}
 
     def send(self, kind: str, src: int, dst: int, tensor: torch.Tensor) -> None:
@@ -125,7 +131,8 @@ class PlayedP2P:
         self._sent[kind, src, dst] = played_transfer(
             codecs[src], codecs[dst], tensor,
             rng_stream=self.shape.rank_of(self.dp_idx, src, self.tp_idx),  # the sender's rank
-            key=f"{label}->{dst}", stats=self.stats, label=label)
+            key=f"{label}->{dst}", stats=self.stats, label=label,
+            send_memory=self.memories[kind][src])
 
     def recv(self, kind: str, src: int, dst: int, like: torch.Tensor) -> torch.Tensor:
         return self._sent.pop((kind, src, dst))
@@ -134,12 +141,13 @@ class PlayedP2P:
         assert not self._sent, f"transfers sent but not received: {list(self._sent)}"
 
     def state_dict(self) -> dict:
-        return {kind: [c.state_dict() for c in codecs] for kind, codecs in self.codecs.items()}
+        return {kind: [coder_state(c, m) for c, m in zip(codecs, self.memories[kind])]
+                for kind, codecs in self.codecs.items()}
 
     def load_state_dict(self, state: dict) -> None:
         for kind, codecs in self.codecs.items():
-            for codec, s in zip(codecs, state[kind], strict=True):
-                codec.load_state_dict(s)
+            for codec, memory, s in zip(codecs, self.memories[kind], state[kind], strict=True):
+                load_coder_state(codec, memory, s)
 
 
 class GPipe:

@@ -17,7 +17,6 @@ from contextlib import suppress
 
 import torch
 
-from commpress.codecs.error_feedback import split
 from commpress.collectives import Topology
 from commpress.collectives.call import is_exact
 from commpress.dp import DPBucket, GradPath, grad_levels
@@ -110,10 +109,10 @@ def _held_codes(path: GradPath, numel: int, ranks: int, rpn: int) -> int:
     level (an exact reduction keeps only a running sum)."""
     levels = grad_levels(path.policy, ranks, rpn, path.axis)
     codec = path.codecs[levels[-1]]
-    if ranks == 1 or is_exact(codec):
+    if ranks == 1 or is_exact(codec, path.memories[levels[-1]]):
         return 0
     per_rank = numel // rpn if len(levels) == 2 else numel
-    return ranks * (split(codec)[0].wire_bytes(per_rank) or 0)
+    return ranks * (codec.wire_bytes(per_rank) or 0)
 
 
 def _batch_bytes(cfg: TrainConfig) -> int:

@@ -238,8 +238,7 @@ def _check_config(chunks: list[DistributedDataParallel], optimizer: Any, policy:
         raise _refuse("a mixture-of-experts model (expert all-to-all and expert buffers)",
                       "use a dense model")
     distopt = ddp.use_distributed_optimizer
-    param_lossy = not (policy.rule("dp", "param").exact
-                       or getattr(policy.codec_for("dp", "param"), "lossless", False))
+    param_lossy = policy.rule("dp", "param").lossy
     for c in chunks:
         for buffer in c.buffers:
             if buffer.param_dtype == torch.uint8:

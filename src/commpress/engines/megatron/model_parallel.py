@@ -33,6 +33,7 @@ import torch.distributed as dist
 from megatron.core.pipeline_parallel import p2p_communication as p2p
 from megatron.core.tensor_parallel import layers, mappings
 
+from commpress.codecs.error_feedback import coder_state, load_coder_state
 from commpress.collectives import P2POp, all_gather, all_reduce, batch_isend_irecv, reduce_scatter
 from commpress.engines.megatron.seams import REGISTRY
 from commpress.engines.seam import Swap
@@ -44,7 +45,9 @@ KINDS = ("act", "act_grad")
 
 class ActivationComm:
     """The codecs of one tensor- or pipeline-parallel group's activations (``act``) and
-    their gradients (``act_grad``), and so their state."""
+    their gradients (``act_grad``), the memories of their sends where the policy asks for
+    error feedback (pipeline only: ``apply`` refuses it on tensor parallelism), and so
+    their state."""
 
     def __init__(self, axis: str, group: dist.ProcessGroup, policy: Policy) -> None:
         self.axis, self.group = axis, group
@@ -53,16 +56,17 @@ class ActivationComm:
     def fresh_codecs(self, policy: Policy) -> None:
         """New codecs, with no state (an elastic resume)."""
         self.codecs = {kind: policy.codec_for(self.axis, kind) for kind in KINDS}
+        self.memories = {kind: policy.memory_for(self.axis, kind) for kind in KINDS}
 
     def label(self, kind: str) -> str:
         return f"{self.axis}.{kind}"
 
     def state_dict(self) -> dict[str, Any]:
-        return {kind: c.state_dict() for kind, c in self.codecs.items()}
+        return {kind: coder_state(c, self.memories[kind]) for kind, c in self.codecs.items()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for kind, c in self.codecs.items():
-            c.load_state_dict(state[kind])
+            load_coder_state(c, self.memories[kind], state[kind])
 
 
 # -- tensor parallelism -------------------------------------------------------------------
@@ -198,7 +202,8 @@ def batched_p2p_ops(*, tensor_send_prev, tensor_recv_prev, tensor_send_next, ten
         if tensor is not None:
             # receives land in Megatron's leaf tensors (requires_grad): write through a view
             ops.append(P2POp(op, tensor.detach(), peer, comm.codecs[kind], group,
-                             comm.label(kind)))
+                             comm.label(kind),
+                             memory=comm.memories[kind] if op == "send" else None))
     return batch_isend_irecv(ops) if ops else []
 
 
