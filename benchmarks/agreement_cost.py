@@ -20,7 +20,7 @@ import torch.distributed as dist
 from _common import write_markdown
 
 import commpress
-from commpress.collectives.agreement import context
+from commpress.collectives.group_context import context
 from commpress.launch import spawn
 
 

@@ -144,7 +144,7 @@ def install(ddp, spec: HookSpec, ranks_per_node: int):
     """Register ``spec``'s hook on ``ddp``; returns its state."""
     import commpress
     from commpress.collectives import Topology
-    from commpress.integrations.ddp_lowrank import lowrank_hook
+    from commpress.frontends.ddp_lowrank import lowrank_hook
     from commpress.train.ddp_engine import install_hook
 
     topology = Topology(ranks_per_node)

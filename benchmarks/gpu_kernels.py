@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 from commpress.bench.codecs import DEFAULT_CPU, DEFAULT_CUDA, bench_codecs  # noqa: E402
 from commpress.bench.timing import median_seconds  # noqa: E402
 from commpress.codecs import codec as build_codec  # noqa: E402
-from commpress.integrations.diloco import OUTER_PRESETS  # noqa: E402
+from commpress.frontends.diloco import OUTER_PRESETS  # noqa: E402
 from commpress.kernels import reference as ref  # noqa: E402
 from commpress.kernels import triton_int, triton_topk  # noqa: E402
 from commpress.kernels import triton_quant as tq  # noqa: E402

@@ -14,7 +14,6 @@ import sys
 
 from commpress.codecs import (
     Codec,
-    Delta,
     ErrorFeedback,
     Packet,
     codec,
@@ -42,7 +41,9 @@ from commpress.collectives import (
     send,
     stats,
 )
-from commpress.integrations import (
+from commpress.engines.rank_state import load as load_rank_state
+from commpress.engines.rank_state import save as save_rank_state
+from commpress.frontends import (
     DDPHookState,
     DiLoCo,
     NonFiniteGradientError,
@@ -50,8 +51,6 @@ from commpress.integrations import (
     ddp_hook,
     lowrank_hook,
 )
-from commpress.integrations.rank_state import load as load_rank_state
-from commpress.integrations.rank_state import save as save_rank_state
 from commpress.policy import Policy, Rule, list_presets
 from commpress.validate import InputError
 
@@ -64,7 +63,7 @@ _ENGINES = {"fsdp": "commpress.engines.fsdp",
             "deepspeed": "commpress.engines.deepspeed",
             "lightning": "commpress.engines.lightning",
             "torchtitan": "commpress.engines.torchtitan",
-            "diloco": "commpress.integrations.diloco",
+            "diloco": "commpress.frontends.diloco",
             "torchft": "commpress.engines.torchft",
             "transformers": "commpress.engines.transformers"}
 
@@ -131,7 +130,6 @@ __all__ = [
     "send",
     "stats",
     "Codec",
-    "Delta",
     "ErrorFeedback",
     "Packet",
     "__version__",

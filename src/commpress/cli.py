@@ -198,7 +198,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     from commpress.console import console
-    from commpress.integrations.diloco import DiLoCoConfig, outer_policy
+    from commpress.frontends.diloco import DiLoCoConfig, outer_policy
     from commpress.plan.cost import ClusterSpec, JobSpec, load_codec_throughput, plan, plan_outer
     from commpress.plan.hardware import GPUS, INTER_LATENCY_US, INTRA_LATENCY_US
     from commpress.plan.models import model_from_arg

@@ -193,7 +193,7 @@ def agreement_cost(rank, world, numel, calls):
     """Median seconds of one agreement exchange and of a small all-reduce, per call."""
     import statistics
 
-    from commpress.collectives.agreement import context
+    from commpress.collectives.group_context import context
 
     ctx = context(dist.group.WORLD)
     x = torch.randn(numel)

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import commpress
-from commpress.integrations import rank_state
+from commpress.engines import rank_state
 from commpress.model.gpt import GPT, config_from_preset
 from commpress.train.data import TextData, load_tokens
 

@@ -11,7 +11,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.fsdp import fully_shard
 
 import commpress
-from tests.integrations.workers import _data, _model, train_steps
+from tests.frontends.workers import _data, _model, train_steps
 
 
 def _full_params_hash(model: nn.Module) -> str:
@@ -163,7 +163,7 @@ def fsdp_nan_on_one_rank(rank, world, policies, build=fsdp_model_of):
     """Per policy (None: stock FSDP2): rank 1's loss is NaN at the first step; whether
     each rank's gradient shards stayed finite at each of 2 steps, and its weights after
     (``build(world, policy)``: FSDP2 by default, or HSDP's 2-D mesh)."""
-    from tests.integrations.workers import _local_batch
+    from tests.frontends.workers import _local_batch
 
     data = _data()
     out = {}
@@ -186,7 +186,7 @@ def fsdp_nan_on_one_rank(rank, world, policies, build=fsdp_model_of):
 
 def fsdp_killed_mid_step(rank, world, victim):
     """FSDP2 with int2ef; the victim SIGKILLs itself after the forward pass of step 2."""
-    from tests.integrations.workers import _local_batch
+    from tests.frontends.workers import _local_batch
     from tests.reliability.killing import Killer
 
     data = _data()

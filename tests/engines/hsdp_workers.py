@@ -10,7 +10,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 
 import commpress
 from tests.engines.fsdp_workers import _full_params_hash
-from tests.integrations.workers import _data, _local_batch, _model, train_steps
+from tests.frontends.workers import _data, _local_batch, _model, train_steps
 
 NODES = 2
 

@@ -153,7 +153,7 @@ def lightning_runs(rank, world, directory, steps):
         out["state before fit"] = str(e)
     lightning_fit(rank, world, saver, steps, save_to=ckpt)
     # the handle's state is what the checkpoint carries beside it
-    from commpress.integrations import rank_state
+    from commpress.engines import rank_state
     saved = rank_state.resume_from(ckpt, "test", "", False, "", beside=True)
     out["handle equals file"] = _same(saver.state_dict(), saved)
     dist.barrier()

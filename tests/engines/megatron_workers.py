@@ -188,7 +188,7 @@ def train(model, optimizer, corpus, start: int, steps: int, sync_params: bool = 
 
 
 def weights_hash(model, replicated_only: bool = False) -> str:
-    from commpress.integrations.buckets import tensor_parallel_key
+    from commpress.frontends.parts.buckets import tensor_parallel_key
 
     h = hashlib.sha256()
     for name, p in model.module.named_parameters():

@@ -11,7 +11,7 @@ import torch
 from torch.distributed import TCPStore
 
 import commpress
-from tests.integrations import workers
+from tests.frontends import workers
 
 H = 4  # inner steps per sync
 TIMEOUT = timedelta(seconds=10)

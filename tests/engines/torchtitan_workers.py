@@ -12,7 +12,7 @@ from torchtitan.models.llama3 import model_registry
 
 import commpress
 from tests.engines.hsdp_workers import NODES, local_shards_hash
-from tests.integrations.workers import _data, _global_loss, _local_batch
+from tests.frontends.workers import _data, _global_loss, _local_batch
 
 LAYERS = 2
 

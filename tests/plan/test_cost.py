@@ -6,7 +6,7 @@ import pytest
 
 import commpress
 from commpress import Policy
-from commpress.integrations.diloco import outer_policy
+from commpress.frontends.diloco import outer_policy
 from commpress.plan import cost
 from commpress.plan.cost import (
     ClusterSpec,

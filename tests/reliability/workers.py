@@ -4,7 +4,7 @@ import torch
 import torch.distributed as dist
 
 import commpress
-from tests.integrations.workers import _data, _hash_params, _local_batch, _model
+from tests.frontends.workers import _data, _hash_params, _local_batch, _model
 from tests.reliability.killing import Killer
 
 

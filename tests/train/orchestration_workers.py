@@ -14,7 +14,7 @@ TIMEOUT_S = 1.0  # the default group's timeout once every rank has arrived
 def wait_in_sub_groups(rank, world):
     """Only rank 0 calls; it waits in a mesh sub-group and in both node-level groups
     (2 ranks per node). Returns, per group, how long it waited before the wait failed."""
-    from commpress.collectives.agreement import context
+    from commpress.collectives.group_context import context
     from commpress.parallel.mesh import MeshShape, build_mesh
 
     # a short timeout only now: the ranks' rendezvous needs the spawn's usual one

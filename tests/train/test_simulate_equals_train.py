@@ -20,7 +20,7 @@ import torch
 
 import commpress
 from commpress.cli import main
-from commpress.integrations.ddp import grad_policy
+from commpress.frontends.ddp import grad_policy
 
 # the reported layout: 4 ranks as 2 nodes × 2, gpt-tiny, batch 8 × 32
 LAYOUT = ["--model", "gpt-tiny", "--batch-size", "8", "--seq-len", "32", "--ranks-per-node",

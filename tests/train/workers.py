@@ -25,7 +25,7 @@ def replicated_digests(rank, world, base, policies, replication_key=None):
         cfg = TrainConfig(**dict(base, policy=policy)).resolved(world)
         run = Run(cfg)
         if replication_key is not None:  # the old bucketing, to show the test can fail
-            from commpress.integrations.sharded_optimizer import ShardedOptimizer
+            from commpress.frontends.sharded_optimizer import ShardedOptimizer
 
             kept = run.opts[0]
             for hook in kept._hooks:

@@ -14,12 +14,10 @@ from commpress.codecs.base import (
     parse_spec,
     register_codec,
 )
-from commpress.codecs.delta import Delta
 from commpress.codecs.error_feedback import ErrorFeedback
 
 __all__ = [
     "Codec",
-    "Delta",
     "ErrorFeedback",
     "Packet",
     "codec",

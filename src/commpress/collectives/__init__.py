@@ -18,18 +18,11 @@ Rules for asynchronous calls (``async_op=True``) and CUDA streams:
    (:mod:`commpress.collectives.agreement`).
 """
 
-from commpress.collectives.agreement import (
-    CollectiveMismatchError,
-    CollectiveTimeoutError,
-    GroupContext,
-    context,
-    reset_stats,
-    stats,
-)
 from commpress.collectives.compressed_all_gather import all_gather
 from commpress.collectives.compressed_all_reduce import all_reduce
 from commpress.collectives.compressed_reduce_scatter import reduce_scatter
 from commpress.collectives.delta_gather import delta_all_gather
+from commpress.collectives.group_context import GroupContext, context
 from commpress.collectives.handle import Handle
 from commpress.collectives.hierarchical import (
     hierarchical_all_gather,
@@ -37,8 +30,10 @@ from commpress.collectives.hierarchical import (
     hierarchical_reduce_scatter,
     reduce_scatter_parts,
 )
+from commpress.collectives.mismatch import CollectiveMismatchError, CollectiveTimeoutError
 from commpress.collectives.p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
 from commpress.collectives.topology import Topology
+from commpress.collectives.totals import reset_stats, stats
 
 __all__ = [
     "CollectiveMismatchError",

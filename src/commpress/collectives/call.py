@@ -19,9 +19,9 @@ import torch.distributed as dist
 
 from commpress.codecs import Codec, ErrorFeedback
 from commpress.codecs import codec as build_codec
-from commpress.collectives.agreement import GroupContext, context
 from commpress.collectives.byte_stats import Stats
 from commpress.collectives.comm import check_op, describe, resolve_group
+from commpress.collectives.group_context import GroupContext, context
 from commpress.collectives.handle import Handle
 from commpress.validate import InputError
 

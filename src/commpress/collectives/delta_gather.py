@@ -14,8 +14,8 @@ shards, then each node shares the updated weights in their own dtype — the sam
 as every rank applying every difference, in half the intra-node bytes of fp32
 differences for bf16 weights.
 
-The arithmetic is :class:`commpress.Delta`'s (:meth:`Delta.difference`,
-:meth:`Delta.apply`); this module moves the bytes.
+The arithmetic is :mod:`commpress.codecs.delta`'s (:func:`difference`,
+:func:`apply_difference`); this module moves the bytes.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from commpress.codecs import Codec, Delta, ErrorFeedback
+from commpress.codecs import Codec, ErrorFeedback
+from commpress.codecs.delta import apply_difference, difference
 from commpress.collectives.byte_stats import Stats
 from commpress.collectives.call import end
 from commpress.collectives.compressed_all_gather import all_gather_steps
@@ -95,13 +96,13 @@ def delta_gather_steps(weights: torch.Tensor, shard: torch.Tensor, codec: Codec,
     ``memory`` when given."""
     L, nodes, m = intra.size, inter.size, shard.numel()
     shards = weights.view(nodes, L, m)  # rank node·L + l owns shards[node, l]
-    diff = Delta.difference(shard.to(weights.dtype), shards[inter.rank, intra.rank])
+    diff = difference(shard.to(weights.dtype), shards[inter.rank, intra.rank])
     del shard
     # Step 1: the differences of this local index cross nodes once and are applied to
     # its shards; every rank that gathers them computes the same
     mine = yield from all_gather_steps(
         diff, codec, inter, stats, label if L == 1 else f"{label}.inter", memory=memory,
-        then=lambda full: Delta.apply(shards[:, intra.rank], full.reshape(nodes, m)))
+        then=lambda full: apply_difference(shards[:, intra.rank], full.reshape(nodes, m)))
     if L == 1:
         return mine.view(-1)
     # Step 2: share them inside the node, in the weights' dtype

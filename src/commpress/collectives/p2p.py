@@ -49,19 +49,18 @@ import torch.distributed as dist
 
 from commpress.codecs import Codec, ErrorFeedback, packet_to_bytes
 from commpress.codecs.error_feedback import encode
-from commpress.collectives.agreement import (
+from commpress.collectives.byte_stats import Stats, count_sent
+from commpress.collectives.call import check_float, resolve_codec, resolve_memory
+from commpress.collectives.comm import resolve_group
+from commpress.collectives.group_context import GroupContext, context
+from commpress.collectives.handle import Handle
+from commpress.collectives.mismatch import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
-    GroupContext,
-    context,
     describe_call,
     digest,
     mismatch_message,
 )
-from commpress.collectives.byte_stats import Stats, count_sent
-from commpress.collectives.call import check_float, resolve_codec, resolve_memory
-from commpress.collectives.comm import resolve_group
-from commpress.collectives.handle import Handle
 from commpress.validate import InputError, check_int
 
 MAGIC = 0x636F6D6D70726573  # "commpres"

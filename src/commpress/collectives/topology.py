@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from commpress.collectives.agreement import Levels, context
+from commpress.collectives.group_context import Levels, context
 from commpress.collectives.levels import levels_used
 from commpress.validate import InputError
 

@@ -28,7 +28,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from commpress.collectives.agreement import transfer_failed
 from commpress.collectives.byte_stats import Stats
 from commpress.collectives.chunks import Rows
 from commpress.collectives.comm import (
@@ -38,6 +37,7 @@ from commpress.collectives.comm import (
     all_gather_single,
     reduce_scatter_single,
 )
+from commpress.collectives.group_context import transfer_failed
 from commpress.collectives.handle import Handle, completed
 
 

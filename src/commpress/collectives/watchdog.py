@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch.distributed as dist
 
 if TYPE_CHECKING:
-    from commpress.collectives.agreement import GroupContext
+    from commpress.collectives.group_context import GroupContext
 
 PUBLISH_AFTER_S = 1.0  # a wait longer than this is published for the timeout diagnosis
 GRACE_S = 5.0  # how long a timed-out rank looks for the others' published waits

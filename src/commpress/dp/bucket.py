@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -28,6 +28,19 @@ from commpress.dp.grad_path import GradPath
 from commpress.dp.weight_gather import gather_weights, weight_gather_steps
 from commpress.policy import Policy, Rule
 from commpress.validate import InputError
+
+
+class Reducer(Protocol):
+    """What reduces a bucket's gradients and keeps the state of doing so: the policy's
+    :class:`GradPath`, or the low-rank hook's factors. Every owner of a bucket's
+    all-reduce — the bucket itself, its gradient path, a hook's reducer — offers these."""
+
+    def all_reduce(self, tensor: torch.Tensor, group: dist.ProcessGroup | None,
+                   op: str = "avg", async_op: bool = False) -> torch.Tensor | Handle: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any], memory: bool = True) -> None: ...
 
 
 def needs_node_levels(policy: Policy) -> bool:
@@ -49,7 +62,7 @@ class DPBucket:
     def __init__(self, policy: Policy, topology: Topology, label: str = "dp.grad", *,
                  axis: str = "dp", level: str | None = None, grads: bool = True,
                  weights: bool = False, param_rule: Rule | None = None,
-                 reducer: Callable[[], Any] | None = None) -> None:
+                 reducer: Callable[[], Reducer] | None = None) -> None:
         self.policy, self.topology, self.label, self.grads = policy, topology, label, grads
         # axis "outer": DiLoCo's pseudo-gradients, by the policy's outer.grad rules; level:
         # one level's rule alone (GradPath)

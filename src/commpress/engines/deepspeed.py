@@ -58,8 +58,8 @@ from commpress.collectives import Topology
 from commpress.collectives.agreement import agree, rendezvous
 from commpress.dp import DPBucket
 from commpress.dp.saved_state import check_resume, envelope
+from commpress.engines import rank_state
 from commpress.engines.seam import Seam, Swap, install, restore
-from commpress.integrations import rank_state
 from commpress.policy import Policy
 from commpress.validate import InputError, check_bool
 

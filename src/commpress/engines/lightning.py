@@ -6,7 +6,7 @@ gradients go through DDP's own all-reduce. :class:`CommpressDDPStrategy` registe
 :func:`commpress.ddp_hook` on every device, keeps the hook's codec state
 (error-feedback residuals, stochastic-rounding counters) in the trainer's checkpoints
 — one verified file per rank beside the checkpoint, ``<checkpoint>.commpress-rank<r>.pt``
-(:mod:`commpress.integrations.rank_state`), since each rank's residuals are its own — and
+(:mod:`commpress.engines.rank_state`), since each rank's residuals are its own — and
 is otherwise Lightning's ``DDPStrategy``.
 
 accelerate needs no adapter: register the hook on the model ``accelerator.prepare``
@@ -23,8 +23,8 @@ import os
 from typing import Any
 
 from commpress.collectives import Topology
-from commpress.integrations import rank_state
-from commpress.integrations.ddp import BUCKET_NUMEL, DDPHookState, ddp_hook
+from commpress.engines import rank_state
+from commpress.frontends.ddp import BUCKET_NUMEL, DDPHookState, ddp_hook
 from commpress.policy import Policy
 from commpress.validate import InputError, check_bool
 

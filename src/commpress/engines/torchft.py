@@ -59,9 +59,10 @@ from torchft.process_group import ProcessGroupWrapper
 from torchft.work import _DummyWork
 
 from commpress.collectives import CollectiveMismatchError, CollectiveTimeoutError, Topology
-from commpress.collectives.agreement import agree, release
+from commpress.collectives.agreement import agree
+from commpress.collectives.group_context import release
 from commpress.dp import DPBucket
-from commpress.integrations.diloco import LABEL, outer_policy
+from commpress.frontends.diloco import LABEL, outer_policy
 from commpress.policy import Policy
 from commpress.validate import InputError
 

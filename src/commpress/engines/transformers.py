@@ -11,7 +11,7 @@ training begins, and keeps each rank's codec state in the Trainer's own checkpoi
     trainer.train()                      # or train(resume_from_checkpoint=True)
 
 Each ``checkpoint-<step>/`` gets ``commpress-rank<r>.pt`` per rank (verified files,
-:mod:`commpress.integrations.rank_state`): error-feedback memory and rounding counters
+:mod:`commpress.engines.rank_state`): error-feedback memory and rounding counters
 are each rank's own. Resuming from a checkpoint without them, or with another rank's or
 world's, is refused on every rank naming the file and the way on: ``compress(trainer,
 ..., elastic=True)`` resumes a checkpoint of another number of ranks, or of a run saved
@@ -32,10 +32,10 @@ from typing import Any
 from torch.nn.parallel import DistributedDataParallel
 
 from commpress.collectives import Topology
+from commpress.engines import rank_state
 from commpress.engines.seam import Swap, install, restore
-from commpress.integrations import rank_state
-from commpress.integrations.ddp import BUCKET_NUMEL, ddp_hook
-from commpress.integrations.ddp_lowrank import lowrank_hook
+from commpress.frontends.ddp import BUCKET_NUMEL, ddp_hook
+from commpress.frontends.ddp_lowrank import lowrank_hook
 from commpress.policy import Policy
 from commpress.validate import InputError, check_bool
 

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from commpress.collectives.agreement import release
 from commpress.collectives.comm import group_timeout
+from commpress.collectives.group_context import release
 from commpress.validate import InputError
 
 

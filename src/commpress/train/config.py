@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from commpress.integrations.diloco import DiLoCoConfig, outer_policy, outer_step
+from commpress.frontends.diloco import DiLoCoConfig, outer_policy, outer_step
 from commpress.model.gpt import PRESETS as MODEL_PRESETS
 from commpress.policy import Policy
 from commpress.validate import MAX_SEED, InputError, check_float, check_int, check_path

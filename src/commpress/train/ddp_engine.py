@@ -23,10 +23,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from commpress.collectives.byte_stats import record
 from commpress.collectives.topology import Topology
-from commpress.integrations.ddp import DDPHookState, ddp_hook
-from commpress.integrations.diloco import DiLoCo
-from commpress.integrations.played_ddp import PlayedDDPHook
-from commpress.integrations.sharded_optimizer import NonFiniteGradientError
+from commpress.frontends.ddp import DDPHookState, ddp_hook
+from commpress.frontends.diloco import DiLoCo
+from commpress.frontends.played.ddp import PlayedDDPHook
+from commpress.frontends.sharded_optimizer import NonFiniteGradientError
 
 log = logging.getLogger(__name__)
 

@@ -24,13 +24,14 @@ import torch
 import torch.distributed as dist
 
 from commpress.collectives import stats
-from commpress.collectives.agreement import all_gather_objects, release
+from commpress.collectives.agreement import all_gather_objects
 from commpress.collectives.byte_stats import Stats
 from commpress.collectives.comm import all_gather_single, group_timeout
+from commpress.collectives.group_context import release
 from commpress.collectives.topology import Topology
-from commpress.integrations.played_ddp import PlayedDDPHook
-from commpress.integrations.played_optimizer import PlayedShardedOptimizer
-from commpress.integrations.sharded_optimizer import ShardedOptimizer, norm_of_parts
+from commpress.frontends.played.ddp import PlayedDDPHook
+from commpress.frontends.played.sharded_optimizer import PlayedShardedOptimizer
+from commpress.frontends.sharded_optimizer import ShardedOptimizer, norm_of_parts
 from commpress.parallel.mesh import MeshShape, build_mesh
 from commpress.parallel.pipeline import GPipe, PlayedP2P, ProcessP2P, Stage
 from commpress.parallel.tensor import codec_states, load_codec_states, tp_norm_weights

@@ -20,8 +20,8 @@ import torch
 from commpress.collectives import Topology
 from commpress.collectives.call import is_exact
 from commpress.dp import DPBucket, GradPath, grad_levels
-from commpress.integrations.buckets import build_buckets, tensor_parallel_key
-from commpress.integrations.ddp import BUCKET_NUMEL, hook_layout
+from commpress.frontends.ddp import BUCKET_NUMEL, hook_layout
+from commpress.frontends.parts.buckets import build_buckets, tensor_parallel_key
 from commpress.model.gpt import GPT, config_from_preset
 from commpress.policy import Policy
 from commpress.train.config import DTYPES, TrainConfig

@@ -21,8 +21,8 @@ from commpress.engines.megatron.layout import identical_mask
 from commpress.engines.megatron.model_parallel import ActivationComm
 from commpress.engines.megatron.seams import REGISTRY
 from commpress.engines.seam import Seam
-from commpress.integrations.buckets import tensor_parallel_key
-from commpress.integrations.replica_sync import differing_ranks
+from commpress.frontends.parts.buckets import tensor_parallel_key
+from commpress.frontends.parts.replica_sync import differing_ranks
 from commpress.policy import Policy
 from commpress.validate import InputError, check_saved_state
 

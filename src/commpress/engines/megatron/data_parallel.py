@@ -15,7 +15,7 @@ commpress's handles itself and enters torch's manager only for buckets no policy
 covers.
 
 Each Megatron bucket gets a :class:`BucketComm`: its gradient codecs
-(:class:`~commpress.integrations.GradPath`: one level, or TLq-HS's two), its weight
+(:class:`~commpress.frontends.GradPath`: one level, or TLq-HS's two), its weight
 codec and — for qWD — the reference its differences are taken against. Megatron's
 optimizer writes this rank's new weights into its slice of the bucket before the
 all-gather, over the weights every rank holds, so the reference (this rank's slice as

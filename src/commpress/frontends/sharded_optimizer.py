@@ -42,8 +42,8 @@ from commpress.collectives.handle import completed
 from commpress.dp import DPBucket
 from commpress.dp.grad_path import say_once, warn_if_uncompressed
 from commpress.dp.saved_state import check_resume, envelope, on_every_rank
-from commpress.integrations import clip_guard
-from commpress.integrations.buckets import (
+from commpress.frontends.parts import clip_guard
+from commpress.frontends.parts.buckets import (
     Bucket,
     ReplicationKey,
     buckets_identity,
@@ -54,7 +54,7 @@ from commpress.integrations.buckets import (
     load_buckets_state,
     tensor_parallel_key,
 )
-from commpress.integrations.replica_sync import broadcast_buffers, sync_initial_state
+from commpress.frontends.parts.replica_sync import broadcast_buffers, sync_initial_state
 from commpress.kernels.reference import sum_rows
 from commpress.policy import Policy
 from commpress.validate import (
@@ -99,7 +99,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     ``param.grad`` (None after backward), and only ``step()`` reduces them across ranks;
     so ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` is routed to
     ``opt.clip_grad_norm_`` while the optimizer holds them (all of its parameters or
-    none: see :mod:`commpress.integrations.clip_guard`).
+    none: see :mod:`commpress.frontends.parts.clip_guard`).
 
     Args:
         model: the module to train (its parameters become views into flat buckets), or

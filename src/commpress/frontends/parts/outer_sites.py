@@ -23,7 +23,7 @@ import torch.nn as nn
 
 from commpress.collectives import Topology
 from commpress.collectives.agreement import all_gather_objects
-from commpress.integrations.buckets import checksum
+from commpress.frontends.parts.buckets import checksum
 from commpress.validate import InputError
 
 log = logging.getLogger(__name__)

@@ -6,7 +6,7 @@ by rank set, two Streaming DiLoCo synchronizers left θ_global different across 
 import pytest
 
 from commpress.launch import spawn
-from tests.integrations import concurrency_workers as workers
+from tests.frontends import concurrency_workers as workers
 
 WORLD = 4
 

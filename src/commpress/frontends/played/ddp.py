@@ -1,7 +1,7 @@
 """:func:`commpress.ddp_hook`'s gradient all-reduce, played by one process for ``N`` ranks.
 
 What ``commpress simulate --engine ddp`` runs: the hook's own fixed buckets
-(:func:`~commpress.integrations.ddp.hook_layout`, the same layout as in a real run),
+(:func:`~commpress.frontends.ddp.hook_layout`, the same layout as in a real run),
 one :class:`GradPath` per rank and bucket (each rank's stochastic-rounding counters and
 error-feedback memory), and each rank running the hook's own all-reduce steps
 (:meth:`GradPath.all_reduce_steps`) over the played transport
@@ -23,7 +23,7 @@ from commpress.collectives import Topology
 from commpress.collectives.byte_stats import Stats
 from commpress.collectives.played import Played, played_peers
 from commpress.dp import DPBucket, grad_levels
-from commpress.integrations.ddp import BUCKET_NUMEL, grad_policy, hook_layout
+from commpress.frontends.ddp import BUCKET_NUMEL, grad_policy, hook_layout
 from commpress.policy import Policy
 from commpress.validate import check_saved_state
 

@@ -6,7 +6,7 @@ on each rank; a frozen one kept moving in the sharded optimizer's flat buckets).
 import pytest
 
 from commpress.launch import spawn
-from tests.integrations import parameter_set_workers as workers
+from tests.frontends import parameter_set_workers as workers
 
 AFTER = workers.CHANGE_AFTER
 

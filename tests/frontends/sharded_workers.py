@@ -7,7 +7,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import commpress
-from tests.integrations import workers
+from tests.frontends import workers
 
 
 def _net_with_frozen_weight_and_batchnorm(seed: int) -> nn.Module:
@@ -53,7 +53,7 @@ def clip_method_and_max_grad_norm(rank, world, policy, steps, max_norm):
     ``torch.nn.utils.clip_grad_norm_(model.parameters())`` and by torch's function over
     the optimizer's ``param_groups`` (Lightning's call): weight hashes after each step,
     and the norms the calls returned."""
-    from tests.integrations.workers import _data, _hash_params, _local_batch, _model
+    from tests.frontends.workers import _data, _hash_params, _local_batch, _model
 
     data = _data()
     out = {}
@@ -103,7 +103,7 @@ def batchnorm_buffers_after_steps(rank, world, broadcast_buffers, steps):
 def scheduled_adamw(rank, world, steps):
     """``ShardedOptimizer`` (policy none) driven by torch's StepLR over ``world`` ranks:
     the weights (flat) and the learning rate the inner optimizer held at each step."""
-    from tests.integrations.workers import _data, _local_batch, _model
+    from tests.frontends.workers import _data, _local_batch, _model
 
     data = _data()
     model = _model()
@@ -132,7 +132,7 @@ def ddp_wrapped_refusal(rank, world):
     """What ShardedOptimizer says of a model still wrapped in DDP."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from tests.integrations.workers import _model
+    from tests.frontends.workers import _model
 
     try:
         commpress.ShardedOptimizer(DDP(_model()), torch.optim.AdamW, "sdp4bit", lr=1e-3)
@@ -170,7 +170,7 @@ def consolidated_resume(rank, world, policy, path, first, then, load):
     """Train ``first`` steps (when ``load`` is False: then consolidate to rank 0 and save
     it to ``path``), or load ``path`` elastically and train ``then`` steps: per step the
     weight hash and the global loss."""
-    from tests.integrations.workers import _data, _global_loss, _hash_params, _local_batch, _model
+    from tests.frontends.workers import _data, _global_loss, _hash_params, _local_batch, _model
 
     data = _data()
     model = _model()

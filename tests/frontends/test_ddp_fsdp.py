@@ -3,7 +3,7 @@
 import pytest
 
 from commpress.launch import spawn
-from tests.integrations import workers
+from tests.frontends import workers
 
 
 def _close(a, b, rel):

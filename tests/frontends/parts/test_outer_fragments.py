@@ -6,8 +6,8 @@ import torch
 import torch.nn as nn
 
 from commpress.collectives import Topology
-from commpress.integrations.diloco import outer_policy
-from commpress.integrations.outer_fragments import (
+from commpress.frontends.diloco import outer_policy
+from commpress.frontends.parts.outer_fragments import (
     Fragment,
     apply_change,
     change,

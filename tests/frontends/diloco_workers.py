@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import commpress
 from commpress.collectives import Topology
-from tests.integrations import workers
+from tests.frontends import workers
 
 H = 4
 
@@ -159,7 +159,7 @@ class _Said:
         self.messages = []
         self.handler = logging.Handler()
         self.handler.emit = lambda record: self.messages.append(record.getMessage())
-        self.logger = logging.getLogger("commpress.integrations")
+        self.logger = logging.getLogger("commpress.frontends")
         self.logger.addHandler(self.handler)
         return self
 

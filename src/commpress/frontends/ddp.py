@@ -59,8 +59,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from commpress.codecs import codec as build_codec
 from commpress.collectives import Topology, context
-from commpress.collectives.agreement import refuse, release
+from commpress.collectives.agreement import refuse
 from commpress.collectives.comm import group_timeout
+from commpress.collectives.group_context import release
 from commpress.dp import DPBucket
 from commpress.dp.grad_path import make_levels_now, warn_if_uncompressed
 from commpress.dp.saved_state import check_resume, envelope, on_every_rank

@@ -31,7 +31,7 @@ This hook changes how the factors travel, not what they are:
    what the weights add up over steps — in the codec's own error feedback, on the rank
    that rounds a node's sum (:class:`~commpress.codecs.ErrorFeedback`); ``P`` only
    spans the subspace, and its rounding is not remembered.
-4. **The hook's own buckets** (:class:`~commpress.integrations.ddp.DDPHookState`: a
+4. **The hook's own buckets** (:class:`~commpress.frontends.ddp.DDPHookState`: a
    fixed layout by parameter name, one communication thread) run during backward and
    make the state checkpointable; torch's PowerSGD must finish each DDP bucket before
    the next on Gloo.
@@ -64,7 +64,7 @@ from commpress.collectives.agreement import agree
 from commpress.collectives.call import is_exact
 from commpress.collectives.handle import completed
 from commpress.dp import DPBucket
-from commpress.integrations.ddp import BUCKET_NUMEL, DDPHookState, compressed_allreduce_hook
+from commpress.frontends.ddp import BUCKET_NUMEL, DDPHookState, compressed_allreduce_hook
 from commpress.validate import MAX_SEED, InputError, check_bool, check_float, check_int
 
 LABEL = "dp.grad.lowrank"

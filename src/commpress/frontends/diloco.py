@@ -46,11 +46,12 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from commpress.collectives import Topology
-from commpress.collectives.agreement import agree, all_gather_objects, release
+from commpress.collectives.agreement import agree, all_gather_objects
+from commpress.collectives.group_context import release
 from commpress.dp.grad_path import make_levels_now, say_once, warn_if_uncompressed
 from commpress.dp.saved_state import check_resume, envelope, on_every_rank
-from commpress.integrations.ddp import new_hook_group
-from commpress.integrations.outer_fragments import (
+from commpress.frontends.ddp import new_hook_group
+from commpress.frontends.parts.outer_fragments import (
     Fragment,
     apply_change,
     change,
@@ -62,7 +63,7 @@ from commpress.integrations.outer_fragments import (
     split,
     trained,
 )
-from commpress.integrations.outer_sites import (
+from commpress.frontends.parts.outer_sites import (
     SiteCheck,
     check_inner,
     ddp_spanning_sites,
@@ -71,7 +72,7 @@ from commpress.integrations.outer_sites import (
     warn_if_sites_identical,
     weights_checksum,
 )
-from commpress.integrations.replica_sync import broadcast_coalesced, group_source
+from commpress.frontends.parts.replica_sync import broadcast_coalesced, group_source
 from commpress.policy import Policy
 from commpress.validate import (
     InputError,

@@ -12,9 +12,9 @@ import torch
 import torch.nn as nn
 
 import commpress
-from commpress.integrations.ddp import grad_policy
+from commpress.frontends.ddp import grad_policy
 from commpress.launch import spawn
-from tests.integrations import ddp_workers
+from tests.frontends import ddp_workers
 
 STEPS = 6
 # a hang would show as the group's timeout (with the rank named), not a stuck test
@@ -145,7 +145,7 @@ def test_a_rank_skipping_a_block_without_find_unused_parameters_fails_on_every_r
 
 
 def test_the_played_hook_takes_a_codec_spec_like_the_hook():
-    from commpress.integrations.played_ddp import PlayedDDPHook
+    from commpress.frontends.played.ddp import PlayedDDPHook
 
     played = PlayedDDPHook(nn.Linear(4, 4), "int4:hadamard=128", ranks=2, ranks_per_node=1)
     assert played.policy == grad_policy("int4:hadamard=128")
@@ -160,7 +160,7 @@ def test_the_played_hook_takes_a_codec_spec_like_the_hook():
     (dict(ranks=2, ranks_per_node=1, bucket_numel=8), "layout"),
 ])
 def test_the_played_hooks_state_of_another_run_is_refused_naming_the_field(other, field):
-    from commpress.integrations.played_ddp import PlayedDDPHook
+    from commpress.frontends.played.ddp import PlayedDDPHook
 
     def played(ranks, ranks_per_node, policy="int2ef", bucket_numel=1000):
         torch.manual_seed(0)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import commpress
-from tests.integrations.workers import _data, _model
+from tests.frontends.workers import _data, _model
 
 
 def _batches(data, n, bs=8):

@@ -6,7 +6,7 @@ import torch
 
 import commpress
 from commpress.launch import spawn
-from tests.integrations import sharded_workers, workers
+from tests.frontends import sharded_workers, workers
 
 POLICIES = commpress.list_presets()
 

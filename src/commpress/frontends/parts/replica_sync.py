@@ -16,7 +16,7 @@ import torch.nn as nn
 from commpress.collectives import CollectiveMismatchError
 from commpress.collectives.agreement import agree
 from commpress.collectives.comm import all_gather_single
-from commpress.integrations.buckets import Bucket, checksum
+from commpress.frontends.parts.buckets import Bucket, checksum
 
 
 def group_source(group: dist.ProcessGroup | None) -> int:

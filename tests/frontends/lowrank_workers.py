@@ -10,8 +10,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import commpress
 from commpress.codecs import codec as build_codec
 from commpress.collectives import chunks
-from commpress.integrations.ddp_lowrank import LABEL, lowrank_hook
-from tests.integrations import workers
+from commpress.frontends.ddp_lowrank import LABEL, lowrank_hook
+from tests.frontends import workers
 
 HOOK = {"rank": 2, "factor_codec": "int8", "start_iter": 1, "bucket_numel": 25_000}
 
@@ -109,7 +109,7 @@ def approximation_error(rank, world, factor_codec, steps=6, decades=None):
     import torch.distributed as dist
 
     from commpress.collectives import Topology
-    from commpress.integrations.ddp_lowrank import LowRankConfig, LowRankReducer
+    from commpress.frontends.ddp_lowrank import LowRankConfig, LowRankReducer
 
     g = torch.Generator().manual_seed(0)
     n, m, r = 768, 256, 16
@@ -144,7 +144,7 @@ def memory_after_fixed_differences(rank, world, factor_codec, steps=12):
     import torch.distributed as dist
 
     from commpress.collectives import Topology
-    from commpress.integrations.ddp_lowrank import LowRankConfig, LowRankReducer
+    from commpress.frontends.ddp_lowrank import LowRankConfig, LowRankReducer
 
     g = torch.Generator().manual_seed(0)
     n, m, k = 64, 32, 40

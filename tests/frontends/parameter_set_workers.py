@@ -8,7 +8,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import commpress
-from tests.integrations import workers
+from tests.frontends import workers
 
 CHANGE_AFTER = 1  # the change comes after this step
 

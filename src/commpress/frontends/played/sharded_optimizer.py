@@ -26,7 +26,7 @@ from commpress.collectives import Topology
 from commpress.collectives.byte_stats import Stats
 from commpress.collectives.played import Played, played_peers
 from commpress.dp import DPBucket, grad_levels
-from commpress.integrations.buckets import (
+from commpress.frontends.parts.buckets import (
     Bucket,
     buckets_identity,
     buckets_state,
@@ -35,7 +35,7 @@ from commpress.integrations.buckets import (
     load_buckets_state,
     tensor_parallel_key,
 )
-from commpress.integrations.sharded_optimizer import (
+from commpress.frontends.sharded_optimizer import (
     finish_step,
     norm_of_parts,
 )

@@ -4,10 +4,10 @@ two nodes (one rank each), so the factors cross the "link" as int8 codes."""
 import pytest
 import torch
 
-from commpress.integrations.ddp_lowrank import LowRankConfig, update_is_finite
+from commpress.frontends.ddp_lowrank import LowRankConfig, update_is_finite
 from commpress.launch import spawn
 from commpress.validate import InputError
-from tests.integrations import lowrank_workers
+from tests.frontends import lowrank_workers
 
 PG_TIMEOUT_S = 30.0
 

@@ -4,11 +4,11 @@ site), its own batches, different initial weights; gpt-tiny, AdamW inside."""
 import numpy as np
 import pytest
 
-from commpress.integrations.diloco import DiLoCoConfig, outer_policy, outer_step
+from commpress.frontends.diloco import DiLoCoConfig, outer_policy, outer_step
 from commpress.launch import spawn
 from commpress.validate import InputError
-from tests.integrations import diloco_workers
-from tests.integrations.diloco_workers import H
+from tests.frontends import diloco_workers
+from tests.frontends.diloco_workers import H
 
 PG_TIMEOUT_S = 30.0
 PRESETS = ["diloco", "diloco-int8", "diloco-int4", "diloco-int2ef", "diloco-sparse"]
@@ -149,7 +149,7 @@ def test_each_preset_has_its_outer_step_and_an_explicit_one_wins():
 def test_inner_optimizers_with_master_weights_and_sharded_parameters_are_refused():
     import torch
 
-    from commpress.integrations.outer_sites import check_inner
+    from commpress.frontends.parts.outer_sites import check_inner
 
     class MasterKeeping(torch.optim.SGD):  # as ShardedOptimizer: buckets and a policy
         buckets, policy = [], None

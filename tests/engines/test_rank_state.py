@@ -109,7 +109,7 @@ def elastic_resume(rank, world, directory, phase):
     strictly and elastically; elastically from a folder with no state too; what was said."""
     import logging
 
-    from commpress.integrations import rank_state
+    from commpress.engines import rank_state
 
     if phase == "save":
         rank_state.save_in({"saved by": rank}, directory, "test")

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import commpress
-from tests.integrations import workers
+from tests.frontends import workers
 
 
 class SkippingGPT(nn.Module):
@@ -126,7 +126,7 @@ def ignored_parameter_runs(rank, world, hooks, steps=3):
     each of ``hooks`` (None: DDP's own all-reduce; ``"lowrank"``: the low-rank hook; else
     a ``ddp_hook`` policy); per hook the hashes after each step of every parameter and of
     all but the ignored one."""
-    from commpress.integrations.ddp_lowrank import lowrank_hook
+    from commpress.frontends.ddp_lowrank import lowrank_hook
 
     data = workers._data()
     out = {}
@@ -180,7 +180,7 @@ def elastic(rank, world, directory, phase):
     import logging
     import os
 
-    from commpress.integrations.ddp_lowrank import lowrank_hook
+    from commpress.frontends.ddp_lowrank import lowrank_hook
 
     records = []
     handler = logging.Handler()

@@ -1,0 +1,286 @@
+"""One state object per process group: its call sequence, node levels and stats.
+
+torch.distributed keeps a process group's state in the group; commpress does the same.
+A :class:`GroupContext` is created at a group's first compressed call and held in a
+weak mapping keyed by the group object, so it is dropped with the group; a lock
+guards it where the DDP hook's communication thread and the main thread both reach
+it. The sub-groups it makes (node levels; on NCCL, the Gloo control group) are the
+group's own (:mod:`commpress.collectives.subgroups`): collectives on two groups of the
+same ranks, from two threads, never meet on a shared connection.
+
+:meth:`GroupContext.agree` is the per-call check of :mod:`commpress.collectives.agreement`.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+
+from commpress.collectives import subgroups
+from commpress.collectives.byte_stats import Stats, retire
+from commpress.collectives.comm import (
+    Gather,
+    all_gather_single,
+    group_timeout,
+    rank_in,
+    registered,
+)
+from commpress.collectives.levels import levels_used
+from commpress.collectives.mismatch import (
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    describe_call,
+    digest,
+    mismatch_message,
+)
+from commpress.collectives.watchdog import no_store, reported, waiting_ranks, watched, who
+
+HEADER_WORDS = 3  # sequence number, 128-bit digest as two int64
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Levels:
+    """The resolved two levels of a group for this rank."""
+
+    ranks_per_node: int
+    nodes: int
+    node: int
+    local_rank: int
+    intra: dist.ProcessGroup | None  # None when there is one rank per node
+    inter: dist.ProcessGroup | None  # None when there is one node
+
+
+class GroupContext:
+    """State commpress keeps for one process group.
+
+    Slots: identity (``rank``, ``world``, ``ranks``, ``name``); internal state (call
+    sequence numbers, point-to-point counters and inboxes, node levels, the control group);
+    ``stats`` (this group's byte and time counters).
+    """
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        # identity
+        known = registered(group)  # torchft's groups are not: their own ranks then
+        self.rank = rank_in(group)
+        self.world = group.size()
+        self.ranks = (tuple(dist.get_process_group_ranks(group)) if known
+                      else tuple(range(self.world)))
+        self.name = getattr(group, "group_name", "") or f"unregistered-{id(group):x}"
+        self.backend = str(dist.get_backend(group)) if known else group.name()
+        # internal state
+        self._lock = threading.RLock()
+        self._seq = 0
+        self._meetings = 0  # rendezvous() calls on this group
+        self._p2p: dict[tuple[str, int, int], int] = defaultdict(int)
+        self._p2p_inboxes: dict[tuple[int, int], object] = {}
+        self._levels: dict[int, Levels] = {}
+        self._control: dist.ProcessGroup | None = group if "gloo" in self.backend else None
+        self._incarnation: int | None = None  # of this group's name, once it owns sub-groups
+        self._store: dist.Store | None = None  # its sub-groups' connection to the store
+        # (the connection of the thread that made its first one)
+        self.subgroups: list[dist.ProcessGroup] = []  # made for it, destroyed with it
+        self._held: list = []  # (work, buffers) sent without a caller to wait on them
+        self._group_ref = weakref.ref(group)
+        # stats
+        self.stats = Stats()
+
+    # -- agreement ------------------------------------------------------------------
+    def agree(self, collective: str, /, **fields: object) -> int:
+        """Check that every rank of the group makes this call with these ``fields``.
+
+        Returns the call's sequence number. Raises :class:`CollectiveMismatchError` on
+        every rank if any field (or the sequence number) differs.
+        """
+        with self._lock:
+            seq = self._seq
+            self._seq += 1
+            if self.world == 1:
+                return seq
+            text = describe_call(collective, seq, fields)
+            header = torch.tensor([seq, *digest(text)], dtype=torch.int64)
+            gathered = torch.empty(self.world * HEADER_WORDS, dtype=torch.int64)
+            control = self.control_group()
+            work = all_gather_single(gathered, header, control, async_op=True)
+            self._wait(work, seq, collective, fields.get("label"))
+            rows = gathered.view(self.world, HEADER_WORDS)
+            if bool((rows == rows[0]).all()):
+                return seq
+            texts = _gather_texts(text, control)
+        raise CollectiveMismatchError(mismatch_message(f"commpress.{collective}", texts,
+                                                       self.ranks))
+
+    def next_p2p(self, direction: str, peer: int, tag: int) -> int:
+        """Sequence number of the next ``direction`` ("send"/"recv") with ``peer``, ``tag``."""
+        with self._lock:
+            key = (direction, peer, tag)
+            seq = self._p2p[key]
+            self._p2p[key] += 1
+            return seq
+
+    def p2p_inbox(self, peer: int, tag: int, make: Callable[[], T]) -> T:
+        """The state of what ``peer`` sends this rank on ``tag`` (``make()`` at first use)."""
+        with self._lock:
+            inbox = self._p2p_inboxes.get((peer, tag))
+            if inbox is None:
+                inbox = self._p2p_inboxes[(peer, tag)] = make()
+            return inbox  # type: ignore[return-value]
+
+    def hold(self, work, *buffers: torch.Tensor) -> None:
+        """Keep an asynchronous send and its buffers alive until it completes (a send
+        posted on an error path, which nobody waits on)."""
+        with self._lock:
+            self._held = [(w, b) for w, b in self._held if not w.is_completed()]
+            self._held.append((work, buffers))
+
+    def control_group(self) -> dist.ProcessGroup:
+        """The group that carries headers as CPU tensors (on NCCL a Gloo sub-group this
+        group owns)."""
+        with self._lock:
+            if self._control is None:
+                # every member reaches its first collective on the group: making the
+                # side group here cannot wait for a rank that never comes
+                self._control = self._subgroup("control", list(self.ranks), "gloo")
+            return self._control
+
+    def _subgroup(self, kind: str, ranks: list[int], backend: str) -> dist.ProcessGroup:
+        """A sub-group of ``ranks`` this group owns (:mod:`~commpress.collectives.subgroups`),
+        made by its members in the call that needs it; destroyed with the group."""
+        group = self._group_ref()
+        if group is None or not registered(group):
+            raise RuntimeError(f"commpress: group {self.name} is not known to "
+                               "torch.distributed (torchft's are not), so no node levels or "
+                               "control group can be made of it; allowed there: one level "
+                               "(Topology(1) or a one-level codec) on a Gloo group")
+        if self._incarnation is None:
+            self._incarnation = subgroups.next_incarnation(self.name)
+            self._store = subgroups.store_client()
+        made = subgroups.make(self.name, self._incarnation, kind, ranks, backend,
+                              group_timeout(group), self._store)
+        self.subgroups.append(made)
+        return made
+
+    def _wait(self, work, seq: int, collective: str, label: object) -> None:
+        with watched(self, seq):
+            try:
+                work.wait()
+            except RuntimeError as e:
+                raise self._timeout_error(seq, collective, label, e) from e
+
+    def _timeout_error(self, seq: int, collective: str, label: object,
+                       cause: Exception) -> CollectiveTimeoutError:
+        where = f"commpress.{collective} (label {label!r}, call #{seq} on group {self.name})"
+        named = who(self, waiting_ranks(self, seq), "never reached it", "were waiting there",
+                    "reached it; a connection failed",
+                    f"could not tell which ranks are missing ({no_store()})")
+        return CollectiveTimeoutError(f"{where} timed out: {named}. Cause: "
+                                      f"{type(cause).__name__}: {cause}")
+
+    # -- node levels -------------------------------------------------------------------
+    def levels(self, group: dist.ProcessGroup, ranks_per_node: int) -> Levels:
+        """The two levels of ``group`` for ``ranks_per_node`` (sub-groups made once, owned
+        by ``group``)."""
+        with self._lock:
+            levels = self._levels.get(ranks_per_node)
+            if levels is not None and not _alive(levels.intra, levels.inter):
+                self._incarnation = None  # made again: under names never used before
+                levels = None
+            if levels is None:
+                levels = self._make_levels(group, ranks_per_node)
+                self._levels[ranks_per_node] = levels
+            return levels
+
+    def _make_levels(self, group: dist.ProcessGroup, rpn: int) -> Levels:
+        me, ranks = self.rank, self.ranks
+        nodes = self.world // rpn
+        used = levels_used(True, self.world, rpn) if self.world > 1 else ()
+        intra = inter = None
+        if used == ("intra", "inter"):
+            node, local = me // rpn, me % rpn
+            backend = self.backend
+            intra = self._subgroup(f"intra{rpn}", [ranks[node * rpn + i] for i in range(rpn)],
+                                   backend)
+            inter = self._subgroup(f"inter{rpn}",
+                                   [ranks[n * rpn + local] for n in range(nodes)], backend)
+        elif used == ("intra",):
+            intra = group
+        elif used == ("inter",):
+            inter = group
+        return Levels(rpn, nodes, me // rpn, me % rpn, intra, inter)
+
+
+def _gather_texts(text: str, group: dist.ProcessGroup) -> list[str]:
+    raw = torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8)
+    rows = Gather(raw, fixed_size=False, group=group).wait()
+    return [bytes(row.tolist()).decode(errors="replace") for row in rows]
+
+
+# -- the registry: one context per live group ------------------------------------------
+
+_CONTEXTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_REGISTRY_LOCK = threading.Lock()
+
+
+def context(group: dist.ProcessGroup) -> GroupContext:
+    """The context of ``group``, created at its first use, dropped with the group."""
+    with _REGISTRY_LOCK:
+        ctx = _CONTEXTS.get(group)
+        if ctx is None:
+            ctx = GroupContext(group)
+            _CONTEXTS[group] = ctx
+            # the group's counters outlive it in the process totals
+            weakref.finalize(group, retire, ctx.stats)
+        return ctx
+
+
+def release(group: dist.ProcessGroup, drain: bool = True) -> None:
+    """Destroy ``group``, the sub-groups it owns (node levels, control group) and its
+    context. Each process group holds backend threads and sockets until it is destroyed:
+    a process that runs many jobs one after another (``compare``'s policies, a sweep of
+    runs) must release each job's groups. Local: every member calls it after its last
+    collective on ``group``. The default group is left (its sub-groups go with it at
+    ``destroy_process_group()``). ``drain=False``: destroy it at once, without waiting
+    for the others (the run failed: a peer may be dead or still inside a collective on
+    it)."""
+    with _REGISTRY_LOCK:
+        ctx = _CONTEXTS.pop(group, None)
+    if group is not dist.group.WORLD and _alive(group):
+        if drain:  # no member may still be sending on it (a held send, a peer's receive)
+            dist.barrier(group=group)
+        if ctx is not None:
+            subgroups.destroy(ctx.subgroups)
+        dist.destroy_process_group(group)
+
+
+def live_contexts() -> list[GroupContext]:
+    with _REGISTRY_LOCK:
+        return list(_CONTEXTS.values())
+
+
+def _alive(*groups: dist.ProcessGroup | None) -> bool:
+    """Whether the groups are still registered (not destroyed by the user)."""
+    registered = dist.distributed_c10d._world.pg_map
+    return all(g is None or g in registered for g in groups)
+
+
+def transfer_failed(group: dist.ProcessGroup, label: str,
+                    cause: Exception) -> CollectiveTimeoutError:
+    """The error for a payload transfer on ``group`` that failed after every rank had
+    agreed to the call (a peer died mid-call, or its connection broke): each rank that
+    sees the failure reports it in the store and looks for the others' reports; the
+    ranks that never report are named (dead, or stuck outside this collective)."""
+    ctx = context(group)
+    where = f"commpress transfer (label {label!r}, after call #{ctx._seq - 1} on group {ctx.name})"
+    named = who(ctx, reported(ctx, lambda rank: f"commpress/failed/{ctx.name}/{rank}"),
+                "never finished it (dead, or stuck elsewhere)", "saw the transfer fail",
+                "saw the transfer fail: a connection broke",
+                f"could not tell which rank failed ({no_store()})")
+    return CollectiveTimeoutError(f"{where} failed: {named}. Cause: {type(cause).__name__}: "
+                                  f"{cause}")

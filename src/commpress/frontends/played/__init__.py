@@ -1,0 +1,1 @@
+"""The front-ends' played twins: ``N`` ranks in one process (``commpress simulate``)."""
