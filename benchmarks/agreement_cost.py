@@ -3,7 +3,7 @@ guards, on Gloo over loopback.
 
     python benchmarks/agreement_cost.py [--calls 200]
 
-For 2 and 4 ranks: the median time of one agreement (24-byte all-gather), of an
+For 2 and 4 ranks: the median time of one agreement (32-byte all-gather), of an
 ``int8`` all-reduce of 1 Ki and 1 Mi fp32 elements (each includes its own agreement),
 and of torch's uncompressed all-reduce of the same size. Writes
 benchmarks/results/agreement_cost.md.

@@ -11,6 +11,10 @@ tp    ``act``, ``act_grad``       tensor-parallel all-reduce forward / backward
 pp    ``act``, ``act_grad``       pipeline send/recv forward / backward
 outer ``grad``                    the pseudo-gradient all-reduce across sites
                                   (:class:`commpress.DiLoCo`)
+ep    ``dispatch``, ``combine``,  expert-parallel all-to-alls of a mixture of
+      ``dispatch_grad``,          experts: tokens to their experts and expert
+      ``combine_grad``            outputs back (forward), and the backward of
+                                  each (:class:`commpress.ep.EPExchange`)
 ====  ==========================  ===========================================
 
 ``dp.grad`` and ``outer.grad`` may be split into levels ``intra`` and ``inter``
@@ -48,8 +52,10 @@ from commpress.codecs import Codec, ErrorFeedback, codec
 from commpress.files import read_regular
 from commpress.validate import InputError
 
+EP_KINDS = ("dispatch", "combine", "dispatch_grad", "combine_grad")
 AXES: dict[str, tuple[str, ...]] = {"dp": ("grad", "param"), "tp": ("act", "act_grad"),
-                                    "pp": ("act", "act_grad"), "outer": ("grad",)}
+                                    "pp": ("act", "act_grad"), "outer": ("grad",),
+                                    "ep": EP_KINDS}
 LEVELS = ("intra", "inter")
 LEVELLED = ("dp.grad", "outer.grad")  # the keys that may name intra/inter codecs
 RULE_FIELDS = ("codec", "error_feedback", "delta")
@@ -103,9 +109,11 @@ class Policy:
                 raise InputError(f"policy {self.name!r}: {key}.delta=true is not allowed; "
                                  "delta (weight differences, qWD) applies to dp.param only")
             try:
-                codec(rule.codec)
+                built = codec(rule.codec)
             except ValueError as e:
                 raise InputError(f"policy {self.name!r}: {key}.codec: {e}") from None
+            if key.startswith("ep."):
+                _check_ep_rule(self.name, key, rule, built)
 
     # -- lookups ----------------------------------------------------------------
     def rule(self, axis: str, kind: str, level: str | None = None) -> Rule:
@@ -269,6 +277,19 @@ class _NoAliasLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+def _check_ep_rule(policy: str, key: str, rule: Rule, built: Codec) -> None:
+    """An expert-parallel all-to-all exchanges rows of sizes both sides know in advance,
+    and its tokens are new every step."""
+    if not (built.fixed_rate and built.alignment > 0):
+        raise InputError(f"policy {policy!r}: {key}.codec={rule.codec!r} is not allowed; "
+                         "allowed: a fixed-rate codec (none, bf16, fp16, fp8, int8, int4, "
+                         "int2, sign, nf2): tokens are exchanged at sizes known in advance")
+    if rule.error_feedback:
+        raise InputError(f"policy {policy!r}: {key}.error_feedback=true is not allowed: a "
+                         "memory belongs to the values it compresses, and the tokens an "
+                         "all-to-all sends are new each step; allowed: error_feedback=false")
+
+
 def _check_key(key: str) -> None:
     parts = key.split(".")
     ok = (len(parts) in (2, 3) and parts[0] in AXES and parts[1] in AXES[parts[0]]
@@ -308,18 +329,26 @@ _QWD = {"codec": "int4:group=2048", "delta": True}
 # packed five per byte (1.75 bits with fp16 scales), error feedback sends what they drop.
 _INT2EF = {"intra": "none",
            "inter": {"codec": "int2:packing=trits,scale_dtype=fp16", "error_feedback": True}}
+# Mixture-of-experts all-to-alls (bits per element, per direction: dispatch, combine,
+# dispatch_grad, combine_grad; bf16 is 16). ep-fp8 follows DeepEP's and torchao's
+# practice: e4m3 codes with a scale per 128 elements (8.25) for tokens going to experts
+# forward and for the combine's gradient, which travels the same way; expert outputs and
+# the dispatch's gradient exact (16). ep-int8: int8 with a scale per 128 (8.25) all four
+# ways; ep-int4: int4 after a Hadamard-128 rotation (4.25) all four ways.
 PRESETS: dict[str, dict[str, Any]] = {
     "none": {},
     "naive": {"dp": {"grad": "int4", "param": "int4"},
               "tp": {"act": "int4", "act_grad": "int4"},
-              "pp": {"act": "int4", "act_grad": "int4"}},
+              "pp": {"act": "int4", "act_grad": "int4"},
+              "ep": dict.fromkeys(EP_KINDS, "int4")},
     # TP activations as int8 (8.25 bits): chosen over fp8 and fp8 + Hadamard-128 by loss
     # at dp2 × tp2 (benchmarks/hybrid_tp_codec.py, BENCHMARKS.md); bf16, used before,
     # compressed nothing in a bf16 run
     "hybrid": {"dp": {"grad": {"intra": "int8:hadamard=128", "inter": "int4:hadamard=128"},
                       "param": "int8"},
                "tp": {"act": "int8", "act_grad": "int8"},
-               "pp": {"act": "int8", "act_grad": "int8"}},
+               "pp": {"act": "int8", "act_grad": "int8"},
+               "ep": dict.fromkeys(EP_KINDS, "int8")},
     "sdp4bit": {"dp": {"grad": _TLQHS, "param": _QWD}},
     "zeropp": {"dp": {"grad": {"intra": "int4", "inter": "int4"}, "param": "int8:group=4096"}},
     "qw": {"dp": {"param": "int4:group=2048"}},
@@ -327,6 +356,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tlq": {"dp": {"grad": _TLQ}},
     "tlqhs": {"dp": {"grad": _TLQHS}},
     "int2ef": {"dp": {"grad": _INT2EF}},
+    "ep-fp8": {"ep": {"dispatch": "fp8", "combine_grad": "fp8"}},
+    "ep-int8": {"ep": dict.fromkeys(EP_KINDS, "int8")},
+    "ep-int4": {"ep": dict.fromkeys(EP_KINDS, "int4:hadamard=128")},
     # The CCGrid paper's choice of compressors, as far as the libraries here allow: ZFP
     # fixed-rate everywhere — aggressive (8 bits per value) on data-parallel gradients,
     # mild (16) on weights and on tensor/pipeline activations. Its lossless GPU

@@ -18,6 +18,7 @@ Rules for asynchronous calls (``async_op=True``) and CUDA streams:
    (:mod:`commpress.collectives.agreement`).
 """
 
+from commpress.collectives.all_to_all import all_to_all
 from commpress.collectives.compressed_all_gather import all_gather
 from commpress.collectives.compressed_all_reduce import all_reduce
 from commpress.collectives.compressed_reduce_scatter import reduce_scatter
@@ -43,6 +44,7 @@ __all__ = [
     "P2POp",
     "Topology",
     "all_gather",
+    "all_to_all",
     "all_reduce",
     "batch_isend_irecv",
     "context",

@@ -2,9 +2,11 @@
 
 **Agreement on every call.** Ranks that call a collective with different sizes,
 dtypes or codecs — on any call, not only the first — would corrupt data, abort inside
-Gloo or hang. So before each call the ranks all-gather a 24-byte header: the call's
-sequence number on this group and a 128-bit BLAKE2 digest of everything they must
-agree on (collective, label, codec spec, op, element count, dtype, ...). Equal
+Gloo or hang. So before each call the ranks all-gather a 32-byte header: the call's
+sequence number on this group, a 128-bit BLAKE2 digest of everything they must
+agree on (collective, label, codec spec, op, element count, dtype, ...), and a share of
+a sum that checks what ranks claim of each other (an all-to-all's splits; zero
+elsewhere). Equal
 digests: go on. Different: the ranks exchange their full descriptors (any length)
 and every rank raises the same :class:`CollectiveMismatchError` naming the ranks and
 fields. The header travels on the CPU — over the group itself on Gloo, over a Gloo

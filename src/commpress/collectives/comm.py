@@ -98,15 +98,16 @@ class Exchange:
     """An all-to-all of per-destination byte rows, started at construction.
 
     ``rows`` is either a ``(world, row_bytes)`` uint8 tensor (fixed-rate codecs: every
-    row has the same size) or a list of ``world`` 1-D uint8 tensors of any sizes. For a
-    list, every source's row for this rank has ``received`` bytes when given (uneven
-    parts of a fixed-rate codec), else the sizes are exchanged first (variable-rate
-    codecs). ``wait()`` returns what each source rank sent this rank: a ``(world, ·)``
-    tensor, or a list of sizes exchanged.
+    row has the same size) or a list of ``world`` 1-D tensors of any sizes (and one
+    dtype). For a list, every source's row for this rank has ``received`` elements when
+    given (uneven parts of a fixed-rate codec), or ``received[j]`` from source ``j`` (an
+    all-to-all whose splits both sides know), else the sizes are exchanged first
+    (variable-rate codecs). ``wait()`` returns what each source rank sent this rank: a
+    ``(world, ·)`` tensor, or a list.
     """
 
     def __init__(self, rows: torch.Tensor | list[torch.Tensor], group,
-                 received: int | None = None) -> None:
+                 received: int | list[int] | None = None) -> None:
         self.group = group
         self.sizes: list[int] | None = None
         if isinstance(rows, torch.Tensor):
@@ -121,6 +122,9 @@ class Exchange:
             self.sizes = recv_sizes_t.tolist()
             self.recv = torch.empty(sum(self.sizes), dtype=torch.uint8, device=rows[0].device)
             recv_sizes = self.sizes
+        elif isinstance(received, list):
+            self.sizes = recv_sizes = received
+            self.recv = torch.empty(sum(received), dtype=rows[0].dtype, device=rows[0].device)
         else:
             self.recv = torch.empty(len(rows), received, dtype=torch.uint8,
                                     device=rows[0].device)

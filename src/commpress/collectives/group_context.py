@@ -42,7 +42,7 @@ from commpress.collectives.mismatch import (
 )
 from commpress.collectives.watchdog import no_store, reported, waiting_ranks, watched, who
 
-HEADER_WORDS = 3  # sequence number, 128-bit digest as two int64
+HEADER_WORDS = 4  # sequence number, 128-bit digest as two int64, a balance share
 T = TypeVar("T")
 
 
@@ -99,23 +99,43 @@ class GroupContext:
         Returns the call's sequence number. Raises :class:`CollectiveMismatchError` on
         every rank if any field (or the sequence number) differs.
         """
+        return self.agree_balanced(collective, 0, **fields)[0]
+
+    def agree_balanced(self, collective: str, balance: int, /,
+                       **fields: object) -> tuple[int, bool]:
+        """:meth:`agree`, carrying ``balance`` — this rank's share of a sum that is zero
+        (mod 2⁶⁴) when what the ranks claim of each other matches (an all-to-all's splits:
+        :func:`~commpress.collectives.all_to_all.split_balance`) — in the same header →
+        ``(sequence number, whether the shares sum to zero)``. No extra round trip."""
         with self._lock:
             seq = self._seq
             self._seq += 1
             if self.world == 1:
-                return seq
+                return seq, balance % 2**64 == 0
             text = describe_call(collective, seq, fields)
-            header = torch.tensor([seq, *digest(text)], dtype=torch.int64)
+            share = (balance + 2**63) % 2**64 - 2**63  # as a signed int64
+            header = torch.tensor([seq, *digest(text), share], dtype=torch.int64)
             gathered = torch.empty(self.world * HEADER_WORDS, dtype=torch.int64)
             control = self.control_group()
             work = all_gather_single(gathered, header, control, async_op=True)
             self._wait(work, seq, collective, fields.get("label"))
             rows = gathered.view(self.world, HEADER_WORDS)
-            if bool((rows == rows[0]).all()):
-                return seq
+            heads = rows[:, :3]
+            if bool((heads == heads[0]).all()):
+                return seq, sum(rows[:, 3].tolist()) % 2**64 == 0
             texts = _gather_texts(text, control)
         raise CollectiveMismatchError(mismatch_message(f"commpress.{collective}", texts,
                                                        self.ranks))
+
+    def gather_words(self, words: list[int], collective: str, label: object) -> torch.Tensor:
+        """Every rank's ``words`` (as many on each) → ``(world, len(words))``: what ranks
+        exchange once a balanced agreement failed, to name who claimed what."""
+        with self._lock:
+            mine = torch.tensor(words, dtype=torch.int64)
+            gathered = torch.empty(self.world * len(words), dtype=torch.int64)
+            work = all_gather_single(gathered, mine, self.control_group(), async_op=True)
+            self._wait(work, self._seq - 1, collective, label)
+            return gathered.view(self.world, len(words))
 
     def next_p2p(self, direction: str, peer: int, tag: int) -> int:
         """Sequence number of the next ``direction`` ("send"/"recv") with ``peer``, ``tag``."""

@@ -111,7 +111,7 @@ class Played:
             answer = lambda i: gathered  # noqa: E731 - the same bytes for every member
         elif isinstance(first, AllToAll):
             answer = lambda i: _received([r.rows for _, _, r in members], i,  # noqa: E731
-                                         first.received is not None)
+                                         isinstance(first.received, int))
         else:
             total = self._sums.pop(key).total
             total = total / n if first.op == "avg" else total

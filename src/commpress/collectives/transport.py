@@ -66,13 +66,14 @@ class Request:
 @dataclass
 class AllToAll(Request):
     """Send ``rows[i]`` to peer ``i`` → what each peer sent this rank, in peer order:
-    a ``(size, width)`` tensor (any dtype) or a list of 1-D uint8 tensors. Rows of
-    uneven sizes with a known ``received`` size (every peer sends this rank that many
-    bytes: uneven parts of a fixed-rate codec) arrive as a ``(size, received)`` tensor,
+    a ``(size, width)`` tensor (any dtype) or a list of 1-D tensors. Rows of uneven sizes
+    with a known ``received`` size (every peer sends this rank that many bytes: uneven
+    parts of a fixed-rate codec) arrive as a ``(size, received)`` tensor; with
+    ``received[j]`` from each peer ``j`` (an all-to-all's splits), as a list. Either way
     with no exchange of sizes first."""
 
     rows: Rows = None
-    received: int | None = None
+    received: int | list[int] | None = None
 
 
 @dataclass

@@ -1,0 +1,119 @@
+"""One expert-parallel group's token all-to-alls, as one object: the door of the ``ep`` axis.
+
+A mixture-of-experts layer with expert parallelism sends each token to the ranks that hold
+its experts (**dispatch**) and the experts' outputs back (**combine**); backward runs the
+reverse of each. The four directions tolerate compression differently — the practice of
+DeepEP and torchao sends fp8 tokens to the experts and keeps the combine's forward exact —
+so the policy names a codec for each: ``ep.dispatch``, ``ep.combine``,
+``ep.dispatch_grad`` (the dispatch's backward, experts → tokens) and ``ep.combine_grad``
+(the combine's backward, tokens → experts).
+
+An :class:`EPExchange` holds those four codecs (and so their state: stochastic-rounding
+counters) for one group, and offers :meth:`~EPExchange.dispatch` and
+:meth:`~EPExchange.combine`: differentiable all-to-alls (:func:`commpress.all_to_all`)
+whose backward is the reverse exchange with the gradient's codec. An engine adapter (the
+torchtitan one) or a model calls them where it called ``all_to_all_single``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from commpress.codecs import Codec
+from commpress.collectives import all_to_all
+from commpress.policy import EP_KINDS, Policy
+from commpress.validate import InputError
+
+
+class _TokenExchange(torch.autograd.Function):
+    """An all-to-all of rows whose backward is the reverse all-to-all of their gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, input_splits: list[int], output_splits: list[int],
+                forward_codec: Codec, backward_codec: Codec, group: dist.ProcessGroup,
+                labels: tuple[str, str]) -> torch.Tensor:
+        ctx.splits = (input_splits, output_splits)
+        ctx.backward_codec, ctx.group, ctx.label = backward_codec, group, labels[1]
+        out = x.new_empty((sum(output_splits), *x.shape[1:]))
+        all_to_all(out, x.detach(), output_splits, input_splits, forward_codec, group=group,
+                   label=labels[0])
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        input_splits, output_splits = ctx.splits
+        grad_in = grad.new_empty((sum(input_splits), *grad.shape[1:]))
+        all_to_all(grad_in, grad.contiguous(), input_splits, output_splits,
+                   ctx.backward_codec, group=ctx.group, label=ctx.label)
+        return grad_in, None, None, None, None, None, None
+
+
+class EPExchange:
+    """The ``ep`` codecs of one expert-parallel ``group``, by kind, from ``policy``.
+
+    Example::
+
+        ep = commpress.ep.EPExchange("ep-fp8", ep_group)
+        routed = ep.dispatch(tokens, input_splits, output_splits)   # to the experts
+        back = ep.combine(expert_out, output_splits, input_splits)  # and back
+    """
+
+    def __init__(self, policy: str | dict | Policy, group: dist.ProcessGroup | None = None,
+                 label: str = "ep") -> None:
+        self.policy = Policy.resolve(policy)
+        self.group = group
+        self.label = label
+        self.fresh()
+
+    def fresh(self) -> None:
+        """Codecs as the policy builds them (rounding streams from their start)."""
+        self.codecs = {kind: self.policy.codec_for("ep", kind) for kind in EP_KINDS}
+
+    @property
+    def compresses(self) -> bool:
+        """Whether any of the four directions is compressed."""
+        return any(not self.policy.rule("ep", kind).exact for kind in EP_KINDS)
+
+    def dispatch(self, tokens: torch.Tensor, input_splits: list[int],
+                 output_splits: list[int]) -> torch.Tensor:
+        """Send ``input_splits[j]`` rows of ``tokens`` to rank ``j`` (to its experts) →
+        the rows every rank sent this one, in rank order; differentiable (the backward
+        sends the gradients back with ``ep.dispatch_grad``)."""
+        return self._exchange(tokens, input_splits, output_splits, "dispatch")
+
+    def combine(self, outputs: torch.Tensor, input_splits: list[int],
+                output_splits: list[int]) -> torch.Tensor:
+        """Send the experts' ``outputs`` back: ``input_splits[j]`` rows to rank ``j`` (the
+        dispatch's output splits) → the rows for this rank's tokens (``output_splits``:
+        the dispatch's input splits); the backward uses ``ep.combine_grad``."""
+        return self._exchange(outputs, input_splits, output_splits, "combine")
+
+    def _exchange(self, x: torch.Tensor, input_splits: list[int], output_splits: list[int],
+                  kind: str) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor) or x.dim() < 1:
+            raise InputError(f"EPExchange.{kind}: tokens of {type(x).__name__} "
+                             f"{tuple(getattr(x, 'shape', ()))} are not allowed; allowed: a "
+                             "tensor whose first dimension is the tokens")
+        labels = (f"{self.label}.{kind}", f"{self.label}.{kind}_grad")
+        return _TokenExchange.apply(x, list(input_splits), list(output_splits),
+                                    self.codecs[kind], self.codecs[f"{kind}_grad"],
+                                    self.group, labels)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"policy": self.policy.to_dict(),
+                "codecs": {kind: c.state_dict() for kind, c in self.codecs.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; a state saved under another policy is refused."""
+        if not isinstance(state, dict) or set(state) != {"policy", "codecs"}:
+            found = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise InputError(f"EPExchange state with keys {found} is not allowed; allowed: "
+                             "what EPExchange.state_dict() saved (policy, codecs)")
+        if state["policy"] != self.policy.to_dict():
+            raise InputError(f"EPExchange state of policy {state['policy']!r}; this exchange "
+                             f"runs {self.policy.to_dict()!r}: resume with the same policy")
+        for kind, c in self.codecs.items():
+            c.load_state_dict(state["codecs"][kind])
