@@ -4,8 +4,8 @@ import torch
 import torch.distributed as dist
 
 import commpress
-from commpress.collectives.all_to_all import all_to_all_steps
 from commpress.collectives.byte_stats import Stats
+from commpress.collectives.compressed_all_to_all import all_to_all_steps
 from commpress.collectives.played import Played
 from commpress.collectives.transport import Peers
 

@@ -18,9 +18,9 @@ Rules for asynchronous calls (``async_op=True``) and CUDA streams:
    (:mod:`commpress.collectives.agreement`).
 """
 
-from commpress.collectives.all_to_all import all_to_all
 from commpress.collectives.compressed_all_gather import all_gather
 from commpress.collectives.compressed_all_reduce import all_reduce
+from commpress.collectives.compressed_all_to_all import all_to_all
 from commpress.collectives.compressed_reduce_scatter import reduce_scatter
 from commpress.collectives.delta_gather import delta_all_gather
 from commpress.collectives.group_context import GroupContext, context

@@ -104,9 +104,10 @@ class GroupContext:
     def agree_balanced(self, collective: str, balance: int, /,
                        **fields: object) -> tuple[int, bool]:
         """:meth:`agree`, carrying ``balance`` — this rank's share of a sum that is zero
-        (mod 2⁶⁴) when what the ranks claim of each other matches (an all-to-all's splits:
-        :func:`~commpress.collectives.all_to_all.split_balance`) — in the same header →
-        ``(sequence number, whether the shares sum to zero)``. No extra round trip."""
+        (mod 2⁶⁴) when what the ranks claim of each other matches (an all-to-all's
+        splits: :func:`~commpress.collectives.compressed_all_to_all.split_balance`) — in
+        the same header → ``(sequence number, whether the shares sum to zero)``. No extra
+        round trip."""
         with self._lock:
             seq = self._seq
             self._seq += 1
