@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import io
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -266,6 +266,7 @@ class FSDPCompression:
         # internal state: the collectives hold their codecs (and so the codec state)
         self.modules = modules
         self._swaps = swaps  # on FSDP's parameter groups: what remove() gives back
+        self._also: list[Callable[[], None]] = []  # adapters' own installs (also_remove)
 
     def __len__(self) -> int:
         return len(self.modules)
@@ -278,8 +279,15 @@ class FSDPCompression:
             return
         restore(self._swaps)
         self._swaps = []
+        for undo in self._also:
+            undo()
         log.info("Removed commpress %s from %d FSDP modules", self.policy.name,
                  len(self.modules))
+
+    def also_remove(self, undo: Callable[[], None]) -> None:
+        """Run ``undo`` at :meth:`remove` too: what an engine's adapter installed beside
+        FSDP's collectives under the same handle (torchtitan's expert dispatchers)."""
+        self._also.append(undo)
 
     def codec_states(self) -> dict[str, dict[str, Any]]:
         """This rank's codec state by FSDP module name: its :class:`DPBucket`'s
