@@ -12,6 +12,7 @@ import importlib.abc
 import importlib.util
 import sys
 
+from commpress import ep
 from commpress.codecs import (
     Codec,
     ErrorFeedback,
@@ -97,6 +98,7 @@ if not any(isinstance(f, _Alias) for f in sys.meta_path):
 
 
 __all__ = [
+    "ep",
     "DDPHookState",
     "DiLoCo",
     "InputError",

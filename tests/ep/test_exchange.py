@@ -6,6 +6,7 @@ from commpress import InputError, Policy
 from commpress.ep import EPExchange
 from commpress.launch import spawn
 from tests.ep import workers
+from tests.reliability.killing import assert_survivors_name_the_dead_rank
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -44,3 +45,10 @@ def test_state_is_refused_under_another_policy():
     EPExchange("ep-int8").load_state_dict(saved)
     with pytest.raises(InputError, match="resume with the same policy"):
         EPExchange("ep-fp8").load_state_dict(saved)
+
+
+@pytest.mark.slow
+def test_a_rank_killed_mid_dispatch_is_named_by_the_survivors():
+    ranks = spawn(workers.killed_mid_dispatch, 3, (1,), pg_timeout_s=5, timeout=120,
+                  allow_errors=True)
+    assert_survivors_name_the_dead_rank(ranks, victim=1, timeout_s=5)

@@ -57,3 +57,22 @@ def dispatch_and_combine(rank, world, policy):
              if k.startswith("ep.") and v["raw_bytes"]}
     return {"bitwise": all(torch.equal(a, b) for a, b in zip(got, exact)), "rel": rel,
             "ratio": ratio, "state": ep.state_dict()["policy"]}
+
+
+def killed_mid_dispatch(rank, world, victim):
+    """Steps of dispatch and combine; the victim dies between its dispatch and its combine,
+    so the survivors wait for it inside the exchange."""
+    from tests.reliability.killing import Killer
+
+    ep = EPExchange("ep-int8", dist.group.WORLD)
+    killer = Killer(rank, victim, at_step=2)
+
+    def loop():
+        for step in range(5):
+            x = torch.randn(4 * world, WIDTH, requires_grad=True)
+            splits = [4] * world
+            routed = ep.dispatch(x, splits, splits)
+            killer.mid_step(step)
+            ep.combine(routed * 2, splits, splits).sum().backward()
+
+    return killer.survive(loop)
