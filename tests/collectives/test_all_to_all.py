@@ -19,6 +19,11 @@ def test_uneven_rows_through_every_codec(dtype):
         assert r["int4:hadamard=128_error"] < 0.15, r
 
 
+def test_a_rank_with_no_tokens_takes_part():
+    ranks = spawn(workers.no_rows, 3)
+    assert set(ranks[0].values()) == {(0, 40)} and set(ranks[1].values()) == {(6, 40)}, ranks
+
+
 def test_non_finite_tokens_stay_non_finite():
     # every rank's rows 0 and 1 (a NaN and an Inf) go to rank 0; rows 2 and 3 to rank 1
     ranks = spawn(workers.non_finite, 2)

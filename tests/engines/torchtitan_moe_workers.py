@@ -19,7 +19,9 @@ import commpress
 DIM, HEAD_DIM, VOCAB = 64, 16, 256
 
 
-def _qwen3_moe(world):
+def qwen3_moe(world: int, seed: int = 0):
+    """The model with torchtitan's EP over ``world`` ranks, initialized from ``seed`` alike on
+    every rank (each keeps its slice of the experts)."""
     # a CPU build of torch makes torchtitan's device type "cuda" (tools.utils); its meshes
     # are built for that type, so it is told the machine's
     parallel_dims.device_type = "cpu"
@@ -37,7 +39,7 @@ def _qwen3_moe(world):
     for layer in config.layers:
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
     set_qwen3_sharding_config(config, enable_sp=False, enable_ep=True)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = config.build()
     model.init_states()
     model.parallelize(ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, tp=1, pp=1, ep=world,
@@ -74,7 +76,7 @@ def moe_runs(rank, world, policies, steps):
     ep stats of one more step after ``remove()``."""
     out = {}
     for policy in policies:
-        model = _qwen3_moe(world)
+        model = qwen3_moe(world)
         commpress.reset_stats()
         comm = None if policy is None else commpress.torchtitan.compress(model, policy)
         losses = _steps(model, rank, steps)
@@ -93,7 +95,7 @@ def moe_runs(rank, world, policies, steps):
 
 
 def refused(rank, world, policy):
-    model = _qwen3_moe(world)
+    model = qwen3_moe(world)
     try:
         commpress.torchtitan.compress(model, policy)
     except Exception as e:  # noqa: BLE001 - the test reads the error's type and text

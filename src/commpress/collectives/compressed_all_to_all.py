@@ -25,6 +25,7 @@ the codec's wire size of one padded row.
 from __future__ import annotations
 
 import hashlib
+import math
 
 import torch
 import torch.distributed as dist
@@ -223,7 +224,7 @@ def all_to_all(
         "codec": codec.spec(), "row_shape": tuple(input.shape[1:]),
         **{f"input.{k}": v for k, v in describe(input).items() if k != "numel"}}
     agree_on_splits(ctx, "all_to_all", label, fields, out_splits, in_splits, refused)
-    rows = input.detach().reshape(input.shape[0], -1)
+    rows = input.detach().reshape(input.shape[0], math.prod(input.shape[1:]))  # 0 rows too
     if async_op and is_exact(codec):
         rows = rows.clone()  # torch reads it until the transfer ends (as owned_input)
     peers = Peers(ctx.rank, ctx.world, group)
