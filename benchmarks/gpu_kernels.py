@@ -211,7 +211,7 @@ def _host_row(spec: str, x: torch.Tensor, dev: torch.device, sync, emit, calls: 
 
 def outer_codecs(listed: list[str]) -> list[str]:
     """The cross-site presets' codecs between sites that the codec table lacks."""
-    specs = [p["outer"]["grad"]["inter"] for p in OUTER_PRESETS.values() if p]
+    specs = [p["outer"]["grad"]["inter"] for p in OUTER_PRESETS.values() if p["outer"]]
     specs = [s["codec"] if isinstance(s, dict) else s for s in specs]
     return [s for s in dict.fromkeys(specs) if s not in listed]
 

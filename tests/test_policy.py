@@ -90,3 +90,14 @@ def test_a_yaml_key_given_twice_is_refused_as_toml_refuses_it(tmp_path, text, ke
     toml.write_text('[dp]\ngrad = "int4"\n[dp]\ngrad = "int8"\n')
     with pytest.raises(InputError, match="is malformed"):
         Policy.load(toml)
+
+
+def test_every_preset_is_in_one_table():
+    from commpress.policy import PRESETS, list_presets, outer_presets, preset_outer_step
+
+    inner, outer = list_presets(), outer_presets()
+    assert set(inner) | set(outer) == set(PRESETS) and not set(inner) & set(outer)
+    for name in PRESETS:  # each builds, by the one lookup
+        assert Policy.preset(name).name == name
+    assert preset_outer_step("diloco-sparse") == (1.0, 0.0)
+    assert preset_outer_step("diloco-int4") is None and preset_outer_step("sdp4bit") is None

@@ -143,7 +143,7 @@ class Policy:
         """A named preset; the error lists them all."""
         if name not in PRESETS:
             raise InputError(f"unknown policy preset {name!r}; allowed: {', '.join(PRESETS)}")
-        return cls.from_dict({"name": name, **PRESETS[name]})
+        return cls.from_dict({"name": name, **preset_rules(name)})
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Policy:
@@ -359,6 +359,19 @@ PRESETS: dict[str, dict[str, Any]] = {
     "ep-fp8": {"ep": {"dispatch": "fp8", "combine_grad": "fp8"}},
     "ep-int8": {"ep": dict.fromkeys(EP_KINDS, "int8")},
     "ep-int4": {"ep": dict.fromkeys(EP_KINDS, "int4:hadamard=128")},
+    # Across sites (commpress.DiLoCo, torchft): pseudo-gradients exact inside a site, coded
+    # between sites. Bits per element between sites: exact 32; int8 (group 128, fp32
+    # scales) 8.25; int4 + Hadamard-128 4.25; ternary trits (five per byte, fp16 scales
+    # per 128) 1.725, with error feedback; top-k 2 % as fp32 values + int32 indices (1.28)
+    # with error feedback, SparseLoCo-style. ``outer_step``: the outer SGD's (lr, momentum)
+    # where it is not DiLoCo's Nesterov 0.7 / 0.9 — top-k's error feedback already carries
+    # the past (SparseLoCo's plain averaging): momentum on top overshoots at every sync.
+    "diloco": {"outer": {}},
+    "diloco-int8": {"outer": {"grad": {"intra": "none", "inter": "int8"}}},
+    "diloco-int4": {"outer": {"grad": {"intra": "none", "inter": "int4:hadamard=128"}}},
+    "diloco-int2ef": {"outer": {"grad": _INT2EF}},
+    "diloco-sparse": {"outer": {"grad": {"intra": "none", "inter": {
+        "codec": "topk:ratio=0.02", "error_feedback": True}}}, "outer_step": (1.0, 0.0)},
     # The CCGrid paper's choice of compressors, as far as the libraries here allow: ZFP
     # fixed-rate everywhere — aggressive (8 bits per value) on data-parallel gradients,
     # mild (16) on weights and on tensor/pipeline activations. Its lossless GPU
@@ -371,4 +384,20 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 def list_presets() -> list[str]:
-    return list(PRESETS)
+    """The presets of a run's own collectives (the cross-site ones: :func:`outer_presets`)."""
+    return [name for name, entry in PRESETS.items() if "outer" not in entry]
+
+
+def outer_presets() -> list[str]:
+    """The cross-site presets (:class:`commpress.DiLoCo`, torchft)."""
+    return [name for name, entry in PRESETS.items() if "outer" in entry]
+
+
+def preset_rules(name: str) -> dict[str, Any]:
+    """A preset's rules, by axis (what :meth:`Policy.from_dict` reads)."""
+    return {k: v for k, v in PRESETS[name].items() if k != "outer_step"}
+
+
+def preset_outer_step(name: str) -> tuple[float, float] | None:
+    """The outer SGD's ``(lr, momentum)`` a cross-site preset names, or None."""
+    return PRESETS.get(name, {}).get("outer_step")

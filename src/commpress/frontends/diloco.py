@@ -4,7 +4,7 @@ compressed.
 DiLoCo (Douillard et al., 2023): each site — a node, or a DDP/FSDP group — takes
 ``sync_every`` (H) steps of its own inner optimizer; then the sites average the
 *pseudo-gradient* ``Δ = θ_global − θ_local``, an outer optimizer (Nesterov SGD; lr 0.7,
-momentum 0.9 unless the preset has its own, :data:`OUTER_STEPS`) moves ``θ_global`` by
+momentum 0.9 unless the preset has its own ``outer_step``) moves ``θ_global`` by
 it, and every site restarts from the new ``θ_global``. Traffic between sites drops by H.
 Streaming DiLoCo (Douillard et al., 2025) splits the model into ``fragments`` (F) and
 syncs one fragment every H / F steps, staggered, its all-reduce overlapping ``delay`` (τ)
@@ -73,7 +73,7 @@ from commpress.frontends.parts.outer_sites import (
     weights_checksum,
 )
 from commpress.frontends.parts.replica_sync import broadcast_coalesced, group_source
-from commpress.policy import Policy
+from commpress.policy import Policy, outer_presets, preset_outer_step, preset_rules
 from commpress.validate import (
     InputError,
     check_bool,
@@ -87,35 +87,19 @@ log = logging.getLogger(__name__)
 
 STATE_FORMAT = "commpress.DiLoCo/3"
 LABEL = "outer.grad"
-_TRITS_EF = {"codec": "int2:packing=trits,scale_dtype=fp16", "error_feedback": True}
-# Pseudo-gradients, exact inside a site, coded between sites. Bits per element between
-# sites: exact 32; int8 (group 128, fp32 scales) 8.25; int4 + Hadamard-128 4.25; ternary
-# trits (five per byte, fp16 scales per 128) 1.725, with error feedback; top-k 2 % as
-# fp32 values + int32 indices (1.28) with error feedback, SparseLoCo-style.
-OUTER_PRESETS: dict[str, dict[str, Any]] = {
-    "diloco": {},
-    "diloco-int8": {"outer": {"grad": {"intra": "none", "inter": "int8"}}},
-    "diloco-int4": {"outer": {"grad": {"intra": "none", "inter": "int4:hadamard=128"}}},
-    "diloco-int2ef": {"outer": {"grad": {"intra": "none", "inter": _TRITS_EF}}},
-    "diloco-sparse": {"outer": {"grad": {"intra": "none", "inter": {
-        "codec": "topk:ratio=0.02", "error_feedback": True}}}},
-}
-
-
-# The outer SGD's (lr, momentum) by preset: DiLoCo's Nesterov 0.7 / 0.9, except top-k,
-# whose error feedback already carries the past (SparseLoCo's plain averaging, lr 1, no
-# momentum): with momentum on top, residuals sent late overshoot at every sync.
-OUTER_STEP = (0.7, 0.9)
-OUTER_STEPS: dict[str, tuple[float, float]] = {"diloco-sparse": (1.0, 0.0)}
+# The cross-site presets, as the one preset table (commpress.policy.PRESETS) holds them.
+OUTER_PRESETS: dict[str, dict[str, Any]] = {name: preset_rules(name)
+                                            for name in outer_presets()}
+OUTER_STEP = (0.7, 0.9)  # DiLoCo's Nesterov lr and momentum, unless a preset says otherwise
 
 
 def outer_step(spec: str | dict | Policy, lr: float | None = None,
                momentum: float | None = None) -> tuple[float, float]:
     """The outer SGD's ``(lr, momentum)``: those given, else those of the preset the policy
-    is named for (:data:`OUTER_STEPS`; any other: :data:`OUTER_STEP`). ``"none"`` (the
-    trainer without ``--outer``) has DiLoCo's."""
-    default = OUTER_STEP if spec == "none" else OUTER_STEPS.get(outer_policy(spec).name,
-                                                                 OUTER_STEP)
+    is named for (its ``outer_step`` in :data:`commpress.policy.PRESETS`; any other:
+    :data:`OUTER_STEP`). ``"none"`` (the trainer without ``--outer``) has DiLoCo's."""
+    default = OUTER_STEP if spec == "none" else (
+        preset_outer_step(outer_policy(spec).name) or OUTER_STEP)
     return (default[0] if lr is None else lr, default[1] if momentum is None else momentum)
 
 
@@ -125,7 +109,7 @@ def outer_policy(spec: str | dict | Policy, what: str = "DiLoCo",
     (file, dict, :class:`Policy`) whose ``outer.grad`` rule says what crosses sites.
     An unknown name is refused naming ``what`` asks and the presets it ``allowed``."""
     if isinstance(spec, str) and spec in OUTER_PRESETS:
-        return Policy.from_dict({"name": spec, **OUTER_PRESETS[spec]})
+        return Policy.preset(spec)
     if isinstance(spec, str) and not spec.endswith((".yaml", ".yml", ".toml")):
         raise InputError(f"{what}: policy={spec!r} is not allowed; allowed: "
                          f"{', '.join(allowed)}, a policy file or dict with outer.grad")
