@@ -279,7 +279,7 @@ class _NoAliasLoader(yaml.SafeLoader):
 
 def _check_ep_rule(policy: str, key: str, rule: Rule, built: Codec) -> None:
     """An expert-parallel all-to-all exchanges rows of sizes both sides know in advance,
-    and its tokens are new every step."""
+    its tokens are new every step, and it keeps no state (so no checkpoint holds any)."""
     if not (built.fixed_rate and built.alignment > 0):
         raise InputError(f"policy {policy!r}: {key}.codec={rule.codec!r} is not allowed; "
                          "allowed: a fixed-rate codec (none, bf16, fp16, fp8, int8, int4, "
@@ -288,6 +288,11 @@ def _check_ep_rule(policy: str, key: str, rule: Rule, built: Codec) -> None:
         raise InputError(f"policy {policy!r}: {key}.error_feedback=true is not allowed: a "
                          "memory belongs to the values it compresses, and the tokens an "
                          "all-to-all sends are new each step; allowed: error_feedback=false")
+    if getattr(built, "rounding", "nearest") != "nearest":
+        raise InputError(f"policy {policy!r}: {key}.codec={rule.codec!r} rounds "
+                         "stochastically, from a counter each call advances: the same token "
+                         "would get other codes after a resume or a replayed step; allowed: "
+                         "rounding=nearest")
 
 
 def _check_key(key: str) -> None:

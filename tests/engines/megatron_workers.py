@@ -69,12 +69,37 @@ def _on_cpu(factory):
     return make
 
 
-def init_parallel(tp: int, pp: int, timeout_minutes: float = 30) -> None:
+def moe_cpu_shim() -> None:
+    """TEST-ONLY: what Megatron-core 0.16.1's all-to-all MoE dispatcher needs on a CPU-only
+    torch beyond :func:`cpu_shim`: its router tests a name bound only when Transformer
+    Engine imports (moe_utils.te_general_gemm); its constructor makes a CUDA stream for the
+    splits' device-to-host copy; and that copy turns the splits into host arrays for CUDA
+    tensors only (here they are host tensors already, which all_to_all_single refuses)."""
+    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.moe import token_dispatcher as td
+
+    moe_utils.te_general_gemm = None
+    td.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = object()
+
+    def splits_to_host(self, point, tokens_per_expert=None):
+        if not self.drop_and_pad and point == self.cuda_dtoh_point:
+            for name in ("input_splits", "output_splits", "output_splits_tp"):
+                value = getattr(self, name)
+                if torch.is_tensor(value):
+                    setattr(self, name, value.numpy())
+        return tokens_per_expert
+
+    td.MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = splits_to_host
+
+
+def init_parallel(tp: int, pp: int, timeout_minutes: float = 30, ep: int = 1) -> None:
     cpu_shim()
+    moe_cpu_shim()
     from megatron.core import parallel_state
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
                                              pipeline_model_parallel_size=pp,
+                                             expert_model_parallel_size=ep,
                                              distributed_timeout_minutes=timeout_minutes)
 
 
@@ -91,8 +116,10 @@ class SequenceParallelNorm(torch.nn.LayerNorm):
 
 def build(tp: int, pp: int, distopt: bool = True, overlap_param_gather: bool = False,
           sequence_parallel: bool = False, bucket_size: int = 20_000, seed: int = 0,
-          shape: Shape = TINY):
-    """A fresh model, DDP wrapper and optimizer (the same weights for the same seed)."""
+          shape: Shape = TINY, experts: int = 0):
+    """A fresh model, DDP wrapper and optimizer (the same weights for the same seed);
+    ``experts``: MoE layers of that many experts (top-2, the all-to-all dispatcher,
+    sequential experts), over the expert-parallel size ``init_parallel`` set."""
     from megatron.core import parallel_state
     from megatron.core.distributed import (
         DistributedDataParallel,
@@ -112,8 +139,13 @@ def build(tp: int, pp: int, distopt: bool = True, overlap_param_gather: bool = F
         use_cpu_initialization=True,
         bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        sequence_parallel=sequence_parallel, hidden_dropout=0.0, attention_dropout=0.0)
-    spec = get_gpt_layer_local_spec()
+        sequence_parallel=sequence_parallel, hidden_dropout=0.0, attention_dropout=0.0,
+        **({} if not experts else dict(
+            num_moe_experts=experts, moe_router_topk=2, moe_ffn_hidden_size=2 * shape.hidden,
+            moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False,
+            moe_aux_loss_coeff=0.01,
+            expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size())))
+    spec = get_gpt_layer_local_spec(num_experts=experts or None, moe_grouped_gemm=False)
     if sequence_parallel:
         spec.submodules.input_layernorm = SequenceParallelNorm
         spec.submodules.pre_mlp_layernorm = SequenceParallelNorm
@@ -215,15 +247,16 @@ def run_policy(corpus, tp: int, pp: int, policy, steps: int, **layout) -> dict:
     record = train(model, optimizer, corpus, 0, steps,
                    sync_params=layout.get("overlap_param_gather", False))
     stats = commpress.stats()
+    buckets = [] if comm is None else sorted(comm.buckets)
     if comm is not None:
         comm.remove()
-    return {"record": record, "stats": stats}
+    return {"record": record, "stats": stats, "buckets": buckets}
 
 
-def scenario(rank: int, world: int, tp: int, pp: int, jobs: list) -> dict:
+def scenario(rank: int, world: int, tp: int, pp: int, jobs: list, ep: int = 1) -> dict:
     """Run ``jobs`` — ``(name, kind, kwargs)`` with kind ``train``, ``resume``,
     ``refusals`` or ``fp32_accumulation`` — in one process group of the given layout."""
-    init_parallel(tp, pp)
+    init_parallel(tp, pp, ep=ep)
     corpus = data()
     out = {"coords": coordinates()}
     for name, kind, kwargs in jobs:

@@ -46,5 +46,3 @@ def test_ep_rules_of_none_are_stock_bit_for_bit():
 def test_what_the_adapter_refuses():
     errors = spawn(workers.refused, 2, ("sdp4bit",))
     assert all("no FSDPModule" in e for e in errors), errors
-    errors = spawn(workers.refused, 2, ({"ep": {"dispatch": "int8:rounding=stochastic"}},))
-    assert all("rounds stochastically" in e for e in errors), errors

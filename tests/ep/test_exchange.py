@@ -35,6 +35,9 @@ def test_the_ep_rules_a_policy_may_hold():
         Policy.from_dict({"ep": {"dispatch": "topk:ratio=0.1"}})
     with pytest.raises(InputError, match=r"ep.combine_grad.error_feedback=true is not allowed"):
         Policy.from_dict({"ep": {"combine_grad": {"codec": "int4", "error_feedback": True}}})
+    with pytest.raises(InputError, match=r"ep.dispatch.codec='int8:rounding=stochastic' rounds "
+                                         r"stochastically"):
+        Policy.from_dict({"ep": {"dispatch": "int8:rounding=stochastic"}})
     with pytest.raises(InputError, match=r"unknown kind ep.router"):
         Policy.from_dict({"ep": {"router": "int8"}})
     assert Policy.preset("hybrid").rule("ep", "dispatch").codec == "int8"

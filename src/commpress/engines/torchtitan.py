@@ -28,7 +28,8 @@ own — dispatch and combine forward, and their gradients backward — in place 
 token exchanges (``_dispatch_token_exchange``, ``_combine_token_exchange``; the small
 count exchange stays torchtitan's). ``remove()`` gives the stock dispatchers back; a
 policy without ``ep`` rules touches nothing. The ``ep`` codecs round to nearest, so they keep no
-state: a checkpoint holds only the FSDP part's. A model with expert parallelism and no
+state (the policy refuses stochastic rounding on ``ep``): a checkpoint holds only the
+FSDP part's. A model with expert parallelism and no
 FSDP gets an :class:`ExpertCompression` handle (the same verbs).
 """
 
@@ -50,7 +51,7 @@ from commpress.engines import fsdp
 from commpress.engines.fsdp import FSDPCompression
 from commpress.engines.seam import Swap, install, restore
 from commpress.ep import EPExchange
-from commpress.policy import EP_KINDS, Policy
+from commpress.policy import Policy
 from commpress.validate import InputError
 
 log = logging.getLogger(__name__)
@@ -59,8 +60,8 @@ WHAT = "commpress.torchtitan.compress"
 
 class ExpertCompression:
     """The expert-parallel token exchanges :func:`compress` installed, by dispatcher name
-    (the MoE module's, as ``model.named_modules()`` gives it). Stateless (the ``ep``
-    codecs round to nearest): :meth:`state_dict` holds the policy, which a load checks."""
+    (the MoE module's, as ``model.named_modules()`` gives it). Stateless (``ep`` codecs
+    round to nearest): :meth:`state_dict` holds the policy, which a load checks."""
 
     def __init__(self, policy: Policy, exchanges: dict[str, EPExchange],
                  swaps: list[Swap]) -> None:
@@ -135,11 +136,6 @@ def compress_experts(model: nn.Module, policy: Policy) -> ExpertCompression | No
              and m.token_dispatcher.ep_mesh is not None]
     if not found:
         return None
-    for kind in EP_KINDS:
-        if getattr(policy.codec_for("ep", kind), "rounding", "nearest") != "nearest":
-            raise InputError(f"{WHAT}: ep.{kind}={policy.rule('ep', kind).codec!r} rounds "
-                             "stochastically, from a counter no checkpoint of torchtitan's "
-                             "holds; allowed: rounding=nearest")
     groups = {id(d.ep_mesh.get_group()): d.ep_mesh.get_group() for _, d in found}
     names = [name for name, _ in found]
     for group in groups.values():

@@ -12,7 +12,11 @@ names, at the places Megatron-core itself communicates:
   reduce-scatters (``tp.act``), and their gradients' (``tp.act_grad``)
   (:mod:`.model_parallel`);
 * ``pp`` — activations sent to the next stage (``pp.act``) and gradients to the
-  previous one (``pp.act_grad``).
+  previous one (``pp.act_grad``);
+* ``ep`` — a mixture of experts' token all-to-alls (``MoEAlltoAllTokenDispatcher``:
+  ``ep.dispatch``, ``ep.combine`` and their gradients, :mod:`.expert_parallel`) where the
+  policy names ``ep`` rules; the experts' gradient buckets reduce over their own
+  data-parallel group through ``dp`` like the dense ones.
 
 Megatron's module-level communication functions are replaced while a policy is
 applied (:mod:`.seams`) and dispatch on the model's own buckets and groups; the
@@ -25,7 +29,8 @@ Not covered, and exact: the vocabulary-parallel cross-entropy's reductions (thre
 ``(sequence × batch)`` float all-reduces on the TP group), the tied word-embedding
 gradients' all-reduce between the first and last pipeline stages, the layer-norm
 gradients' all-reduce under sequence parallelism, and scalars (gradient norm, loss).
-Refused: Megatron FSDP, mixture-of-experts, fp8 parameters, several distributed-
+Refused: Megatron FSDP, MoE dispatchers other than ``alltoall`` (``allgather``, ``flex``)
+and expert tensor parallelism above 1, fp8 parameters, several distributed-
 optimizer instances, ``reduce_scatter_with_fp32_accumulation``, Transformer Engine
 layers or ``tp_comm_overlap`` with tensor parallelism, unbatched or ring pipeline
 transfers, and a lossy ``dp.param`` on fp32 parameters (the distributed optimizer

@@ -15,12 +15,13 @@ from commpress.collectives import CollectiveMismatchError, Topology
 from commpress.collectives.agreement import agree_across
 from commpress.dp import needs_node_levels
 from commpress.dp.saved_state import check_resume, envelope
-from commpress.engines.megatron import data_parallel, model_parallel
+from commpress.engines.megatron import data_parallel, expert_parallel, model_parallel
 from commpress.engines.megatron.data_parallel import BucketComm
 from commpress.engines.megatron.layout import identical_mask
 from commpress.engines.megatron.model_parallel import ActivationComm
 from commpress.engines.megatron.seams import REGISTRY
 from commpress.engines.seam import Seam
+from commpress.ep import EPExchange
 from commpress.frontends.parts.buckets import tensor_parallel_key
 from commpress.frontends.parts.replica_sync import differing_ranks
 from commpress.policy import Policy
@@ -31,7 +32,7 @@ log = logging.getLogger(__name__)
 STATE_FORMAT = "commpress.megatron/2"
 # installed while any compression of a Megatron model is live; REGISTRY under its lock
 SEAM = Seam("megatron", [*data_parallel.SWAPS, *model_parallel.TP_SWAPS,
-                          *model_parallel.PP_SWAPS])
+                          *model_parallel.PP_SWAPS, *expert_parallel.EP_SWAPS])
 
 
 class MegatronCompression:
@@ -47,19 +48,21 @@ class MegatronCompression:
 
     def __init__(self, policy: Policy, buckets: dict[str, BucketComm],
                  tp: ActivationComm | None, pp: ActivationComm | None,
-                 dgrad_layers: list[torch.nn.Module]) -> None:
+                 dgrad_layers: list[torch.nn.Module], ep: EPExchange | None = None) -> None:
         # hyperparameters
         self.policy = policy
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        # internal state: the collectives' codecs
-        self.buckets, self.tp, self.pp = buckets, tp, pp
+        # internal state: the collectives' codecs (ep's keep none: nearest rounding only)
+        self.buckets, self.tp, self.pp, self.ep = buckets, tp, pp, ep
         self._dgrad_layers = dgrad_layers
         self.removed = False
 
     @property
     def axes(self) -> list[str]:
-        """The parallel axes covered: ``dp`` and, where their groups have peers, ``tp``, ``pp``."""
-        return ["dp"] + [a for a, c in (("tp", self.tp), ("pp", self.pp)) if c is not None]
+        """The parallel axes covered: ``dp`` and, where their groups have peers, ``tp``,
+        ``pp`` and (where the policy names it) ``ep``."""
+        return ["dp"] + [a for a, c in (("tp", self.tp), ("pp", self.pp), ("ep", self.ep))
+                         if c is not None]
 
     def remove(self) -> None:
         """Restore Megatron's own communication for this model (idempotent)."""
@@ -69,7 +72,8 @@ class MegatronCompression:
             for comm in self.buckets.values():
                 for t in (comm.bucket.grad_data, comm.bucket.param_data):
                     REGISTRY.buckets.pop(id(t), None)
-            for comm, live in ((self.tp, REGISTRY.tp), (self.pp, REGISTRY.pp)):
+            for comm, live in ((self.tp, REGISTRY.tp), (self.pp, REGISTRY.pp),
+                               (self.ep, REGISTRY.ep)):
                 if comm is not None:
                     live.pop(comm.group, None)
             SEAM.release(self)
@@ -175,11 +179,17 @@ def compress(model: Any, optimizer: Any = None, policy: str | dict | Policy = "s
     # Step 3: pipeline parallelism
     if chunks[0].pp_group.size() > 1:
         pp = ActivationComm("pp", chunks[0].pp_group, policy)
+    # Step 4: expert parallelism, where the policy names ep rules
+    ep_group = _expert_parallel_group(chunks)
+    ep = None
+    if ep_group is not None and any(key.startswith("ep.") for key in policy.rules):
+        ep = EPExchange(policy, ep_group)
     with SEAM.lock:
         if any(id(c.bucket.grad_data) in REGISTRY.buckets for c in buckets.values()):
             raise InputError("commpress.megatron.compress: this model already has a policy "
                              "applied; call .remove() on its handle first")
-        for axis, comm, live in (("tensor", tp, REGISTRY.tp), ("pipeline", pp, REGISTRY.pp)):
+        for axis, comm, live in (("tensor", tp, REGISTRY.tp), ("pipeline", pp, REGISTRY.pp),
+                                 ("expert", ep, REGISTRY.ep)):
             if comm is not None and comm.group in live:
                 raise InputError(f"commpress.megatron.compress: another model on the same "
                                  f"{axis}-parallel group already has a policy applied; apply one "
@@ -193,7 +203,9 @@ def compress(model: Any, optimizer: Any = None, policy: str | dict | Policy = "s
             dgrad_layers = model_parallel.route_dgrad_through_mappings(chunks)
         if pp is not None:
             REGISTRY.pp[pp.group] = pp
-        handle = MegatronCompression(policy, buckets, tp, pp, dgrad_layers)
+        if ep is not None:
+            REGISTRY.ep[ep.group] = ep
+        handle = MegatronCompression(policy, buckets, tp, pp, dgrad_layers, ep)
         SEAM.acquire(handle)
     log.info("Applied commpress %s to Megatron-core: %d buckets (%s optimizer), tp=%d, pp=%d, "
              "sequence parallel %s", policy.name, len(buckets),
@@ -218,6 +230,26 @@ def _chunks(model: Any) -> list[DistributedDataParallel]:
     return chunks
 
 
+def _buffers(chunk: DistributedDataParallel) -> list[tuple[str, Any]]:
+    """The chunk's gradient buffers by name: the dense ones (``buffer<b>``, over the
+    data-parallel group) and the experts' (``expert_buffer<b>``, over the expert
+    data-parallel group: the ranks holding the same experts)."""
+    return ([(f"buffer{b}", buf) for b, buf in enumerate(chunk.buffers)]
+            + [(f"expert_buffer{b}", buf) for b, buf in enumerate(chunk.expert_parallel_buffers)])
+
+
+def _expert_parallel_group(chunks: list[DistributedDataParallel]) -> Any:
+    """The expert-parallel group of the model's MoE layers (None: no MoE, or EP of 1)."""
+    groups = {id(m.token_dispatcher.ep_group): m.token_dispatcher.ep_group
+              for c in chunks for m in c.modules()
+              if isinstance(getattr(m, "token_dispatcher", None),
+                            expert_parallel.MoEAlltoAllTokenDispatcher)}
+    if len(groups) > 1:
+        raise _refuse("MoE layers on several expert-parallel groups", "use one EP group")
+    group = next(iter(groups.values()), None)
+    return group if group is not None and group.size() > 1 else None
+
+
 def _refuse(what: str, fix: str) -> InputError:
     return InputError(f"commpress.megatron.compress: {what} is not covered; {fix}")
 
@@ -234,13 +266,19 @@ def _check_config(chunks: list[DistributedDataParallel], optimizer: Any, policy:
                       "instances calls torch.distributed directly)",
                       "use 1 instance and a two-level dp.grad (intra/inter) for the same "
                       "hierarchy")
-    if getattr(config, "num_moe_experts", None) or any(c.expert_parallel_buffers for c in chunks):
-        raise _refuse("a mixture-of-experts model (expert all-to-all and expert buffers)",
-                      "use a dense model")
+    if getattr(config, "num_moe_experts", None):
+        if config.moe_token_dispatcher_type != "alltoall":
+            raise _refuse(f"moe_token_dispatcher_type={config.moe_token_dispatcher_type!r} "
+                          "(its exchanges are not the all-to-alls commpress covers)",
+                          "use moe_token_dispatcher_type='alltoall'")
+        if (config.expert_tensor_parallel_size or 1) > 1:
+            raise _refuse(f"expert_tensor_parallel_size={config.expert_tensor_parallel_size} "
+                          "(the experts' tensor-parallel gathers around the all-to-all)",
+                          "use expert_tensor_parallel_size=1")
     distopt = ddp.use_distributed_optimizer
     param_lossy = policy.rule("dp", "param").lossy
     for c in chunks:
-        for buffer in c.buffers:
+        for _, buffer in _buffers(c):
             if buffer.param_dtype == torch.uint8:
                 raise _refuse("fp8 parameters", "train in bf16 or fp16")
             if distopt and param_lossy and buffer.param_dtype == torch.float32:
@@ -296,12 +334,13 @@ def _agree_on_compress(chunks: list[DistributedDataParallel], policy: Policy) ->
     """Before any collective of its own, on every data-, tensor- and pipeline-parallel
     group: a rank that applies another policy, or none, is named on every rank of the
     mesh, rather than left waiting in a replica check, a bucket or a peer's next group."""
-    checks = [(buffer.data_parallel_group, {"label": f"chunk{c}.buffer{b}",
+    checks = [(buffer.data_parallel_group, {"label": f"chunk{c}.{name}",
                                             "policy": policy.to_dict(),
                                             "buckets": len(buffer.buckets)})
-              for c, chunk in enumerate(chunks) for b, buffer in enumerate(chunk.buffers)]
-    for axis, group in (("tp", chunks[0].tp_group), ("pp", chunks[0].pp_group)):
-        if group.size() > 1:
+              for c, chunk in enumerate(chunks) for name, buffer in _buffers(chunk)]
+    for axis, group in (("tp", chunks[0].tp_group), ("pp", chunks[0].pp_group),
+                        ("ep", _expert_parallel_group(chunks))):
+        if group is not None and group.size() > 1:
             checks.append((group, {"label": axis, "policy": policy.to_dict()}))
     agree_across("megatron.compress", checks)
 
@@ -315,7 +354,7 @@ def _bucket_comms(chunks: list[DistributedDataParallel], policy: Policy,
     out: dict[str, BucketComm] = {}
     for c, chunk in enumerate(chunks):
         names = {p: n for n, p in chunk.module.named_parameters()}
-        for b, buffer in enumerate(chunk.buffers):
+        for buffer_name, buffer in _buffers(chunk):
             group = buffer.data_parallel_group
             topology = dp_topology(group, ranks_per_node)
             if topology is None:
@@ -327,7 +366,7 @@ def _bucket_comms(chunks: list[DistributedDataParallel], policy: Policy,
                         "every node (set ranks_per_node, or a one-level policy)")
                 topology = Topology(1)
             for bucket in buffer.buckets:
-                key = f"chunk{c}.buffer{b}.bucket{bucket.bucket_id}"
+                key = f"chunk{c}.{buffer_name}.bucket{bucket.bucket_id}"
                 positions = {p: (buffer.param_index_map[p][0] - bucket.offset,
                                  buffer.param_index_map[p][1] - bucket.offset)
                              for p in bucket.params_list}

@@ -40,12 +40,14 @@ class Registry:
 
     ``buckets`` maps ``id`` of a bucket's ``grad_data`` and ``param_data`` to its
     :class:`~commpress.engines.megatron.data_parallel.BucketComm`; ``tp`` and
-    ``pp`` map a process group to the codecs of its activations.
+    ``pp`` map a process group to the codecs of its activations, ``ep`` an
+    expert-parallel group to the :class:`~commpress.ep.EPExchange` of its tokens.
     """
 
     buckets: dict[int, Any] = field(default_factory=dict)
     tp: dict[Any, Any] = field(default_factory=dict)
     pp: dict[Any, Any] = field(default_factory=dict)
+    ep: dict[Any, Any] = field(default_factory=dict)
 
     def bucket(self, tensor: Any, kind: str) -> Any:
         """The covered bucket whose ``kind`` ("grad_data"/"param_data") is ``tensor``."""
