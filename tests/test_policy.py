@@ -44,7 +44,7 @@ def test_yaml_and_toml_files(tmp_path):
     ({"dp": {"weights": "int4"}}, "unknown kind dp.weights; allowed: dp.grad, dp.param"),
     ({"dp": {"grad": "int5"}}, "dp.grad.codec: unknown codec 'int5'"),
     ({"tp": {"act": {"intra": "int8"}}},
-     "levels (intra/inter) are allowed for dp.grad and outer.grad only"),
+     "levels (intra/inter) are allowed for dp.grad, outer.grad, ep.dispatch"),
     ({"tp": {"act": {"codec": "int8", "delta": True}}}, "delta (weight differences, qWD)"),
     ({"dp": {"grad": {"codec": "int8", "ef": True}}}, "unknown field(s) ['ef']"),
     ({"dp": {"grad": {"codec": "int8", "error_feedback": "yes"}}}, "error_feedback='yes'"),

@@ -17,10 +17,10 @@ ep    ``dispatch``, ``combine``,  expert-parallel all-to-alls of a mixture of
                                   each (:class:`commpress.ep.EPExchange`)
 ====  ==========================  ===========================================
 
-``dp.grad`` and ``outer.grad`` may be split into levels ``intra`` and ``inter``
-(node-local and cross-node links; for ``outer``, inside a site and between sites) for
-the two-level collectives. A lookup falls back from ``dp.grad.inter`` to ``dp.grad``
-to exact (``none``).
+``dp.grad``, ``outer.grad`` and the ``ep`` kinds may be split into levels ``intra`` and
+``inter`` (node-local and cross-node links; for ``outer``, inside a site and between
+sites): the two-level collectives, and for ``ep`` the codec of each peer's link. A
+lookup falls back from ``dp.grad.inter`` to ``dp.grad`` to exact (``none``).
 
 Presets: ``naive`` and ``hybrid`` are this project's schemes in the spirit of Xu et al.
 (CCGrid 2024) — the same codec everywhere, or aggressive on data-parallel gradients
@@ -57,7 +57,8 @@ AXES: dict[str, tuple[str, ...]] = {"dp": ("grad", "param"), "tp": ("act", "act_
                                     "pp": ("act", "act_grad"), "outer": ("grad",),
                                     "ep": EP_KINDS}
 LEVELS = ("intra", "inter")
-LEVELLED = ("dp.grad", "outer.grad")  # the keys that may name intra/inter codecs
+# the keys that may name intra/inter codecs
+LEVELLED = ("dp.grad", "outer.grad", *(f"ep.{kind}" for kind in EP_KINDS))
 RULE_FIELDS = ("codec", "error_feedback", "delta")
 
 
@@ -172,7 +173,7 @@ class Policy:
                                          f"{sorted(extra)}; allowed keys: intra, inter")
                     if key not in LEVELLED:
                         raise InputError(f"policy {name!r}: levels (intra/inter) are allowed "
-                                         f"for {' and '.join(LEVELLED)} only; got {key}")
+                                         f"for {', '.join(LEVELLED)} only; got {key}")
                     for level, leaf in value.items():
                         rules[f"{key}.{level}"] = _rule(name, f"{key}.{level}", leaf)
                 else:

@@ -124,3 +124,32 @@ def no_rows(rank, world):
         commpress.all_to_all(got, x, expects, sends, spec)
         out[spec] = tuple(got.shape)
     return out
+
+
+def two_levels(rank, world, width):
+    """``intra``/``inter``: rows between ranks of one node travel exact, rows across nodes
+    through the inter codec, each on its own; the stats count each link apart."""
+    S = splits_of(world, seed=7)
+    in_splits, out_splits = S[rank], [S[j][rank] for j in range(world)]
+    x = rows_of(rank, sum(in_splits), width, torch.float32, seed=7)
+    commpress.reset_stats()
+    got = torch.empty(sum(out_splits), width)
+    commpress.all_to_all(got, x, out_splits, in_splits, intra="none", inter="int8",
+                         topology=commpress.Topology(2), label="ep")
+    node = rank // 2
+    expected = []
+    for src in range(world):
+        rows = rows_of(src, sum(S[src]), width, torch.float32, seed=7)
+        start = sum(S[src][:rank])
+        for row in rows[start:start + S[src][rank]]:
+            if src // 2 == node:
+                expected.append(row)
+            else:
+                c = commpress.codec("int8")
+                padded = torch.zeros(-(-width // 128) * 128)
+                padded[:width] = row
+                expected.append(c.decode(c.encode(padded))[:width])
+    expected = torch.stack(expected) if expected else torch.empty(0, width)
+    stats = commpress.stats()
+    return {"rows": torch.equal(got, expected),
+            "intra": stats.get("ep.intra", {}), "inter": stats.get("ep.inter", {})}

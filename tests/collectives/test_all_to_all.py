@@ -42,3 +42,10 @@ def test_what_ranks_get_wrong_is_named_on_every_rank(case, expected):
     errors = spawn(workers.bad_splits, 2, (case,), pg_timeout_s=20)
     for e in errors:
         assert e is not None and re.search(expected, e), errors
+
+
+def test_two_levels_send_each_link_its_codec():
+    for r in spawn(workers.two_levels, 4, (200,), ranks_per_node=2):
+        assert r["rows"], r
+        assert r["intra"]["wire_bytes"] == r["intra"]["raw_bytes"], r  # exact in the node
+        assert r["inter"]["wire_bytes"] < 0.4 * r["inter"]["raw_bytes"], r  # int8 across

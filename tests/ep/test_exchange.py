@@ -55,3 +55,11 @@ def test_a_rank_killed_mid_dispatch_is_named_by_the_survivors():
     ranks = spawn(workers.killed_mid_dispatch, 3, (1,), pg_timeout_s=5, timeout=120,
                   allow_errors=True)
     assert_survivors_name_the_dead_rank(ranks, victim=1, timeout_s=5)
+
+
+def test_levels_of_an_ep_kind():
+    policy = Policy.from_dict({"ep": {"dispatch": {"intra": "none", "inter": "int8"}}})
+    assert policy.rule("ep", "dispatch", "inter").codec == "int8"
+    ep = EPExchange(policy)
+    assert set(ep.codecs["dispatch"]) == {"intra", "inter", "topology"}
+    assert set(ep.codecs["combine"]) == {"codec"}

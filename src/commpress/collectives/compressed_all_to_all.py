@@ -38,17 +38,23 @@ from commpress.collectives.comm import describe, resolve_group
 from commpress.collectives.group_context import context
 from commpress.collectives.handle import Handle
 from commpress.collectives.mismatch import CollectiveMismatchError
+from commpress.collectives.topology import Topology
 from commpress.collectives.transport import AllToAll, Peers, Steps, run_into
 from commpress.validate import InputError
 
 
 def all_to_all_steps(rows: torch.Tensor, input_splits: list[int], output_splits: list[int],
-                     codec: Codec, peers: Peers, stats: Stats, label: str, *,
-                     rng_stream: int | None = None) -> Steps:
+                     codec: Codec | list[Codec], peers: Peers, stats: Stats, label: str, *,
+                     rng_stream: int | None = None,
+                     labels: list[str] | None = None) -> Steps:
     """One rank's all-to-all of ``rows`` (``(N, D)``, any float dtype): ``input_splits[j]``
     rows to peer ``j`` → the ``(sum(output_splits), D)`` rows received, peer order, in
-    ``rows``' dtype. ``codec`` is fixed-rate (:func:`all_to_all` checks it);
-    ``rng_stream`` defaults to the rank among ``peers``."""
+    ``rows``' dtype. ``codec`` is fixed-rate (:func:`all_to_all` checks it), or one per
+    peer — the codec of the link to it, which the peer uses back — with ``labels[j]`` the
+    stats label of that link; ``rng_stream`` defaults to the rank among ``peers``."""
+    if isinstance(codec, list):
+        return (yield from _per_peer_steps(rows, input_splits, output_splits, codec, peers,
+                                           stats, labels or [label] * peers.size))
     (N, D), dtype, device = rows.shape, rows.dtype, rows.device
     M, itemsize, me = sum(output_splits), rows.element_size(), peers.rank
     if is_exact(codec):
@@ -63,13 +69,7 @@ def all_to_all_steps(rows: torch.Tensor, input_splits: list[int], output_splits:
     # call; each peer's rows of codes are one block of the exchange
     D_pad = chunks.padded_chunk(codec, D)
     row_bytes = codec.wire_bytes(D_pad, dtype)
-    codes = torch.empty(0, row_bytes, dtype=torch.uint8, device=device)
-    if N:
-        x = rows if D_pad == D else torch.nn.functional.pad(rows, (0, D_pad - D))
-        with stats.timed(label, "encode_s", device):
-            codes = chunks.encode_rows(codec, x.reshape(N, D_pad), key=label,
-                                       rng_stream=me if rng_stream is None else rng_stream)
-        del x
+    codes = _encode(rows, codec, D_pad, label, stats, me if rng_stream is None else rng_stream)
     del rows
     blocks = list(codes.reshape(-1).split([s * row_bytes for s in input_splits]))
     # the elements are the rows' own (padding is part of what the codec costs)
@@ -83,6 +83,59 @@ def all_to_all_steps(rows: torch.Tensor, input_splits: list[int], output_splits:
     with stats.timed(label, "decode_s", device):
         received = _joined(received, M, row_bytes, torch.uint8, device)
         return chunks.decode_rows(codec, received, D_pad, dtype)[:, :D].to(dtype)
+
+
+def _encode(rows: torch.Tensor, codec: Codec, D_pad: int, label: str, stats: Stats,
+            rng_stream: int) -> torch.Tensor:
+    """``(N, row_bytes)`` codes of the rows, each padded to ``D_pad`` and encoded alone."""
+    (N, D), device = rows.shape, rows.device
+    if N == 0:
+        return torch.empty(0, codec.wire_bytes(D_pad, rows.dtype), dtype=torch.uint8,
+                           device=device)
+    x = rows if D_pad == D else torch.nn.functional.pad(rows, (0, D_pad - D))
+    with stats.timed(label, "encode_s", device):
+        return chunks.encode_rows(codec, x.reshape(N, D_pad), key=label, rng_stream=rng_stream)
+
+
+def _per_peer_steps(rows: torch.Tensor, input_splits: list[int], output_splits: list[int],
+                    codecs: list[Codec], peers: Peers, stats: Stats,
+                    labels: list[str]) -> Steps:
+    """:func:`all_to_all_steps` with the codec of each peer's link: each peer's block is
+    encoded with its codec (exact blocks travel as the rows' own bytes) and what a peer
+    sent is decoded with the same one."""
+    (_, D), dtype, device = rows.shape, rows.dtype, rows.device
+    itemsize, me = rows.element_size(), peers.rank
+    widths, blocks = [], []
+    for j, (block, codec) in enumerate(zip(rows.split(input_splits), codecs)):
+        if is_exact(codec):
+            width = D * itemsize
+            codes = block.contiguous().view(torch.uint8).reshape(-1)
+        else:
+            D_pad = chunks.padded_chunk(codec, D)
+            width = codec.wire_bytes(D_pad, dtype)
+            codes = _encode(block, codec, D_pad, labels[j], stats, me).reshape(-1)
+        widths.append(width)
+        blocks.append(codes)
+        if j != me:
+            count_sent(stats, labels[j], block.shape[0] * D, codes.numel(), itemsize,
+                       calls=0)
+    for lab in dict.fromkeys(labels[j] for j in range(peers.size) if j != me):
+        count_sent(stats, lab, 0, 0, itemsize)  # one call per link label
+    del rows
+    received = yield AllToAll(peers, stats, labels[me], False, blocks,
+                              [s * w for s, w in zip(output_splits, widths)])
+    parts = (list(received.reshape(-1).split([s * w for s, w in zip(output_splits, widths)]))
+             if isinstance(received, torch.Tensor) else list(received))
+    out = []
+    for j, (part, codec, count) in enumerate(zip(parts, codecs, output_splits)):
+        if is_exact(codec):
+            out.append(part.contiguous().view(dtype).view(count, D))
+        elif count:
+            D_pad = chunks.padded_chunk(codec, D)
+            with stats.timed(labels[j], "decode_s", device):
+                values = chunks.decode_rows(codec, part.view(count, widths[j]), D_pad, dtype)
+            out.append(values[:, :D].to(dtype))
+    return torch.cat(out) if out else torch.empty(0, D, dtype=dtype, device=device)
 
 
 def _joined(received, rows: int, width: int, dtype: torch.dtype,
@@ -184,6 +237,10 @@ def all_to_all(
     group: dist.ProcessGroup | None = None,
     label: str | None = None,
     async_op: bool = False,
+    *,
+    intra=None,
+    inter=None,
+    topology: Topology | None = None,
 ) -> torch.Tensor | Handle:
     """Send ``input_split_sizes[j]`` rows of ``input`` to rank ``j``; receive
     ``output_split_sizes[j]`` rows from each rank ``j`` into ``output``, in rank order —
@@ -197,6 +254,10 @@ def all_to_all(
         codec: a fixed-rate codec or spec (``"fp8"``, ``"int8"``, ``"int4:hadamard=128"``);
             rows are padded to its alignment, so any row width works.
         label: key for :func:`commpress.stats` (default ``"all_to_all"``).
+        intra, inter: instead of ``codec``, the codec of rows to and from ranks on this
+            rank's node, and to and from the other nodes (stats under ``label.intra`` and
+            ``label.inter``); ``topology`` says which ranks share a node (default
+            ``LOCAL_WORLD_SIZE``), by their global ranks.
 
     Every rank checks that the splits match across ranks (module docstring).
 
@@ -205,7 +266,11 @@ def all_to_all(
         commpress.all_to_all(recv, tokens, out_splits, in_splits, "fp8", group=ep_group,
                              label="ep.dispatch")
     """
-    codec = resolve_codec(codec)
+    if (intra is None) != (inter is None):
+        raise InputError("all_to_all: two levels need both intra and inter codecs; got "
+                         f"intra={intra!r}, inter={inter!r}")
+    levels = {"codec": codec} if intra is None else {"intra": intra, "inter": inter}
+    codecs = {name: resolve_codec(c, name) for name, c in levels.items()}
     group = resolve_group(group)
     ctx = context(group)
     label = label or "all_to_all"
@@ -214,19 +279,31 @@ def all_to_all(
     try:
         out_splits, in_splits = _local_check(output, input, output_split_sizes,
                                              input_split_sizes, ctx.world)
-        if not (codec.fixed_rate and codec.alignment > 0):
-            raise InputError(f"all_to_all: codec={codec.spec()!r} is not allowed; allowed: "
-                             "a fixed-rate codec (none, bf16, fp16, fp8, int8, int4, int2, "
-                             "sign, nf2): rows are exchanged at sizes known in advance")
+        for name, c in codecs.items():
+            if not (c.fixed_rate and c.alignment > 0):
+                raise InputError(f"all_to_all: {name}={c.spec()!r} is not allowed; allowed: "
+                                 "a fixed-rate codec (none, bf16, fp16, fp8, int8, int4, int2, "
+                                 "sign, nf2): rows are exchanged at sizes known in advance")
     except (InputError, TypeError) as e:
         refused = str(e)
     fields = {} if refused else {
-        "codec": codec.spec(), "row_shape": tuple(input.shape[1:]),
+        **{name: c.spec() for name, c in codecs.items()}, "row_shape": tuple(input.shape[1:]),
         **{f"input.{k}": v for k, v in describe(input).items() if k != "numel"}}
+    if intra is not None:
+        topology = topology or Topology()
+        nodes = [topology.node_of(r) for r in ctx.ranks]
+        fields["nodes"] = nodes  # every rank must see the same layout
+        link = ["intra" if nodes[j] == nodes[ctx.rank] else "inter" for j in range(ctx.world)]
+        per_peer = [codecs[lv] for lv in link]
+        labels = [f"{label}.{lv}" for lv in link]
     agree_on_splits(ctx, "all_to_all", label, fields, out_splits, in_splits, refused)
     rows = input.detach().reshape(input.shape[0], math.prod(input.shape[1:]))  # 0 rows too
-    if async_op and is_exact(codec):
-        rows = rows.clone()  # torch reads it until the transfer ends (as owned_input)
+    if async_op and any(is_exact(c) for c in codecs.values()):
+        rows = rows.clone()  # an exact block is sent from it until the transfer ends
     peers = Peers(ctx.rank, ctx.world, group)
+    if intra is None:
+        return end(run_into(output, lambda flat: all_to_all_steps(
+            rows, in_splits, out_splits, codecs["codec"], peers, ctx.stats, label)), async_op)
     return end(run_into(output, lambda flat: all_to_all_steps(
-        rows, in_splits, out_splits, codec, peers, ctx.stats, label)), async_op)
+        rows, in_splits, out_splits, per_peer, peers, ctx.stats, label, labels=labels)),
+        async_op)

@@ -49,6 +49,15 @@ class Topology:
                              f"ranks_per_node={rpn}; allowed: a divisor of {world}")
         return rpn
 
+    def node_of(self, global_rank: int) -> int:
+        """The node of a global rank, as torchrun numbers them (``LOCAL_WORLD_SIZE`` ranks a
+        node when ``ranks_per_node`` is None): for groups whose ranks are not contiguous,
+        such as an expert-parallel group strided over data parallelism."""
+        rpn = self.ranks_per_node
+        if rpn is None:
+            rpn = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+        return global_rank // rpn
+
     def resolve(self, group: dist.ProcessGroup) -> Levels:
         """This rank's two levels of ``group`` (sub-groups created on first use)."""
         ctx = context(group)

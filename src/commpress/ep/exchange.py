@@ -8,8 +8,9 @@ so the policy names a codec for each: ``ep.dispatch``, ``ep.combine``,
 ``ep.dispatch_grad`` (the dispatch's backward, experts → tokens) and ``ep.combine_grad``
 (the combine's backward, tokens → experts).
 
-An :class:`EPExchange` holds those four codecs (and so their state: stochastic-rounding
-counters) for one group, and offers :meth:`~EPExchange.dispatch` and
+An :class:`EPExchange` holds those four codecs for one group — each one codec, or where the
+policy names ``ep.<kind>.intra``/``inter`` the codecs of the links inside a node and across
+nodes — and offers :meth:`~EPExchange.dispatch` and
 :meth:`~EPExchange.combine`: differentiable all-to-alls (:func:`commpress.all_to_all`)
 whose backward is the reverse exchange with the gradient's codec. An engine adapter (the
 torchtitan one) or a model calls them where it called ``all_to_all_single``.
@@ -22,32 +23,33 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from commpress.codecs import Codec
-from commpress.collectives import all_to_all
+from commpress.collectives import Topology, all_to_all
 from commpress.policy import EP_KINDS, Policy
 from commpress.validate import InputError
 
 
 class _TokenExchange(torch.autograd.Function):
-    """An all-to-all of rows whose backward is the reverse all-to-all of their gradient."""
+    """An all-to-all of rows whose backward is the reverse all-to-all of their gradient;
+    each way's codecs as :func:`commpress.all_to_all`'s keywords (``codec``, or ``intra``,
+    ``inter`` and ``topology``)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, input_splits: list[int], output_splits: list[int],
-                forward_codec: Codec, backward_codec: Codec, group: dist.ProcessGroup,
-                labels: tuple[str, str]) -> torch.Tensor:
+                forward_codecs: dict[str, Any], backward_codecs: dict[str, Any],
+                group: dist.ProcessGroup, labels: tuple[str, str]) -> torch.Tensor:
         ctx.splits = (input_splits, output_splits)
-        ctx.backward_codec, ctx.group, ctx.label = backward_codec, group, labels[1]
+        ctx.backward_codecs, ctx.group, ctx.label = backward_codecs, group, labels[1]
         out = x.new_empty((sum(output_splits), *x.shape[1:]))
-        all_to_all(out, x.detach(), output_splits, input_splits, forward_codec, group=group,
-                   label=labels[0])
+        all_to_all(out, x.detach(), output_splits, input_splits, group=group,
+                   label=labels[0], **forward_codecs)
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         input_splits, output_splits = ctx.splits
         grad_in = grad.new_empty((sum(input_splits), *grad.shape[1:]))
-        all_to_all(grad_in, grad.contiguous(), input_splits, output_splits,
-                   ctx.backward_codec, group=ctx.group, label=ctx.label)
+        all_to_all(grad_in, grad.contiguous(), input_splits, output_splits, group=ctx.group,
+                   label=ctx.label, **ctx.backward_codecs)
         return grad_in, None, None, None, None, None, None
 
 
@@ -62,15 +64,21 @@ class EPExchange:
     """
 
     def __init__(self, policy: str | dict | Policy, group: dist.ProcessGroup | None = None,
-                 label: str = "ep") -> None:
+                 label: str = "ep", topology: Topology | None = None) -> None:
         self.policy = Policy.resolve(policy)
         self.group = group
         self.label = label
-        self.fresh()
+        self.topology = topology or Topology()
+        # each kind's codecs, as all_to_all's keywords: one codec, or the codecs of the
+        # links inside a node and across nodes where the policy names ep.<kind>.intra/inter
+        self.codecs = {kind: self._codecs(kind) for kind in EP_KINDS}
 
-    def fresh(self) -> None:
-        """Codecs as the policy builds them (rounding streams from their start)."""
-        self.codecs = {kind: self.policy.codec_for("ep", kind) for kind in EP_KINDS}
+    def _codecs(self, kind: str) -> dict[str, Any]:
+        if not self.policy.two_level("ep", kind):
+            return {"codec": self.policy.codec_for("ep", kind)}
+        return {"intra": self.policy.codec_for("ep", kind, "intra"),
+                "inter": self.policy.codec_for("ep", kind, "inter"),
+                "topology": self.topology}
 
     @property
     def compresses(self) -> bool:
@@ -103,17 +111,15 @@ class EPExchange:
                                     self.group, labels)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"policy": self.policy.to_dict(),
-                "codecs": {kind: c.state_dict() for kind, c in self.codecs.items()}}
+        """The policy alone: ``ep`` codecs round to nearest, so they keep no state."""
+        return {"policy": self.policy.to_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`; a state saved under another policy is refused."""
-        if not isinstance(state, dict) or set(state) != {"policy", "codecs"}:
+        """Check :meth:`state_dict`: a state saved under another policy is refused."""
+        if not isinstance(state, dict) or set(state) != {"policy"}:
             found = sorted(state) if isinstance(state, dict) else type(state).__name__
             raise InputError(f"EPExchange state with keys {found} is not allowed; allowed: "
-                             "what EPExchange.state_dict() saved (policy, codecs)")
+                             "what EPExchange.state_dict() saved (policy)")
         if state["policy"] != self.policy.to_dict():
             raise InputError(f"EPExchange state of policy {state['policy']!r}; this exchange "
                              f"runs {self.policy.to_dict()!r}: resume with the same policy")
-        for kind, c in self.codecs.items():
-            c.load_state_dict(state["codecs"][kind])

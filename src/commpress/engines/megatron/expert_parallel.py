@@ -13,30 +13,16 @@ Megatron's own.
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch
 from megatron.core.transformer.moe import token_dispatcher
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
-from commpress.engines.megatron.seams import REGISTRY
+from commpress.engines.megatron.seams import REGISTRY, Direction
 from commpress.engines.seam import Swap
 
-_KIND = threading.local()
-
-
-@contextmanager
-def _direction(kind: str) -> Iterator[None]:
-    previous = getattr(_KIND, "kind", None)
-    _KIND.kind = kind
-    try:
-        yield
-    finally:
-        _KIND.kind = previous
-
+_direction = Direction()  # dispatch or combine, set by the dispatcher's method above
 
 def token_dispatch(self, *args: Any, **kwargs: Any) -> Any:
     """Replaces ``MoEAlltoAllTokenDispatcher.token_dispatch``: its exchange is a dispatch."""
@@ -54,7 +40,7 @@ def all_to_all(group: Any, input_: torch.Tensor, output_split_sizes_=None,
                input_split_sizes=None) -> torch.Tensor:
     """Replaces the dispatcher's ``all_to_all``: a covered group's tokens → ``ep``."""
     ep = REGISTRY.ep.get(group)
-    kind = getattr(_KIND, "kind", None)
+    kind = _direction.kind
     if (ep is None or kind is None or input_.dim() != 2 or output_split_sizes_ is None
             or input_split_sizes is None):
         return A2A.original(group, input_, output_split_sizes_, input_split_sizes)

@@ -23,9 +23,6 @@ sends to the next stage and receives from the previous one are activations
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -35,7 +32,7 @@ from megatron.core.tensor_parallel import layers, mappings
 
 from commpress.codecs.error_feedback import coder_state, load_coder_state
 from commpress.collectives import P2POp, all_gather, all_reduce, batch_isend_irecv, reduce_scatter
-from commpress.engines.megatron.seams import REGISTRY
+from commpress.engines.megatron.seams import REGISTRY, Direction
 from commpress.engines.seam import Swap
 from commpress.policy import Policy
 from commpress.validate import InputError
@@ -71,23 +68,13 @@ class ActivationComm:
 
 # -- tensor parallelism -------------------------------------------------------------------
 
-_DIRECTION = threading.local()
-
-
-@contextmanager
-def _direction(kind: str) -> Iterator[None]:
-    previous = getattr(_DIRECTION, "kind", None)
-    _DIRECTION.kind = kind
-    try:
-        yield
-    finally:
-        _DIRECTION.kind = previous
+_direction = Direction()  # the TP direction (act, act_grad) a mapping runs in
 
 
 def _covered(group: Any, kind: str | None = None) -> tuple[Any, str] | None:
     """``(codec, label)`` when ``group`` is a covered TP group and the direction is known."""
     comm = REGISTRY.tp.get(group)
-    kind = kind or getattr(_DIRECTION, "kind", None)
+    kind = kind or _direction.kind
     if comm is None or kind is None:
         return None
     return comm.codecs[kind], comm.label(kind)

@@ -13,7 +13,10 @@ were not given a policy communicate as before.
 from __future__ import annotations
 
 import logging
+import threading
 import types
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,3 +61,24 @@ class Registry:
 
 
 REGISTRY = Registry()
+
+
+class Direction:
+    """Which direction a replaced function runs in, per thread: set around a call by the
+    replaced method above it (``with DIRECTION("act"): …``), read by the function below."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    @property
+    def kind(self) -> str | None:
+        return getattr(self._local, "kind", None)
+
+    @contextmanager
+    def __call__(self, kind: str) -> Iterator[None]:
+        previous = self.kind
+        self._local.kind = kind
+        try:
+            yield
+        finally:
+            self._local.kind = previous
