@@ -93,6 +93,14 @@ def bad_splits(rank, world, case):
         in_splits = [2] * (world - 1) + [1]
     if case == "int" and rank == 1:
         x = x.to(torch.int64)
+    if case == "spec" and rank == 1:
+        return _error(lambda: commpress.all_to_all(out, x, out_splits, in_splits, "int9",
+                                                   label="ep"))
+    if case == "numpy":  # Megatron's host arrays are splits too
+        import numpy as np
+
+        return _error(lambda: commpress.all_to_all(out, x, np.array(out_splits),
+                                                   np.array(in_splits), "int8", label="ep"))
     if case == "codec" and rank == 0:
         return _error(lambda: commpress.all_to_all(out, x, out_splits, in_splits, "int8",
                                                    label="ep"))

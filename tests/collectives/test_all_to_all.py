@@ -24,6 +24,10 @@ def test_a_rank_with_no_tokens_takes_part():
     assert set(ranks[0].values()) == {(0, 40)} and set(ranks[1].values()) == {(6, 40)}, ranks
 
 
+def test_splits_may_be_numpy_arrays():
+    assert spawn(workers.bad_splits, 2, ("numpy",)) == [None, None]
+
+
 def test_non_finite_tokens_stay_non_finite():
     # every rank's rows 0 and 1 (a NaN and an Inf) go to rank 0; rows 2 and 3 to rank 1
     ranks = spawn(workers.non_finite, 2)
@@ -36,6 +40,7 @@ def test_non_finite_tokens_stay_non_finite():
             r"4 rows"),
     ("int", r"input must be a floating-point tensor; got dtype torch.int64"),
     ("codec", r"codec differs"),
+    ("spec", r"unknown codec 'int9'"),
 ])
 def test_what_ranks_get_wrong_is_named_on_every_rank(case, expected):
     import re

@@ -157,7 +157,8 @@ def check_splits(name: str, splits, rows: int, world: int) -> list[int]:
             raise InputError(f"all_to_all: {name}=None (even splits) needs rows divisible by "
                              f"the group size {world}; got {rows} rows: pass {name}")
         return [rows // world] * world
-    splits = splits.tolist() if isinstance(splits, torch.Tensor) else splits
+    # a tensor or a numpy array (Megatron keeps its splits as host arrays) as ints
+    splits = splits.tolist() if hasattr(splits, "tolist") else splits
     if (not isinstance(splits, list | tuple) or len(splits) != world
             or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0
                        for s in splits)):
@@ -270,13 +271,14 @@ def all_to_all(
         raise InputError("all_to_all: two levels need both intra and inter codecs; got "
                          f"intra={intra!r}, inter={inter!r}")
     levels = {"codec": codec} if intra is None else {"intra": intra, "inter": inter}
-    codecs = {name: resolve_codec(c, name) for name, c in levels.items()}
     group = resolve_group(group)
     ctx = context(group)
     label = label or "all_to_all"
     refused = None
     out_splits = in_splits = None
-    try:
+    codecs: dict[str, Codec] = {}
+    try:  # what this rank got wrong is told to the others in the agreement, not alone
+        codecs = {name: resolve_codec(c, name) for name, c in levels.items()}
         out_splits, in_splits = _local_check(output, input, output_split_sizes,
                                              input_split_sizes, ctx.world)
         for name, c in codecs.items():
@@ -284,12 +286,12 @@ def all_to_all(
                 raise InputError(f"all_to_all: {name}={c.spec()!r} is not allowed; allowed: "
                                  "a fixed-rate codec (none, bf16, fp16, fp8, int8, int4, int2, "
                                  "sign, nf2): rows are exchanged at sizes known in advance")
-    except (InputError, TypeError) as e:
+    except (ValueError, TypeError) as e:  # InputError is a ValueError, as a bad spec's
         refused = str(e)
     fields = {} if refused else {
         **{name: c.spec() for name, c in codecs.items()}, "row_shape": tuple(input.shape[1:]),
         **{f"input.{k}": v for k, v in describe(input).items() if k != "numel"}}
-    if intra is not None:
+    if intra is not None and refused is None:
         topology = topology or Topology()
         nodes = [topology.node_of(r) for r in ctx.ranks]
         fields["nodes"] = nodes  # every rank must see the same layout
