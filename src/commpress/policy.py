@@ -44,6 +44,7 @@ from __future__ import annotations
 import os
 import tomllib
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import yaml
@@ -84,7 +85,7 @@ class Rule:
         """Whether the collective is torch's own: no codec, no memory."""
         return self.codec == "none" and not self.error_feedback
 
-    @property
+    @cached_property  # asked per bucket call (Megatron's layouts): the spec is parsed once
     def lossy(self) -> bool:
         """Whether what arrives can differ from what was sent — the one place this is
         decided: a codec that is not lossless, or a memory (which changes what is sent)."""

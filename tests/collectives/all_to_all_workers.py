@@ -57,8 +57,8 @@ def exchange(rank, world, width, dtype, seed=0):
                                  / theirs.double().norm().clamp_min(1e-30)).item())
         # the played transport: every rank's steps in this process, the same bits
         played = Played(world, lambda r, rows, spec=spec: all_to_all_steps(
-            rows, S[r], [S[j][r] for j in range(world)], commpress.codec(spec),
-            Peers(r, world, tuple(range(world))), Stats(), "ep"))
+            rows, S[r], [S[j][r] for j in range(world)], [commpress.codec(spec)] * world,
+            Peers(r, world, tuple(range(world))), Stats(), ["ep"] * world))
         for r in range(world):
             played.add(r, rows_of(r, sum(S[r]), width, dtype, seed).reshape(sum(S[r]), width))
         out[f"{spec}_played"] = torch.equal(played.finish()[rank], got)

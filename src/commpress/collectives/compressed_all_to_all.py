@@ -25,6 +25,7 @@ the codec's wire size of one padded row.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 
 import torch
@@ -44,109 +45,73 @@ from commpress.validate import InputError
 
 
 def all_to_all_steps(rows: torch.Tensor, input_splits: list[int], output_splits: list[int],
-                     codec: Codec | list[Codec], peers: Peers, stats: Stats, label: str, *,
-                     rng_stream: int | None = None,
-                     labels: list[str] | None = None) -> Steps:
+                     codecs: list[Codec], peers: Peers, stats: Stats,
+                     labels: list[str]) -> Steps:
     """One rank's all-to-all of ``rows`` (``(N, D)``, any float dtype): ``input_splits[j]``
     rows to peer ``j`` → the ``(sum(output_splits), D)`` rows received, peer order, in
-    ``rows``' dtype. ``codec`` is fixed-rate (:func:`all_to_all` checks it), or one per
-    peer — the codec of the link to it, which the peer uses back — with ``labels[j]`` the
-    stats label of that link; ``rng_stream`` defaults to the rank among ``peers``."""
-    if isinstance(codec, list):
-        return (yield from _per_peer_steps(rows, input_splits, output_splits, codec, peers,
-                                           stats, labels or [label] * peers.size))
-    (N, D), dtype, device = rows.shape, rows.dtype, rows.device
-    M, itemsize, me = sum(output_splits), rows.element_size(), peers.rank
-    if is_exact(codec):
-        count_sent(stats, label, (N - input_splits[me]) * D,
-                   (N - input_splits[me]) * D * itemsize, itemsize)
-        blocks = [b.reshape(-1) for b in rows.split(input_splits)]
-        del rows
-        received = yield AllToAll(peers, stats, label, False, blocks,
-                                  [s * D for s in output_splits])
-        return _joined(received, M, D, dtype, device)
-    # Step 1: every row padded to the codec's alignment and encoded on its own, all in one
-    # call; each peer's rows of codes are one block of the exchange
-    D_pad = chunks.padded_chunk(codec, D)
-    row_bytes = codec.wire_bytes(D_pad, dtype)
-    codes = _encode(rows, codec, D_pad, label, stats, me if rng_stream is None else rng_stream)
+    ``rows``' dtype. ``codecs[j]`` is the (fixed-rate) codec of the link to peer ``j``,
+    which it uses back, ``labels[j]`` that link's stats label. Consecutive peers of one
+    codec object are encoded in one call and decoded in one; exact rows travel as their
+    own bytes."""
+    (_, D), dtype = rows.shape, rows.dtype
+    me, itemsize = peers.rank, rows.element_size()
+    runs = _runs(codecs)
+    widths = [0] * peers.size
+    blocks: list[torch.Tensor] = []
+    starts = [0, *itertools.accumulate(input_splits)]
+    for a, b in runs:
+        codes = _encode(rows[starts[a]:starts[b]], codecs[a], labels[a], stats, me)
+        widths[a:b] = [codes.shape[1]] * (b - a)
+        blocks += codes.reshape(-1).split([s * codes.shape[1] for s in input_splits[a:b]])
     del rows
-    blocks = list(codes.reshape(-1).split([s * row_bytes for s in input_splits]))
     # the elements are the rows' own (padding is part of what the codec costs)
-    count_sent(stats, label, (N - input_splits[me]) * D, (N - input_splits[me]) * row_bytes,
-               itemsize)
-    received = yield AllToAll(peers, stats, label, False, blocks,
-                              [s * row_bytes for s in output_splits])
-    if M == 0:
-        return torch.empty(0, D, dtype=dtype, device=device)
-    # Step 2: decode every received row, this rank's own too, in one call
-    with stats.timed(label, "decode_s", device):
-        received = _joined(received, M, row_bytes, torch.uint8, device)
-        return chunks.decode_rows(codec, received, D_pad, dtype)[:, :D].to(dtype)
+    for lab in dict.fromkeys(labels):
+        others = [j for j in range(peers.size) if labels[j] == lab and j != me]
+        count_sent(stats, lab, sum(input_splits[j] for j in others) * D,
+                   sum(blocks[j].numel() for j in others), itemsize)
+    received = yield AllToAll(peers, stats, labels[me], False, blocks,
+                              [s * w for s, w in zip(output_splits, widths)])
+    # Step 2: decode what each run of peers sent, this rank's own rows too
+    out = []
+    for a, b in runs:
+        count = sum(output_splits[a:b])
+        codes = torch.cat([r.reshape(-1) for r in received[a:b]]).view(count, widths[a])
+        out.append(_decode(codes, codecs[a], D, dtype, labels[a], stats))
+    return torch.cat(out)
 
 
-def _encode(rows: torch.Tensor, codec: Codec, D_pad: int, label: str, stats: Stats,
+def _runs(codecs: list[Codec]) -> list[tuple[int, int]]:
+    """``[a, b)`` ranges of consecutive peers that share one codec object."""
+    bounds = [0] + [j for j in range(1, len(codecs)) if codecs[j] is not codecs[j - 1]]
+    return list(zip(bounds, [*bounds[1:], len(codecs)]))
+
+
+def _encode(rows: torch.Tensor, codec: Codec, label: str, stats: Stats,
             rng_stream: int) -> torch.Tensor:
-    """``(N, row_bytes)`` codes of the rows, each padded to ``D_pad`` and encoded alone."""
+    """``(N, width)`` bytes of the rows: their own (exact), or each padded to the codec's
+    alignment and encoded alone, all in one call."""
     (N, D), device = rows.shape, rows.device
+    if is_exact(codec):
+        return rows.contiguous().view(torch.uint8).view(N, D * rows.element_size())
+    D_pad = chunks.padded_chunk(codec, D)
     if N == 0:
         return torch.empty(0, codec.wire_bytes(D_pad, rows.dtype), dtype=torch.uint8,
                            device=device)
     x = rows if D_pad == D else torch.nn.functional.pad(rows, (0, D_pad - D))
     with stats.timed(label, "encode_s", device):
-        return chunks.encode_rows(codec, x.reshape(N, D_pad), key=label, rng_stream=rng_stream)
+        return chunks.encode_rows(codec, x, key=label, rng_stream=rng_stream)
 
 
-def _per_peer_steps(rows: torch.Tensor, input_splits: list[int], output_splits: list[int],
-                    codecs: list[Codec], peers: Peers, stats: Stats,
-                    labels: list[str]) -> Steps:
-    """:func:`all_to_all_steps` with the codec of each peer's link: each peer's block is
-    encoded with its codec (exact blocks travel as the rows' own bytes) and what a peer
-    sent is decoded with the same one."""
-    (_, D), dtype, device = rows.shape, rows.dtype, rows.device
-    itemsize, me = rows.element_size(), peers.rank
-    widths, blocks = [], []
-    for j, (block, codec) in enumerate(zip(rows.split(input_splits), codecs)):
-        if is_exact(codec):
-            width = D * itemsize
-            codes = block.contiguous().view(torch.uint8).reshape(-1)
-        else:
-            D_pad = chunks.padded_chunk(codec, D)
-            width = codec.wire_bytes(D_pad, dtype)
-            codes = _encode(block, codec, D_pad, labels[j], stats, me).reshape(-1)
-        widths.append(width)
-        blocks.append(codes)
-        if j != me:
-            count_sent(stats, labels[j], block.shape[0] * D, codes.numel(), itemsize,
-                       calls=0)
-    for lab in dict.fromkeys(labels[j] for j in range(peers.size) if j != me):
-        count_sent(stats, lab, 0, 0, itemsize)  # one call per link label
-    del rows
-    received = yield AllToAll(peers, stats, labels[me], False, blocks,
-                              [s * w for s, w in zip(output_splits, widths)])
-    parts = (list(received.reshape(-1).split([s * w for s, w in zip(output_splits, widths)]))
-             if isinstance(received, torch.Tensor) else list(received))
-    out = []
-    for j, (part, codec, count) in enumerate(zip(parts, codecs, output_splits)):
-        if is_exact(codec):
-            out.append(part.contiguous().view(dtype).view(count, D))
-        elif count:
-            D_pad = chunks.padded_chunk(codec, D)
-            with stats.timed(labels[j], "decode_s", device):
-                values = chunks.decode_rows(codec, part.view(count, widths[j]), D_pad, dtype)
-            out.append(values[:, :D].to(dtype))
-    return torch.cat(out) if out else torch.empty(0, D, dtype=dtype, device=device)
-
-
-def _joined(received, rows: int, width: int, dtype: torch.dtype,
-            device: torch.device) -> torch.Tensor:
-    """What the transports return — a list of blocks, or a stacked tensor — as
-    ``(rows, width)``."""
-    if isinstance(received, torch.Tensor):
-        return received.reshape(rows, width)
-    if not received:
-        return torch.empty(rows, width, dtype=dtype, device=device)
-    return torch.cat([r.reshape(-1) for r in received]).view(rows, width)
+def _decode(codes: torch.Tensor, codec: Codec, D: int, dtype: torch.dtype, label: str,
+            stats: Stats) -> torch.Tensor:
+    """The ``(rows, D)`` values of :func:`_encode`'s bytes."""
+    if is_exact(codec):
+        return codes.view(dtype).view(codes.shape[0], D)
+    if codes.shape[0] == 0:
+        return torch.empty(0, D, dtype=dtype, device=codes.device)
+    with stats.timed(label, "decode_s", codes.device):
+        values = chunks.decode_rows(codec, codes, chunks.padded_chunk(codec, D), dtype)
+    return values[:, :D].to(dtype)
 
 
 def check_splits(name: str, splits, rows: int, world: int) -> list[int]:
@@ -291,21 +256,18 @@ def all_to_all(
     fields = {} if refused else {
         **{name: c.spec() for name, c in codecs.items()}, "row_shape": tuple(input.shape[1:]),
         **{f"input.{k}": v for k, v in describe(input).items() if k != "numel"}}
+    link = ["codec"] * ctx.world
     if intra is not None and refused is None:
         topology = topology or Topology()
         nodes = [topology.node_of(r) for r in ctx.ranks]
         fields["nodes"] = nodes  # every rank must see the same layout
         link = ["intra" if nodes[j] == nodes[ctx.rank] else "inter" for j in range(ctx.world)]
-        per_peer = [codecs[lv] for lv in link]
-        labels = [f"{label}.{lv}" for lv in link]
     agree_on_splits(ctx, "all_to_all", label, fields, out_splits, in_splits, refused)
     rows = input.detach().reshape(input.shape[0], math.prod(input.shape[1:]))  # 0 rows too
     if async_op and any(is_exact(c) for c in codecs.values()):
         rows = rows.clone()  # an exact block is sent from it until the transfer ends
     peers = Peers(ctx.rank, ctx.world, group)
-    if intra is None:
-        return end(run_into(output, lambda flat: all_to_all_steps(
-            rows, in_splits, out_splits, codecs["codec"], peers, ctx.stats, label)), async_op)
+    per_peer = [codecs[lv] for lv in link]
+    labels = [label if lv == "codec" else f"{label}.{lv}" for lv in link]
     return end(run_into(output, lambda flat: all_to_all_steps(
-        rows, in_splits, out_splits, per_peer, peers, ctx.stats, label, labels=labels)),
-        async_op)
+        rows, in_splits, out_splits, per_peer, peers, ctx.stats, labels)), async_op)

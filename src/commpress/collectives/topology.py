@@ -38,12 +38,15 @@ class Topology:
             raise InputError(f"Topology: ranks_per_node={self.ranks_per_node!r} is not allowed; "
                              "allowed: a positive integer dividing the world size")
 
+    def _ranks_per_node(self, default: int) -> int:
+        """The ranks per node given, else ``LOCAL_WORLD_SIZE``, else ``default``."""
+        if self.ranks_per_node is not None:
+            return self.ranks_per_node
+        return int(os.environ.get("LOCAL_WORLD_SIZE", default))
+
     def ranks_per_node_in(self, world: int) -> int:
         """``L`` for a group of ``world`` ranks (at most ``world``), checked to divide it."""
-        rpn = self.ranks_per_node
-        if rpn is None:
-            rpn = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        rpn = min(rpn, world)
+        rpn = min(self._ranks_per_node(world), world)
         if world % rpn:
             raise InputError(f"Topology: world size {world} is not divisible by "
                              f"ranks_per_node={rpn}; allowed: a divisor of {world}")
@@ -53,10 +56,7 @@ class Topology:
         """The node of a global rank, as torchrun numbers them (``LOCAL_WORLD_SIZE`` ranks a
         node when ``ranks_per_node`` is None): for groups whose ranks are not contiguous,
         such as an expert-parallel group strided over data parallelism."""
-        rpn = self.ranks_per_node
-        if rpn is None:
-            rpn = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
-        return global_rank // rpn
+        return global_rank // self._ranks_per_node(dist.get_world_size())
 
     def resolve(self, group: dist.ProcessGroup) -> Levels:
         """This rank's two levels of ``group`` (sub-groups created on first use)."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -79,7 +80,7 @@ class GradPath:
         return frozenset.intersection(*(frozenset(c.supported_dtypes)
                                         for c in self.codecs.values()))
 
-    @property
+    @cached_property  # the rules never change; asked per bucket call
     def lossy(self) -> bool:
         """Whether the reduced gradients can differ from an exact reduction."""
         levels = [self.level] if "single" in self.codecs else list(self.codecs)
