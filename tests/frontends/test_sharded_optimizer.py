@@ -247,3 +247,20 @@ def test_rank_0s_state_loaded_on_every_rank_is_refused_on_every_rank(tmp_path):
         assert "ShardedOptimizer checkpoint rank 0 does not match this run's 1" in refused
         assert "save_rank_state" in refused and "consolidate_state_dict()" in refused
     assert ranks[0].endswith("[reported by rank 1]")  # rank 0's own state loaded, yet told
+
+
+def test_optimizers_stepped_together_clip_with_one_norm_and_skip_together():
+    """Two optimizers over parts of a model stepped with ``step_together`` take the step
+    one optimizer over the whole model takes: the same global norm (one float), so the
+    same clipping; a NaN in one part on one rank skips every part on every rank."""
+    one = spawn(workers.stepped_together, 2, (False, None))
+    two = spawn(workers.stepped_together, 2, (True, None))
+    (w1, [(skipped1, norm1)]), (w2, parts) = one[0], two[0]
+    assert all(skipped == 0 and norm == pytest.approx(norm1, rel=1e-6) for skipped, norm in parts)
+    for a, b in zip(w1, w2, strict=True):
+        for x, y in zip(a, b, strict=True):
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-7)
+    poisoned = spawn(workers.stepped_together, 2, (True, 1))
+    for weights, parts in poisoned:
+        assert [skipped for skipped, _ in parts] == [1, 1]
+        assert all(torch.equal(x, y) for x, y in zip(weights[0], weights[1], strict=True))

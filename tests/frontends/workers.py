@@ -165,3 +165,36 @@ def different_initial_weights(rank, world, init_sync):
         for b in opt.buckets)
     train_steps(model, opt, data, rank, world, 0, 3, hashes)
     return {"error": None, "hashes": hashes, "masters": masters_equal_weights}
+
+
+def stepped_together(rank, world, split, poison_step):
+    """gpt-tiny over 2 ranks, clipped hard (every step clips): one ShardedOptimizer, or
+    two over the blocks and the rest stepped with one norm (``step_together``). At
+    ``poison_step`` rank 1's last block gets a NaN gradient. The weights per step and
+    each optimizer's skipped steps and last norm."""
+    from commpress.frontends.sharded_optimizer import ShardedOptimizer, step_together
+
+    data, model = _data(), _model()
+    options = dict(max_grad_norm=0.05, bucket_numel=5_000, lr=1e-2)
+    if split:
+        blocks = list(model.blocks.parameters())
+        ids = {id(p) for p in blocks}
+        rest = [p for p in model.parameters() if id(p) not in ids]
+        opts = [ShardedOptimizer(rest, torch.optim.AdamW, "none", **options),
+                ShardedOptimizer(blocks, torch.optim.AdamW, "none", **options)]
+    else:
+        opts = [ShardedOptimizer(model, torch.optim.AdamW, "none", **options)]
+    weights = []
+    for step in range(3):
+        x, y = _local_batch(data, step, rank, world)
+        _, loss = model(x, y)
+        poison = (model.blocks[-1].mlp.out.weight.register_hook(lambda g: g * float("nan"))
+                  if step == poison_step and rank == 1 else None)
+        loss.backward()
+        if poison is not None:
+            poison.remove()
+        step_together(opts) if split else opts[0].step()
+        for opt in opts:
+            opt.zero_grad()
+        weights.append([p.detach().clone() for p in model.parameters()])
+    return weights, [(o.skipped_steps, o.last_grad_norm) for o in opts]

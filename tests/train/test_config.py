@@ -27,7 +27,7 @@ NUMERIC = _numeric_fields()
 
 def test_the_numeric_fields_are_the_ones_checked_here():
     assert set(NUMERIC) == {
-        "dp", "tp", "pp", "nproc", "ranks_per_node", "steps", "batch_size", "seq_len",
+        "dp", "tp", "pp", "ep", "nproc", "ranks_per_node", "steps", "batch_size", "seq_len",
         "micro_batches", "lr", "min_lr_ratio", "warmup", "weight_decay", "max_grad_norm",
         "seed", "max_data_bytes", "eval_every", "eval_batches", "checkpoint_every",
         "timeout_s", "bucket_numel", "sync_every", "fragments", "outer_delay", "outer_lr",
@@ -101,3 +101,20 @@ def test_the_outer_step_is_resolved_from_the_preset_unless_given():
     assert (given.outer_lr, given.outer_momentum) == (1.0, 0.9)
     plain = TrainConfig().resolved(4)
     assert (plain.outer_lr, plain.outer_momentum) == (0.7, 0.9)
+
+
+@pytest.mark.parametrize(("kwargs", "needle"), [
+    (dict(ep=2), "ep=2 needs a mixture-of-experts model; model='gpt-1m'"),
+    (dict(model="moe-tiny", ep=3, seq_len=64), "ep=3 does not divide model 'moe-tiny'"),
+    (dict(model="moe-tiny", ep=2, dp=3, seq_len=64), "ep=2 does not divide dp=3"),
+    (dict(model="moe-tiny", tp=2, seq_len=64), "tensor parallelism of experts is not built"),
+    (dict(model="moe-tiny", ep=2, engine="ddp", seq_len=64), "use engine=sharded"),
+])
+def test_expert_parallelism_refuses_what_it_cannot_run(kwargs, needle):
+    with pytest.raises(ValueError, match=needle.replace("(", r"\(")):
+        TrainConfig(**kwargs)
+
+
+def test_an_ep_that_does_not_divide_the_derived_dp_is_refused_when_resolved():
+    with pytest.raises(ValueError, match="ep=4 does not divide dp=2"):
+        TrainConfig(model="moe-tiny", ep=4, seq_len=64, nproc=2).resolved()

@@ -85,6 +85,20 @@ class EPExchange:
         """Whether any of the four directions is compressed."""
         return any(not self.policy.rule("ep", kind).exact for kind in EP_KINDS)
 
+    def counts(self, sent: torch.Tensor) -> torch.Tensor:
+        """Tell each peer how many rows it will get: ``sent[j]`` (a row of counts, say one
+        per expert of rank ``j``) goes to rank ``j`` → ``received[j]``, what rank ``j``
+        sends this one. Exact (as float64, exact for counts below 2⁵³), under the
+        agreement of :func:`commpress.all_to_all`; not differentiable."""
+        peers = dist.get_world_size(self.group)
+        if sent.dim() != 2 or sent.shape[0] != peers:
+            raise InputError(f"EPExchange.counts: sent of shape {tuple(sent.shape)} is not "
+                             f"allowed; allowed: ({peers}, n), a row per rank of the group")
+        received = torch.empty(sent.shape, dtype=torch.float64, device=sent.device)
+        all_to_all(received, sent.to(torch.float64), None, None, group=self.group,
+                   label=f"{self.label}.counts")
+        return received.to(sent.dtype)
+
     def dispatch(self, tokens: torch.Tensor, input_splits: list[int],
                  output_splits: list[int]) -> torch.Tensor:
         """Send ``input_splits[j]`` rows of ``tokens`` to rank ``j`` (to its experts) →

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -343,7 +343,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Finish this step's gradient reduce-scatters, once; return the global norm."""
         if self._reduced_norm is not None:
             return self._reduced_norm
-        # Step 1: every bucket's reduce-scatter (most started during backward)
+        self._finish_reduce_scatters()
+        # Step 2: one float across ranks: the norm, non-finite if any gradient is
+        return self._take_norm(global_grad_norm(self.local_grad_sumsq(), self.norm_group))
+
+    def _finish_reduce_scatters(self) -> None:
+        """Step 1: every bucket's reduce-scatter (most started during backward)."""
         for b in self.buckets:
             if b.handle is None:
                 self._launch(b)
@@ -352,25 +357,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
             b.handle = None
             b.ready.clear()
             b.grad_buffer.zero_()
-        # Step 2: one float across ranks: the norm, non-finite if any gradient is
-        norm = self._global_grad_norm()
+
+    def _take_norm(self, norm: float) -> float:
         self.last_grad_norm = norm
         self._reduced_norm = norm
         return norm
-
-    def _global_grad_norm(self) -> float:
-        """The gradient norm over ``norm_group``, NaN if any rank holds a non-finite
-        gradient (so all ranks skip or stop together). Each rank's squared sum is
-        gathered and the parts are added in rank order: the same bits on every backend
-        (an all-reduce's order is the backend's), which ``commpress simulate`` repeats."""
-        parts = self.local_grad_sumsq().reshape(1)
-        if self.norm_group is not None and dist.get_world_size(self.norm_group) > 1:
-            agree(self.norm_group, "all_gather", label="grad norm")
-            mine = parts
-            parts = torch.empty(dist.get_world_size(self.norm_group), dtype=mine.dtype,
-                                device=mine.device)
-            all_gather_single(parts, mine, self.norm_group)
-        return norm_of_parts(parts)
 
     def local_grad_sumsq(self) -> torch.Tensor:
         """This rank's weighted squared gradient sum over its shards (fp64)."""
@@ -590,6 +581,44 @@ def _elementwise_and_scalars(i: int, master: torch.Tensor, state: dict[str, Any]
 def _padded(t: torch.Tensor, numel: int) -> torch.Tensor:
     """``t`` followed by zeros up to ``numel`` elements (a bucket's padding)."""
     return torch.cat([t, t.new_zeros(numel - t.numel())]) if t.numel() < numel else t
+
+
+def global_grad_norm(local_sumsq: torch.Tensor, norm_group: dist.ProcessGroup | None) -> float:
+    """The gradient norm over ``norm_group`` from each rank's squared sum, NaN if any rank
+    holds a non-finite gradient (so all ranks skip or stop together). Each rank's squared
+    sum is gathered and the parts are added in rank order: the same bits on every backend
+    (an all-reduce's order is the backend's), which ``commpress simulate`` repeats."""
+    parts = local_sumsq.reshape(1)
+    if norm_group is not None and dist.get_world_size(norm_group) > 1:
+        agree(norm_group, "all_gather", label="grad norm")
+        mine = parts
+        parts = torch.empty(dist.get_world_size(norm_group), dtype=mine.dtype,
+                            device=mine.device)
+        all_gather_single(parts, mine, norm_group)
+    return norm_of_parts(parts)
+
+
+@torch.no_grad()
+def step_together(optimizers: Sequence[ShardedOptimizer]) -> bool:
+    """Step sharded optimizers over disjoint parts of one model, each over its own
+    data-parallel group, with one global gradient norm — a mixture of experts' dense
+    weights over the data-parallel group and its experts over the expert-data-parallel
+    group — so clipping and the non-finite check see the whole model, as one optimizer's
+    ``step()`` would. They must share ``norm_group`` (the ranks every part lives on).
+    Returns whether the step was taken."""
+    first = optimizers[0]
+    if any(o.norm_group is not first.norm_group for o in optimizers):
+        raise InputError("step_together: the optimizers' norm_group differ; allowed: one "
+                         "norm_group over every rank that holds a part of the model")
+    for o in optimizers:
+        o._check_trained_parameters()
+        if o._reduced_norm is None:
+            o._finish_reduce_scatters()
+    local = sum(o.local_grad_sumsq() for o in optimizers)
+    norm = global_grad_norm(local, first.norm_group)
+    for o in optimizers:
+        o._take_norm(norm)
+    return all([o.step() for o in optimizers])
 
 
 def skips_nonfinite(norm: float, nonfinite: str, where: str) -> bool:

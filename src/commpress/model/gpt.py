@@ -7,6 +7,10 @@ names (``qkv``/``proj``, ``fc``/``out``), so tensor parallelism can swap them fo
 column- and row-parallel versions (:mod:`commpress.parallel.tensor`) without
 touching this file. ``n_head`` counts heads of the *local* module: a tensor-parallel
 rank holds ``n_head / tp`` heads.
+
+With ``n_expert > 0`` each block's MLP is a mixture of experts
+(:class:`~commpress.model.moe.MoE`: top-k routing, dropless grouped matmul), whose
+experts expert parallelism spreads over ranks (:mod:`commpress.parallel.expert`).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from commpress.model.moe import MoE
 from commpress.validate import InputError
 
 
@@ -31,19 +36,49 @@ class GPTConfig:
     block_size: int = 128
     vocab_size: int = 256
     dropout: float = 0.0
+    n_expert: int = 0  # 0: a dense MLP; else a mixture of this many experts per block
+    top_k: int = 2  # experts per token (with n_expert > 0)
+    expert_hidden: int = 0  # each expert's hidden width; 0: 2 · n_embd
+    aux_loss_coef: float = 0.01  # Switch Transformer's load-balancing loss, per forward
 
     def __post_init__(self) -> None:
-        for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
+        for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "top_k"):
             if getattr(self, name) < 1:
                 raise InputError(f"GPTConfig.{name}={getattr(self, name)} is not allowed; "
                                  "allowed: a positive integer")
+        for name in ("n_expert", "expert_hidden"):
+            if getattr(self, name) < 0:
+                raise InputError(f"GPTConfig.{name}={getattr(self, name)} is not allowed; "
+                                 "allowed: an integer >= 0")
         if self.n_embd % self.n_head:
             raise InputError(f"GPTConfig: n_embd={self.n_embd} is not divisible by "
                              f"n_head={self.n_head}")
+        if self.n_expert and self.top_k > self.n_expert:
+            raise InputError(f"GPTConfig: top_k={self.top_k} is not allowed with "
+                             f"n_expert={self.n_expert}; allowed: 1 to n_expert")
+        if not self.aux_loss_coef >= 0:
+            raise InputError(f"GPTConfig.aux_loss_coef={self.aux_loss_coef} is not allowed; "
+                             "allowed: a number >= 0")
+
+    @property
+    def moe(self) -> bool:
+        return self.n_expert > 0
+
+    @property
+    def expert_width(self) -> int:
+        """Each expert's hidden width."""
+        return self.expert_hidden or 2 * self.n_embd
+
+    def mlp_params(self) -> int:
+        """One block's MLP: dense (fc, out with biases) or router and experts."""
+        d = self.n_embd
+        if self.moe:
+            return self.n_expert * d + self.n_expert * 2 * d * self.expert_width
+        return 8 * d * d + 5 * d
 
     def num_params(self) -> int:
         d, v, t = self.n_embd, self.vocab_size, self.block_size
-        per_layer = 12 * d * d + 13 * d
+        per_layer = 4 * d * d + 8 * d + self.mlp_params()  # attention, norms, MLP
         return 2 * v * d + t * d + self.n_layer * per_layer + 2 * d
 
     def to_dict(self) -> dict:
@@ -60,6 +95,11 @@ PRESETS: dict[str, GPTConfig] = {
     "gpt-125m": GPTConfig(n_layer=12, n_head=12, n_embd=768, block_size=1024),
     "gpt-350m": GPTConfig(n_layer=24, n_head=16, n_embd=1024, block_size=1024),
     "gpt-1.3b": GPTConfig(n_layer=24, n_head=32, n_embd=2048, block_size=2048),
+    # mixtures of experts: 8 experts, top-2 (each expert half a dense MLP's width, so a
+    # token's active MLP compute equals the dense model's)
+    "moe-tiny": GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=64, n_expert=8),
+    "moe-3m": GPTConfig(n_layer=4, n_head=4, n_embd=128, block_size=128, n_expert=8),
+    "moe-125m": GPTConfig(n_layer=12, n_head=12, n_embd=768, block_size=1024, n_expert=8),
 }
 
 
@@ -107,7 +147,8 @@ class Block(nn.Module):
         self.ln1 = nn.LayerNorm(cfg.n_embd)
         self.attn = CausalSelfAttention(cfg)
         self.ln2 = nn.LayerNorm(cfg.n_embd)
-        self.mlp = MLP(cfg)
+        self.mlp = MoE(cfg.n_embd, cfg.expert_width, cfg.n_expert, cfg.top_k,
+                       cfg.aux_loss_coef) if cfg.moe else MLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -132,7 +173,7 @@ class GPT(nn.Module):
         for name, p in self.named_parameters():
             if p.dim() >= 2:
                 std = 0.02
-                if name.endswith(("proj.weight", "out.weight")):
+                if name.endswith(("proj.weight", "out.weight", "mlp.w_out")):
                     std = 0.02 / math.sqrt(2 * self.cfg.n_layer)
                 nn.init.normal_(p, mean=0.0, std=std)
             elif name.endswith("bias"):

@@ -3,6 +3,11 @@
 ``rank = dp_idx · (pp · tp) + pp_idx · tp + tp_idx``: tensor-parallel peers are
 neighbours (inside a node, where links are fast), pipeline stages next, data-parallel
 replicas outermost. Every rank creates every sub-group in the same order.
+
+Expert parallelism borrows from data parallelism: ``ep`` consecutive data-parallel
+indices form an expert-parallel group (``ep_idx = dp_idx % ep``), and the data-parallel
+ranks with the same ``ep_idx`` form its expert-data-parallel group, which holds one
+expert's replicas.
 """
 
 from __future__ import annotations
@@ -22,11 +27,16 @@ class MeshShape:
     dp: int = 1
     tp: int = 1
     pp: int = 1
+    ep: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp"):
+        for name in ("dp", "tp", "pp", "ep"):
             if getattr(self, name) < 1:
                 raise InputError(f"{name}={getattr(self, name)} is not allowed; allowed: >= 1")
+        if self.dp % self.ep:
+            raise InputError(f"ep={self.ep} does not divide dp={self.dp}; allowed: an "
+                             "expert-parallel degree that divides the data-parallel degree "
+                             "(expert parallelism borrows data-parallel ranks)")
 
     @property
     def world(self) -> int:
@@ -59,6 +69,8 @@ class Mesh:
     tp_group: dist.ProcessGroup
     pp_group: dist.ProcessGroup
     pp_ranks: list[int]
+    ep_group: dist.ProcessGroup | None = None  # with ep > 1: this rank's expert-parallel
+    edp_group: dist.ProcessGroup | None = None  # and expert-data-parallel groups
 
     @property
     def last_stage(self) -> bool:
@@ -67,7 +79,8 @@ class Mesh:
     def release(self) -> None:
         """Destroy this rank's dp, tp and pp groups (and commpress's sub-groups of them)
         after the run's last collective."""
-        for group in {id(g): g for g in (self.dp_group, self.tp_group, self.pp_group)}.values():
+        groups = (self.dp_group, self.tp_group, self.pp_group, self.ep_group, self.edp_group)
+        for group in {id(g): g for g in groups if g is not None}.values():
             release(group)
 
 
@@ -87,7 +100,21 @@ def build_mesh(shape: MeshShape) -> Mesh:
                 mine[axis] = g
                 if axis == "pp":
                     pp_ranks = ranks
-    return Mesh(shape, rank, dp_i, pp_i, tp_i, mine["dp"], mine["tp"], mine["pp"], pp_ranks)
+    if shape.ep > 1:
+        for dp_ranks in _groups(shape, "dp"):
+            for axis, ranks in _expert_groups(dp_ranks, shape.ep):
+                g = dist.new_group(ranks, timeout=timeout)
+                if rank in ranks:
+                    mine[axis] = g
+    return Mesh(shape, rank, dp_i, pp_i, tp_i, mine["dp"], mine["tp"], mine["pp"], pp_ranks,
+                mine.get("ep"), mine.get("edp"))
+
+
+def _expert_groups(dp_ranks: list[int], ep: int) -> list[tuple[str, list[int]]]:
+    """One data-parallel group's expert-parallel groups (``ep`` consecutive ranks each),
+    then its expert-data-parallel groups (the ranks ``ep`` apart), by axis."""
+    return ([("ep", dp_ranks[i:i + ep]) for i in range(0, len(dp_ranks), ep)]
+            + [("edp", dp_ranks[j::ep]) for j in range(ep)])
 
 
 def _groups(shape: MeshShape, axis: str) -> list[list[int]]:

@@ -36,6 +36,9 @@ class TrainConfig:
     dp: int | None = _opt(None, "data-parallel degree; default: the ranks / (tp · pp)")
     tp: int = _opt(1, "tensor-parallel degree")
     pp: int = _opt(1, "pipeline-parallel degree")
+    ep: int = _opt(1, "expert-parallel degree (a moe-* model): ep consecutive data-parallel "
+                      "ranks share one copy of the experts, their tokens sent with the "
+                      "policy's ep codecs")
     nproc: int | None = _opt(None, "ranks to spawn; default: dp · tp · pp, or 4")
     ranks_per_node: int | None = _opt(None,
                                       "ranks that share a node; default: LOCAL_WORLD_SIZE, else "
@@ -98,9 +101,10 @@ class TrainConfig:
             raise InputError(f"dtype={self.dtype!r} is not allowed; allowed: {', '.join(DTYPES)}")
         if self.engine not in ("sharded", "ddp"):
             raise InputError(f"engine={self.engine!r} is not allowed; allowed: sharded, ddp")
-        if self.engine == "ddp" and (self.tp > 1 or self.pp > 1):
+        if self.engine == "ddp" and (self.tp > 1 or self.pp > 1 or self.ep > 1):
             raise InputError(f"engine=ddp runs data parallelism only; got tp={self.tp}, "
-                             f"pp={self.pp}: use engine=sharded for tp/pp")
+                             f"pp={self.pp}, ep={self.ep}: use engine=sharded for tp/pp/ep")
+        self._check_experts()
         hook = self.ddp_hook
         rank = hook.removeprefix("powersgd:")
         if hook not in ("allreduce", "fp16", "commpress") and not (
@@ -137,9 +141,30 @@ class TrainConfig:
         if self.backend == "nccl" and self.device == "cpu":
             raise InputError("backend=nccl needs device=cuda; allowed with device=cpu: gloo")
 
+    def _check_experts(self) -> None:
+        """Expert parallelism needs a mixture of experts it divides; tensor parallelism of
+        one is not built."""
+        shape = MODEL_PRESETS[self.model]
+        if self.ep > 1 and not shape.moe:
+            moe = [name for name, m in MODEL_PRESETS.items() if m.moe]
+            raise InputError(f"ep={self.ep} needs a mixture-of-experts model; model="
+                             f"{self.model!r} is dense; allowed: ep=1, or a model of "
+                             f"{', '.join(moe)}")
+        if shape.moe and shape.n_expert % self.ep:
+            raise InputError(f"ep={self.ep} does not divide model {self.model!r}'s "
+                             f"{shape.n_expert} experts; allowed: a divisor of {shape.n_expert}")
+        if shape.moe and self.tp > 1:
+            raise InputError(f"tp={self.tp} with the mixture of experts {self.model!r}: "
+                             "tensor parallelism of experts is not built; allowed: tp=1 "
+                             "(spread the experts with ep instead)")
+        if self.dp is not None and self.dp % self.ep:
+            raise InputError(f"ep={self.ep} does not divide dp={self.dp}; allowed: an "
+                             "expert-parallel degree dividing the data-parallel degree "
+                             "(expert parallelism borrows data-parallel ranks)")
+
     def _check_numbers(self) -> None:
         """Every numeric field finite and in range, before anything else reads it."""
-        for name in ("tp", "pp", "steps", "batch_size", "seq_len", "eval_batches",
+        for name in ("tp", "pp", "ep", "steps", "batch_size", "seq_len", "eval_batches",
                      "bucket_numel", "max_data_bytes"):
             check_int(name, getattr(self, name), ge=1)
         for name in ("dp", "nproc", "ranks_per_node", "micro_batches"):
@@ -172,10 +197,13 @@ class TrainConfig:
         if rpn is not None and world % rpn:
             raise InputError(f"world size {world} is not divisible by ranks_per_node={rpn}")
         micro = self.micro_batches or self.pp
+        if dp % self.ep:
+            raise InputError(f"ep={self.ep} does not divide dp={dp} (world {world} / (tp · "
+                             f"pp)); allowed: an expert-parallel degree dividing dp")
         if self.batch_size % (dp * micro):
             raise InputError(f"batch_size={self.batch_size} is not divisible by dp × "
                              f"micro_batches = {dp} × {micro}")
-        layout = f"dp{dp}tp{self.tp}pp{self.pp}"
+        layout = f"dp{dp}tp{self.tp}pp{self.pp}" + (f"ep{self.ep}" if self.ep > 1 else "")
         outer = "" if self.outer == "none" else f"-{policy_slug(self.outer)}-H{self.sync_every}"
         out = self.out or f"runs/{policy_slug(self.policy)}{outer}-{layout}-s{self.seed}"
         device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")

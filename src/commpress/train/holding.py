@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -31,7 +31,8 @@ from commpress.collectives.group_context import release
 from commpress.collectives.topology import Topology
 from commpress.frontends.played.ddp import PlayedDDPHook
 from commpress.frontends.played.sharded_optimizer import PlayedShardedOptimizer
-from commpress.frontends.sharded_optimizer import ShardedOptimizer, norm_of_parts
+from commpress.frontends.sharded_optimizer import ShardedOptimizer, norm_of_parts, step_together
+from commpress.parallel.expert import split_experts
 from commpress.parallel.mesh import MeshShape, build_mesh
 from commpress.parallel.pipeline import GPipe, PlayedP2P, ProcessP2P, Stage
 from commpress.parallel.tensor import codec_states, load_codec_states, tp_norm_weights
@@ -60,14 +61,15 @@ class RealRank:
     def __init__(self, cfg: TrainConfig, dp_per_node: int) -> None:
         self.cfg, self.dp_per_node = cfg, dp_per_node
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.mesh = build_mesh(MeshShape(cfg.dp, cfg.tp, cfg.pp))
+        self.mesh = build_mesh(MeshShape(cfg.dp, cfg.tp, cfg.pp, cfg.ep))
         self.tp_group, self.tp_idx = self.mesh.tp_group, self.mesh.tp_idx
+        self.ep_group, self.topology = self.mesh.ep_group, Topology(dp_per_node)
         self.dp_ranks, self.stage_indices = [self.mesh.dp_idx], [self.mesh.pp_idx]
         self.dp_group, self.save_group = self.mesh.dp_group, dist.group.WORLD
         self.site_group = None  # --outer: DDP inside this rank's node, DiLoCo across nodes
 
     def front_ends(self, stages: list[Stage], policy: Policy) -> list[FrontEnd]:
-        cfg, topology = self.cfg, Topology(self.dp_per_node)
+        cfg, topology = self.cfg, self.topology
         if cfg.engine == "ddp":
             outer = cfg.diloco_options() if cfg.outer != "none" else None
             if outer and cfg.dp // self.dp_per_node < 2:
@@ -83,28 +85,40 @@ class RealRank:
                               cfg.ddp_hook, topology, cfg.lr, cfg.weight_decay,
                               cfg.max_grad_norm, cfg.nonfinite, outer=outer,
                               outer_group=self.dp_group)]
-        return [ShardedOptimizer(
-            stages[0], torch.optim.AdamW, policy, group=self.dp_group, topology=topology,
-            bucket_numel=cfg.bucket_numel, max_grad_norm=cfg.max_grad_norm,
-            nonfinite=cfg.nonfinite, norm_group=dist.group.WORLD,
-            norm_weights=tp_norm_weights(stages[0], cfg.tp), init_sync="verify",
-            decay_1d=False, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)]
+        options = dict(topology=topology, bucket_numel=cfg.bucket_numel,
+                       max_grad_norm=cfg.max_grad_norm, nonfinite=cfg.nonfinite,
+                       norm_group=dist.group.WORLD, init_sync="verify", decay_1d=False,
+                       lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+        if self.ep_group is None:
+            return [ShardedOptimizer(stages[0], torch.optim.AdamW, policy, group=self.dp_group,
+                                     norm_weights=tp_norm_weights(stages[0], cfg.tp),
+                                     **options)]
+        # expert parallelism: the dense weights over the data-parallel group, each rank's
+        # experts over the ranks holding the same ones; one norm over both (step_together)
+        dense, experts = split_experts(stages[0])
+        return [ShardedOptimizer(dense, torch.optim.AdamW, policy, group=self.dp_group,
+                                 **options),
+                ShardedOptimizer(experts, torch.optim.AdamW, policy,
+                                 group=self.mesh.edp_group, **options)]
 
     def p2p(self, policy: Policy, dp_rank: int) -> ProcessP2P:
         return ProcessP2P(self.mesh, policy)
 
     def pipeline_pass(self, pipeline: GPipe, opts: list[FrontEnd], x: torch.Tensor,
                       y: torch.Tensor) -> float:
-        # the optimizer's gradient hooks reduce after the last micro-batch only
-        return pipeline.step(x, y, sync_ctx=opts[0].no_sync)
+        # the optimizers' gradient hooks reduce after the last micro-batch only
+        return pipeline.step(x, y, sync_ctx=lambda: no_sync(opts))
 
     def hand_over(self, opts: list[FrontEnd], dp_rank: int) -> None:
         """A rank's gradients are in its front-end's hooks already."""
 
     def update(self, opts: list[FrontEnd]) -> None:
-        opts[0].step()
-        if self.cfg.engine != "ddp":
-            opts[0].zero_grad()
+        if self.cfg.engine == "ddp":
+            opts[0].step()
+            return
+        step_together(opts)
+        for opt in opts:
+            opt.zero_grad()
 
     def rank_codecs(self, i: int, stages: list[Stage]):
         return nullcontext()  # a real rank's layers hold its own codec state
@@ -117,10 +131,13 @@ class RealRank:
         return [value]
 
     def held_state(self, stages: list[dict], opts: list[dict]) -> dict[str, Any]:
-        return {"model": stages[0], "optimizer": opts[0]}
+        # with expert parallelism a second optimizer holds the experts
+        return {"model": stages[0], "optimizer": opts[0],
+                **({"expert_optimizer": opts[1]} if len(opts) > 1 else {})}
 
     def held_from(self, state: dict[str, Any]) -> tuple[list[dict], list[dict]]:
-        return [state["model"]], [state["optimizer"]]
+        return [state["model"]], [state["optimizer"], *(
+            [state["expert_optimizer"]] if "expert_optimizer" in state else [])]
 
     def tp_codec_state(self, stages: list[Stage]) -> Any:
         return codec_states(stages[0])
@@ -169,8 +186,14 @@ class PlayedReplica:
         self.cfg, self.dp_per_node = cfg, dp_per_node
         self.tp_group = tp_group if cfg.tp > 1 else None
         self.tp_idx = dist.get_rank(tp_group) if cfg.tp > 1 else 0
+        if cfg.ep > 1:
+            raise InputError(f"ep={cfg.ep}: simulate plays the ranks one after another, and "
+                             "expert parallelism exchanges tokens between ranks at once; "
+                             "allowed: ep=1 in simulate (every expert on each played rank), "
+                             "or commpress train --ep")
         self.dp_ranks, self.stage_indices = list(range(cfg.dp)), list(range(cfg.pp))
-        self.dp_group = None
+        self.dp_group = self.ep_group = None
+        self.topology = None
         self.rank, self.world = self.tp_idx, cfg.tp  # one checkpoint file per slice
         self.save_group = self.tp_group
         self.stats = Stats()  # the bytes every played rank sends, summed over the ranks
@@ -279,6 +302,15 @@ class PlayedReplica:
 
     def release(self, opts: list[FrontEnd]) -> None:
         """Nothing: a played replica holds no process group of its own."""
+
+
+@contextmanager
+def no_sync(opts: list[FrontEnd]) -> Iterator[None]:
+    """Every front-end's ``no_sync`` for the block (micro-batches before the last)."""
+    with ExitStack() as stack:
+        for opt in opts:
+            stack.enter_context(opt.no_sync())
+        yield
 
 
 def site_group(ranks_per_site: int) -> dist.ProcessGroup:

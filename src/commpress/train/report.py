@@ -9,11 +9,11 @@ from rich.table import Table
 
 from commpress.console import console
 
-AXES = ("dp", "tp", "pp", "outer")
+AXES = ("dp", "tp", "pp", "ep", "outer")
 
 
 def bytes_per_axis(wire: dict[str, float]) -> dict[str, float]:
-    """Sum per-label byte counts into dp / tp / pp / outer (DiLoCo across sites)."""
+    """Sum per-label byte counts into dp / tp / pp / ep / outer (DiLoCo across sites)."""
     return {axis: sum((v for label, v in wire.items() if label.split(".")[0] == axis), 0.0)
             for axis in AXES}
 

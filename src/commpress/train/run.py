@@ -32,8 +32,10 @@ import torch.distributed as dist
 from torch.optim.lr_scheduler import LambdaLR
 
 from commpress.collectives import reset_stats
+from commpress.collectives.topology import Topology
 from commpress.files import write_json
 from commpress.model.gpt import GPT, config_from_preset
+from commpress.parallel.expert import apply_ep
 from commpress.parallel.pipeline import GPipe, Stage
 from commpress.parallel.tensor import apply_tp
 from commpress.policy import Policy
@@ -59,14 +61,18 @@ def lr_factor(cfg: TrainConfig, step: int) -> float:
 
 def build_stages(cfg: TrainConfig, vocab_size: int, indices: list[int],
                  tp_group: dist.ProcessGroup | None, policy: Policy,
-                 device: torch.device) -> list[Stage]:
+                 device: torch.device, ep_group: dist.ProcessGroup | None = None,
+                 topology: Topology | None = None) -> list[Stage]:
     """The pipeline stages ``indices`` of the model every rank builds from the seed, in
-    the run's dtype on ``device``, their blocks split across ``tp_group``."""
+    the run's dtype on ``device``, their blocks split across ``tp_group`` and their
+    experts across ``ep_group``."""
     torch.manual_seed(cfg.seed)
     model = GPT(config_from_preset(cfg.model, vocab_size=max(256, vocab_size)))
     stages = [Stage(model, s, cfg.pp).to(device, DTYPES[cfg.dtype]) for s in indices]
     for stage in stages:
         apply_tp(stage.blocks, tp_group, policy)
+        if ep_group is not None:
+            apply_ep(stage.blocks, ep_group, policy, topology)
     return stages
 
 
@@ -97,7 +103,8 @@ class Run:
         self.held = hold(cfg, played, tp_group, cfg.dp_ranks_per_node(local_world))
         # Step 2: the stages held, their blocks split across TP
         self.stages = build_stages(cfg, self.data.vocab_size, self.held.stage_indices,
-                                   self.held.tp_group, self.policy, self.device)
+                                   self.held.tp_group, self.policy, self.device,
+                                   self.held.ep_group, self.held.topology)
         self.stage = self.stages[0]
         # Step 3: the data-parallel front-end of each stage held
         self.opts = self.held.front_ends(self.stages, self.policy)
@@ -198,7 +205,8 @@ class Run:
         """What a checkpoint must share with this run to be resumed by it."""
         cfg = self.cfg
         return {"world": self.held.world, "model": cfg.model, "dp": cfg.dp, "tp": cfg.tp,
-                "pp": cfg.pp, "policy": self.policy.to_dict(), "dtype": cfg.dtype,
+                "pp": cfg.pp, **({"ep": cfg.ep} if cfg.ep > 1 else {}),
+                "policy": self.policy.to_dict(), "dtype": cfg.dtype,
                 "ranks_per_node": self.ranks_per_node, "seed": cfg.seed,
                 "batch_size": cfg.batch_size, "seq_len": cfg.seq_len,
                 "micro_batches": cfg.micro_batches, "bucket_numel": cfg.bucket_numel,
@@ -309,7 +317,7 @@ def write_outputs(cfg: TrainConfig, run: Run, totals: dict) -> dict[str, Any]:
         name = f"{name}+{os.path.splitext(os.path.basename(cfg.outer))[0]}-H{cfg.sync_every}"
     summary = {
         "policy": name, "engine": cfg.engine, "ddp_hook": cfg.ddp_hook,
-        "dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp,
+        "dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp, "ep": cfg.ep,
         "model": cfg.model, "params": sum(p.numel() for p in run.stage.parameters()),
         "steps": cfg.steps, "seed": cfg.seed,
         "final_val_loss": val[-1]["val_loss"] if val else None,
