@@ -256,6 +256,7 @@ def test_optimizers_stepped_together_clip_with_one_norm_and_skip_together():
     one = spawn(workers.stepped_together, 2, (False, None))
     two = spawn(workers.stepped_together, 2, (True, None))
     (w1, [(skipped1, norm1)]), (w2, parts) = one[0], two[0]
+    assert skipped1 == 0
     assert all(skipped == 0 and norm == pytest.approx(norm1, rel=1e-6) for skipped, norm in parts)
     for a, b in zip(w1, w2, strict=True):
         for x, y in zip(a, b, strict=True):
