@@ -226,11 +226,13 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         if args.codec_throughput else {})
     job = JobSpec(model=model_from_arg(args.model), dp=dp, tp=tp, pp=pp,
                   zero_stage=args.zero_stage, micro_batch=args.micro_batch, seq=args.seq,
-                  global_batch=args.global_batch, recompute=args.recompute, overlap=args.overlap)
+                  global_batch=args.global_batch, recompute=args.recompute, overlap=args.overlap,
+                  ep=args.ep)
     policies = _listed("--policy", args.policy)
     result = plan(cluster, job, policies)
     title = (f"{args.model} ({job.model.params / 1e9:.2f} B params) on {args.gpus} × {args.gpu}"
-             f" ({args.gpus_per_node}/node), dp{dp}×tp{tp}×pp{pp}, inter {args.inter_bw} GB/s "
+             f" ({args.gpus_per_node}/node), dp{dp}×tp{tp}×pp{pp}"
+             + (f"×ep{args.ep}" if args.ep > 1 else "") + f", inter {args.inter_bw} GB/s "
              f"per node")
     console().print(plan_table(result, title))
     console().print(break_even_table(result))
@@ -309,6 +311,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--dp", type=int, default=None, help="default: gpus / (tp · pp)")
     pl.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default: 1)")
     pl.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree (default: 1)")
+    pl.add_argument("--ep", type=int, default=1,
+                    help="expert-parallel degree of a mixture of experts, borrowed from dp "
+                         "(default: 1)")
     pl.add_argument("--zero-stage", type=int, default=1, choices=[0, 1, 2, 3],
                     help="0: plain data parallel (DDP, commpress.ddp_hook); 1-3: ZeRO")
     pl.add_argument("--micro-batch", type=int, default=1,

@@ -245,3 +245,56 @@ def test_each_codec_names_the_kernel_family_its_throughput_is_measured_under():
         assert commpress.codec(spec).kernel == kernel, spec
         for device in ("gpu", "cpu"):
             assert kernel in CODEC_GBps[device], (device, kernel)
+
+
+# a mixture of experts: 8 experts of width 2h, top-2
+MOE = ModelShape(2, 64, 2, vocab=256, experts=8, top_k=2, expert_ffn_mult=2.0)
+
+
+def test_a_mixture_of_experts_computes_with_its_active_weights():
+    assert MOE.expert_params == 2 * 8 * 2 * 2 * 64 * 64
+    assert MOE.params - MOE.active_params == pytest.approx(MOE.expert_params * 6 / 8)
+    job = JobSpec(model=MOE, dp=8, global_batch=8, seq=1)
+    got = plan_policy(C, job, Policy.preset("none"))["breakdown"]
+    assert got["compute_s"] == pytest.approx(6 * MOE.active_params * 8 / 8 / 1e12)
+    assert got["ep_s"] == 0  # ep 1: every expert on every rank, no all-to-all
+
+
+def test_expert_parallel_all_to_alls_and_the_experts_gradients():
+    """ep 8 over 2 nodes × 4: each rank sends seq · top_k · h / 8 elements to each of 7
+    peers, 4 of them on the other node; the experts' gradients go nowhere (edp 1)."""
+    seq = 16
+    job = JobSpec(model=MOE, dp=8, global_batch=8, seq=seq, ep=8)
+    chunk = seq * 2 * 64 / 8
+    for name, bits in (("none", 16), ("ep-int8", None)):
+        got = plan_policy(C, job, Policy.resolve(name))["breakdown"]
+        per_kind = []
+        for kind in ("dispatch", "combine", "dispatch_grad", "combine_grad"):
+            codec = Policy.resolve(name).rule("ep", kind).codec
+            b = chunk * bits / 8 if bits else wire_bytes(codec, chunk, 2)
+            # intra: 3 peers' chunks per GPU; inter: the node's 4 GPUs × 4 peers each
+            per_kind.append(max(3 * b, 4 * 4 * b) / 1e9)
+        assert got["ep_s"] == pytest.approx(2 * sum(per_kind))  # 2 MoE layers
+    # only the dense weights are reduced over dp; ep = dp leaves each expert one replica
+    dense = JobSpec(model=MOE, dp=8, global_batch=8, seq=seq)
+    assert (plan_policy(C, job, Policy.preset("none"))["breakdown"]["dp_grad_s"]
+            == pytest.approx(plan_policy(C, dense, Policy.preset("none"))["breakdown"]
+                             ["dp_grad_s"] * (MOE.params - MOE.expert_params) / MOE.params))
+
+
+def test_ep_codecs_shorten_the_all_to_alls_by_their_bytes():
+    job = JobSpec(model=MOE, dp=8, global_batch=8, seq=64, ep=8)
+    none, int4 = (plan_policy(C, job, Policy.resolve(p))["breakdown"]["ep_s"]
+                  for p in ("none", "ep-int4"))
+    assert int4 / none == pytest.approx(wire_bytes("int4:hadamard=128", 1 << 20, 2)
+                                        / (2 << 20), rel=1e-3)
+
+
+@pytest.mark.parametrize(("model", "ep", "needle"), [
+    (TINY, 2, "--ep 2 needs a mixture-of-experts model"),
+    (MOE, 3, "--ep 3 must divide dp=8 and the model's 8 experts"),
+    (ModelShape(2, 64, 2, experts=6, top_k=2, expert_ffn_mult=1.0), 4, "6 experts"),
+])
+def test_bad_expert_parallel_layouts_are_refused(model, ep, needle):
+    with pytest.raises(ValueError, match=needle):
+        JobSpec(model=model, dp=8, global_batch=8, ep=ep)

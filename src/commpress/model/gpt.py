@@ -99,7 +99,7 @@ PRESETS: dict[str, GPTConfig] = {
     # token's active MLP compute equals the dense model's)
     "moe-tiny": GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=64, n_expert=8),
     "moe-3m": GPTConfig(n_layer=4, n_head=4, n_embd=128, block_size=128, n_expert=8),
-    "moe-125m": GPTConfig(n_layer=12, n_head=12, n_embd=768, block_size=1024, n_expert=8),
+    "moe-256m": GPTConfig(n_layer=12, n_head=12, n_embd=768, block_size=1024, n_expert=8),
 }
 
 

@@ -38,10 +38,19 @@ Assumptions (also in BENCHMARKS.md and ``commpress plan --help``):
   other way: about 0.94).
 * Codec time = bytes read + written / measured throughput (``commpress bench codecs
   --json``) or the documented defaults (:mod:`commpress.plan.hardware`).
+* A mixture of experts computes ``6 · active parameters · tokens``. With expert
+  parallelism (``ep`` consecutive data-parallel ranks share one copy of the experts, as
+  the trainer lays them out) each MoE layer runs four all-to-alls per micro-batch
+  (dispatch, combine and their gradients; two more forward with recomputation), on the
+  critical path, routing balanced: each rank sends ``tokens · top_k · hidden / ep``
+  elements to every peer of its group, with the policy's ``ep`` codec of the link. The
+  experts' gradients are reduced over their expert-data-parallel group (``dp / ep``
+  ranks, ``ep`` apart), the dense weights' over the whole data-parallel group.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -54,7 +63,7 @@ from commpress.dp.weight_gather import weight_gather_levels
 from commpress.files import read_regular
 from commpress.plan.hardware import CODEC_GBps
 from commpress.plan.models import ModelShape
-from commpress.policy import Policy, Rule
+from commpress.policy import EP_KINDS, Policy, Rule
 from commpress.validate import InputError, check_float, check_int
 
 
@@ -112,11 +121,19 @@ class JobSpec:
     param_bytes: int = 2  # training dtype (bf16)
     grad_bytes: int = 4  # uncompressed gradient reduce-scatter in fp32
     act_bytes: int = 2
+    ep: int = 1  # expert-parallel degree (a mixture of experts), borrowed from dp
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "micro_batch", "seq", "global_batch", "param_bytes",
-                     "grad_bytes", "act_bytes"):
+                     "grad_bytes", "act_bytes", "ep"):
             check_int(name, getattr(self, name), ge=1)
+        if self.ep > 1 and not self.model.moe:
+            raise InputError(f"--ep {self.ep} needs a mixture-of-experts model; allowed: "
+                             "--ep 1, or a model with experts (moe-256m, mixtral-8x7b, "
+                             "qwen3-30b-a3b)")
+        if self.dp % self.ep or (self.model.moe and self.model.experts % self.ep):
+            raise InputError(f"--ep {self.ep} must divide dp={self.dp} and the model's "
+                             f"{self.model.experts} experts")
         if self.zero_stage not in (0, 1, 2, 3):
             raise InputError(f"--zero-stage {self.zero_stage} is not allowed; allowed: 0 "
                              "(plain data parallel, DDP), 1, 2, 3")
@@ -274,23 +291,26 @@ def plan_policy(c: ClusterSpec, j: JobSpec, policy: Policy) -> dict[str, Any]:
     G, P = c.gpus_per_node, j.model.params
     m = j.micro_batches
     tokens = j.global_batch * j.seq
-    flops = (8 if j.recompute else 6) * P * tokens
+    flops = (8 if j.recompute else 6) * j.model.active_params * tokens
     compute = flops / c.gpus / (c.tflops * 1e12 * c.mfu) * (1 + (j.pp - 1) / m)
     n_local, pp_crossings = _layout(c, j)
-    p_local = P / (j.tp * j.pp)
-    shard = p_local / j.dp
-    out: dict[str, float] = {"compute_s": compute}
+    out: dict[str, float] = {"compute_s": compute, "dp_grad_s": 0.0, "dp_param_s": 0.0}
     codec_s = 0.0
 
     # DP gradients, then weights (ZeRO-3 gathers them for forward and again for
-    # backward; DDP never)
-    stages, secs = _dp_grad_cost(c, j, policy, n_local, shard, p_local)
-    out["dp_grad_s"] = sum(t.time(c) for t in stages)
-    codec_s += secs
+    # backward; DDP never): the dense weights over dp, experts over dp / ep
     gathers = {0: 0, 3: 2}.get(j.zero_stage, 1)
-    stages, secs = _dp_param_cost(c, j, policy, n_local, shard, p_local)
-    out["dp_param_s"] = gathers * sum(t.time(c) for t in stages)
-    codec_s += gathers * secs
+    for part, dp_job, dp_local in _dp_parts(j, n_local):
+        p_local = part / (j.tp * j.pp)
+        shard = p_local / dp_job.dp
+        stages, secs = _dp_grad_cost(c, dp_job, policy, dp_local, shard, p_local)
+        out["dp_grad_s"] += sum(t.time(c) for t in stages)
+        codec_s += secs
+        stages, secs = _dp_param_cost(c, dp_job, policy, dp_local, shard, p_local)
+        out["dp_param_s"] += gathers * sum(t.time(c) for t in stages)
+        codec_s += gathers * secs
+    p_local = (P - j.model.expert_params * (j.ep > 1)) / (j.tp * j.pp)
+    shard = p_local / j.dp
 
     # TP all-reduces: 2 forward (act) + 2 backward (act_grad) per layer and micro-batch
     act_elems = j.micro_batch * j.seq * j.model.hidden
@@ -325,11 +345,16 @@ def plan_policy(c: ClusterSpec, j: JobSpec, policy: Policy) -> dict[str, Any]:
                      + (j.pp - 1 - pp_crossings) * t_local)
             codec_s += m * codec_seconds(c, spec, act_elems, act_elems, j.act_bytes)
     out["pp_s"] = pp_s
+
+    # EP all-to-alls on the critical path: four per MoE layer and micro-batch
+    ep_s, secs = _ep_cost(c, j, policy, n_local)
+    out["ep_s"] = m * layers * ep_s
+    codec_s += m * layers * secs
     out["codec_s"] = codec_s
 
     hidden = (2 / 3) * compute if j.overlap == "dp" else 0.0
     out["dp_exposed_s"] = max(0.0, out["dp_grad_s"] - hidden) + out["dp_param_s"]
-    step = compute + tp_s + pp_s + codec_s + out["dp_exposed_s"]
+    step = compute + tp_s + pp_s + out["ep_s"] + codec_s + out["dp_exposed_s"]
     return {
         "step_time_s": step,
         "tokens_per_s": tokens / step,
@@ -340,6 +365,40 @@ def plan_policy(c: ClusterSpec, j: JobSpec, policy: Policy) -> dict[str, Any]:
 
 
 Cost = tuple[list[Traffic], float]  # link stages (run one after another), codec seconds
+
+
+def _dp_parts(j: JobSpec, n_local: int) -> list[tuple[float, JobSpec, int]]:
+    """(parameters, the job as their data-parallel group sees it, its members per node):
+    the whole model over dp; with expert parallelism the dense weights over dp and the
+    experts over their expert-data-parallel group (dp / ep ranks, ep apart)."""
+    if j.ep == 1:
+        return [(j.model.params, j, n_local)]
+    edp = dataclasses.replace(j, dp=j.dp // j.ep, ep=1)
+    return [(j.model.params - j.model.expert_params, j, n_local),
+            (j.model.expert_params, edp, max(1, n_local // j.ep))]
+
+
+def _ep_cost(c: ClusterSpec, j: JobSpec, policy: Policy, n_local: int) -> tuple[float, float]:
+    """Seconds of one MoE layer's all-to-alls in one micro-batch (link time, codec time):
+    each rank sends ``tokens · top_k · hidden / ep`` elements to each peer, those inside
+    its node with the ``intra`` codec, the rest with the ``inter`` one."""
+    if j.ep == 1:
+        return 0.0, 0.0
+    G, shape = c.gpus_per_node, j.model
+    chunk = j.micro_batch * j.seq * shape.top_k * shape.hidden / j.ep  # elements per peer
+    ep_local = min(j.ep, n_local)
+    inter_peers = j.ep - ep_local
+    kinds = EP_KINDS + (("dispatch", "combine") if j.recompute else ())
+    link_s = codec_s = 0.0
+    for kind in kinds:
+        intra, inter = (policy.rule("ep", kind, level) for level in ("intra", "inter"))
+        link_s += Traffic(
+            intra_bytes=(ep_local - 1) * wire_bytes(intra.codec, chunk, j.act_bytes),
+            inter_bytes=G * inter_peers * wire_bytes(inter.codec, chunk, j.act_bytes),
+            intra_msgs=ep_local - 1, inter_msgs=inter_peers).time(c)
+        for rule, peers in ((intra, ep_local - 1), (inter, inter_peers)):
+            codec_s += rule_seconds(c, rule, peers * chunk, peers * chunk, j.act_bytes)
+    return link_s, codec_s
 
 
 def _dp_grad_cost(c: ClusterSpec, j: JobSpec, policy: Policy, n_local: int, shard: float,

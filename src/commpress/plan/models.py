@@ -21,14 +21,39 @@ class ModelShape:
     vocab: int = 50257
     ffn_mult: float = 4.0
     params_override: float | None = None  # nominal count when the shape formula is off
+    # a mixture of experts: every layer's MLP is ``experts`` experts of width
+    # ``expert_ffn_mult · hidden``, ``top_k`` per token; ``mlp_matrices`` 3 for SwiGLU
+    experts: int = 0
+    top_k: int = 1
+    expert_ffn_mult: float = 0.0
+    mlp_matrices: int = 2
+
+    @property
+    def moe(self) -> bool:
+        return self.experts > 0
+
+    @property
+    def expert_params(self) -> float:
+        """All layers' expert weights (0 for a dense model)."""
+        one = self.mlp_matrices * self.expert_ffn_mult * self.hidden * self.hidden
+        return self.layers * self.experts * one
 
     @property
     def params(self) -> float:
         if self.params_override:
             return self.params_override
-        mlp = 2 * self.ffn_mult * self.hidden * self.hidden
-        per_layer = 4 * self.hidden * self.hidden + mlp + 13 * self.hidden
-        return self.layers * per_layer + self.vocab * self.hidden
+        h = self.hidden
+        mlp = (self.experts * h + self.expert_params / self.layers if self.moe
+               else self.mlp_matrices * self.ffn_mult * h * h)
+        per_layer = 4 * h * h + mlp + 13 * h
+        return self.layers * per_layer + self.vocab * h
+
+    @property
+    def active_params(self) -> float:
+        """The weights one token's forward multiplies by: ``top_k`` experts, not all."""
+        if not self.moe:
+            return self.params
+        return self.params - self.expert_params * (1 - self.top_k / self.experts)
 
 
 MODELS: dict[str, ModelShape] = {
@@ -44,6 +69,12 @@ MODELS: dict[str, ModelShape] = {
     "llama-7b": ModelShape(32, 4096, 32, vocab=32000, params_override=6.74e9),
     "llama-13b": ModelShape(40, 5120, 40, vocab=32000, params_override=13.0e9),
     "llama-70b": ModelShape(80, 8192, 64, vocab=32000, params_override=69.0e9),
+    # mixtures of experts (attention counted as full multi-head: a few % high for GQA)
+    "moe-256m": ModelShape(12, 768, 12, vocab=256, experts=8, top_k=2, expert_ffn_mult=2.0),
+    "mixtral-8x7b": ModelShape(32, 4096, 32, vocab=32000, experts=8, top_k=2,
+                               expert_ffn_mult=3.5, mlp_matrices=3),
+    "qwen3-30b-a3b": ModelShape(48, 2048, 32, vocab=151936, experts=128, top_k=8,
+                                expert_ffn_mult=0.375, mlp_matrices=3),
 }
 
 

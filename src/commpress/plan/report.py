@@ -6,7 +6,8 @@ from typing import Any
 
 from rich.table import Table
 
-PARTS = ("compute_s", "dp_grad_s", "dp_param_s", "dp_exposed_s", "tp_s", "pp_s", "codec_s")
+PARTS = ("compute_s", "dp_grad_s", "dp_param_s", "dp_exposed_s", "tp_s", "pp_s", "ep_s",
+         "codec_s")
 
 
 def plan_table(result: dict[str, Any], title: str) -> Table:
