@@ -302,3 +302,61 @@ def killed_mid_step(rank, world, victim):
             engine.step()
 
     return killer.survive(loop)
+
+
+class _ExpertMLP(torch.nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.fc, self.out = torch.nn.Linear(d, 2 * d), torch.nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        return self.out(torch.nn.functional.gelu(self.fc(x)))
+
+
+class _DeepSpeedMoE(torch.nn.Module):
+    """A block's MLP as DeepSpeed's MoE (4 experts, top-2, over ``ep`` ranks); its
+    load-balancing loss is left out (the tests watch the communication)."""
+
+    def __init__(self, d, ep):
+        super().__init__()
+        from deepspeed.moe.layer import MoE
+
+        self.moe = MoE(hidden_size=d, expert=_ExpertMLP(d), num_experts=4, ep_size=ep, k=2,
+                       min_capacity=4)
+
+    def forward(self, x):
+        return self.moe(x)[0]
+
+
+def moe_runs(rank, world, cases, steps, ep):
+    """gpt-tiny with DeepSpeed MoE blocks, ZeRO-2, per ``(name, policy)`` case: losses,
+    the weights' hash per step, the experts' and the dense weights' final hash apart,
+    and the bytes per label."""
+    _deepspeed()
+    data = TextData(load_tokens(max_bytes=200_000))
+    out = {}
+    for name, policy in cases:
+        torch.manual_seed(0)
+        model = GPT(config_from_preset("gpt-tiny", block_size=SEQ))
+        for block in model.blocks:
+            block.mlp = _DeepSpeedMoE(model.cfg.n_embd, ep)
+        deepspeed = _deepspeed()
+        engine, *_ = deepspeed.initialize(model=model, config=config(world=world),
+                                          model_parameters=model.parameters())
+        if policy is not None:
+            commpress.deepspeed.compress(engine, policy)
+        result = run(engine, data, rank, world, steps)
+        experts = [p for n, p in engine.module.named_parameters() if ".experts." in n]
+        dense = [p for n, p in engine.module.named_parameters() if ".experts." not in n]
+        result["experts"], result["dense"] = (_hash(experts), _hash(dense))
+        out[name] = result
+        if policy is not None:
+            engine.commpress.remove()
+    return out
+
+
+def _hash(params):
+    h = hashlib.sha256()
+    for p in params:
+        h.update(p.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()

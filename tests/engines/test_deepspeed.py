@@ -189,3 +189,39 @@ def test_a_rank_killed_mid_step_is_named_by_the_survivor():
     ranks = spawn(workers.killed_mid_step, 2, (1,), pg_timeout_s=15, timeout=300,
                   allow_errors=True)
     assert_survivors_name_the_dead_rank(ranks, victim=1, timeout_s=15)
+
+
+# every ep rule exact: the adapter's exchanges are in place, sending tokens as they are
+EP_EXACT = {"name": "ep-exact", "ep": {k: "none" for k in
+                                       ("dispatch", "combine", "dispatch_grad", "combine_grad")}}
+
+
+@pytest.fixture(scope="module")
+def moe_ranks():
+    cases = [("stock", None), ("none", "none"), ("ep exact", EP_EXACT), ("hybrid", "hybrid")]
+    return spawn(workers.moe_runs, 4, (cases, STEPS, 2), timeout=900)
+
+
+def test_mixture_of_experts_tokens_and_expert_gradients(moe_ranks):
+    """DeepSpeed's MoE, 4 experts over ep 2 on 4 ranks (experts replicated over ranks 0, 2
+    and 1, 3): exact ep rules exchange tokens bit for bit as DeepSpeed's all-to-all does;
+    hybrid sends int8 tokens and compresses the experts' gradients over their
+    expert-data-parallel group, tracks stock, and keeps every replica identical."""
+    for rank in moe_ranks:
+        # the exchanges in place with exact codecs: the same bits as without them
+        assert rank["ep exact"]["hashes"] == rank["none"]["hashes"]
+        # over 4 ranks commpress sums in rank order, DeepSpeed's all-reduce in its ring's:
+        # the same values up to fp32 rounding (2 ranks: the same bits, tested above)
+        assert close(rank["none"]["losses"], rank["stock"]["losses"], 1e-5)
+    hybrid = [rank["hybrid"] for rank in moe_ranks]
+    assert close(hybrid[0]["losses"], moe_ranks[0]["stock"]["losses"], 0.02)
+    assert hybrid[0]["hashes"][-1] != moe_ranks[0]["stock"]["hashes"][-1]
+    assert len({r["dense"] for r in hybrid}) == 1
+    assert hybrid[0]["experts"] == hybrid[2]["experts"] != hybrid[1]["experts"]
+    assert hybrid[1]["experts"] == hybrid[3]["experts"]
+    stats = hybrid[0]["stats"]
+    for kind in ("dispatch", "combine", "dispatch_grad", "combine_grad"):
+        assert stats[f"ep.{kind}"]["wire_bytes"] < stats[f"ep.{kind}"]["raw_bytes"] / 1.8
+    assert "ep.dispatch" not in moe_ranks[0]["ep exact"]["stats"] or (
+        moe_ranks[0]["ep exact"]["stats"]["ep.dispatch"]["wire_bytes"]
+        == moe_ranks[0]["ep exact"]["stats"]["ep.dispatch"]["raw_bytes"])

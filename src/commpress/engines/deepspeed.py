@@ -36,17 +36,30 @@ The alternative we rejected — overriding ``gradient_reduction_w_predivide`` wi
 ``reduce_scatter: false`` — is shorter but gives every rank the whole bucket: an
 all-reduce, twice the bytes of a reduce-scatter.
 
+* **Mixtures of experts** (``deepspeed.moe.layer.MoE`` with ``ep_size > 1``). The
+  experts' gradient slices, which DeepSpeed reduces over each expert's
+  expert-data-parallel group, are reduce-scattered there with ``dp.grad`` (their own
+  codec state); their parameter groups gather weights over the same groups. Where the
+  policy names ``ep`` rules, each ``MOELayer``'s two token all-to-alls — the dispatch of
+  its capacity-padded ``(experts, capacity, model)`` buffer and the combine of the
+  experts' outputs, both cut evenly over the expert-parallel group — go through a
+  :class:`commpress.ep.EPExchange` (each token row encoded on its own; the backward of
+  each with the ``*_grad`` codec). ``MOELayer.forward`` reads the module's ``_AllToAll``
+  at each call: the layer's ``forward`` is wrapped to put the exchange there for the
+  call (one thread at a time, as DeepSpeed's forward runs).
+
 Not covered, and refused by :func:`compress`: ZeRO-3 (its parameters are gathered per
 module inside ``partition_parameters``; compressed fully sharded training is
 ``commpress.fsdp`` on FSDP2), ZeRO++'s own quantized paths (``zero_quantized_weights``,
 ``zero_quantized_gradients``, ``zero_hpz_partition_size``: one engine compresses once),
 ``reduce_scatter: false`` and ``contiguous_gradients: false`` (DeepSpeed all-reduces
-there), CPU offload, MoE and Muon (their gradients go through other reductions).
-Written against DeepSpeed 0.19.8.
+there), CPU offload and Muon (their gradients go through other reductions), experts
+split by tensor parallelism. Written against DeepSpeed 0.19.8.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from typing import Any
@@ -60,11 +73,13 @@ from commpress.dp import DPBucket
 from commpress.dp.saved_state import check_resume, envelope
 from commpress.engines import rank_state
 from commpress.engines.seam import Seam, Swap, install, restore
-from commpress.policy import Policy
+from commpress.ep import EPExchange
+from commpress.policy import EP_KINDS, Policy
 from commpress.validate import InputError, check_bool
 
 try:
     import deepspeed
+    from deepspeed.moe import sharded_moe
     from deepspeed.runtime.engine import DeepSpeedEngine
     from deepspeed.runtime.zero import stage_1_and_2
 except ImportError as e:  # pragma: no cover - the engine tests require it
@@ -108,6 +123,10 @@ class DeepSpeedCompression:
         self._take_references()
         self._names = {id(p): n for n, p in engine.module.named_parameters()}
         self._pieces: list | None = None  # slices DeepSpeed hands over while collecting
+        # an MoE's experts reduce over these groups (DeepSpeed's, by expert group name)
+        self._expert_groups = list((getattr(self.optimizer, "expert_dp_process_group", None)
+                                    or {}).values())
+        self.ep_exchanges: list[EPExchange] = []
         self._loading = False
         self._swaps: list[Swap] = []  # on this engine and its optimizer
         # stats
@@ -121,8 +140,26 @@ class DeepSpeedCompression:
                                Swap(opt, "allreduce_no_retain", self._collect_reduce),
                                Swap(engine, "save_checkpoint", self._save_checkpoint),
                                Swap(engine, "load_checkpoint", self._load_checkpoint),
-                               Swap(engine, "commpress", self)])
+                               Swap(engine, "commpress", self), *self._expert_swaps()])
         SEAM.acquire(self)
+
+    def _expert_swaps(self) -> list[Swap]:
+        """Each expert-parallel ``MOELayer``'s forward, wrapped to send its tokens through
+        an :class:`EPExchange` of its group — where the policy names ``ep`` rules."""
+        if not any(f"ep.{kind}" in rule for kind in EP_KINDS for rule in self.policy.rules):
+            return []
+        exchanges: dict[int, EPExchange] = {}  # one per expert-parallel group
+        swaps = []
+        for layer in moe_layers(self.engine.module):
+            exchange = exchanges.get(id(layer.ep_group))
+            if exchange is None:
+                exchange = exchanges[id(layer.ep_group)] = EPExchange(
+                    self.policy, layer.ep_group, topology=self.topology)
+            swap = Swap(layer, "forward", None)
+            swap.replacement = functools.partial(_exchanging_forward, swap, exchange)
+            swaps.append(swap)
+        self.ep_exchanges = list(exchanges.values())
+        return swaps
 
     def _original(self, name: str) -> Any:
         return next(s.original for s in self._swaps if s.name == name)
@@ -139,28 +176,38 @@ class DeepSpeedCompression:
 
     # -- gradients -----------------------------------------------------------------------
     def reduce_bucket(self, tensor: torch.Tensor, comm_dtype: torch.dtype) -> None:
-        """DeepSpeed's ``average_tensor``, with the slices it would send reduce-scattered."""
+        """DeepSpeed's ``average_tensor``, with the slices it would send reduce-scattered:
+        over the data-parallel group, and an MoE's expert slices over their
+        expert-data-parallel group."""
         pieces: list = []
         self._pieces = pieces
         try:
             self._original("average_tensor")(tensor, comm_dtype)
         finally:
             self._pieces = None
-        if not pieces:
-            return
-        world, me = dist.get_world_size(self.group), dist.get_rank(self.group)
+        groups: dict[int, list] = {}  # the bucket's groups, in the order DeepSpeed met them
+        for piece in pieces:
+            groups.setdefault(id(piece[0]), []).append(piece)
+        for group_pieces in groups.values():
+            self._reduce_pieces(tensor, comm_dtype, group_pieces)
+        if pieces:
+            self.buckets_reduced += 1
+
+    def _reduce_pieces(self, tensor: torch.Tensor, comm_dtype: torch.dtype,
+                       pieces: list) -> None:
+        group = pieces[0][0]
+        world, me = dist.get_world_size(group), dist.get_rank(group)
         by_rank: list[list[torch.Tensor]] = [[] for _ in range(world)]
-        for dst, view, _ in pieces:
+        for _, dst, view, _ in pieces:
             by_rank[dst].append(view.reshape(-1))
         parts = [torch.cat(views) if views else tensor.new_empty(0) for views in by_rank]
         # DeepSpeed has divided by the world size already: a sum, as its reduction
-        reduced = self._grad_bucket(tensor, comm_dtype).reduce_scatter_parts(
-            parts, self.group, op="sum")
-        reduced = reduced.to(comm_dtype)
+        bucket = self._grad_bucket(tensor, comm_dtype, experts=group is not self.group)
+        reduced = bucket.reduce_scatter_parts(parts, group, op="sum").to(comm_dtype)
         # as DeepSpeed's reduction: the owner's slices (and its fp32 partition buffer, if
         # any) receive the reduced values; other ranks' slices are left as they are
         offset = 0
-        for dst, view, output in pieces:
+        for _, dst, view, output in pieces:
             if dst != me:
                 continue
             value = reduced[offset:offset + view.numel()]
@@ -168,13 +215,14 @@ class DeepSpeedCompression:
             if output is not None:
                 output.add_(value.to(output.dtype).view_as(output))
             view.copy_(value.view_as(view))
-        self.buckets_reduced += 1
 
-    def _grad_bucket(self, tensor: torch.Tensor, comm_dtype: torch.dtype) -> DPBucket:
+    def _grad_bucket(self, tensor: torch.Tensor, comm_dtype: torch.dtype,
+                     experts: bool) -> DPBucket:
         params = self.optimizer.ipg_buckets[comm_dtype].params
         first, last = (self._names[id(self.optimizer.bit16_groups[i][j])]
                        for i, j, _ in (params[0], params[-1]))
-        key = f"{str(comm_dtype).removeprefix('torch.')}:{first}..{last}:{tensor.numel()}"
+        key = (f"{str(comm_dtype).removeprefix('torch.')}:{first}..{last}:{tensor.numel()}"
+               + (":experts" if experts else ""))
         bucket = self.grad_buckets.get(key)
         if bucket is None:
             bucket = self.grad_buckets[key] = DPBucket(self.policy, self.topology)
@@ -183,12 +231,13 @@ class DeepSpeedCompression:
         return bucket
 
     def collect(self, dst: int, view: torch.Tensor, output: torch.Tensor | None,
-                group: dist.ProcessGroup) -> None:
-        if group is not None and group is not self.group:
-            raise RuntimeError("commpress.deepspeed: a gradient slice is reduced over another "
-                               "group than the engine's data-parallel group (MoE?); not "
-                               "supported")
-        self._pieces.append((dst, view, output))
+                group: dist.ProcessGroup | None) -> None:
+        group = self.group if group is None else group
+        if group is not self.group and group not in self._expert_groups:
+            raise RuntimeError("commpress.deepspeed: a gradient slice is reduced over a group "
+                               "that is neither the engine's data-parallel group nor an "
+                               "expert-data-parallel one; not supported")
+        self._pieces.append((group, dst, view, output))
 
     # DeepSpeed calls these two as methods of its optimizer: bound to this compression
     def _collect_scatter(self, bucket, communication_data_type, numel_per_bucket=500000000,
@@ -327,6 +376,44 @@ def _gather_dispatch(groups_flat, partitioned_param_groups, dp_process_group,
                                       start_alignment_factor, allgather_bucket_size)
 
 
+def moe_layers(module: torch.nn.Module) -> list:
+    """The expert-parallel ``MOELayer``s of ``module`` (``ep_size > 1``)."""
+    return [m for m in module.modules()
+            if isinstance(m, sharded_moe.MOELayer) and m.ep_size > 1]
+
+
+class _LayerExchange:
+    """Stands in for DeepSpeed's ``_AllToAll`` during one ``MOELayer.forward``, which calls
+    it twice: the dispatch of its ``(experts, capacity, model)`` buffer, then the combine
+    of the experts' outputs, each cut evenly over the expert-parallel group."""
+
+    def __init__(self, exchange: EPExchange) -> None:
+        self.exchange = exchange
+        self.kinds = iter(("dispatch", "combine"))
+
+    def apply(self, group: dist.ProcessGroup, x: torch.Tensor) -> torch.Tensor:
+        kind = next(self.kinds, None)
+        if kind is None or group is not self.exchange.group:
+            raise RuntimeError("commpress.deepspeed: an MOELayer's forward made an all-to-all "
+                               "other than its dispatch and combine on its expert-parallel "
+                               f"group ({'a third one' if kind is None else 'another group'}); "
+                               f"the adapter is written for DeepSpeed {TESTED_VERSION}")
+        rows = x.reshape(-1, x.shape[-1])  # a token (capacity slot) per row
+        world = dist.get_world_size(group)
+        splits = [rows.shape[0] // world] * world
+        return getattr(self.exchange, kind)(rows, splits, splits).view(x.shape)
+
+
+def _exchanging_forward(swap: Swap, exchange: EPExchange, *args: Any, **kwargs: Any) -> Any:
+    """An ``MOELayer``'s own forward, its two all-to-alls through ``exchange``."""
+    stock = sharded_moe._AllToAll
+    sharded_moe._AllToAll = _LayerExchange(exchange)
+    try:
+        return swap.original(*args, **kwargs)
+    finally:
+        sharded_moe._AllToAll = stock
+
+
 # the step's weight gather is a module function: one dispatcher for every engine
 _DEEPSPEED_GATHER = Swap(stage_1_and_2, "all_gather_dp_groups", _gather_dispatch)
 SEAM = Seam("deepspeed", [_DEEPSPEED_GATHER])
@@ -416,16 +503,24 @@ def _check_engine(engine: Any) -> None:
             ("contiguous_gradients", not opt.contiguous_gradients, "set zero_optimization."
              "contiguous_gradients to true (DeepSpeed's default)"),
             ("offload_optimizer", opt.cpu_offload, "CPU offload is not covered"),
-            ("moe", opt.has_moe_layers, "MoE expert gradients are not covered"),
             ("zenflow", getattr(opt, "zenflow", False), "ZenFlow is not covered"),
             ("optimizer", type(opt.optimizer).__name__.startswith("Muon"),
              "Muon's split matrices are all-reduced; not covered")):
         if bad:
             raise InputError(f"commpress.deepspeed.compress: {field} as configured is not "
                              f"allowed: {fix}")
-    if any(g is not opt.dp_process_group for g in opt.real_dp_process_group):
+    experts = getattr(opt, "is_moe_param_group", None) or [False] * len(
+        opt.real_dp_process_group)
+    if any(g is not opt.dp_process_group and not moe
+           for g, moe in zip(opt.real_dp_process_group, experts, strict=True)):
         raise InputError("commpress.deepspeed.compress: parameter groups reduce over other "
-                         "groups than the data-parallel group; not covered")
+                         "groups than the data-parallel group (and, for an MoE's experts, "
+                         "their expert-data-parallel groups); not covered")
+    if any(getattr(m, "enable_expert_tensor_parallelism", False)
+           for m in engine.module.modules()):
+        raise InputError("commpress.deepspeed.compress: experts split by tensor parallelism "
+                         "(enable_expert_tensor_parallelism) are not covered; allowed: "
+                         "experts whole on each rank")
     if deepspeed.__version__ != TESTED_VERSION:
         log.warning("commpress.deepspeed is written for DeepSpeed %s; this is %s",
                     TESTED_VERSION, deepspeed.__version__)
