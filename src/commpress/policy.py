@@ -41,6 +41,7 @@ and TOML:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tomllib
 from dataclasses import dataclass, field
@@ -58,6 +59,7 @@ AXES: dict[str, tuple[str, ...]] = {"dp": ("grad", "param"), "tp": ("act", "act_
                                     "pp": ("act", "act_grad"), "outer": ("grad",),
                                     "ep": EP_KINDS}
 LEVELS = ("intra", "inter")
+FALLBACKS = ("off", "measured")
 # the keys that may name intra/inter codecs
 LEVELLED = ("dp.grad", "outer.grad", *(f"ep.{kind}" for kind in EP_KINDS))
 RULE_FIELDS = ("codec", "error_feedback", "delta")
@@ -103,8 +105,14 @@ class Policy:
 
     name: str = "custom"
     rules: dict[str, Rule] = field(default_factory=dict)
+    # "measured": each data-parallel bucket times its compressed and exact collectives on
+    # the live group in its first calls and keeps compression only where it wins
+    fallback: str = "off"
 
     def __post_init__(self) -> None:
+        if self.fallback not in FALLBACKS:
+            raise InputError(f"policy {self.name!r}: fallback={self.fallback!r} is not "
+                             f"allowed; allowed: {', '.join(FALLBACKS)}")
         for key, rule in self.rules.items():
             _check_key(key)
             if rule.delta and not key.startswith("dp.param"):
@@ -154,7 +162,7 @@ class Policy:
         name = str(d.get("name", "custom"))
         rules: dict[str, Rule] = {}
         for axis, kinds in d.items():
-            if axis == "name":
+            if axis in ("name", "fallback"):
                 continue
             if axis not in AXES:
                 raise InputError(f"policy {name!r}: unknown axis {axis!r}; allowed: "
@@ -179,7 +187,11 @@ class Policy:
                         rules[f"{key}.{level}"] = _rule(name, f"{key}.{level}", leaf)
                 else:
                     rules[key] = _rule(name, key, value)
-        return cls(name=name, rules=rules)
+        fallback = d.get("fallback", "off")
+        if not isinstance(fallback, str):
+            raise InputError(f"policy {name!r}: fallback={fallback!r} is not allowed; "
+                             f"allowed: {', '.join(FALLBACKS)}")
+        return cls(name=name, rules=rules, fallback=fallback)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Policy:
@@ -224,8 +236,17 @@ class Policy:
             return cls.load(spec)
         return cls.preset(spec)
 
+    def with_fallback(self, fallback: str | None) -> Policy:
+        """This policy with ``fallback`` (None: as it is): how the keyword of the
+        front-ends and ``--fallback`` of the trainer set it."""
+        if fallback is None or fallback == self.fallback:
+            return self
+        return dataclasses.replace(self, fallback=fallback)
+
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"name": self.name}
+        if self.fallback != "off":
+            out["fallback"] = self.fallback
         for key, rule in sorted(self.rules.items()):
             parts = key.split(".")
             node = out.setdefault(parts[0], {})
@@ -235,8 +256,9 @@ class Policy:
         return out
 
     def describe(self) -> str:
-        return "; ".join(f"{k}={r.codec}" + ("+ef" if r.error_feedback else "") +
-                         ("+delta" if r.delta else "") for k, r in sorted(self.rules.items()))
+        return "; ".join([f"{k}={r.codec}" + ("+ef" if r.error_feedback else "") +
+                          ("+delta" if r.delta else "") for k, r in sorted(self.rules.items())]
+                         + ([f"fallback={self.fallback}"] if self.fallback != "off" else []))
 
 
 MAX_POLICY_BYTES = 1 << 16

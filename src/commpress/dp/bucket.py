@@ -23,7 +23,9 @@ import torch.distributed as dist
 from commpress.codecs.error_feedback import coder_state, load_coder_state
 from commpress.collectives import Handle, Topology
 from commpress.collectives.byte_stats import Stats
+from commpress.collectives.handle import completed
 from commpress.collectives.transport import Peers, Steps
+from commpress.dp.fallback import MeasuredChoice
 from commpress.dp.grad_path import GradPath
 from commpress.dp.weight_gather import gather_weights, weight_gather_steps
 from commpress.policy import Policy, Rule
@@ -73,9 +75,21 @@ class DPBucket:
 
     def fresh(self) -> None:
         """The codecs as the policy builds them: no memory, rounding streams from their
-        start (a new run, or an elastic resume on another number of ranks)."""
+        start (a new run, or an elastic resume on another number of ranks); a measured
+        fallback measures again."""
         self.grad = self.reducer() if self.grads else None
         self._fresh_param()
+        self._fresh_choices()
+        self._exact_grad: Reducer | None = None
+
+    def _fresh_choices(self) -> None:
+        """fallback: measured — a choice per collective that is not exact already."""
+        self.choices: dict[str, MeasuredChoice] = {}
+        if self.policy.fallback == "measured":
+            if self.grad is not None and self.grad.lossy:
+                self.choices["grad"] = MeasuredChoice(self.label)
+            if self.param_rule is not None and not self.param_rule.exact:
+                self.choices["param"] = MeasuredChoice("dp.param")
 
     def _fresh_param(self) -> None:
         rule = self.param_rule
@@ -126,33 +140,62 @@ class DPBucket:
                        group: dist.ProcessGroup | None, op: str = "avg",
                        async_op: bool = False) -> torch.Tensor | Handle:
         """This rank's slice of the gradients reduced over ``group``."""
-        return self.grad.reduce_scatter(output, input, group, op=op, async_op=async_op)
+        return self._grad_call(lambda path, a: path.reduce_scatter(output, input, group, op=op,
+                                                                   async_op=a),
+                               group, input.numel(), async_op)
 
     def reduce_scatter_parts(self, parts: list[torch.Tensor],
                              group: dist.ProcessGroup | None, op: str = "avg") -> torch.Tensor:
         """:func:`commpress.reduce_scatter_parts` of uneven ``parts``."""
-        return self.grad.reduce_scatter_parts(parts, group, op=op)
+        return self._grad_call(lambda path, a: path.reduce_scatter_parts(parts, group, op=op),
+                               group, sum(p.numel() for p in parts), False)
 
     def all_reduce(self, tensor: torch.Tensor, group: dist.ProcessGroup | None,
                    op: str = "avg", async_op: bool = False,
                    also_agree: dict[str, object] | None = None) -> torch.Tensor | Handle:
         """The gradients reduced over ``group``, in place; ``also_agree``: the owner's own
         fields, agreed in the same round (:func:`commpress.all_reduce`)."""
-        if also_agree:
-            return self.grad.all_reduce(tensor, group, op=op, async_op=async_op,
-                                        also_agree=also_agree)
-        return self.grad.all_reduce(tensor, group, op=op, async_op=async_op)
+        extra = {"also_agree": also_agree} if also_agree else {}
+        return self._grad_call(lambda path, a: path.all_reduce(tensor, group, op=op,
+                                                               async_op=a, **extra),
+                               group, tensor.numel(), async_op)
+
+    def _grad_call(self, call: Callable[[Reducer, bool], Any], group: dist.ProcessGroup | None,
+                   numel: int, async_op: bool) -> Any:
+        """``call(reducer, async_op)`` with the gradient reducer the measured fallback
+        chooses (the policy's, or exact), or the policy's."""
+        choice = self.choices.get("grad")
+        if choice is None:
+            return call(self.grad, async_op)
+        result, finished = choice.run(lambda way, a: call(self._reducer(way), a), group,
+                                      self.topology, numel, async_op)
+        return completed(result) if async_op and finished else result
+
+    def _reducer(self, way: str) -> Reducer:
+        if way == "compressed":
+            return self.grad
+        if self._exact_grad is None:
+            self._exact_grad = GradPath(Policy.preset("none"), self.topology, self.label)
+        return self._exact_grad
 
     def reduce_scatter_steps(self, flat: torch.Tensor, sizes: int | list[int],
                              peers: tuple[Peers, Peers, Peers], stats: Stats,
                              op: str = "avg") -> Steps:
         """The steps of :meth:`reduce_scatter` for one (played) rank."""
+        self._check_played()
         return self.grad.reduce_scatter_steps(flat, sizes, peers, stats, op)
 
     def all_reduce_steps(self, flat: torch.Tensor, peers: tuple[Peers, Peers, Peers],
                          stats: Stats, op: str = "avg") -> Steps:
         """The steps of :meth:`all_reduce` for one (played) rank."""
+        self._check_played()
         return self.grad.all_reduce_steps(flat, peers, stats, op)
+
+    def _check_played(self) -> None:
+        if self.choices:
+            raise InputError(f"policy {self.policy.name!r}: fallback=measured times the "
+                             "collectives on the live links, and played ranks have none; "
+                             "allowed in simulate: fallback off")
 
     # -- weights ----------------------------------------------------------------------
     def follow(self, mine: torch.Tensor) -> None:
@@ -187,13 +230,28 @@ class DPBucket:
                        group: dist.ProcessGroup, async_op: bool = False
                        ) -> torch.Tensor | Handle:
         """Every rank's ``new`` shard into the replicated ``weights`` with this bucket's
-        weight codec (:func:`commpress.dp.weight_gather.gather_weights`)."""
-        return gather_weights(weights, new, self.param, self.param_memory, self.param_rule,
-                              self.topology, group, async_op)
+        weight codec (:func:`commpress.dp.weight_gather.gather_weights`); exact, where the
+        measured fallback chose it (every replica then holds the exact weights, which is
+        also what qWD's next differences are taken against)."""
+        choice = self.choices.get("param")
+        if choice is None:
+            return gather_weights(weights, new, self.param, self.param_memory,
+                                  self.param_rule, self.topology, group, async_op)
+        exact = Rule()
+
+        def call(way: str, a: bool) -> Any:
+            if way == "compressed":
+                return gather_weights(weights, new, self.param, self.param_memory,
+                                      self.param_rule, self.topology, group, a)
+            return gather_weights(weights, new, exact.build(), None, exact, self.topology,
+                                  group, a)
+        result, finished = choice.run(call, group, self.topology, new.numel(), async_op)
+        return completed(result) if async_op and finished else result
 
     def gather_weights_steps(self, weights: torch.Tensor, new: torch.Tensor,
                              peers: tuple[Peers, Peers, Peers], stats: Stats) -> Steps:
         """The steps of :meth:`gather_weights` for one (played) rank."""
+        self._check_played()
         return weight_gather_steps(weights, new, self.param, self.param_memory, self.param_rule,
                                    peers, stats)
 
@@ -205,6 +263,8 @@ class DPBucket:
             state["param"] = coder_state(self.param, self.param_memory)
         if self.reference is not None:
             state["reference"] = self.reference.detach().clone()
+        if self.choices:
+            state["fallback"] = {what: c.state_dict() for what, c in self.choices.items()}
         return state
 
     def load_state_dict(self, state: dict[str, Any], memory: bool = True) -> None:
@@ -216,6 +276,8 @@ class DPBucket:
             parts.add("param")
         if self.reference is not None:
             parts.add("reference")
+        if self.choices:
+            parts.add("fallback")
         found = sorted(state) if isinstance(state, dict) else type(state).__name__
         if not isinstance(state, dict) or set(state) != parts:
             raise InputError(f"bucket {self.label} codec state has {found}; this policy's "
@@ -226,11 +288,18 @@ class DPBucket:
             raise InputError(f"bucket {self.label} qWD reference of shape "
                              f"{tuple(getattr(saved, 'shape', ()))}; this bucket's is "
                              f"{tuple(self.reference.shape)}: resume with the same model")
+        decided = state.get("fallback", {})
+        if not isinstance(decided, dict) or set(decided) != set(self.choices):
+            raise InputError(f"bucket {self.label} fallback state {decided!r}; this bucket "
+                             f"measures {sorted(self.choices)}: resume with the same policy")
         if self.grad is not None:  # without memory: what every rank holds alike is kept
             self.grad.load_state_dict(state["grad"], memory)
-        if not memory:
+        if not memory:  # another layout: the fallback measures again
             self._fresh_param()
+            self._fresh_choices()
             return
+        for what, choice in self.choices.items():
+            choice.load_state_dict(decided[what])
         if self.param is not None:
             load_coder_state(self.param, self.param_memory, state["param"])
         if saved is not None:

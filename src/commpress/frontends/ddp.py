@@ -166,7 +166,7 @@ class DDPHookState:
     def __init__(self, model: nn.Module, policy: str | dict | Policy = "none",
                  group: dist.ProcessGroup | None = None, topology: Topology | None = None,
                  label: str = "dp.grad", overlap: bool = True,
-                 bucket_numel: int = BUCKET_NUMEL) -> None:
+                 bucket_numel: int = BUCKET_NUMEL, fallback: str | None = None) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"ddp_hook: model must be the torch.nn.Module DDP wraps (or the "
                             f"DDP module); got {type(model).__name__} — call "
@@ -175,7 +175,7 @@ class DDPHookState:
         check_bool("ddp_hook: overlap", overlap)
         module = getattr(model, "module", model)
         # hyperparameters
-        self.policy = grad_policy(policy)
+        self.policy = grad_policy(policy).with_fallback(fallback)
         self.topology = topology or Topology()
         self.group = _ddp_group(model, group)
         self.overlap = overlap
@@ -458,7 +458,8 @@ def compressed_allreduce_hook(state: DDPHookState,
 
 def ddp_hook(model: nn.Module, policy: str | dict | Policy = "none",
              group: dist.ProcessGroup | None = None, topology: Topology | None = None,
-             overlap: bool = True, bucket_numel: int = BUCKET_NUMEL):
+             overlap: bool = True, bucket_numel: int = BUCKET_NUMEL,
+             fallback: str | None = None):
     """``(state, hook)`` for ``DistributedDataParallel.register_comm_hook``.
 
     Args:
@@ -472,6 +473,10 @@ def ddp_hook(model: nn.Module, policy: str | dict | Policy = "none",
         topology: node layout for two-level policies (default from ``LOCAL_WORLD_SIZE``).
         overlap: run the collectives on a communication thread during backward.
         bucket_numel: elements per hook bucket.
+        fallback: ``"measured"``: each bucket times its all-reduce compressed and exact in
+            its first calls and keeps compression only where it is faster
+            (:mod:`commpress.dp.fallback`); None: the policy's (``fallback:`` in a policy
+            file; default off).
 
     Example::
 
@@ -479,5 +484,5 @@ def ddp_hook(model: nn.Module, policy: str | dict | Policy = "none",
         model.register_comm_hook(*commpress.ddp_hook(model, "int2ef"))
     """
     state = DDPHookState(model, policy, group, topology, overlap=overlap,
-                         bucket_numel=bucket_numel)
+                         bucket_numel=bucket_numel, fallback=fallback)
     return state, compressed_allreduce_hook

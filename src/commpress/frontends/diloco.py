@@ -168,6 +168,9 @@ class DiLoCo:
             every rank of it constructs the synchronizer together.
         topology: sites as nodes of ``group`` (default from ``LOCAL_WORLD_SIZE``; one
             rank per site: ``Topology(1)``).
+        fallback: ``"measured"``: each fragment times its sync compressed and exact in its
+            first syncs and keeps compression only where it is faster
+            (:mod:`commpress.dp.fallback`); None: the policy's (default off).
 
     Example::
 
@@ -184,12 +187,12 @@ class DiLoCo:
                  nesterov: bool = True,
                  fragments: int = 1, delay: int = 0, alpha: float = 0.0,
                  group: dist.ProcessGroup | None = None,
-                 topology: Topology | None = None) -> None:
+                 topology: Topology | None = None, fallback: str | None = None) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"DiLoCo: model must be a torch.nn.Module; got "
                             f"{type(model).__name__}")
         # hyperparameters
-        self.policy = outer_policy(policy)
+        self.policy = outer_policy(policy).with_fallback(fallback)
         self.config = DiLoCoConfig(sync_every, fragments, delay,
                                    *outer_step(self.policy, outer_lr, outer_momentum),
                                    nesterov, alpha)

@@ -137,6 +137,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
             running statistics, which each rank's forward moves by its own batch) to every
             rank once per ``step()``, in one coalesced broadcast, as DDP's
             ``broadcast_buffers=True`` does before each forward. No buffers: nothing sent.
+        fallback: ``"measured"``: each bucket times its gradient reduce-scatter and weight
+            all-gather compressed and exact in its first steps and keeps compression only
+            where it is faster (:mod:`commpress.dp.fallback`); None: the policy's
+            (``fallback:`` in a policy file; default off).
         **optimizer_kwargs: passed to ``optimizer_cls`` (lr, betas, weight_decay, ...).
     """
 
@@ -151,11 +155,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
                  norm_weights: dict[str, float] | None = None,
                  replication_key: ReplicationKey = tensor_parallel_key,
                  init_sync: str = "broadcast", broadcast_buffers: bool = True,
-                 **optimizer_kwargs: Any) -> None:
+                 fallback: str | None = None, **optimizer_kwargs: Any) -> None:
         _check_arguments(model, optimizer_cls, policy, nonfinite, bucket_numel, max_grad_norm,
                          init_sync, broadcast_buffers)
         self.model, named, group_of, group_options = parameter_groups(model)
-        self.policy = Policy.resolve(policy)
+        self.policy = Policy.resolve(policy).with_fallback(fallback)
         self.group = group if group is not None else (dist.group.WORLD if dist.is_initialized()
                                                       else None)
         self.world = dist.get_world_size(self.group) if self.group is not None else 1

@@ -33,6 +33,10 @@ class TrainConfig:
 
     policy: str = _opt("hybrid",
                        "a preset (none, naive, hybrid, sdp4bit, zeropp, …) or a YAML/TOML file")
+    fallback: str | None = _opt(None, "measured: each data-parallel bucket times its "
+                                      "collectives compressed and exact in its first steps "
+                                      "and keeps compression only where it is faster; off; "
+                                      "default: the policy's (off unless its file says)")
     dp: int | None = _opt(None, "data-parallel degree; default: the ranks / (tp · pp)")
     tp: int = _opt(1, "tensor-parallel degree")
     pp: int = _opt(1, "pipeline-parallel degree")
@@ -90,7 +94,8 @@ class TrainConfig:
     backend: str | None = _opt(None, "gloo or nccl; default: nccl on cuda, gloo on cpu")
 
     def __post_init__(self) -> None:
-        Policy.resolve(self.policy)  # an unknown preset or a bad file fails here
+        # an unknown preset, a bad file or fallback fails here
+        self.policy_object()
         if self.model not in MODEL_PRESETS:
             raise InputError(f"model={self.model!r} is not allowed; allowed: "
                              f"{', '.join(MODEL_PRESETS)}")
@@ -140,6 +145,10 @@ class TrainConfig:
             raise InputError(f"backend={self.backend!r} is not allowed; allowed: gloo, nccl")
         if self.backend == "nccl" and self.device == "cpu":
             raise InputError("backend=nccl needs device=cuda; allowed with device=cpu: gloo")
+
+    def policy_object(self) -> Policy:
+        """The run's :class:`Policy`: ``policy`` with ``fallback`` when given."""
+        return Policy.resolve(self.policy).with_fallback(self.fallback)
 
     def _check_experts(self) -> None:
         """Expert parallelism needs a mixture of experts it divides; tensor parallelism of

@@ -186,6 +186,10 @@ class PlayedReplica:
         self.cfg, self.dp_per_node = cfg, dp_per_node
         self.tp_group = tp_group if cfg.tp > 1 else None
         self.tp_idx = dist.get_rank(tp_group) if cfg.tp > 1 else 0
+        if cfg.policy_object().fallback != "off":
+            raise InputError("fallback=measured times the collectives on the live links, and "
+                             "simulate plays its ranks in one process; allowed in simulate: "
+                             "fallback off (commpress train --fallback measured measures)")
         if cfg.ep > 1:
             raise InputError(f"ep={cfg.ep}: simulate plays the ranks one after another, and "
                              "expert parallelism exchanges tokens between ranks at once; "

@@ -38,7 +38,7 @@ def simulate_needs(cfg: TrainConfig) -> dict[str, int]:
     """Bytes a resolved ``simulate`` of ``cfg`` holds at least, by part."""
     ranks = cfg.dp
     rpn = cfg.dp_ranks_per_node()
-    policy = Policy.resolve(cfg.policy)
+    policy = cfg.policy_object()
     numels = _bucket_numels(cfg, policy, ranks, rpn)
     path = GradPath(policy, Topology(rpn))
     return {"global batch": _batch_bytes(cfg),
@@ -52,7 +52,7 @@ def simulate_needs(cfg: TrainConfig) -> dict[str, int]:
 def train_needs(cfg: TrainConfig, local_ranks: int) -> dict[str, int]:
     """Bytes the ``local_ranks`` ranks of a resolved ``train`` of ``cfg`` on this machine
     hold at least, by part (every rank draws the global batch, then keeps its rows)."""
-    policy = Policy.resolve(cfg.policy)
+    policy = cfg.policy_object()
     rpn = cfg.dp_ranks_per_node()
     numels = _bucket_numels(cfg, policy, cfg.dp, rpn)
     per_rank = {"global batch": _batch_bytes(cfg),

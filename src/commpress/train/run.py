@@ -93,7 +93,7 @@ class Run:
                  tp_group: dist.ProcessGroup | None = None,
                  local_world: int | None = None) -> None:
         self.cfg = cfg
-        self.policy = Policy.resolve(cfg.policy)
+        self.policy = cfg.policy_object()
         self.device = (torch.device("cuda", torch.cuda.current_device())
                        if cfg.device == "cuda" else torch.device("cpu"))
         self.data = TextData(load_tokens(cfg.data, cfg.max_data_bytes))

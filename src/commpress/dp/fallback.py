@@ -1,0 +1,109 @@
+"""Measured fallback: a bucket's collective stays compressed only where that is faster.
+
+Compression pays on slow links and large messages; on a fast link, or for a small
+bucket, encoding and decoding cost more than the bytes save. With a policy's
+``fallback: measured`` each data-parallel bucket learns which on the live group: its
+first calls of each collective (the gradient reduction, the weight gather) run one way
+then the other — the policy's codecs, then torch's exact collective — synchronously and
+timed, a warm-up call each way first and then :data:`SAMPLES` of each. Then the ranks
+decide together: each rank's median time per way, the largest over the group (every
+rank waits for the slowest), and compression is kept only if it is faster. The decision
+is logged once per bucket, kept in the bucket's state (a resumed run keeps it without
+measuring again) and never changes afterwards.
+
+While it measures, the exact calls leave the policy's codec state alone (its rounding
+counters and error-feedback memory move only with the calls they compress); after a
+decision for exact the memory's last residual is not sent.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from commpress.collectives.agreement import agree
+from commpress.collectives.group_context import context
+from commpress.collectives.topology import Topology
+from commpress.validate import InputError
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+WAYS = ("compressed", "exact")
+WARMUP = 1  # calls each way before the timed ones (allocations, connections, caches)
+SAMPLES = 3  # timed calls each way; the median counts
+
+
+class MeasuredChoice:
+    """Which way one bucket's collective ``what`` runs: measured, then decided on every
+    rank alike (:meth:`run`)."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.seconds: dict[str, list[float]] = {way: [] for way in WAYS}
+        self.decision: str | None = None
+        self.agreed_seconds: list[float] | None = None  # the group's, per way
+        self.where: list[int] | None = None  # the group's size and node size it held for
+
+    def run(self, call: Callable[[str, bool], T], group: dist.ProcessGroup | None,
+            topology: Topology, numel: int, async_op: bool) -> tuple[T, bool]:
+        """``call(way, async_op)`` the way this collective runs now → (its result, whether
+        it ran synchronously: while measuring, a call is timed to its end)."""
+        world = dist.get_world_size(group)
+        where = [world, topology.ranks_per_node_in(world)]
+        if self.decision is not None:
+            if self.where != where:
+                raise InputError(
+                    f"fallback: bucket {self.what} ({numel} elements) decided "
+                    f"{self.decision!r} on {self.where[0]} ranks of {self.where[1]} per node; "
+                    f"this run has {where[0]} of {where[1]}: the decision does not hold "
+                    "here; allowed: resume on the same layout, or load the state with "
+                    "memory=False (elastic) to measure again")
+            return call(self.decision, async_op), not async_op
+        way = WAYS[sum(map(len, self.seconds.values())) % 2]
+        tensors_on_cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        if tensors_on_cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        result = call(way, False)
+        if tensors_on_cuda:
+            torch.cuda.synchronize()
+        self.seconds[way].append(time.perf_counter() - start)
+        if all(len(s) >= WARMUP + SAMPLES for s in self.seconds.values()):
+            self._decide(group, where, numel)
+        return result, True
+
+    def _decide(self, group: dist.ProcessGroup | None, where: list[int], numel: int) -> None:
+        """Every rank's median per way, the largest over the group: compressed if faster."""
+        mine = [round(1e9 * statistics.median(self.seconds[way][WARMUP:])) for way in WAYS]
+        ctx = context(group if group is not None else dist.group.WORLD)
+        label = f"{self.what} fallback"
+        agree(group, "all_gather", label=label, numel=len(mine))
+        every = ctx.gather_words(mine, "all_gather", label)
+        worst = every.max(dim=0).values.tolist()
+        self.agreed_seconds = [ns / 1e9 for ns in worst]
+        self.decision = "compressed" if worst[0] < worst[1] else "exact"
+        self.where = where
+        if ctx.rank == 0:
+            log.info("commpress fallback: bucket %s (%d elements, %d ranks, %d per node): "
+                        "compressed %.3f ms, exact %.3f ms (slowest rank's medians) -> %s",
+                        self.what, numel, where[0], where[1], 1e3 * self.agreed_seconds[0],
+                        1e3 * self.agreed_seconds[1], self.decision)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"decision": self.decision, "seconds": self.agreed_seconds, "where": self.where}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if (not isinstance(state, dict) or set(state) != {"decision", "seconds", "where"}
+                or state["decision"] not in (None, *WAYS)):
+            raise InputError(f"fallback state of bucket {self.what}: {state!r} is not "
+                             "allowed; allowed: what MeasuredChoice.state_dict() saved")
+        self.decision, self.agreed_seconds = state["decision"], state["seconds"]
+        self.where = state["where"]
+        self.seconds = {way: [] for way in WAYS}  # a run cut short measures again

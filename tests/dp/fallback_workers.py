@@ -1,0 +1,83 @@
+"""Rank functions for the measured-fallback tests (module level: picklable)."""
+
+import time
+
+import torch
+import torch.distributed as dist
+
+import commpress
+from commpress.dp.fallback import SAMPLES, WARMUP, MeasuredChoice
+from tests.frontends import workers
+
+
+def timed_choice(rank, world, compressed_ms, exact_ms):
+    """A choice fed calls that sleep ``compressed_ms[rank]`` / ``exact_ms[rank]``: the
+    ways it ran, its decision and state, then what a second run loaded with that state
+    calls, and the error a state from another layout raises."""
+    choice = MeasuredChoice("dp.grad")
+    topology = commpress.Topology(world)
+    ways = []
+
+    def call(way, async_op):
+        ways.append((way, async_op))
+        time.sleep({"compressed": compressed_ms, "exact": exact_ms}[way][rank] / 1e3)
+        return way
+
+    while choice.decision is None:
+        choice.run(call, None, topology, 100, async_op=True)
+    state, measured = choice.state_dict(), len(ways)
+    after, finished = choice.run(call, None, topology, 100, async_op=True)
+    resumed = MeasuredChoice("dp.grad")
+    resumed.load_state_dict(state)
+    ran = len(ways)
+    resumed.run(call, None, topology, 100, async_op=False)
+    try:
+        resumed.run(call, None, commpress.Topology(1), 100, async_op=False)
+        other = None
+    except ValueError as e:
+        other = str(e)
+    return {"ways": ways[:measured], "after": (after, finished), "state": state,
+            "resumed": ways[ran:], "other layout": other}
+
+
+def sharded_with_fallback(rank, world, policy, steps, directory, resume):
+    """gpt-tiny under a ShardedOptimizer with ``fallback="measured"``, its state saved to
+    ``directory`` after ``steps`` steps (``resume``: loaded from there first): every
+    bucket's choices (decision, the group's seconds, calls timed this run each way) and
+    the weights' hash."""
+    path = f"{directory}/rank{rank}.pt"
+    data, model = workers._data(), workers._model()
+    opt = commpress.ShardedOptimizer(model, torch.optim.AdamW, policy, fallback="measured",
+                                     bucket_numel=20_000, lr=1e-3)
+    if resume:
+        saved = torch.load(path, weights_only=False)
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+    workers.train_steps(model, opt, data, rank, world, 0, steps)
+    choices = [{what: (c.decision, c.agreed_seconds, [len(s) for s in c.seconds.values()])
+                for what, c in b.dp.choices.items()} for b in opt.buckets]
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, path)
+    return {"choices": choices, "hash": workers._hash_params(model)}
+
+
+def ddp_with_fallback(rank, world, steps):
+    """gpt-tiny under DDP with commpress's hook (int8, fallback measured): the hook
+    buckets' decisions and the weights' hash after ``steps`` steps."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    data, model = workers._data(), workers._model()
+    ddp = DDP(model, bucket_cap_mb=0.1)
+    state, hook = commpress.ddp_hook(ddp, {"dp": {"grad": "int8"}}, fallback="measured",
+                                     bucket_numel=20_000)
+    ddp.register_comm_hook(state, hook)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+    for step in range(steps):
+        x, y = workers._local_batch(data, step, rank, world)
+        _, loss = ddp(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    decisions = [hb.dp.choices["grad"].decision for hb in state.buckets]
+    dist.barrier()
+    return {"decisions": decisions, "hash": workers._hash_params(model),
+            "measured": WARMUP + SAMPLES}

@@ -1,0 +1,87 @@
+"""The measured fallback: each bucket's collective times both ways on the live group,
+the ranks decide alike, the decision is kept and restored, and training stays exact
+across replicas whichever way each bucket goes."""
+
+import pytest
+
+from commpress.dp.fallback import SAMPLES, WARMUP
+from commpress.launch import spawn
+from commpress.train.config import TrainConfig
+from tests.dp import fallback_workers as workers
+
+CALLS = 2 * (WARMUP + SAMPLES)
+
+
+def test_ranks_alternate_then_decide_by_the_slowest_rank():
+    """Rank 1 is slow when compressing (30 ms against 10 ms exact); rank 0 is fast (1 ms):
+    both decide exact, since every rank waits for the slowest. Measuring calls run
+    synchronously; after the decision the call keeps its async_op."""
+    ranks = spawn(workers.timed_choice, 2, ([1, 30], [10, 10]))
+    for r in ranks:
+        assert [w for w, _ in r["ways"]] == ["compressed", "exact"] * (CALLS // 2)
+        assert all(not async_op for _, async_op in r["ways"])  # timed to their end
+        assert r["state"]["decision"] == "exact"
+        assert r["state"]["seconds"][0] >= 0.030 > r["state"]["seconds"][1]
+        assert r["after"] == ("exact", False)  # async from now on: the caller waits
+        assert r["resumed"] == [("exact", False)]  # a loaded decision measures nothing
+        assert "decided 'exact' on 2 ranks of 2 per node" in r["other layout"]
+    assert ranks[0]["state"] == ranks[1]["state"]
+
+
+def test_a_faster_compressed_way_is_kept():
+    ranks = spawn(workers.timed_choice, 2, ([5, 5], [20, 25]))
+    assert all(r["state"]["decision"] == "compressed" for r in ranks)
+    assert ranks[0]["state"]["seconds"][1] >= 0.025
+
+
+def test_sharded_optimizer_buckets_decide_alike_and_resume_their_decisions(tmp_path):
+    """zeropp (int8 gradients, 4-bit weights, two choices per bucket) on 2 ranks: after 10
+    steps every bucket has decided both, the same on both ranks; the replicas hold the
+    same bits; a new optimizer loading the state keeps the decisions and measures none."""
+    ranks = spawn(workers.sharded_with_fallback, 2, ("zeropp", 10, str(tmp_path), False))
+    first = ranks[0]["choices"]
+    assert first and all(set(c) == {"grad", "param"} for c in first)
+    assert all(decision in ("compressed", "exact")
+               for c in first for decision, _, _ in c.values())
+    assert [{w: v[:2] for w, v in c.items()} for c in first] == [
+        {w: v[:2] for w, v in c.items()} for c in ranks[1]["choices"]]
+    assert ranks[0]["hash"] == ranks[1]["hash"]
+    resumed = spawn(workers.sharded_with_fallback, 2, ("zeropp", 2, str(tmp_path), True))
+    for before, after in zip(ranks, resumed, strict=True):
+        assert [{w: v[:2] for w, v in c.items()} for c in after["choices"]] == [
+            {w: v[:2] for w, v in c.items()} for c in before["choices"]]
+        assert all(v[2] == [0, 0] for c in after["choices"] for v in c.values())
+    assert resumed[0]["hash"] == resumed[1]["hash"]
+
+
+def test_ddp_hook_buckets_decide_alike():
+    ranks = spawn(workers.ddp_with_fallback, 2, (10,))
+    assert ranks[0]["decisions"] == ranks[1]["decisions"]
+    assert all(d in ("compressed", "exact") for d in ranks[0]["decisions"])
+    assert ranks[0]["hash"] == ranks[1]["hash"]
+
+
+@pytest.mark.parametrize(("kwargs", "needle"), [
+    (dict(fallback="sometimes"), "fallback='sometimes' is not allowed; allowed: off, measured"),
+])
+def test_the_trainer_names_a_bad_fallback(kwargs, needle):
+    with pytest.raises(ValueError, match=needle):
+        TrainConfig(**kwargs)
+
+
+def test_simulate_refuses_a_measured_fallback():
+    """Played ranks have no links to time: refused by name before anything runs."""
+    from commpress.train.run import Run
+
+    cfg = TrainConfig(policy="zeropp", fallback="measured", model="gpt-tiny", seq_len=32,
+                      nproc=2, max_data_bytes=100_000).resolved()
+    with pytest.raises(ValueError, match="fallback=measured times the collectives on the "
+                                         "live links"):
+        Run(cfg, played=True)
+
+
+def test_the_trainer_resolves_the_policy_with_its_fallback():
+    cfg = TrainConfig(policy="sdp4bit", fallback="measured")
+    assert cfg.policy_object().fallback == "measured"
+    assert cfg.policy_object().to_dict()["fallback"] == "measured"
+    assert TrainConfig(policy="sdp4bit").policy_object().fallback == "off"
