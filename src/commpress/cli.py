@@ -400,8 +400,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="ranks to spawn (ignored under torchrun) (default: 4)")
     bcol.add_argument("--ranks-per-node", type=int, default=None,
                       help="ranks that share a node; default: all")
-    bcol.add_argument("--sizes", default="65536,1048576",
-                      help="comma-separated elements per rank (default: 65536,1048576)")
+    bcol.add_argument("--sizes", default="1024,65536,1048576",
+                      help="comma-separated elements per rank (default: 1024,65536,1048576)")
     bcol.add_argument("--codecs", default=None,
                       help="';'-separated codec specs; default: none, bf16, int8, int4, "
                            "int4:hadamard=128, int2")

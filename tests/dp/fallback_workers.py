@@ -81,3 +81,22 @@ def ddp_with_fallback(rank, world, steps):
     dist.barrier()
     return {"decisions": decisions, "hash": workers._hash_params(model),
             "measured": WARMUP + SAMPLES}
+
+
+def diloco_with_fallback(rank, world, steps):
+    """gpt-tiny, one rank per site, DiLoCo with int8 pseudo-gradients synced every 2
+    steps, fallback measured: each fragment's decision and the global weights' hash."""
+    from tests.frontends import diloco_workers
+
+    model, opt, sync = diloco_workers._build(rank, {
+        "sync_every": 2, "policy": "diloco-int8", "fallback": "measured",
+        "topology": commpress.Topology(1)})
+    data = workers._data()
+    record = diloco_workers._steps(model, opt, sync, data, rank, world, 0, steps)
+    decisions = [bucket.choices["grad"].decision for bucket in _fragment_buckets(sync)]
+    sync.remove()
+    return {"decisions": decisions, "global": record[-1]["global"], "syncs": record[-1]["syncs"]}
+
+
+def _fragment_buckets(sync):
+    return [fragment.dp for fragment in sync.fragments]

@@ -10,15 +10,17 @@ from commpress.train.config import TrainConfig
 from tests.dp import fallback_workers as workers
 
 CALLS = 2 * (WARMUP + SAMPLES)
+CLEAR_CASE_CALLS = 2 * (WARMUP + 1)
 
 
 def test_ranks_alternate_then_decide_by_the_slowest_rank():
     """Rank 1 is slow when compressing (30 ms against 10 ms exact); rank 0 is fast (1 ms):
-    both decide exact, since every rank waits for the slowest. Measuring calls run
-    synchronously; after the decision the call keeps its async_op."""
+    both decide exact, since every rank waits for the slowest — a clear case (3x), decided
+    after one timed call each way. Measuring calls run synchronously; after the decision
+    the call keeps its async_op."""
     ranks = spawn(workers.timed_choice, 2, ([1, 30], [10, 10]))
     for r in ranks:
-        assert [w for w, _ in r["ways"]] == ["compressed", "exact"] * (CALLS // 2)
+        assert [w for w, _ in r["ways"]] == ["compressed", "exact"] * (CLEAR_CASE_CALLS // 2)
         assert all(not async_op for _, async_op in r["ways"])  # timed to their end
         assert r["state"]["decision"] == "exact"
         assert r["state"]["seconds"][0] >= 0.030 > r["state"]["seconds"][1]
@@ -32,6 +34,15 @@ def test_a_faster_compressed_way_is_kept():
     ranks = spawn(workers.timed_choice, 2, ([5, 5], [20, 25]))
     assert all(r["state"]["decision"] == "compressed" for r in ranks)
     assert ranks[0]["state"]["seconds"][1] >= 0.025
+
+
+def test_a_close_case_takes_every_sample_before_deciding():
+    """12 ms compressed against 16 ms exact: under the clear-case ratio, so all samples
+    are taken; compressed is kept."""
+    ranks = spawn(workers.timed_choice, 2, ([12, 12], [16, 16]))
+    for r in ranks:
+        assert len(r["ways"]) == CALLS
+        assert r["state"]["decision"] == "compressed"
 
 
 def test_sharded_optimizer_buckets_decide_alike_and_resume_their_decisions(tmp_path):
@@ -85,3 +96,11 @@ def test_the_trainer_resolves_the_policy_with_its_fallback():
     assert cfg.policy_object().fallback == "measured"
     assert cfg.policy_object().to_dict()["fallback"] == "measured"
     assert TrainConfig(policy="sdp4bit").policy_object().fallback == "off"
+
+
+def test_diloco_fragments_decide_alike_and_the_sites_stay_identical():
+    ranks = spawn(workers.diloco_with_fallback, 2, (20,))
+    assert ranks[0]["syncs"] == 10  # 8 measuring syncs, then decided
+    assert ranks[0]["decisions"] == ranks[1]["decisions"]
+    assert all(d in ("compressed", "exact") for d in ranks[0]["decisions"])
+    assert ranks[0]["global"] == ranks[1]["global"]

@@ -113,7 +113,7 @@ def run_collectives_bench(nproc: int = 4, ranks_per_node: int | None = None,
     """Measure, print the table on rank 0, write ``json_path``; returns rank 0's rows."""
     from commpress.launch import spawn
 
-    sizes = sizes or [1 << 16, 1 << 20]
+    sizes = sizes or [1 << 10, 1 << 16, 1 << 20]
     check_int("nproc", nproc, ge=1)
     check_int("ranks_per_node", ranks_per_node, ge=1, optional=True)
     check_int("iters", iters, ge=1)

@@ -7,7 +7,9 @@ first calls of each collective (the gradient reduction, the weight gather) run o
 then the other — the policy's codecs, then torch's exact collective — synchronously and
 timed, a warm-up call each way first and then :data:`SAMPLES` of each. Then the ranks
 decide together: each rank's median time per way, the largest over the group (every
-rank waits for the slowest), and compression is kept only if it is faster. The decision
+rank waits for the slowest), and compression is kept only if it is faster. A clear
+case is decided after the first timed call each way: when one way took
+:data:`DECISIVE` times the other's, the slow way is not paid for twice more. The decision
 is logged once per bucket, kept in the bucket's state (a resumed run keeps it without
 measuring again) and never changes afterwards.
 
@@ -38,6 +40,7 @@ T = TypeVar("T")
 WAYS = ("compressed", "exact")
 WARMUP = 1  # calls each way before the timed ones (allocations, connections, caches)
 SAMPLES = 3  # timed calls each way; the median counts
+DECISIVE = 2.0  # after one timed call each way, a ratio this large decides at once
 
 
 class MeasuredChoice:
@@ -75,18 +78,24 @@ class MeasuredChoice:
         if tensors_on_cuda:
             torch.cuda.synchronize()
         self.seconds[way].append(time.perf_counter() - start)
-        if all(len(s) >= WARMUP + SAMPLES for s in self.seconds.values()):
-            self._decide(group, where, numel)
+        timed = min(len(s) for s in self.seconds.values()) - WARMUP
+        if len(self.seconds["exact"]) == len(self.seconds["compressed"]) and timed in (
+                1, SAMPLES):  # the same call count on every rank
+            self._decide(group, where, numel, final=timed == SAMPLES)
         return result, True
 
-    def _decide(self, group: dist.ProcessGroup | None, where: list[int], numel: int) -> None:
-        """Every rank's median per way, the largest over the group: compressed if faster."""
+    def _decide(self, group: dist.ProcessGroup | None, where: list[int], numel: int,
+                final: bool) -> None:
+        """Every rank's median per way, the largest over the group: compressed if faster;
+        before the last samples, only a clear case (:data:`DECISIVE`)."""
         mine = [round(1e9 * statistics.median(self.seconds[way][WARMUP:])) for way in WAYS]
         ctx = context(group if group is not None else dist.group.WORLD)
         label = f"{self.what} fallback"
         agree(group, "all_gather", label=label, numel=len(mine))
         every = ctx.gather_words(mine, "all_gather", label)
         worst = every.max(dim=0).values.tolist()
+        if not final and max(worst) < DECISIVE * max(1, min(worst)):
+            return
         self.agreed_seconds = [ns / 1e9 for ns in worst]
         self.decision = "compressed" if worst[0] < worst[1] else "exact"
         self.where = where
