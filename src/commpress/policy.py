@@ -143,6 +143,11 @@ class Policy:
         """A fresh error-feedback memory for ``(axis, kind, level)``, or None."""
         return self.rule(axis, kind, level).build_memory()
 
+    def names(self, axis: str) -> bool:
+        """Whether the policy has any rule of ``axis`` (an adapter installs its ``ep``
+        exchanges only then: with none, the engine's own exchange runs untouched)."""
+        return any(key.startswith(f"{axis}.") for key in self.rules)
+
     def two_level(self, axis: str = "dp", kind: str = "grad") -> bool:
         """Whether the policy names separate intra- and inter-node codecs for this kind."""
         return any(f"{axis}.{kind}.{lv}" in self.rules for lv in LEVELS)

@@ -74,7 +74,7 @@ from commpress.dp.saved_state import check_resume, envelope
 from commpress.engines import rank_state
 from commpress.engines.seam import Seam, Swap, install, restore
 from commpress.ep import EPExchange
-from commpress.policy import EP_KINDS, Policy
+from commpress.policy import Policy
 from commpress.validate import InputError, check_bool
 
 try:
@@ -146,7 +146,7 @@ class DeepSpeedCompression:
     def _expert_swaps(self) -> list[Swap]:
         """Each expert-parallel ``MOELayer``'s forward, wrapped to send its tokens through
         an :class:`EPExchange` of its group — where the policy names ``ep`` rules."""
-        if not any(f"ep.{kind}" in rule for kind in EP_KINDS for rule in self.policy.rules):
+        if not self.policy.names("ep"):
             return []
         exchanges: dict[int, EPExchange] = {}  # one per expert-parallel group
         swaps = []

@@ -129,7 +129,7 @@ def compress_experts(model: nn.Module, policy: Policy) -> ExpertCompression | No
     model has no such dispatcher; ``ep`` rules of ``none`` are torchtitan's exchange, bit
     for bit, with commpress's agreement and counters). Ranks of each expert-parallel group
     first agree on the policy and on which dispatchers they compress."""
-    if not any(key.startswith("ep.") for key in policy.rules):
+    if not policy.names("ep"):
         return None
     found = [(name, m.token_dispatcher) for name, m in model.named_modules()
              if isinstance(getattr(m, "token_dispatcher", None), AllToAllTokenDispatcher)

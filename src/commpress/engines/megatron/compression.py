@@ -182,7 +182,7 @@ def compress(model: Any, optimizer: Any = None, policy: str | dict | Policy = "s
     # Step 4: expert parallelism, where the policy names ep rules
     ep_group = _expert_parallel_group(chunks)
     ep = None
-    if ep_group is not None and any(key.startswith("ep.") for key in policy.rules):
+    if ep_group is not None and policy.names("ep"):
         ep = EPExchange(policy, ep_group)
     with SEAM.lock:
         if any(id(c.bucket.grad_data) in REGISTRY.buckets for c in buckets.values()):
