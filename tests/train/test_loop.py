@@ -113,3 +113,17 @@ def test_runs_one_after_another_release_their_process_groups(tmp_path):
                    ranks_per_node=2, timeout=240)
     for rank_counts in counts:
         assert len(set(rank_counts)) == 1, rank_counts
+
+
+def test_a_measured_fallback_reports_which_way_each_bucket_went(tmp_path):
+    """--fallback measured: after 10 steps every bucket of rank 0 has decided both of its
+    collectives (none still measuring), and the summary counts them."""
+    summary = train(TrainConfig(policy="zeropp", fallback="measured", dp=2, tp=1, pp=1,
+                                out=str(tmp_path), **dict(TINY, steps=10, eval_every=0,
+                                                           micro_batches=1)))
+    ways = summary["fallback"]
+    assert set(ways) == {"dp.grad", "dp.param"}
+    assert all(row["measuring"] == 0 and row["compressed"] + row["exact"] > 0
+               for row in ways.values())
+    assert ways["dp.grad"]["compressed"] + ways["dp.grad"]["exact"] == (
+        ways["dp.param"]["compressed"] + ways["dp.param"]["exact"])  # one of each per bucket

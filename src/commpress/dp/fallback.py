@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 import torch
@@ -116,3 +116,13 @@ class MeasuredChoice:
         self.decision, self.agreed_seconds = state["decision"], state["seconds"]
         self.where = state["where"]
         self.seconds = {way: [] for way in WAYS}  # a run cut short measures again
+
+
+def tally(choices: Iterable[MeasuredChoice]) -> dict[str, dict[str, int]]:
+    """How many buckets' collectives went each way, by collective (``dp.grad``,
+    ``dp.param``, …): ``{"compressed": n, "exact": m, "measuring": k}``."""
+    out: dict[str, dict[str, int]] = {}
+    for choice in choices:
+        row = out.setdefault(choice.what, {"compressed": 0, "exact": 0, "measuring": 0})
+        row[choice.decision or "measuring"] += 1
+    return out

@@ -63,6 +63,7 @@ from commpress.collectives.agreement import refuse
 from commpress.collectives.comm import group_timeout
 from commpress.collectives.group_context import release
 from commpress.dp import DPBucket
+from commpress.dp.fallback import tally
 from commpress.dp.grad_path import make_levels_now, warn_if_uncompressed
 from commpress.dp.saved_state import check_resume, envelope, on_every_rank
 from commpress.policy import Policy, list_presets
@@ -200,6 +201,11 @@ class DDPHookState:
         warn_if_uncompressed(self.policy, self.topology, self.hook_group, "ddp_hook")
         # stats
         self.calls = 0
+
+    def fallback_decisions(self) -> dict[str, dict[str, int]]:
+        """With ``fallback="measured"``: how many hook buckets went each way
+        (:func:`commpress.dp.fallback.tally`); empty without it."""
+        return tally(c for b in self.buckets for c in b.dp.choices.values())
 
     # -- checkpoints ---------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -48,6 +48,7 @@ import torch.nn as nn
 from commpress.collectives import Topology
 from commpress.collectives.agreement import agree, all_gather_objects
 from commpress.collectives.group_context import release
+from commpress.dp.fallback import tally
 from commpress.dp.grad_path import make_levels_now, say_once, warn_if_uncompressed
 from commpress.dp.saved_state import check_resume, envelope, on_every_rank
 from commpress.frontends.ddp import new_hook_group
@@ -394,6 +395,11 @@ class DiLoCo:
         if self.group is not None:
             release(self.group)
             self.group = None
+
+    def fallback_decisions(self) -> dict[str, dict[str, int]]:
+        """With ``fallback="measured"``: how many fragments' syncs went each way
+        (:func:`commpress.dp.fallback.tally`); empty without it."""
+        return tally(c for f in self.fragments for c in f.dp.choices.values())
 
     # -- checkpoints ---------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -40,6 +40,7 @@ from commpress.collectives.agreement import agree, all_gather_objects, refuse
 from commpress.collectives.comm import all_gather_single
 from commpress.collectives.handle import completed
 from commpress.dp import DPBucket
+from commpress.dp.fallback import tally
 from commpress.dp.grad_path import say_once, warn_if_uncompressed
 from commpress.dp.saved_state import check_resume, envelope, on_every_rank
 from commpress.frontends.parts import clip_guard
@@ -366,6 +367,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.last_grad_norm = norm
         self._reduced_norm = norm
         return norm
+
+    def fallback_decisions(self) -> dict[str, dict[str, int]]:
+        """With ``fallback="measured"``: how many buckets went each way, by collective
+        (:func:`commpress.dp.fallback.tally`); empty without it."""
+        return tally(c for b in self.buckets for c in b.dp.choices.values())
 
     def local_grad_sumsq(self) -> torch.Tensor:
         """This rank's weighted squared gradient sum over its shards (fp64)."""

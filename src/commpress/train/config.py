@@ -240,7 +240,8 @@ class TrainConfig:
         """The :class:`~commpress.DiLoCo` arguments of ``--outer``."""
         return {"policy": self.outer, "sync_every": self.sync_every,
                 "fragments": self.fragments, "delay": self.outer_delay,
-                "outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum}
+                "outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum,
+                **({"fallback": self.fallback} if self.fallback else {})}
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -163,6 +163,14 @@ class DDPEngine:
         self.skipped_steps += not stepped
         return stepped
 
+    def fallback_decisions(self) -> dict[str, dict[str, int]]:
+        """The commpress hook's and DiLoCo's buckets by the way each collective went."""
+        out = {}
+        for part in (self.hook_state, self.outer):
+            if isinstance(part, DDPHookState | DiLoCo):
+                out.update(part.fallback_decisions())
+        return out
+
     def remove(self) -> None:
         """The commpress hook's thread and process group, after the last step (the same
         verb as the optimizers the trainer holds)."""

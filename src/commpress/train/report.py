@@ -60,6 +60,9 @@ def summary_table(summary: dict[str, Any]) -> Table:
     t.add_row("median step time", f"{1e3 * summary['step_time_s_median']:.1f} ms")
     t.add_row("tokens/s", f"{summary['tokens_per_s']:,.0f}")
     t.add_row("skipped steps", str(summary["skipped_steps"]))
+    for what, ways in sorted(summary.get("fallback", {}).items()):
+        t.add_row(f"fallback {what} (rank 0's buckets)",
+                  ", ".join(f"{n} {way}" for way, n in ways.items() if n))
     for label, wire in sorted(summary["wire_bytes"].items()):
         raw = summary["raw_bytes"].get(label, 0)
         t.add_row(f"sent {label} (all ranks, whole run)",

@@ -239,6 +239,17 @@ class Run:
         self.lr_schedules = self.lr_schedules_at(self.start_step)
         self.history = list(state["history"])
 
+    def fallback_decisions(self) -> dict[str, dict[str, int]]:
+        """With a measured fallback: the buckets of this process's front-ends by the way
+        each collective went (played front-ends measure nothing: empty)."""
+        out: dict[str, dict[str, int]] = {}
+        for opt in self.opts:
+            for what, row in opt.fallback_decisions().items():
+                total = out.setdefault(what, dict.fromkeys(row, 0))
+                for way, n in row.items():
+                    total[way] += n
+        return out
+
     def release(self) -> None:
         """The process groups and hooks a real run holds, after its last collective."""
         self.held.release(self.opts)
@@ -336,6 +347,8 @@ def write_outputs(cfg: TrainConfig, run: Run, totals: dict) -> dict[str, Any]:
         "raw_bytes": {k: v["raw_bytes"] for k, v in totals.items()},
         "bits_per_elem": {k: 8 * v["wire_bytes"] / v["elements"] for k, v in totals.items()
                           if v["elements"]},
+        # fallback: measured — this rank's buckets by the way each collective went
+        "fallback": run.fallback_decisions(),
         "out": cfg.out,
     }
     write_json(os.path.join(cfg.out, "summary.json"), summary)

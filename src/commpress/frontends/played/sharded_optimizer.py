@@ -159,6 +159,10 @@ class PlayedShardedOptimizer:
         b.param_buffer.copy_(played.finish()[0])
 
     # -- checkpoints ----------------------------------------------------------------------
+    def fallback_decisions(self) -> dict[str, dict[str, int]]:
+        """Nothing: played ranks have no links to measure (simulate refuses the fallback)."""
+        return {}
+
     def state_dict(self) -> dict[str, Any]:
         """Everything the ``N`` ranks keep: masters, weights, inner optimizer, every
         rank's codec states, step counters."""
