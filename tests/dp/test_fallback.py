@@ -27,7 +27,8 @@ def test_ranks_alternate_then_decide_by_the_slowest_rank():
         assert r["after"] == ("exact", False)  # async from now on: the caller waits
         assert r["resumed"] == [("exact", False)]  # a loaded decision measures nothing
         assert "decided 'exact' on 2 ranks of 2 per node" in r["other layout"]
-    assert ranks[0]["state"] == ranks[1]["state"]
+    agreed = [{k: r["state"][k] for k in ("decision", "seconds", "where")} for r in ranks]
+    assert agreed[0] == agreed[1]  # each rank's own times ("measured") are its own
 
 
 def test_a_faster_compressed_way_is_kept():
@@ -48,7 +49,8 @@ def test_a_close_case_takes_every_sample_before_deciding():
 def test_sharded_optimizer_buckets_decide_alike_and_resume_their_decisions(tmp_path):
     """zeropp (int8 gradients, 4-bit weights, two choices per bucket) on 2 ranks: after 10
     steps every bucket has decided both, the same on both ranks; the replicas hold the
-    same bits; a new optimizer loading the state keeps the decisions and measures none."""
+    same bits; a new optimizer loading the state keeps the decisions and the samples they
+    rest on, and measures no more."""
     ranks = spawn(workers.sharded_with_fallback, 2, ("zeropp", 10, str(tmp_path), False))
     first = ranks[0]["choices"]
     assert first and all(set(c) == {"grad", "param"} for c in first)
@@ -61,7 +63,9 @@ def test_sharded_optimizer_buckets_decide_alike_and_resume_their_decisions(tmp_p
     for before, after in zip(ranks, resumed, strict=True):
         assert [{w: v[:2] for w, v in c.items()} for c in after["choices"]] == [
             {w: v[:2] for w, v in c.items()} for c in before["choices"]]
-        assert all(v[2] == [0, 0] for c in after["choices"] for v in c.values())
+        # the samples it had, and no more: a loaded decision measures nothing
+        assert [[v[2] for v in c.values()] for c in after["choices"]] == [
+            [v[2] for v in c.values()] for c in before["choices"]]
     assert resumed[0]["hash"] == resumed[1]["hash"]
 
 

@@ -224,3 +224,21 @@ def fsdp_disagreeing_ranks(rank, world, case, build=fsdp_model_of):
     except Exception as e:  # noqa: BLE001 - what the rank saw, for the test
         error = f"{type(e).__name__}: {e}"
     return {"error": error, "seconds": time.monotonic() - start}
+
+
+def fsdp_fallback(rank, world, steps):
+    """gpt-tiny under FSDP2 compressed with zeropp and ``fallback="measured"``: the tally
+    of its modules' decisions after ``steps`` steps, each module's decisions, and the
+    losses."""
+    data = _data()
+    model = _model()
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    compression = commpress.fsdp.compress(model, "zeropp", fallback="measured")
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = train_steps(model, opt, data, rank, world, 0, steps)
+    decisions = {name: {what: c.decision for what, c in scatter.dp.choices.items()}
+                 for name, (_, scatter) in compression.modules.items()}
+    return {"tally": compression.fallback_decisions(), "decisions": decisions,
+            "losses": losses}

@@ -154,3 +154,19 @@ def test_a_rank_killed_mid_step_is_named_by_the_survivor():
     ranks = spawn(fsdp_workers.fsdp_killed_mid_step, 2, (1,), ranks_per_node=1,
                   pg_timeout_s=15, timeout=300, allow_errors=True)
     assert_survivors_name_the_dead_rank(ranks, victim=1, timeout_s=15)
+
+
+def test_a_measured_fallback_decides_every_module_alike():
+    """FSDP2 with zeropp and fallback="measured", one rank per node (the cross-node codecs
+    run): after 10 steps every module has decided its reduce-scatter and all-gather, the
+    same on both ranks, and the tally counts them."""
+    ranks = spawn(fsdp_workers.fsdp_fallback, 2, (10,), ranks_per_node=1)
+    assert ranks[0]["decisions"] == ranks[1]["decisions"]
+    assert all(d in ("compressed", "exact") for m in ranks[0]["decisions"].values()
+               for d in m.values())
+    tally = ranks[0]["tally"]
+    assert set(tally) == {"dp.grad", "dp.param"}
+    assert all(row["measuring"] == 0 for row in tally.values())
+    assert tally["dp.grad"]["compressed"] + tally["dp.grad"]["exact"] == len(
+        ranks[0]["decisions"])
+    assert ranks[0]["losses"] == ranks[1]["losses"]

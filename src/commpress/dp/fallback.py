@@ -15,7 +15,9 @@ measuring again) and never changes afterwards.
 
 While it measures, the exact calls leave the policy's codec state alone (its rounding
 counters and error-feedback memory move only with the calls they compress); after a
-decision for exact the memory's last residual is not sent.
+decision for exact the memory's last residual is not sent. A decision rests on timings:
+two runs from one seed may decide differently (each decision is logged, and a resume
+keeps the saved ones), which is the reproducibility this option trades for speed.
 """
 
 from __future__ import annotations
@@ -106,16 +108,21 @@ class MeasuredChoice:
                         1e3 * self.agreed_seconds[1], self.decision)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"decision": self.decision, "seconds": self.agreed_seconds, "where": self.where}
+        """The decision, the group's times and layout it was made for, and this rank's
+        times so far (a run saved while measuring goes on where it stopped)."""
+        return {"decision": self.decision, "seconds": self.agreed_seconds, "where": self.where,
+                "measured": {way: list(times) for way, times in self.seconds.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if (not isinstance(state, dict) or set(state) != {"decision", "seconds", "where"}
-                or state["decision"] not in (None, *WAYS)):
+        keys = {"decision", "seconds", "where", "measured"}
+        if (not isinstance(state, dict) or set(state) != keys
+                or state["decision"] not in (None, *WAYS)
+                or not isinstance(state["measured"], dict) or set(state["measured"]) != set(WAYS)):
             raise InputError(f"fallback state of bucket {self.what}: {state!r} is not "
                              "allowed; allowed: what MeasuredChoice.state_dict() saved")
         self.decision, self.agreed_seconds = state["decision"], state["seconds"]
         self.where = state["where"]
-        self.seconds = {way: [] for way in WAYS}  # a run cut short measures again
+        self.seconds = {way: [float(t) for t in state["measured"][way]] for way in WAYS}
 
 
 def tally(choices: Iterable[MeasuredChoice]) -> dict[str, dict[str, int]]:

@@ -420,8 +420,8 @@ SEAM = Seam("deepspeed", [_DEEPSPEED_GATHER])
 
 
 def compress(engine: DeepSpeedEngine, policy: str | dict | Policy = "none",
-             topology: Topology | None = None, *, elastic: bool = False
-             ) -> DeepSpeedCompression:
+             topology: Topology | None = None, *, elastic: bool = False,
+             fallback: str | None = None) -> DeepSpeedCompression:
     """Compress a DeepSpeed ZeRO-1/2 engine's gradient reduce-scatter and weight
     all-gather with ``policy``; returns the :class:`DeepSpeedCompression` (``remove()``).
 
@@ -437,6 +437,9 @@ def compress(engine: DeepSpeedEngine, policy: str | dict | Policy = "none",
             data-parallel size (DeepSpeed reshards its own state through a universal
             checkpoint: ``ds_to_universal``, ``checkpoint.load_universal``): the codecs
             then start fresh, said once. Without it such a checkpoint is refused by name.
+        fallback: ``"measured"``: each bucket's collectives are timed compressed and
+            exact in their first calls and stay compressed only where faster
+            (:mod:`commpress.dp.fallback`); None: the policy's.
 
     Example::
 
@@ -446,7 +449,7 @@ def compress(engine: DeepSpeedEngine, policy: str | dict | Policy = "none",
     """
     _check_engine(engine)
     check_bool("elastic", elastic)
-    policy = Policy.resolve(policy)
+    policy = Policy.resolve(policy).with_fallback(fallback)
     # a rank that does not compress goes on to DeepSpeed's own collectives on this group:
     # meet through the store first, then agree over the group
     rendezvous(engine.optimizer.dp_process_group, "deepspeed.compress")

@@ -47,6 +47,7 @@ from commpress.collectives import Topology
 from commpress.collectives.agreement import agree, agree_across, rendezvous
 from commpress.collectives.comm import all_gather_single
 from commpress.dp import DPBucket
+from commpress.dp.fallback import tally
 from commpress.dp.saved_state import check_resume, envelope
 from commpress.engines.seam import Swap, install, restore
 from commpress.policy import Policy, Rule
@@ -289,6 +290,15 @@ class FSDPCompression:
         FSDP's collectives under the same handle (torchtitan's expert dispatchers)."""
         self._also.append(undo)
 
+    def fallback_decisions(self) -> dict[str, dict[str, int]]:
+        """With ``fallback="measured"``: how many FSDP modules' collectives went each way
+        (:func:`commpress.dp.fallback.tally`), HSDP's replicate all-reduces as
+        ``dp.grad.inter``; empty without it."""
+        buckets = {id(s.dp): s.dp for _, s in self.modules.values()}
+        buckets.update({id(s.replicate.dp): s.replicate.dp for _, s in self.modules.values()
+                        if s.replicate is not None})
+        return tally(c for b in buckets.values() for c in b.choices.values())
+
     def codec_states(self) -> dict[str, dict[str, Any]]:
         """This rank's codec state by FSDP module name: its :class:`DPBucket`'s
         (``{"grad": ..., "param": ...}``) and, under HSDP, the replicate codec's."""
@@ -424,7 +434,8 @@ def _check_module_names(saved: list[str], mine: list[str]) -> None:
 
 
 def compress(model: nn.Module, policy: str | dict | Policy = "sdp4bit",
-             topology: Topology | None = None) -> FSDPCompression:
+             topology: Topology | None = None, *,
+             fallback: str | None = None) -> FSDPCompression:
     """Install compressed collectives on every FSDPModule in ``model``.
 
     Call after ``fully_shard``. Returns the :class:`FSDPCompression` holding them (its
@@ -434,8 +445,12 @@ def compress(model: nn.Module, policy: str | dict | Policy = "sdp4bit",
         for block in model.blocks: fully_shard(block)
         fully_shard(model)
         comm = commpress.fsdp.compress(model, "zeropp")
+
+    ``fallback="measured"``: each FSDP module's collectives are timed compressed and exact
+    in their first calls and stay compressed only where faster
+    (:mod:`commpress.dp.fallback`); None: the policy's.
     """
-    policy = Policy.resolve(policy)
+    policy = Policy.resolve(policy).with_fallback(fallback)
     topology = topology or Topology()
     _agree_on_compress(model, policy)
     param_rule = policy.rule("dp", "param")

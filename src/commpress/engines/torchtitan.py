@@ -86,7 +86,8 @@ class ExpertCompression:
 
 
 def compress(model: nn.Module | Sequence[nn.Module], policy: str | dict | Policy = "sdp4bit",
-             topology: Topology | None = None) -> FSDPCompression | ExpertCompression:
+             topology: Topology | None = None, *, fallback: str | None = None
+             ) -> FSDPCompression | ExpertCompression:
     """Compress the FSDP2 collectives of a torchtitan model (or its ``model_parts``,
     pipeline stages) by ``policy``, and its expert-parallel token all-to-alls where the
     policy names ``ep`` codecs; returns the handle to checkpoint and ``remove()``: the
@@ -94,7 +95,9 @@ def compress(model: nn.Module | Sequence[nn.Module], policy: str | dict | Policy
     expert parallelism and no FSDP an :class:`ExpertCompression`.
 
     The FSDP modules are named as in ``model.named_modules()``; with several model parts,
-    prefixed by the part's index (``"0.layers.1"``).
+    prefixed by the part's index (``"0.layers.1"``). ``fallback="measured"``: each FSDP
+    module's collectives are timed compressed and exact in their first calls and stay
+    compressed only where faster (:mod:`commpress.dp.fallback`); None: the policy's.
     """
     if isinstance(model, nn.Module):
         root = model
@@ -104,7 +107,7 @@ def compress(model: nn.Module | Sequence[nn.Module], policy: str | dict | Policy
             raise InputError(f"{WHAT}: model must be an nn.Module or a non-empty list of them "
                              f"(model_parts); got {model!r}")
         root = nn.ModuleList(parts)
-    policy = Policy.resolve(policy)
+    policy = Policy.resolve(policy).with_fallback(fallback)
     experts = compress_experts(root, policy)
     if not any(isinstance(m, FSDPModule) for m in root.modules()):
         if experts is None:

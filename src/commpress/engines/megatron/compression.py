@@ -130,7 +130,8 @@ class MegatronCompression:
 
 
 def compress(model: Any, optimizer: Any = None, policy: str | dict | Policy = "sdp4bit", *,
-          ranks_per_node: int | None = None) -> MegatronCompression:
+             ranks_per_node: int | None = None, fallback: str | None = None
+             ) -> MegatronCompression:
     """Compress a Megatron-core model's communication with ``policy``.
 
     Covers the data-parallel gradient reduce-scatter (``dp.grad``; TLq-HS with
@@ -149,6 +150,9 @@ def compress(model: Any, optimizer: Any = None, policy: str | dict | Policy = "s
         policy: preset name, policy file, dict or :class:`~commpress.Policy`.
         ranks_per_node: ranks that share a node (default ``LOCAL_WORLD_SIZE``); each
             data-parallel group's nodes follow from its members' global ranks.
+        fallback: ``"measured"``: each bucket's collectives are timed compressed and
+            exact in their first calls and stay compressed only where faster
+            (:mod:`commpress.dp.fallback`); None: the policy's.
 
     Returns:
         a :class:`MegatronCompression`; ``.remove()`` undoes it, and it is a context
@@ -160,7 +164,7 @@ def compress(model: Any, optimizer: Any = None, policy: str | dict | Policy = "s
         optimizer = get_megatron_optimizer(opt_config, [model])
         comm = commpress.megatron.compress(model, optimizer, "sdp4bit")
     """
-    policy = Policy.resolve(policy)
+    policy = Policy.resolve(policy).with_fallback(fallback)
     chunks = _chunks(model)
     _check_config(chunks, optimizer, policy)
     rpn = ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
