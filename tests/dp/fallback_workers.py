@@ -12,14 +12,14 @@ from tests.frontends import workers
 
 def timed_choice(rank, world, compressed_ms, exact_ms):
     """A choice fed calls that sleep ``compressed_ms[rank]`` / ``exact_ms[rank]``: the
-    ways it ran, its decision and state, then what a second run loaded with that state
-    calls, and the error a state from another layout raises."""
+    calls it made (way, async_op, probe), its decision and state, then what a second run
+    loaded with that state calls, and the error a state from another layout raises."""
     choice = MeasuredChoice("dp.grad")
     topology = commpress.Topology(world)
     ways = []
 
-    def call(way, async_op):
-        ways.append((way, async_op))
+    def call(way, async_op, probe):
+        ways.append((way, async_op, probe))
         time.sleep({"compressed": compressed_ms, "exact": exact_ms}[way][rank] / 1e3)
         return way
 
@@ -100,3 +100,18 @@ def diloco_with_fallback(rank, world, steps):
 
 def _fragment_buckets(sync):
     return [fragment.dp for fragment in sync.fragments]
+
+
+def measuring_is_the_preset(rank, world, policy, steps):
+    """The weights' hash after each of ``steps`` steps of gpt-tiny under a
+    ShardedOptimizer with ``policy``, without and with ``fallback="measured"``."""
+    out = {}
+    for fallback in (None, "measured"):
+        data, model = workers._data(), workers._model()
+        opt = commpress.ShardedOptimizer(model, torch.optim.AdamW, policy, fallback=fallback,
+                                         bucket_numel=20_000, lr=1e-3)
+        hashes = []
+        workers.train_steps(model, opt, data, rank, world, 0, steps, hashes)
+        out[fallback or "preset"] = hashes
+        opt.remove()
+    return out

@@ -13,19 +13,27 @@ CALLS = 2 * (WARMUP + SAMPLES)
 CLEAR_CASE_CALLS = 2 * (WARMUP + 1)
 
 
-def test_ranks_alternate_then_decide_by_the_slowest_rank():
+def _measuring(ways):
+    """The real calls' ways and the probes' ways of a choice's measuring calls."""
+    return ([w for w, _, probe in ways if not probe], [w for w, _, probe in ways if probe])
+
+
+def test_ranks_measure_on_probes_then_decide_by_the_slowest_rank():
     """Rank 1 is slow when compressing (30 ms against 10 ms exact); rank 0 is fast (1 ms):
     both decide exact, since every rank waits for the slowest — a clear case (3x), decided
-    after one timed call each way. Measuring calls run synchronously; after the decision
-    the call keeps its async_op."""
+    after one timed call each way. Until then every real call is the preset's (compressed)
+    and the exact way runs as a probe on scratch copies beside every second one; measuring
+    calls run synchronously; after the decision the call keeps its async_op."""
     ranks = spawn(workers.timed_choice, 2, ([1, 30], [10, 10]))
     for r in ranks:
-        assert [w for w, _ in r["ways"]] == ["compressed", "exact"] * (CLEAR_CASE_CALLS // 2)
-        assert all(not async_op for _, async_op in r["ways"])  # timed to their end
+        real, probes = _measuring(r["ways"])
+        assert real == ["compressed"] * CLEAR_CASE_CALLS
+        assert probes == ["exact"] * (CLEAR_CASE_CALLS // 2)
+        assert all(not async_op for _, async_op, _ in r["ways"])  # timed to their end
         assert r["state"]["decision"] == "exact"
         assert r["state"]["seconds"][0] >= 0.030 > r["state"]["seconds"][1]
         assert r["after"] == ("exact", False)  # async from now on: the caller waits
-        assert r["resumed"] == [("exact", False)]  # a loaded decision measures nothing
+        assert r["resumed"] == [("exact", False, False)]  # a loaded decision measures nothing
         assert "decided 'exact' on 2 ranks of 2 per node" in r["other layout"]
     agreed = [{k: r["state"][k] for k in ("decision", "seconds", "where")} for r in ranks]
     assert agreed[0] == agreed[1]  # each rank's own times ("measured") are its own
@@ -42,7 +50,8 @@ def test_a_close_case_takes_every_sample_before_deciding():
     are taken; compressed is kept."""
     ranks = spawn(workers.timed_choice, 2, ([12, 12], [16, 16]))
     for r in ranks:
-        assert len(r["ways"]) == CALLS
+        real, probes = _measuring(r["ways"])
+        assert (len(real), len(probes)) == (CALLS, CALLS // 2)
         assert r["state"]["decision"] == "compressed"
 
 
@@ -108,3 +117,15 @@ def test_diloco_fragments_decide_alike_and_the_sites_stay_identical():
     assert ranks[0]["decisions"] == ranks[1]["decisions"]
     assert all(d in ("compressed", "exact") for d in ranks[0]["decisions"])
     assert ranks[0]["global"] == ranks[1]["global"]
+
+
+def test_while_it_measures_the_run_is_the_presets_bit_for_bit():
+    """The exact way runs only as a probe on scratch copies: through its first 3 steps (no
+    bucket decides before 4 calls of each collective) a measured int2ef-like run holds the
+    preset's weights, bit for bit, with its error-feedback memory and rounding state."""
+    policy = {"name": "ef", "dp": {"grad": {"codec": "int4:rounding=stochastic",
+                                            "error_feedback": True},
+                                   "param": {"codec": "int4:group=2048", "delta": True}}}
+    ranks = spawn(workers.measuring_is_the_preset, 2, (policy, 3))
+    for r in ranks:
+        assert r["measured"] == r["preset"]

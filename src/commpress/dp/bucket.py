@@ -140,15 +140,16 @@ class DPBucket:
                        group: dist.ProcessGroup | None, op: str = "avg",
                        async_op: bool = False) -> torch.Tensor | Handle:
         """This rank's slice of the gradients reduced over ``group``."""
-        return self._grad_call(lambda path, a: path.reduce_scatter(output, input, group, op=op,
-                                                                   async_op=a),
-                               group, input.numel(), async_op)
+        return self._grad_call(lambda path, a, probe: path.reduce_scatter(
+            torch.empty_like(output) if probe else output, input, group, op=op, async_op=a),
+            group, input.numel(), async_op)
 
     def reduce_scatter_parts(self, parts: list[torch.Tensor],
                              group: dist.ProcessGroup | None, op: str = "avg") -> torch.Tensor:
         """:func:`commpress.reduce_scatter_parts` of uneven ``parts``."""
-        return self._grad_call(lambda path, a: path.reduce_scatter_parts(parts, group, op=op),
-                               group, sum(p.numel() for p in parts), False)
+        return self._grad_call(lambda path, a, probe: path.reduce_scatter_parts(
+            [p.clone() for p in parts] if probe else parts, group, op=op),
+            group, sum(p.numel() for p in parts), False)
 
     def all_reduce(self, tensor: torch.Tensor, group: dist.ProcessGroup | None,
                    op: str = "avg", async_op: bool = False,
@@ -156,19 +157,20 @@ class DPBucket:
         """The gradients reduced over ``group``, in place; ``also_agree``: the owner's own
         fields, agreed in the same round (:func:`commpress.all_reduce`)."""
         extra = {"also_agree": also_agree} if also_agree else {}
-        return self._grad_call(lambda path, a: path.all_reduce(tensor, group, op=op,
-                                                               async_op=a, **extra),
-                               group, tensor.numel(), async_op)
+        return self._grad_call(lambda path, a, probe: path.all_reduce(
+            tensor.clone() if probe else tensor, group, op=op, async_op=a, **extra),
+            group, tensor.numel(), async_op)
 
-    def _grad_call(self, call: Callable[[Reducer, bool], Any], group: dist.ProcessGroup | None,
-                   numel: int, async_op: bool) -> Any:
-        """``call(reducer, async_op)`` with the gradient reducer the measured fallback
-        chooses (the policy's, or exact), or the policy's."""
+    def _grad_call(self, call: Callable[[Reducer, bool, bool], Any],
+                   group: dist.ProcessGroup | None, numel: int, async_op: bool) -> Any:
+        """``call(reducer, async_op, probe)`` with the gradient reducer the measured
+        fallback chooses (the policy's, or exact; ``probe``: on scratch copies), or the
+        policy's."""
         choice = self.choices.get("grad")
         if choice is None:
-            return call(self.grad, async_op)
-        result, finished = choice.run(lambda way, a: call(self._reducer(way), a), group,
-                                      self.topology, numel, async_op)
+            return call(self.grad, async_op, False)
+        result, finished = choice.run(lambda way, a, probe: call(self._reducer(way), a, probe),
+                                      group, self.topology, numel, async_op)
         return completed(result) if async_op and finished else result
 
     def _reducer(self, way: str) -> Reducer:
@@ -239,12 +241,12 @@ class DPBucket:
                                   self.param_rule, self.topology, group, async_op)
         exact = Rule()
 
-        def call(way: str, a: bool) -> Any:
+        def call(way: str, a: bool, probe: bool) -> Any:
             if way == "compressed":
                 return gather_weights(weights, new, self.param, self.param_memory,
                                       self.param_rule, self.topology, group, a)
-            return gather_weights(weights, new, exact.build(), None, exact, self.topology,
-                                  group, a)
+            return gather_weights(weights.clone() if probe else weights, new, exact.build(),
+                                  None, exact, self.topology, group, a)
         result, finished = choice.run(call, group, self.topology, new.numel(), async_op)
         return completed(result) if async_op and finished else result
 

@@ -2,22 +2,22 @@
 
 Compression pays on slow links and large messages; on a fast link, or for a small
 bucket, encoding and decoding cost more than the bytes save. With a policy's
-``fallback: measured`` each data-parallel bucket learns which on the live group: its
-first calls of each collective (the gradient reduction, the weight gather) run one way
-then the other — the policy's codecs, then torch's exact collective — synchronously and
-timed, a warm-up call each way first and then :data:`SAMPLES` of each. Then the ranks
-decide together: each rank's median time per way, the largest over the group (every
-rank waits for the slowest), and compression is kept only if it is faster. A clear
-case is decided after the first timed call each way: when one way took
-:data:`DECISIVE` times the other's, the slow way is not paid for twice more. The decision
-is logged once per bucket, kept in the bucket's state (a resumed run keeps it without
-measuring again) and never changes afterwards.
+``fallback: measured`` each data-parallel bucket learns which on the live group. Its
+first calls of each collective (the gradient reduction, the weight gather) run the
+policy's codecs as the fixed preset would, synchronously; every other one also runs
+torch's exact collective on scratch copies — the caller's tensors and the codecs' state
+untouched — and each way is timed: a warm-up each, then :data:`SAMPLES` of each. So
+until a decision the run is the preset's, bit for bit. Then the ranks decide together:
+each rank's median time per way, the largest over the group (every rank waits for the
+slowest), and compression is kept only if it is faster. A clear case is decided after
+the first timed call each way: when one way took :data:`DECISIVE` times the other's.
+The decision is logged once per bucket, kept in the bucket's state (a resumed run keeps
+it without measuring again) and never changes afterwards; after a decision for exact the
+error-feedback memory's last residual is not sent.
 
-While it measures, the exact calls leave the policy's codec state alone (its rounding
-counters and error-feedback memory move only with the calls they compress); after a
-decision for exact the memory's last residual is not sent. A decision rests on timings:
-two runs from one seed may decide differently (each decision is logged, and a resume
-keeps the saved ones), which is the reproducibility this option trades for speed.
+A decision rests on timings: two runs from one seed may decide differently (each
+decision is logged, and a resume keeps the saved ones), which is the reproducibility
+this option trades for speed.
 """
 
 from __future__ import annotations
@@ -56,10 +56,11 @@ class MeasuredChoice:
         self.agreed_seconds: list[float] | None = None  # the group's, per way
         self.where: list[int] | None = None  # the group's size and node size it held for
 
-    def run(self, call: Callable[[str, bool], T], group: dist.ProcessGroup | None,
+    def run(self, call: Callable[[str, bool, bool], T], group: dist.ProcessGroup | None,
             topology: Topology, numel: int, async_op: bool) -> tuple[T, bool]:
-        """``call(way, async_op)`` the way this collective runs now → (its result, whether
-        it ran synchronously: while measuring, a call is timed to its end)."""
+        """``call(way, async_op, probe)`` the way this collective runs now → (its result,
+        whether it ran synchronously: while measuring, calls are timed to their end).
+        ``probe=True``: run ``way`` on scratch copies, for its time alone."""
         world = dist.get_world_size(group)
         where = [world, topology.ranks_per_node_in(world)]
         if self.decision is not None:
@@ -70,16 +71,14 @@ class MeasuredChoice:
                     f"this run has {where[0]} of {where[1]}: the decision does not hold "
                     "here; allowed: resume on the same layout, or load the state with "
                     "memory=False (elastic) to measure again")
-            return call(self.decision, async_op), not async_op
+            return call(self.decision, async_op, False), not async_op
         way = WAYS[sum(map(len, self.seconds.values())) % 2]
-        tensors_on_cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-        if tensors_on_cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        result = call(way, False)
-        if tensors_on_cuda:
-            torch.cuda.synchronize()
-        self.seconds[way].append(time.perf_counter() - start)
+        if way == "compressed":  # the preset's own call, timed
+            result, seconds = _timed(lambda: call("compressed", False, False))
+        else:  # the preset's call, then the exact one on scratch copies, timed
+            result = call("compressed", False, False)
+            _, seconds = _timed(lambda: call("exact", False, True))
+        self.seconds[way].append(seconds)
         timed = min(len(s) for s in self.seconds.values()) - WARMUP
         if len(self.seconds["exact"]) == len(self.seconds["compressed"]) and timed in (
                 1, SAMPLES):  # the same call count on every rank
@@ -123,6 +122,18 @@ class MeasuredChoice:
         self.decision, self.agreed_seconds = state["decision"], state["seconds"]
         self.where = state["where"]
         self.seconds = {way: [float(t) for t in state["measured"][way]] for way in WAYS}
+
+
+def _timed(fn: Callable[[], T]) -> tuple[T, float]:
+    """``fn()`` and its seconds, to its end on the device."""
+    on_cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    if on_cuda:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    result = fn()
+    if on_cuda:
+        torch.cuda.synchronize()
+    return result, time.perf_counter() - start
 
 
 def tally(choices: Iterable[MeasuredChoice]) -> dict[str, dict[str, int]]:
