@@ -26,17 +26,21 @@ def timed_choice(rank, world, compressed_ms, exact_ms):
     while choice.decision is None:
         choice.run(call, None, topology, 100, async_op=True)
     state, measured = choice.state_dict(), len(ways)
-    after, finished = choice.run(call, None, topology, 100, async_op=True)
+    result = choice.run(call, None, topology, 100, async_op=True)
+    # decided: the call itself, with the caller's async_op (result, whether run to its end)
+    after = (result, not ways[-1][1])
     resumed = MeasuredChoice("dp.grad")
     resumed.load_state_dict(state)
     ran = len(ways)
     resumed.run(call, None, topology, 100, async_op=False)
+    elsewhere = MeasuredChoice("dp.grad")  # the same state, resumed on another layout
+    elsewhere.load_state_dict(state)
     try:
-        resumed.run(call, None, commpress.Topology(1), 100, async_op=False)
+        elsewhere.run(call, None, commpress.Topology(1), 100, async_op=False)
         other = None
     except ValueError as e:
         other = str(e)
-    return {"ways": ways[:measured], "after": (after, finished), "state": state,
+    return {"ways": ways[:measured], "after": after, "state": state,
             "resumed": ways[ran:], "other layout": other}
 
 

@@ -23,7 +23,6 @@ import torch.distributed as dist
 from commpress.codecs.error_feedback import coder_state, load_coder_state
 from commpress.collectives import Handle, Topology
 from commpress.collectives.byte_stats import Stats
-from commpress.collectives.handle import completed
 from commpress.collectives.transport import Peers, Steps
 from commpress.dp.fallback import MeasuredChoice
 from commpress.dp.grad_path import GradPath
@@ -169,9 +168,8 @@ class DPBucket:
         choice = self.choices.get("grad")
         if choice is None:
             return call(self.grad, async_op, False)
-        result, finished = choice.run(lambda way, a, probe: call(self._reducer(way), a, probe),
-                                      group, self.topology, numel, async_op)
-        return completed(result) if async_op and finished else result
+        return choice.run(lambda way, a, probe: call(self._reducer(way), a, probe), group,
+                          self.topology, numel, async_op)
 
     def _reducer(self, way: str) -> Reducer:
         if way == "compressed":
@@ -247,8 +245,7 @@ class DPBucket:
                                       self.param_rule, self.topology, group, a)
             return gather_weights(weights.clone() if probe else weights, new, exact.build(),
                                   None, exact, self.topology, group, a)
-        result, finished = choice.run(call, group, self.topology, new.numel(), async_op)
-        return completed(result) if async_op and finished else result
+        return choice.run(call, group, self.topology, new.numel(), async_op)
 
     def gather_weights_steps(self, weights: torch.Tensor, new: torch.Tensor,
                              peers: tuple[Peers, Peers, Peers], stats: Stats) -> Steps:

@@ -31,8 +31,8 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from commpress.collectives.agreement import agree
-from commpress.collectives.group_context import context
+from commpress.collectives.agreement import all_gather_objects
+from commpress.collectives.handle import Handle, completed
 from commpress.collectives.topology import Topology
 from commpress.validate import InputError
 
@@ -55,23 +55,18 @@ class MeasuredChoice:
         self.decision: str | None = None
         self.agreed_seconds: list[float] | None = None  # the group's, per way
         self.where: list[int] | None = None  # the group's size and node size it held for
+        self._layout_checked = False  # a loaded decision is checked at its first call
 
     def run(self, call: Callable[[str, bool, bool], T], group: dist.ProcessGroup | None,
-            topology: Topology, numel: int, async_op: bool) -> tuple[T, bool]:
-        """``call(way, async_op, probe)`` the way this collective runs now → (its result,
-        whether it ran synchronously: while measuring, calls are timed to their end).
-        ``probe=True``: run ``way`` on scratch copies, for its time alone."""
-        world = dist.get_world_size(group)
-        where = [world, topology.ranks_per_node_in(world)]
+            topology: Topology, numel: int, async_op: bool) -> T | Handle:
+        """``call(way, async_op, probe)`` the way this collective runs now, its result as
+        the caller asked for it (while measuring, calls run to their end: with
+        ``async_op``, a completed handle). ``probe=True``: run ``way`` on scratch copies,
+        for its time alone."""
         if self.decision is not None:
-            if self.where != where:
-                raise InputError(
-                    f"fallback: bucket {self.what} ({numel} elements) decided "
-                    f"{self.decision!r} on {self.where[0]} ranks of {self.where[1]} per node; "
-                    f"this run has {where[0]} of {where[1]}: the decision does not hold "
-                    "here; allowed: resume on the same layout, or load the state with "
-                    "memory=False (elastic) to measure again")
-            return call(self.decision, async_op, False), not async_op
+            if not self._layout_checked:  # once: a loaded decision must fit this group
+                self._check_layout(group, topology, numel)
+            return call(self.decision, async_op, False)
         way = WAYS[sum(map(len, self.seconds.values())) % 2]
         if way == "compressed":  # the preset's own call, timed
             result, seconds = _timed(lambda: call("compressed", False, False))
@@ -82,29 +77,44 @@ class MeasuredChoice:
         timed = min(len(s) for s in self.seconds.values()) - WARMUP
         if len(self.seconds["exact"]) == len(self.seconds["compressed"]) and timed in (
                 1, SAMPLES):  # the same call count on every rank
-            self._decide(group, where, numel, final=timed == SAMPLES)
-        return result, True
+            self._decide(group, topology, numel, final=timed == SAMPLES)
+        return completed(result) if async_op else result
 
-    def _decide(self, group: dist.ProcessGroup | None, where: list[int], numel: int,
+    def _layout(self, group: dist.ProcessGroup | None, topology: Topology) -> list[int]:
+        """The group's size and its ranks per node: what a decision holds for."""
+        world = dist.get_world_size(group)
+        return [world, topology.ranks_per_node_in(world)]
+
+    def _check_layout(self, group: dist.ProcessGroup | None, topology: Topology,
+                      numel: int) -> None:
+        here = self._layout(group, topology)
+        if self.where != here:
+            raise InputError(
+                f"fallback: bucket {self.what} ({numel} elements) decided "
+                f"{self.decision!r} on {self.where[0]} ranks of {self.where[1]} per node; "
+                f"this run has {here[0]} of {here[1]}: the decision does not hold here; "
+                "allowed: resume on the same layout, or load the state with memory=False "
+                "(elastic) to measure again")
+        self._layout_checked = True
+
+    def _decide(self, group: dist.ProcessGroup | None, topology: Topology, numel: int,
                 final: bool) -> None:
         """Every rank's median per way, the largest over the group: compressed if faster;
         before the last samples, only a clear case (:data:`DECISIVE`)."""
-        mine = [round(1e9 * statistics.median(self.seconds[way][WARMUP:])) for way in WAYS]
-        ctx = context(group if group is not None else dist.group.WORLD)
-        label = f"{self.what} fallback"
-        agree(group, "all_gather", label=label, numel=len(mine))
-        every = ctx.gather_words(mine, "all_gather", label)
-        worst = every.max(dim=0).values.tolist()
-        if not final and max(worst) < DECISIVE * max(1, min(worst)):
+        mine = [statistics.median(self.seconds[way][WARMUP:]) for way in WAYS]
+        every = all_gather_objects(mine, group, f"{self.what} fallback")
+        worst = [max(times[i] for times in every) for i in range(len(WAYS))]
+        if not final and max(worst) < DECISIVE * min(worst):
             return
-        self.agreed_seconds = [ns / 1e9 for ns in worst]
+        self.agreed_seconds = worst
         self.decision = "compressed" if worst[0] < worst[1] else "exact"
-        self.where = where
-        if ctx.rank == 0:
+        self.where = self._layout(group, topology)
+        self._layout_checked = True
+        if dist.get_rank(group) == 0:
             log.info("commpress fallback: bucket %s (%d elements, %d ranks, %d per node): "
-                        "compressed %.3f ms, exact %.3f ms (slowest rank's medians) -> %s",
-                        self.what, numel, where[0], where[1], 1e3 * self.agreed_seconds[0],
-                        1e3 * self.agreed_seconds[1], self.decision)
+                     "compressed %.3f ms, exact %.3f ms (slowest rank's medians) -> %s",
+                     self.what, numel, *self.where, 1e3 * worst[0], 1e3 * worst[1],
+                     self.decision)
 
     def state_dict(self) -> dict[str, Any]:
         """The decision, the group's times and layout it was made for, and this rank's
@@ -121,6 +131,7 @@ class MeasuredChoice:
                              "allowed; allowed: what MeasuredChoice.state_dict() saved")
         self.decision, self.agreed_seconds = state["decision"], state["seconds"]
         self.where = state["where"]
+        self._layout_checked = False
         self.seconds = {way: [float(t) for t in state["measured"][way]] for way in WAYS}
 
 

@@ -620,8 +620,7 @@ def step_together(optimizers: Sequence[ShardedOptimizer]) -> bool:
     if any(o.norm_group is not first.norm_group for o in optimizers):
         raise InputError("step_together: the optimizers' norm_group differ; allowed: one "
                          "norm_group over every rank that holds a part of the model")
-    for o in optimizers:
-        o._check_trained_parameters()
+    for o in optimizers:  # each step() then checks its parameters, as alone
         if o._reduced_norm is None:
             o._finish_reduce_scatters()
     local = sum(o.local_grad_sumsq() for o in optimizers)
