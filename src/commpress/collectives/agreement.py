@@ -41,6 +41,15 @@ def agree(group: dist.ProcessGroup | None, collective: str, /, **fields: object)
     return context(resolve_group(group)).agree(collective, **fields)
 
 
+def allow_replay(group: dist.ProcessGroup | None) -> None:
+    """Let ``group``'s :func:`replayable` calls skip their header where they repeat what
+    every rank agreed at the same point of the previous step
+    (:meth:`GroupContext.allow_replay`). Every member calls it, in an agreed call."""
+    if group is None and not dist.is_initialized():
+        return
+    context(resolve_group(group)).allow_replay()
+
+
 def refuse(group: dist.ProcessGroup | None, collective: str, error: Exception) -> NoReturn:
     """Raise ``error``, a refusal this rank found by itself (its model changed under a
     front-end), after an agreed call that tells the other ranks of ``group``: they meet it

@@ -16,9 +16,11 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -37,13 +39,83 @@ from commpress.collectives.mismatch import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
     describe_call,
+    deviation_message,
     digest,
     mismatch_message,
 )
-from commpress.collectives.watchdog import no_store, reported, waiting_ranks, watched, who
+from commpress.collectives.watchdog import (
+    no_store,
+    passed_by_peers,
+    reported,
+    say_replaying,
+    say_waiting,
+    tell,
+    told,
+    wait_polling,
+    waiting_ranks,
+    watched,
+    who,
+)
 
 HEADER_WORDS = 4  # sequence number, 128-bit digest as two int64, a balance share
+CYCLE_LIMIT = 4096  # calls of one cycle whose agreed form is kept
 T = TypeVar("T")
+
+# the front-end call being made on this thread (replayable())
+_REPLAY_KEY: ContextVar[str | None] = ContextVar("commpress_replay_key", default=None)
+
+
+@contextmanager
+def replayable(key: str | None) -> Iterator[None]:
+    """The collectives called inside are a front-end's repeated call ``key`` (a bucket's
+    gradient reduction, its weight gather): on a group that allows it
+    (:meth:`GroupContext.allow_replay`), each may skip its header where every rank made
+    the same call at the same point of the previous cycle (:class:`Cycle`). ``None``:
+    calls that must carry their header (a measured fallback while it measures)."""
+    token = _REPLAY_KEY.set(key)
+    try:
+        yield
+    finally:
+        _REPLAY_KEY.reset(token)
+
+
+class Cycle:
+    """The replayable calls a front-end makes on a group each step, in the form all ranks
+    last agreed at each point of the step.
+
+    A cycle starts at each call of the first replayable call's key (a step's first
+    bucket), which always carries a header. A call's *point* is how many replayable calls
+    this rank made since; other calls, which carry a header each, do not count. A call
+    that equals, at its point, the call every rank agreed there in an earlier cycle —
+    same key, same digest of what its header would carry — is *replayed* without a
+    header: every rank that replays it makes that same call. Any other call carries its
+    header: where every rank's calls changed alike (a measured fallback decided, the
+    graph changed the buckets' order) the ranks agree on the new ones; where one rank's
+    changed alone, it waits in a header while the others replay, and
+    :meth:`GroupContext._passed_by_peers` finds it out.
+    """
+
+    def __init__(self) -> None:
+        self.start_key: str | None = None
+        self.count = 0  # points placed in this cycle
+        self.agreed: dict[int, tuple[str, tuple[int, int], str]] = {}  # key, form, text
+
+    def place(self, key: str) -> int:
+        """This call's point."""
+        point = 0 if self.start_key is None or key == self.start_key else self.count
+        self.count = point + 1
+        return point
+
+    def agreed_at(self, point: int) -> tuple[str, tuple[int, int], str] | None:
+        """What every rank agreed at ``point`` in an earlier cycle (none at a start)."""
+        return self.agreed.get(point) if point else None
+
+    def record(self, point: int, key: str, form: tuple[int, int], text: str) -> None:
+        """Every rank agreed to this call through its header."""
+        if point == 0:
+            self.start_key = key
+        if point < CYCLE_LIMIT:
+            self.agreed[point] = (key, form, text)
 
 
 @dataclass(frozen=True)
@@ -88,6 +160,11 @@ class GroupContext:
         # (the connection of the thread that made its first one)
         self.subgroups: list[dist.ProcessGroup] = []  # made for it, destroyed with it
         self._held: list = []  # (work, buffers) sent without a caller to wait on them
+        self._cycle: Cycle | None = None  # set by allow_replay()
+        self.replayed = 0  # calls that skipped their header
+        self.last_replayed = -1  # the sequence number of the last
+        self.deviated: str | None = None  # why this group can take no more calls
+        self.tag = self.name  # its name and incarnation, once it replays
         self._group_ref = weakref.ref(group)
         # stats
         self.stats = Stats()
@@ -113,20 +190,86 @@ class GroupContext:
             self._seq += 1
             if self.world == 1:
                 return seq, balance % 2**64 == 0
+            if self.deviated is not None:
+                raise CollectiveMismatchError(self.deviated)
+            key = _REPLAY_KEY.get() if self._cycle is not None and balance == 0 else None
+            plain = agreed = None
+            if key is not None:  # which of the front-end's calls it is, agreed too
+                fields = {**fields, "front_end_call": key}
+                plain = describe_call(collective, None, fields)
+                form = digest(plain)
+                point = self._cycle.place(key)
+                agreed = self._cycle.agreed_at(point)
+                if agreed is not None and agreed[:2] == (key, form):
+                    self.replayed += 1
+                    self.last_replayed = seq
+                    return seq, True
             text = describe_call(collective, seq, fields)
             share = (balance + 2**63) % 2**64 - 2**63  # as a signed int64
             header = torch.tensor([seq, *digest(text), share], dtype=torch.int64)
             gathered = torch.empty(self.world * HEADER_WORDS, dtype=torch.int64)
             control = self.control_group()
             work = all_gather_single(gathered, header, control, async_op=True)
-            self._wait(work, seq, collective, fields.get("label"))
+            departure = (f"commpress.{collective}", plain or text,
+                         None if agreed is None else agreed[2])
+            self._wait(work, seq, collective, fields.get("label"), departure)
             rows = gathered.view(self.world, HEADER_WORDS)
             heads = rows[:, :3]
             if bool((heads == heads[0]).all()):
+                if key is not None:
+                    self._cycle.record(point, key, form, plain)
                 return seq, sum(rows[:, 3].tolist()) % 2**64 == 0
             texts = _gather_texts(text, control)
-        raise CollectiveMismatchError(mismatch_message(f"commpress.{collective}", texts,
-                                                       self.ranks))
+            message = mismatch_message(f"commpress.{collective}", texts, self.ranks)
+            if self._cycle is not None:  # replayed transfers may be in flight: no more calls
+                self.deviated = message
+        raise CollectiveMismatchError(message)
+
+    def allow_replay(self) -> None:
+        """Let this group's :func:`replayable` calls skip their header where they repeat
+        the call all ranks agreed at the same point of the previous cycle (:class:`Cycle`).
+
+        For a front-end whose calls on the group are fixed by a layout the ranks agreed
+        (the sharded optimizer's buckets, a DDP hook's), made by every member in an
+        agreed call (its construction). On Gloo the headers move to a control group of
+        their own, so that a header one rank sends where the others replay never meets
+        their payload on one connection (Gloo aborts the process on such a mismatch).
+        Groups made outside torch.distributed (torchft's) keep a header on every call."""
+        with self._lock:
+            group = self._group_ref()
+            if self._cycle is not None or self.world == 1 or group is None or not registered(group):
+                return
+            if self._control is group:
+                self._control = self._subgroup("control", list(self.ranks), "gloo")
+            self.control_group()  # on NCCL: the Gloo side group, made now by every member
+            # where peers leave word while they wait (watchdog.tell, say_replaying)
+            self.tag = f"{self.name}/{self._incarnation}"
+            self._cycle = Cycle()
+
+    def _passed_by_peers(self, seq: int, departure: tuple[str, str, str | None]) -> None:
+        """While this rank waits in call ``seq``'s header on a replaying group: raise the
+        mismatch a peer left (:func:`told`), or, if a peer went past this call without
+        its header — it replayed there, as it says while it waits — raise it here and
+        leave it for the others. Such a peer made the call every rank agreed at this
+        point of the previous step, where this rank made another (``departure``: the
+        collective, this rank's call and the agreed one, when there was one)."""
+        told(self)
+        say_waiting(self, seq)
+        past = passed_by_peers(self, seq)
+        if not past:
+            return
+        what, mine, agreed = departure
+        rank = self.ranks[self.rank]
+        if agreed is not None:
+            message = deviation_message(what, mine, agreed, rank, seq)
+        else:
+            message = (f"{what}: ranks disagree, so the call would corrupt data or hang; at "
+                       f"call #{seq} ranks {past} replayed, without a header, the call every "
+                       f"rank agreed at this point of the previous step, where rank {rank} "
+                       "made this call")
+        self.deviated = message
+        tell(self, message)
+        raise CollectiveMismatchError(message)
 
     def gather_words(self, words: list[int], collective: str, label: object) -> torch.Tensor:
         """Every rank's ``words`` (as many on each) → ``(world, len(words))``: what ranks
@@ -188,11 +331,19 @@ class GroupContext:
         self.subgroups.append(made)
         return made
 
-    def _wait(self, work, seq: int, collective: str, label: object) -> None:
+    def _wait(self, work, seq: int, collective: str, label: object,
+              departure: tuple[str, str, str | None] | None = None) -> None:
         with watched(self, seq):
             try:
-                work.wait()
+                if self._cycle is None or departure is None:
+                    work.wait()
+                else:  # peers may be replaying where this rank sent a header
+                    wait_polling(work, "gloo", lambda: self._passed_by_peers(seq, departure))
+            except CollectiveMismatchError:
+                raise
             except RuntimeError as e:
+                if self._cycle is not None:  # a peer's word, if it left one and exited
+                    told(self)
                 raise self._timeout_error(seq, collective, label, e) from e
 
     def _timeout_error(self, seq: int, collective: str, label: object,
@@ -289,6 +440,42 @@ def _alive(*groups: dist.ProcessGroup | None) -> bool:
     """Whether the groups are still registered (not destroyed by the user)."""
     registered = dist.distributed_c10d._world.pg_map
     return all(g is None or g in registered for g in groups)
+
+
+def wait_transfer(transfer: Any, group: dist.ProcessGroup) -> Any:
+    """Wait for a payload ``transfer`` on ``group``. On a group that replays calls (or a
+    level of one), a long wait also says in the store that this rank replayed — a peer
+    waiting in a header at that call then raises the mismatch — and raises the mismatch
+    a peer left there (:meth:`GroupContext._passed_by_peers`) instead of waiting for the
+    timeout."""
+    ctx = _replaying(group)
+    if ctx is None:
+        return transfer.wait()
+
+    def on_slow() -> None:
+        say_replaying(ctx)
+        told(ctx)
+
+    try:
+        return wait_polling(transfer, ctx.backend, on_slow)
+    except CollectiveMismatchError:
+        raise
+    except RuntimeError:  # the peer that left word may have exited since: its word first
+        told(ctx)
+        raise
+
+
+def _replaying(group: dist.ProcessGroup) -> GroupContext | None:
+    """The replaying context ``group`` belongs to: its own, or its parent's for a level
+    sub-group (named ``commpress/<parent>/<incarnation>/...``)."""
+    ctx = _CONTEXTS.get(group)
+    if ctx is not None and ctx._cycle is not None:
+        return ctx
+    name = getattr(group, "group_name", "")
+    if not name.startswith("commpress/"):
+        return None
+    tag = name[len("commpress/"):].rsplit("/", 2)[0]
+    return next((c for c in live_contexts() if c._cycle is not None and c.tag == tag), None)
 
 
 def transfer_failed(group: dist.ProcessGroup, label: str,

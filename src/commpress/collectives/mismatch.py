@@ -53,3 +53,16 @@ def mismatch_message(what: str, texts: list[str], ranks: tuple[int, ...]) -> str
             parts.append(f"{key} differs ({shown})")
     return (f"{what}: ranks disagree, so the call would corrupt data or hang; "
             + "; ".join(parts))
+
+
+def deviation_message(what: str, mine: str, agreed: str, rank: int, seq: int) -> str:
+    """Name what differs between this rank's call ``mine`` and ``agreed``, the call every
+    rank agreed at this point of the previous step, which the others replay."""
+    have, want = _fields(mine), _fields(agreed)
+    parts = [f"{key} differs (rank {rank}: {have.get(key, '<missing>')}; the others: "
+             f"{want.get(key, '<missing>')})"
+             for key in dict.fromkeys([*want, *have]) if have.get(key) != want.get(key)]
+    return (f"{what}: ranks disagree, so the call would corrupt data or hang; at call #{seq} "
+            f"rank {rank} made another call than the one every rank agreed at this point of "
+            "the previous step, which the others make again (replayed, without a header): "
+            + "; ".join(parts))

@@ -37,8 +37,9 @@ from commpress.collectives.comm import (
     all_gather_single,
     reduce_scatter_single,
 )
-from commpress.collectives.group_context import transfer_failed
+from commpress.collectives.group_context import transfer_failed, wait_transfer
 from commpress.collectives.handle import Handle, completed
+from commpress.collectives.mismatch import CollectiveMismatchError
 
 
 @dataclass(frozen=True)
@@ -176,7 +177,9 @@ def _begin(r: Request) -> Any:
 def _finish(r: Request, transfer: Any) -> Any:
     with r.stats.timed(r.label, "comm_s", _device(r)):
         try:
-            received = transfer.wait()
+            received = wait_transfer(transfer, r.peers.group)
+        except CollectiveMismatchError:  # a peer deviated from a replayed call
+            raise
         except RuntimeError as e:
             raise transfer_failed(r.peers.group, r.label, e) from e
     if isinstance(r, AllGather):

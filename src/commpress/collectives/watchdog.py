@@ -14,9 +14,12 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
+
+from commpress.collectives.mismatch import CollectiveMismatchError
 
 if TYPE_CHECKING:
     from commpress.collectives.group_context import GroupContext
@@ -112,3 +115,88 @@ def who(ctx: GroupContext, reported: set[int] | None, absent: str, present: str,
     seen = sorted(ctx.ranks[r] for r in reported)
     return f"ranks {missing} {absent}; ranks {seen} {present}" if missing else (
         f"every rank ({seen}) {everyone}")
+
+
+# -- replayed calls (GroupContext.allow_replay): what a rank says while a wait is long ----
+
+POLL_S = 1.0  # how often a long wait on a replaying group looks at what its peers said
+
+
+def wait_polling(work, backend: str, on_slow: Callable[[], None]) -> Any:
+    """``work.wait()``, calling ``on_slow()`` (which may raise) every :data:`POLL_S` while
+    it lasts: on Gloo, whose ``wait(timeout)`` leaves the transfer running; ``work`` a
+    torch work or one of commpress's transfers holding one (``.work``). Elsewhere a plain
+    wait. A wait that ends in time costs nothing more."""
+    inner = work if isinstance(work, dist.Work) else getattr(work, "work", None)
+    if "gloo" not in backend or not isinstance(inner, dist.Work):
+        return work.wait()
+    while True:
+        try:
+            inner.wait(timedelta(seconds=POLL_S))
+            return work.wait()
+        except RuntimeError as e:
+            if "timed out" not in str(e) or inner.is_completed():
+                raise
+        on_slow()
+
+
+def tell(ctx: GroupContext, message: str) -> None:
+    """Leave ``message`` (a deviation) where the peers of ``ctx`` look while they wait."""
+    try:
+        dist.distributed_c10d._get_default_store().set(f"commpress/deviated/{ctx.tag}",
+                                                       message)
+    except Exception:  # noqa: BLE001 - best effort: the peers then time out instead
+        pass
+
+
+def told(ctx: GroupContext) -> None:
+    """Raise the mismatch a peer of ``ctx`` left (:func:`tell`), if any; this rank then
+    takes no more calls on the group either."""
+    key = f"commpress/deviated/{ctx.tag}"
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        message = store.get(key).decode() if store.check([key]) else None
+    except Exception:  # noqa: BLE001 - no store: the group's timeout ends the wait
+        return
+    if message is not None:
+        ctx.deviated = message
+        raise CollectiveMismatchError(message)
+
+
+def say_replaying(ctx: GroupContext) -> None:
+    """This rank is in a long transfer after its last replayed call on ``ctx``: a peer
+    waiting in a header at that call, or an earlier one, learns that this rank went past
+    it without a header (:func:`passed_by_peers`)."""
+    _say(ctx, f"replayed {ctx.last_replayed}")
+
+
+def say_waiting(ctx: GroupContext, seq: int) -> None:
+    """This rank is in a long wait in call ``seq``'s header on ``ctx``: it went past every
+    earlier call."""
+    _say(ctx, f"header {seq}")
+
+
+def _say(ctx: GroupContext, where: str) -> None:
+    try:
+        dist.distributed_c10d._get_default_store().set(
+            f"commpress/where/{ctx.tag}/{ctx.rank}", where)
+    except Exception:  # noqa: BLE001 - best effort: the peers then time out instead
+        pass
+
+
+def passed_by_peers(ctx: GroupContext, seq: int) -> list[int]:
+    """The peers of ``ctx`` (global ranks) that went past call ``seq`` without its header:
+    they replayed it or a later call, or wait in a later call's header."""
+    found = []
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        for r in range(ctx.world):
+            key = f"commpress/where/{ctx.tag}/{r}"
+            if r == ctx.rank or not store.check([key]):
+                continue
+            kind, at = store.get(key).decode().split()
+            if int(at) > seq or (kind == "replayed" and int(at) == seq):
+                found.append(ctx.ranks[r])
+    except Exception:  # noqa: BLE001 - no store: the group's timeout ends the wait
+        return []
+    return found

@@ -61,7 +61,7 @@ from commpress.codecs import codec as build_codec
 from commpress.collectives import Topology, context
 from commpress.collectives.agreement import refuse
 from commpress.collectives.comm import group_timeout
-from commpress.collectives.group_context import release
+from commpress.collectives.group_context import release, replayable
 from commpress.dp import DPBucket
 from commpress.dp.fallback import tally
 from commpress.dp.grad_path import make_levels_now, warn_if_uncompressed
@@ -274,6 +274,9 @@ class DDPHookState:
         group and node levels are made now too, not on the communication thread."""
         hook_group = new_hook_group(self.group)
         context(hook_group).control_group()
+        # the hook buckets' calls are fixed by their layout: after the first step only a
+        # step's first bucket carries a header
+        context(hook_group).allow_replay()
         make_levels_now(self.policy, self.topology, hook_group)
         return hook_group
 
@@ -347,7 +350,8 @@ class DDPHookState:
                 raise RuntimeError(f"commpress.ddp_hook: not reducing bucket {j}: an earlier "
                                    f"bucket failed, so the hook's group is out of step "
                                    f"({type(self._failure).__name__}: {self._failure})")
-            handle = hb.dp.all_reduce(hb.buffer, self.hook_group, op="avg", async_op=True)
+            with replayable(f"hook bucket {j}"):
+                handle = hb.dp.all_reduce(hb.buffer, self.hook_group, op="avg", async_op=True)
             return handle.wait
 
         done = functools.partial(self._reduced, j)

@@ -36,8 +36,9 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
 from commpress.collectives import Topology
-from commpress.collectives.agreement import agree, all_gather_objects, refuse
+from commpress.collectives.agreement import agree, all_gather_objects, allow_replay, refuse
 from commpress.collectives.comm import all_gather_single
+from commpress.collectives.group_context import replayable
 from commpress.collectives.handle import completed
 from commpress.dp import DPBucket
 from commpress.dp.fallback import tally
@@ -202,6 +203,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
             sync_initial_state(self.model, self.buckets, self.group, self.rank, self.world,
                                init_sync)
             warn_if_uncompressed(self.policy, self.topology, self.group, "ShardedOptimizer")
+            # its buckets' calls are fixed by the layout just agreed: after the first step
+            # only a step's first call and the norm carry a header
+            allow_replay(self.group)
         self.optimizer = build_optimizer(self.buckets, optimizer_cls, optimizer_kwargs,
                                          group_options)
         # torch.optim.Optimizer's bookkeeping (step hooks, profiling) over the inner
@@ -265,8 +269,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
             b.grad_shard.copy_(b.grad_buffer)
             b.handle = completed(b.grad_shard)
         else:
-            b.handle = b.dp.reduce_scatter(b.grad_shard, b.grad_buffer, self.group, op="avg",
-                                           async_op=True)
+            with replayable(f"bucket {b.index}:grad"):
+                b.handle = b.dp.reduce_scatter(b.grad_shard, b.grad_buffer, self.group,
+                                               op="avg", async_op=True)
 
     # -- step ----------------------------------------------------------------------
     @torch.no_grad()
@@ -384,7 +389,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if self.world == 1:  # nothing crosses a wire: nothing is compressed
                 b.param_buffer.copy_(new)
             else:
-                b.dp.gather_weights(b.param_buffer, new, self.group)
+                with replayable(f"bucket {b.index}:param"):
+                    b.dp.gather_weights(b.param_buffer, new, self.group)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear accumulated gradients: the flat buffers, and any ``param.grad`` (None
