@@ -216,3 +216,26 @@ def rank0_state_everywhere(rank, world, directory):
     except commpress.InputError as e:
         return str(e)
     return None
+
+
+def headers_per_step(rank, world, policy, steps):
+    """Train ``steps`` steps over several buckets: how many calls of each step carried a
+    header (the rest replayed), the bucket count, and the weights' hash after each step."""
+    from commpress.collectives.group_context import context
+    from tests.frontends.workers import _data, _hash_params, _local_batch, _model
+
+    data = _data()
+    model = _model()
+    opt = commpress.ShardedOptimizer(model, torch.optim.AdamW, policy, lr=3e-3,
+                                     bucket_numel=30_000)
+    ctx = context(dist.group.WORLD)
+    headers, hashes = [], []
+    for step in range(steps):
+        seq, replayed = ctx._seq, ctx.replayed
+        x, y = _local_batch(data, step, rank, world)
+        model(x, y)[1].backward()
+        opt.step()
+        opt.zero_grad()
+        headers.append((ctx._seq - seq) - (ctx.replayed - replayed))
+        hashes.append(_hash_params(model))
+    return {"headers": headers, "buckets": len(opt.buckets), "hashes": hashes}

@@ -265,3 +265,15 @@ def test_optimizers_stepped_together_clip_with_one_norm_and_skip_together():
     for weights, parts in poisoned:
         assert [skipped for skipped, _ in parts] == [1, 1]
         assert all(torch.equal(x, y) for x, y in zip(weights[0], weights[1], strict=True))
+
+
+@pytest.mark.parametrize("policy", ["none", "sdp4bit"])
+def test_after_the_first_step_a_step_carries_a_few_headers_not_two_per_bucket(policy):
+    # the buckets' reduce-scatters and gathers replay what every rank agreed in step 1;
+    # a step's first call, the norm and the buffers' broadcast carry headers
+    ranks = spawn(sharded_workers.headers_per_step, 2, (policy, 4), timeout=180)
+    r = ranks[0]
+    assert r["buckets"] >= 4, r
+    assert r["headers"][0] >= 2 * r["buckets"], r
+    assert all(h <= 3 for h in r["headers"][1:]), r
+    assert ranks[0]["hashes"] == ranks[1]["hashes"]  # replicas bitwise identical

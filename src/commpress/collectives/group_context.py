@@ -62,7 +62,7 @@ CYCLE_LIMIT = 4096  # calls of one cycle whose agreed form is kept
 T = TypeVar("T")
 
 # the front-end call being made on this thread (replayable())
-_REPLAY_KEY: ContextVar[str | None] = ContextVar("commpress_replay_key", default=None)
+_REPLAY_KEY: ContextVar[list | None] = ContextVar("commpress_replay_key", default=None)
 
 
 @contextmanager
@@ -71,12 +71,22 @@ def replayable(key: str | None) -> Iterator[None]:
     gradient reduction, its weight gather): on a group that allows it
     (:meth:`GroupContext.allow_replay`), each may skip its header where every rank made
     the same call at the same point of the previous cycle (:class:`Cycle`). ``None``:
-    calls that must carry their header (a measured fallback while it measures)."""
-    token = _REPLAY_KEY.set(key)
+    calls that must carry their header. Several calls inside (a low-rank hook's two
+    all-reduces) are told apart by their order: ``key#0``, ``key#1``, …"""
+    token = _REPLAY_KEY.set(None if key is None else [key, 0])
     try:
         yield
     finally:
         _REPLAY_KEY.reset(token)
+
+
+def _scope_key() -> str | None:
+    """The key of the next call in this thread's :func:`replayable` scope, if any."""
+    scope = _REPLAY_KEY.get()
+    if scope is None:
+        return None
+    key, scope[1] = f"{scope[0]}#{scope[1]}", scope[1] + 1
+    return key
 
 
 class Cycle:
@@ -192,7 +202,7 @@ class GroupContext:
                 return seq, balance % 2**64 == 0
             if self.deviated is not None:
                 raise CollectiveMismatchError(self.deviated)
-            key = _REPLAY_KEY.get() if self._cycle is not None and balance == 0 else None
+            key = _scope_key() if self._cycle is not None and balance == 0 else None
             plain = agreed = None
             if key is not None:  # which of the front-end's calls it is, agreed too
                 fields = {**fields, "front_end_call": key}
