@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import commpress
+from commpress.collectives.group_context import context
 from tests.frontends import workers
 
 
@@ -71,13 +72,17 @@ def ddp_run(rank, world, policy, steps, options=None):
     model = SkippingGPT(workers._model())
     ddp = DDP(model, bucket_cap_mb=0.1, process_group=group,
               find_unused_parameters=o["find_unused"], static_graph=o["static_graph"])
+    state = None
     if policy is not None:
-        ddp.register_comm_hook(*commpress.ddp_hook(ddp, policy, overlap=o["overlap"],
-                                                   bucket_numel=25_000))
+        state, hook = commpress.ddp_hook(ddp, policy, overlap=o["overlap"],
+                                         bucket_numel=25_000)
+        ddp.register_comm_hook(state, hook)
     opt = torch.optim.AdamW(ddp.parameters(), lr=3e-3)
     micro = o["micro"]
-    hashes, losses = [], []
+    hashes, losses, headers = [], [], []
     for step in range(steps):
+        ctx = None if state is None else context(state.hook_group)
+        sent = None if ctx is None else ctx._seq - ctx.replayed
         x, y = workers._local_batch(data, step, dp_rank, dp_world, seed)
         model.skip = skipped_blocks(o["schedule"], step, dp_rank)
         for i, (xm, ym) in enumerate(zip(x.chunk(micro), y.chunk(micro))):
@@ -89,9 +94,12 @@ def ddp_run(rank, world, policy, steps, options=None):
                 (loss / micro).backward()
         opt.step()
         opt.zero_grad()
+        if ctx is not None:  # the calls of this step that carried a header
+            headers.append(ctx._seq - ctx.replayed - sent)
         losses.append(workers._global_loss(loss, world))
         hashes.append(workers._hash_params(model))
-    return {"hashes": hashes, "losses": losses}
+    return {"hashes": hashes, "losses": losses, "headers": headers,
+            "buckets": None if state is None else len(state.buckets)}
 
 
 def hook_error(rank, world, fault):

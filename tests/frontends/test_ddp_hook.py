@@ -239,3 +239,16 @@ def test_a_backward_after_remove_is_refused_by_name(lowrank):
     for r in spawn(ddp_workers.backward_after_remove, 2, (lowrank,)):
         assert r["error"] is not None and "the hook was removed (remove())" in r["error"], r
         assert r["saved"], r
+
+
+@pytest.mark.parametrize("options", [{}, UNUSED_AND_SKIPPING])
+def test_after_the_first_step_one_hook_bucket_a_step_carries_a_header(options):
+    # the other hook buckets replay what every rank agreed before. DDP rebuilds its
+    # buckets after the first step, so the hook buckets' order changes on every rank
+    # alike: agreed again, with headers, then replayed. Where ranks leave blocks out of
+    # the graph in turn, every bucket still completes in its order
+    ranks = _run("int8", **options)
+    r = ranks[0]
+    assert r["buckets"] >= 3, r
+    assert r["headers"][0] == r["buckets"] and r["headers"][3:] == [1] * (STEPS - 3), r
+    _assert_replicas_identical(ranks)
