@@ -11,7 +11,11 @@ from commpress.codecs import codec, list_codecs, packet_to_bytes
 from commpress.kernels import override_kernels
 
 CPU_CODECS = [n for n in list_codecs() if n != "nvcomp"]  # nvcomp needs CUDA (tests/gpu)
-SPECS = CPU_CODECS + ["int4:hadamard=128", "int8:group=64,rounding=stochastic,seed=5",
+# chunked top-k refuses a tensor smaller than a chunk: the matrix runs it with chunks of
+# two (the shapes of one element are checked to be refused, below); its defaults have
+# their own tests in test_chunk_topk.py
+SMALL = {"chunktopk": "chunktopk:chunk=2,k=1"}
+SPECS = [SMALL.get(n, n) for n in CPU_CODECS] + ["int4:hadamard=128", "int8:group=64,rounding=stochastic,seed=5",
                       "int4:group=32,hadamard=64,scale_dtype=fp16",
                       "int2:packing=trits,group=64,scale_dtype=fp16",
                       "fp8:hadamard=64,scale_dtype=fp16"]
@@ -21,7 +25,17 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # own error (int4 group 128 ≈ 0.12, int2 ternary ≈ 0.76, sign ≈ 0.60, nf2 ≈ 0.34,
 # top-1% ≈ 0.99).
 MAX_REL_ERR = {"none": 0.0, "bf16": 0.01, "fp16": 0.01, "fp8": 0.05, "int8": 0.02,
-               "int4": 0.2, "int2": 0.85, "sign": 0.65, "nf2": 0.4, "topk": 1.0, "zfp": 0.1}
+               "int4": 0.2, "int2": 0.85, "sign": 0.65, "nf2": 0.4, "topk": 1.0, "zfp": 0.1,
+               "chunktopk": 1.0}
+
+
+def _refused_as_too_small(c, numel):
+    """Chunked top-k and fewer elements than a chunk (but some): refused, by name."""
+    if c.name != "chunktopk" or not 0 < numel < c.chunk:
+        return False
+    with pytest.raises(commpress.InputError, match=f"{numel} elements is smaller than one chunk"):
+        c.encode(torch.randn(numel))
+    return True
 
 
 def test_every_codec_is_in_the_matrix():
@@ -35,6 +49,8 @@ def test_every_codec_is_in_the_matrix():
 def test_roundtrip_shape_dtype_and_error(spec, dtype, shape):
     c = codec(spec)
     x = torch.randn(shape).to(dtype)
+    if _refused_as_too_small(c, x.numel()):
+        return
     packet = c.encode(x)
     y = c.decode(packet)
     assert y.shape == x.shape and y.dtype == x.dtype
@@ -47,6 +63,8 @@ def test_roundtrip_shape_dtype_and_error(spec, dtype, shape):
 @pytest.mark.parametrize("numel", [0, 1, 127, 128, 129, 5000])
 def test_wire_bytes_is_exact(spec, numel):
     c = codec(spec)
+    if _refused_as_too_small(c, numel):
+        return
     for dtype in DTYPES:
         packet = c.encode(torch.randn(numel).to(dtype))
         assert packet_to_bytes(packet).numel() == packet.nbytes

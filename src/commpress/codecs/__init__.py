@@ -3,7 +3,15 @@
 Importing this package registers every built-in codec; :func:`list_codecs` lists them.
 """
 
-from commpress.codecs import cast, nvcomp, quantize, sign, topk, zfp  # noqa: F401  (register)
+from commpress.codecs import (  # noqa: F401  (register)
+    cast,
+    chunk_topk,
+    nvcomp,
+    quantize,
+    sign,
+    topk,
+    zfp,
+)
 from commpress.codecs.base import (
     Codec,
     Packet,

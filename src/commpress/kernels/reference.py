@@ -466,3 +466,86 @@ def topk_select(flat: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor,
     take = above | (tie & (tie.cumsum(0) <= need))
     idx = torch.nonzero_static(take, size=k).view(-1)
     return flat[idx], idx.to(index_dtype), flag
+
+
+# -- chunked top-k (SparseLoCo): per chunk, the k largest as b-bit codes of a table -------
+
+def pack_rows(values: torch.Tensor, width: int) -> torch.Tensor:
+    """Rows of non-negative ints below ``2**width`` → rows of bytes, each row's bits packed
+    little-endian and padded to a whole byte (a row splits off with its bytes)."""
+    rows, n = values.shape
+    shifts = torch.arange(width, device=values.device)
+    bits = ((values.to(torch.int64).unsqueeze(-1) >> shifts) & 1).view(rows, n * width)
+    pad = (-bits.shape[1]) % 8
+    if pad:
+        bits = torch.cat([bits, bits.new_zeros(rows, pad)], dim=1)
+    weights = 1 << torch.arange(8, device=values.device)
+    return (bits.view(rows, -1, 8) * weights).sum(-1).to(torch.uint8)
+
+
+def unpack_rows(packed: torch.Tensor, width: int, n: int) -> torch.Tensor:
+    """:func:`pack_rows` undone: ``n`` ints of ``width`` bits per row (int64)."""
+    rows = packed.shape[0]
+    bits = (packed.to(torch.int64).unsqueeze(-1) >> torch.arange(8, device=packed.device)) & 1
+    bits = bits.view(rows, -1)[:, : n * width].view(rows, n, width)
+    return (bits << torch.arange(width, device=packed.device)).sum(-1)
+
+
+def chunk_topk_encode(flat: torch.Tensor, *, chunk: int, k: int, bits: int,
+                      sigmas: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """SparseLoCo's code of flat ``x``, chunk by chunk of ``chunk`` elements (the last one
+    padded with zeros) → ``(codes, indices, table)``, one row per chunk:
+
+    - the ``k`` largest magnitudes of the chunk (ties to the lowest index; indices in
+      increasing order), their chunk-local indices packed ``log2(chunk)`` bits each;
+    - each value's bin: ``2**bits`` equal bins over the mean ± ``sigmas`` standard
+      deviations of the chunk's kept values (beyond: the outer bins), packed ``bits``
+      bits each;
+    - the table: each bin's mean of the kept values that fell in it (bf16; an empty bin
+      its centre), which the decoder reads a code through. A chunk holding NaN or ±Inf
+      gets a table of NaN: it decodes to NaN whole, never to finite values.
+    """
+    n = flat.numel()
+    rows = -(-n // chunk)
+    levels = 1 << bits
+    x = torch.zeros(rows * chunk, dtype=torch.float32, device=flat.device)
+    x[:n] = flat
+    x = x.view(rows, chunk)
+    finite = torch.isfinite(x).all(dim=1, keepdim=True)
+    x = torch.where(finite, x, 0.0)
+    key = x.abs()
+    threshold = key.kthvalue(chunk - k + 1, dim=1, keepdim=True).values
+    above = key > threshold
+    tie = key == threshold
+    take = above | (tie & (tie.cumsum(1) <= k - above.sum(1, keepdim=True)))
+    index = torch.nonzero(take)[:, 1].view(rows, k)
+    kept = x.gather(1, index).double()  # sums of values near fp32's maximum stay finite
+    mean = kept.mean(1, keepdim=True)
+    spread = sigmas * kept.std(1, unbiased=False, keepdim=True)
+    width = 2 * spread / levels
+    safe = torch.where(width > 0, width, 1.0)
+    code = torch.where(width > 0, ((kept - (mean - spread)) / safe).floor(), 0.0)
+    code = code.clamp(0, levels - 1).to(torch.int64)
+    onehot = (code.unsqueeze(-1) == torch.arange(levels, device=flat.device)).double()
+    count = onehot.sum(1)
+    total = (kept.unsqueeze(-1) * onehot).sum(1)
+    centre = mean - spread + (torch.arange(levels, device=flat.device) + 0.5) * width
+    table = torch.where(count > 0, total / count.clamp(min=1), centre)
+    table = torch.where(finite, saturate(table.clamp(-FP32_MAX, FP32_MAX).float(),
+                                         torch.bfloat16), float("nan"))
+    index_bits = chunk.bit_length() - 1
+    return (pack_rows(code, bits), pack_rows(index, index_bits), table.to(torch.bfloat16))
+
+
+def chunk_topk_decode(codes: torch.Tensor, indices: torch.Tensor, table: torch.Tensor,
+                      numel: int, *, chunk: int, k: int, bits: int) -> torch.Tensor:
+    """:func:`chunk_topk_encode` decoded → flat fp32 of ``numel`` elements: each kept
+    element its bin's table value, the rest zero; a chunk with a NaN table is NaN."""
+    rows = table.shape[0]
+    code = unpack_rows(codes.view(rows, -1), bits, k)
+    index = unpack_rows(indices.view(rows, -1), chunk.bit_length() - 1, k)
+    values = table.view(rows, -1).float().gather(1, code)
+    dense = torch.zeros(rows, chunk, dtype=torch.float32, device=table.device)
+    dense.scatter_(1, index, values)
+    dense[table.view(rows, -1).isnan().any(1)] = float("nan")
+    return dense.view(-1)[:numel]
