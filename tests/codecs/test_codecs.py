@@ -15,7 +15,8 @@ CPU_CODECS = [n for n in list_codecs() if n != "nvcomp"]  # nvcomp needs CUDA (t
 # two (the shapes of one element are checked to be refused, below); its defaults have
 # their own tests in test_chunk_topk.py
 SMALL = {"chunktopk": "chunktopk:chunk=2,k=1"}
-SPECS = [SMALL.get(n, n) for n in CPU_CODECS] + ["int4:hadamard=128", "int8:group=64,rounding=stochastic,seed=5",
+SPECS = [SMALL.get(n, n) for n in CPU_CODECS] + [
+                      "int4:hadamard=128", "int8:group=64,rounding=stochastic,seed=5",
                       "int4:group=32,hadamard=64,scale_dtype=fp16",
                       "int2:packing=trits,group=64,scale_dtype=fp16",
                       "fp8:hadamard=64,scale_dtype=fp16"]
