@@ -101,3 +101,17 @@ def test_every_preset_is_in_one_table():
         assert Policy.preset(name).name == name
     assert preset_outer_step("diloco-sparse") == (1.0, 0.0)
     assert preset_outer_step("diloco-int4") is None and preset_outer_step("sdp4bit") is None
+
+
+def test_an_error_feedback_decay_is_a_rule_field_and_ranks_agree_on_it():
+    policy = Policy.from_dict({"name": "p", "outer": {"grad": {"intra": "none", "inter": {
+        "codec": "chunktopk", "error_feedback": True, "decay": 0.95}}}})
+    rule = policy.rule("outer", "grad", "inter")
+    assert rule.decay == 0.95 and rule.build_memory().spec() == "ef:decay=0.95"
+    assert Policy.from_dict(policy.to_dict()).rule("outer", "grad", "inter") == rule
+    assert Policy.preset("diloco-sparse").rule("outer", "grad", "inter") == rule
+    for bad in ({"codec": "int2", "decay": 0.9},  # no memory to fade
+                {"codec": "int2", "error_feedback": True, "decay": 0}):
+        with pytest.raises(InputError, match=r"decay=.* is not allowed; allowed: a number in "
+                                             r"\(0, 1\], with error_feedback=true"):
+            Policy.from_dict({"name": "p", "dp": {"grad": bad}})

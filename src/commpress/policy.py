@@ -62,7 +62,7 @@ LEVELS = ("intra", "inter")
 FALLBACKS = ("off", "measured")
 # the keys that may name intra/inter codecs
 LEVELLED = ("dp.grad", "outer.grad", *(f"ep.{kind}" for kind in EP_KINDS))
-RULE_FIELDS = ("codec", "error_feedback", "delta")
+RULE_FIELDS = ("codec", "error_feedback", "decay", "delta")
 
 
 @dataclass(frozen=True)
@@ -72,6 +72,7 @@ class Rule:
 
     codec: str = "none"
     error_feedback: bool = False
+    decay: float = 1.0  # the error-feedback residual's, per call (SparseLoCo: 0.95)
     delta: bool = False
 
     def build(self) -> Codec:
@@ -80,7 +81,7 @@ class Rule:
 
     def build_memory(self) -> ErrorFeedback | None:
         """A fresh error-feedback memory to hold beside :meth:`build`'s codec, or None."""
-        return ErrorFeedback() if self.error_feedback else None
+        return ErrorFeedback(decay=self.decay) if self.error_feedback else None
 
     @property
     def exact(self) -> bool:
@@ -96,7 +97,9 @@ class Rule:
     def to_dict(self) -> str | dict[str, Any]:
         if not self.error_feedback and not self.delta:
             return self.codec
-        return {"codec": self.codec, "error_feedback": self.error_feedback, "delta": self.delta}
+        decay = {"decay": self.decay} if self.decay != 1.0 else {}
+        return {"codec": self.codec, "error_feedback": self.error_feedback, **decay,
+                "delta": self.delta}
 
 
 @dataclass(frozen=True)
@@ -261,7 +264,8 @@ class Policy:
         return out
 
     def describe(self) -> str:
-        return "; ".join([f"{k}={r.codec}" + ("+ef" if r.error_feedback else "") +
+        return "; ".join([f"{k}={r.codec}" + (f"+ef(decay {r.decay:g})" if r.decay != 1
+                                               else "+ef" if r.error_feedback else "") +
                           ("+delta" if r.delta else "") for k, r in sorted(self.rules.items())]
                          + ([f"fallback={self.fallback}"] if self.fallback != "off" else []))
 
@@ -346,6 +350,11 @@ def _rule(policy: str, key: str, value: Any) -> Rule:
             if flag in value and not isinstance(value[flag], bool):
                 raise InputError(f"policy {policy!r}: {key}.{flag}={value[flag]!r} is not "
                                  "allowed; allowed: true, false")
+        decay = value.get("decay", 1.0)
+        if not (isinstance(decay, int | float) and not isinstance(decay, bool)
+                and 0 < decay <= 1) or (decay != 1 and not value.get("error_feedback")):
+            raise InputError(f"policy {policy!r}: {key}.decay={decay!r} is not allowed; "
+                             "allowed: a number in (0, 1], with error_feedback=true")
         if not isinstance(value.get("codec", "none"), str):
             raise InputError(f"policy {policy!r}: {key}.codec={value['codec']!r} must be a "
                              "codec spec string such as 'int4:group=128'")
@@ -396,15 +405,21 @@ PRESETS: dict[str, dict[str, Any]] = {
     # Across sites (commpress.DiLoCo, torchft): pseudo-gradients exact inside a site, coded
     # between sites. Bits per element between sites: exact 32; int8 (group 128, fp32
     # scales) 8.25; int4 + Hadamard-128 4.25; ternary trits (five per byte, fp16 scales
-    # per 128) 1.725, with error feedback; top-k 2 % as fp32 values + int32 indices (1.28)
-    # with error feedback, SparseLoCo-style. ``outer_step``: the outer SGD's (lr, momentum)
-    # where it is not DiLoCo's Nesterov 0.7 / 0.9 — top-k's error feedback already carries
-    # the past (SparseLoCo's plain averaging): momentum on top overshoots at every sync.
+    # per 128) 1.725, with error feedback; ``diloco-sparse``: SparseLoCo's chunked top-k
+    # (64 of each 4096, 2-bit values through a table of bin means, 12-bit indices: 0.234)
+    # with error feedback fading by 0.95 per sync; ``diloco-topk``, the former sparse
+    # preset: top-k 2 % as fp32 values + int32 indices (1.28) with error feedback.
+    # ``outer_step``: the outer SGD's (lr, momentum) where it is not DiLoCo's Nesterov
+    # 0.7 / 0.9 — top-k's error feedback already carries the past (SparseLoCo's plain
+    # averaging): momentum on top overshoots at every sync.
     "diloco": {"outer": {}},
     "diloco-int8": {"outer": {"grad": {"intra": "none", "inter": "int8"}}},
     "diloco-int4": {"outer": {"grad": {"intra": "none", "inter": "int4:hadamard=128"}}},
     "diloco-int2ef": {"outer": {"grad": _INT2EF}},
     "diloco-sparse": {"outer": {"grad": {"intra": "none", "inter": {
+        "codec": "chunktopk", "error_feedback": True, "decay": 0.95}}},
+        "outer_step": (1.0, 0.0)},
+    "diloco-topk": {"outer": {"grad": {"intra": "none", "inter": {
         "codec": "topk:ratio=0.02", "error_feedback": True}}}, "outer_step": (1.0, 0.0)},
     # The CCGrid paper's choice of compressors, as far as the libraries here allow: ZFP
     # fixed-rate everywhere — aggressive (8 bits per value) on data-parallel gradients,

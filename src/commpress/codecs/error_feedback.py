@@ -2,7 +2,9 @@
 
 For a residual ``e`` (zero at first) and input ``g``: send ``C(g + e)`` and keep
 ``e ← g + e − Ĉ(g + e)`` (Seide et al. 2014; Karimireddy et al. 2019). It makes biased
-codecs (top-k, int2, sign-like) converge, and trims the error of the others.
+codecs (top-k, int2, sign-like) converge, and trims the error of the others. With a
+``decay`` β < 1 (SparseLoCo's 0.95) the residual fades: send ``C(g + βe)``, so what a
+sparse code leaves behind for long is forgotten instead of arriving stale.
 
 The memory is kept apart from the codec (GRACE's compressor / memory split): a codec only
 turns values into bytes and back; :class:`ErrorFeedback` only holds residuals; a
@@ -42,17 +44,22 @@ class ErrorFeedback:
         commpress.all_reduce(grad, "int2", memory=memory, label="dp.grad")
     """
 
-    def __init__(self, *args: object) -> None:
+    def __init__(self, *args: object, decay: float = 1.0) -> None:
         if args:
             raise InputError(f"ErrorFeedback({', '.join(map(repr, args))}) is not allowed: the "
                              "memory holds no codec; allowed: ErrorFeedback(), passed as "
                              "memory= beside the codec (e.g. all_reduce(x, 'int2', "
                              "memory=ErrorFeedback()))")
+        if not (isinstance(decay, int | float) and not isinstance(decay, bool)
+                and 0 < decay <= 1):
+            raise InputError(f"ErrorFeedback(decay={decay!r}) is not allowed; allowed: a "
+                             "number in (0, 1] (1: the residual kept whole)")
+        self.decay = float(decay)
         # internal state: residual per key, fp32, the shape of what is encoded
         self.residuals: dict[str, torch.Tensor] = {}
 
     def spec(self) -> str:
-        return "ef"
+        return "ef" if self.decay == 1.0 else f"ef:decay={self.decay:g}"
 
     def compensate(self, x: torch.Tensor, key: str) -> tuple[torch.Tensor, torch.Tensor]:
         """``(to encode, x + residual[key] in fp32)``; what is encoded is in ``x``'s dtype,
@@ -61,7 +68,10 @@ class ErrorFeedback:
         if old is not None and old.shape != x.shape:
             raise InputError(f"ErrorFeedback key {key!r}: shape {tuple(x.shape)} differs "
                              f"from the residual's {tuple(old.shape)}")
-        compensated = x.float() + old if old is not None else x.float().clone()
+        if old is None:
+            compensated = x.float().clone()
+        else:
+            compensated = x.float() + (old if self.decay == 1.0 else self.decay * old)
         # the cast to x's dtype is part of what is lost: the residual includes it
         return saturate(compensated, x.dtype).to(x.dtype), compensated
 

@@ -117,7 +117,7 @@ def begin(collective: str, group: dist.ProcessGroup | None, label: str | None,
     if check is not None:
         check(ctx.world)
     label = label or collective
-    specs = {name: c.spec() + ("+ef" if memories[name] is not None else "")
+    specs = {name: c.spec() + ("" if memories[name] is None else f"+{memories[name].spec()}")
              for name, c in resolved.items()}
     ctx.agree(collective, label=label, op=op, **specs, **described, **fields)
     return Call(group, ctx, resolved, memories, label)
