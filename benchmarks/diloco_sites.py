@@ -67,13 +67,15 @@ ROWS: dict[str, dict] = {
     "diloco-int4": {"outer": "diloco-int4"},
     "diloco-int2ef": {"outer": "diloco-int2ef"},
     "diloco-sparse": {"outer": "diloco-sparse"},
-    # the top-k preset under other outer steps than its own (lr 1, no momentum)
+    "diloco-topk": {"outer": "diloco-topk"},  # the former sparse preset: top-k 2 %, fp32
+    # the sparse preset under other outer steps than its own (lr 1, no momentum)
     "diloco-sparse-lr07": {"outer": "diloco-sparse", "outer_lr": 0.7},
     "diloco-sparse-nesterov": {"outer": "diloco-sparse", "outer_lr": 0.7,
                                "outer_momentum": 0.9},
     "diloco-int2ef-h128": {"outer": os.path.join(HERE, "diloco_int2ef_h128.yaml")},
     "diloco-int4-streaming": {"outer": "diloco-int4", **STREAMING},
     "diloco-int2ef-streaming": {"outer": "diloco-int2ef", **STREAMING},
+    "diloco-sparse-streaming": {"outer": "diloco-sparse", **STREAMING},
     "local": {"outer": "diloco", "local": True},
 }
 

@@ -87,8 +87,8 @@ def _cases():
     """One call per kernel family and product precision: (the choices to override, a
     name, the call)."""
     from commpress.kernels import reference as ref
+    from commpress.kernels import triton_chunk_topk, triton_topk
     from commpress.kernels import triton_quant as tq
-    from commpress.kernels import triton_topk
 
     n = 1 << 14
     bf16, fp32 = torch.randn(n).to(torch.bfloat16), torch.randn(n)
@@ -123,6 +123,10 @@ def _cases():
     yield None, "trits dequantize", lambda: tq.trits_dequantize(ct, st, n, group=128,
                                                                hadamard=0)
     yield None, "topk", lambda: triton_topk.topk_select(bf16, n // 100)
+    yield None, "chunk topk 4096/64 2-bit bf16", lambda: triton_chunk_topk.chunk_topk_select(
+        bf16, chunk=4096, k=64, bits=2, sigmas=6.0)
+    yield None, "chunk topk 8192/128 4-bit fp32", lambda: triton_chunk_topk.chunk_topk_select(
+        fp32, chunk=8192, k=128, bits=4, sigmas=6.0)
     yield from _tuned_cases(n)
 
 

@@ -83,7 +83,7 @@ class ChunkTopK(Codec):
             empty = x.new_empty(0, dtype=torch.uint8)
             return Packet((empty, empty.clone(), x.new_empty(0, dtype=torch.bfloat16)), 0,
                           tuple(x.shape), x.dtype)
-        codes, indices, table = kernels.reference.chunk_topk_encode(
+        codes, indices, table = kernels.chunk_topk_encode(
             x.reshape(-1), chunk=self.chunk, k=self.k, bits=self.bits, sigmas=self.sigmas)
         return Packet((codes.view(-1), indices.view(-1), table.view(-1)), x.numel(),
                       tuple(x.shape), x.dtype)

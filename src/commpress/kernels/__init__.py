@@ -195,10 +195,23 @@ def topk_select(flat: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor,
     return impl.topk_select(flat, k)
 
 
+def chunk_topk_encode(flat: torch.Tensor, *, chunk: int, k: int, bits: int,
+                      sigmas: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """SparseLoCo's chunked top-k code of flat ``x`` as packed ``(codes, indices,
+    table)``; see :func:`reference.chunk_topk_encode` (the Triton select where it runs)."""
+    impl = _impl(resolve("topk", device=flat.device), "triton_chunk_topk")
+    if impl is reference or not impl.supports(chunk, bits, flat.dtype):
+        return reference.chunk_topk_encode(flat, chunk=chunk, k=k, bits=bits, sigmas=sigmas)
+    code, index, table = impl.chunk_topk_select(flat, chunk=chunk, k=k, bits=bits,
+                                                sigmas=sigmas)
+    return reference.pack_chunk_codes(code, index, table, chunk=chunk, bits=bits)
+
+
 __all__ = [
     "KERNEL_CHOICES",
     "KernelConfig",
     "backend_for",
+    "chunk_topk_encode",
     "dequant_reduce_requant",
     "dequantize",
     "dequantize_sum",

@@ -491,20 +491,10 @@ def unpack_rows(packed: torch.Tensor, width: int, n: int) -> torch.Tensor:
     return (bits << torch.arange(width, device=packed.device)).sum(-1)
 
 
-def chunk_topk_encode(flat: torch.Tensor, *, chunk: int, k: int, bits: int,
+def chunk_topk_select(flat: torch.Tensor, *, chunk: int, k: int, bits: int,
                       sigmas: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """SparseLoCo's code of flat ``x``, chunk by chunk of ``chunk`` elements (the last one
-    padded with zeros) → ``(codes, indices, table)``, one row per chunk:
-
-    - the ``k`` largest magnitudes of the chunk (ties to the lowest index; indices in
-      increasing order), their chunk-local indices packed ``log2(chunk)`` bits each;
-    - each value's bin: ``2**bits`` equal bins over the mean ± ``sigmas`` standard
-      deviations of the chunk's kept values (beyond: the outer bins), packed ``bits``
-      bits each;
-    - the table: each bin's mean of the kept values that fell in it (bf16; an empty bin
-      its centre), which the decoder reads a code through. A chunk holding NaN or ±Inf
-      gets a table of NaN: it decodes to NaN whole, never to finite values.
-    """
+    """:func:`chunk_topk_encode` before packing → ``(codes, indices, table)`` as rows of
+    int64 codes, int64 chunk-local indices and the bf16 table."""
     n = flat.numel()
     rows = -(-n // chunk)
     levels = 1 << bits
@@ -519,22 +509,55 @@ def chunk_topk_encode(flat: torch.Tensor, *, chunk: int, k: int, bits: int,
     tie = key == threshold
     take = above | (tie & (tie.cumsum(1) <= k - above.sum(1, keepdim=True)))
     index = torch.nonzero(take)[:, 1].view(rows, k)
-    kept = x.gather(1, index).double()  # sums of values near fp32's maximum stay finite
-    mean = kept.mean(1, keepdim=True)
-    spread = sigmas * kept.std(1, unbiased=False, keepdim=True)
+    kept = x.gather(1, index)
+    # in units of the chunk's largest kept magnitude: sums and squares cannot overflow
+    amax = kept.abs().amax(1, keepdim=True)
+    unit = torch.where(amax > 0, amax, 1.0)
+    u = kept / unit
+    mean = u.mean(1, keepdim=True)
+    spread = sigmas * ((u - mean) ** 2).mean(1, keepdim=True).sqrt()
     width = 2 * spread / levels
     safe = torch.where(width > 0, width, 1.0)
-    code = torch.where(width > 0, ((kept - (mean - spread)) / safe).floor(), 0.0)
+    code = torch.where(width > 0, ((u - (mean - spread)) / safe).floor(), 0.0)
     code = code.clamp(0, levels - 1).to(torch.int64)
-    onehot = (code.unsqueeze(-1) == torch.arange(levels, device=flat.device)).double()
-    count = onehot.sum(1)
-    total = (kept.unsqueeze(-1) * onehot).sum(1)
-    centre = mean - spread + (torch.arange(levels, device=flat.device) + 0.5) * width
-    table = torch.where(count > 0, total / count.clamp(min=1), centre)
-    table = torch.where(finite, saturate(table.clamp(-FP32_MAX, FP32_MAX).float(),
-                                         torch.bfloat16), float("nan"))
+    onehot = code.unsqueeze(-1) == torch.arange(levels, device=flat.device)
+    count = onehot.sum(1).float()
+    total = torch.where(onehot, u.unsqueeze(-1), 0.0).sum(1)
+    # an empty bin (no code reads it) sends its centre, within the kept values' range
+    centre = (mean - spread + (torch.arange(levels, device=flat.device) + 0.5) * width)
+    table = torch.where(count > 0, total / count.clamp(min=1), centre.clamp(-1, 1)) * unit
+    return code, index, chunk_table(table, finite)
+
+
+def chunk_table(table: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
+    """The bins' means as sent: bf16, saturated (finite stays finite); NaN for a chunk
+    that held NaN or ±Inf."""
+    return torch.where(finite, saturate(table, torch.bfloat16), float("nan")).to(torch.bfloat16)
+
+
+def chunk_topk_encode(flat: torch.Tensor, *, chunk: int, k: int, bits: int,
+                      sigmas: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """SparseLoCo's code of flat ``x``, chunk by chunk of ``chunk`` elements (the last one
+    padded with zeros) → ``(codes, indices, table)``, one row per chunk:
+
+    - the ``k`` largest magnitudes of the chunk (ties to the lowest index; indices in
+      increasing order), their chunk-local indices packed ``log2(chunk)`` bits each;
+    - each value's bin: ``2**bits`` equal bins over the mean ± ``sigmas`` standard
+      deviations of the chunk's kept values (beyond: the outer bins), packed ``bits``
+      bits each;
+    - the table: each bin's mean of the kept values that fell in it (bf16; an empty bin
+      its centre), which the decoder reads a code through. A chunk holding NaN or ±Inf
+      gets a table of NaN: it decodes to NaN whole, never to finite values.
+    """
+    code, index, table = chunk_topk_select(flat, chunk=chunk, k=k, bits=bits, sigmas=sigmas)
+    return pack_chunk_codes(code, index, table, chunk=chunk, bits=bits)
+
+
+def pack_chunk_codes(code: torch.Tensor, index: torch.Tensor, table: torch.Tensor, *,
+                     chunk: int, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows of codes and chunk-local indices → their packed bytes, with the table."""
     index_bits = chunk.bit_length() - 1
-    return (pack_rows(code, bits), pack_rows(index, index_bits), table.to(torch.bfloat16))
+    return pack_rows(code, bits), pack_rows(index, index_bits), table
 
 
 def chunk_topk_decode(codes: torch.Tensor, indices: torch.Tensor, table: torch.Tensor,
