@@ -29,7 +29,7 @@ from typing import NoReturn
 import torch.distributed as dist
 
 from commpress.collectives.comm import group_timeout, resolve_group
-from commpress.collectives.group_context import context
+from commpress.collectives.group_context import context, replayable
 from commpress.collectives.mismatch import CollectiveMismatchError, CollectiveTimeoutError
 
 
@@ -126,7 +126,8 @@ def all_gather_objects(obj: object, group: dist.ProcessGroup | None, label: str)
     if group is None and not dist.is_initialized():
         return [obj]
     group = resolve_group(group)
-    agree(group, "all_gather_object", label=label)
+    with replayable(None):  # torch's object gather (sizes first) is not one to replay
+        agree(group, "all_gather_object", label=label)
     out: list = [None] * group.size()
     dist.all_gather_object(out, obj, group=group)
     return out

@@ -14,6 +14,7 @@ same ranks, from two threads, never meet on a shared connection.
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -53,6 +54,7 @@ from commpress.collectives.watchdog import (
     told,
     wait_polling,
     waiting_ranks,
+    watch_replaying,
     watched,
     who,
 )
@@ -173,6 +175,8 @@ class GroupContext:
         self._cycle: Cycle | None = None  # set by allow_replay()
         self.replayed = 0  # calls that skipped their header
         self.last_replayed = -1  # the sequence number of the last
+        self.last_replayed_at = 0.0  # when (time.monotonic())
+        self.last_said = -1  # the last replayed call this rank told the store of
         self.deviated: str | None = None  # why this group can take no more calls
         self.tag = self.name  # its name and incarnation, once it replays
         self._group_ref = weakref.ref(group)
@@ -212,7 +216,7 @@ class GroupContext:
                 agreed = self._cycle.agreed_at(point)
                 if agreed is not None and agreed[:2] == (key, form):
                     self.replayed += 1
-                    self.last_replayed = seq
+                    self.last_replayed, self.last_replayed_at = seq, time.monotonic()
                     return seq, True
             text = describe_call(collective, seq, fields)
             share = (balance + 2**63) % 2**64 - 2**63  # as a signed int64
@@ -231,8 +235,8 @@ class GroupContext:
                 return seq, sum(rows[:, 3].tolist()) % 2**64 == 0
             texts = _gather_texts(text, control)
             message = mismatch_message(f"commpress.{collective}", texts, self.ranks)
-            if self._cycle is not None:  # replayed transfers may be in flight: no more calls
-                self.deviated = message
+            if len(set(rows[:, 0].tolist())) > 1:  # ranks at other calls: some replayed,
+                self.deviated = message  # their transfers in flight: no more calls
         raise CollectiveMismatchError(message)
 
     def allow_replay(self) -> None:
@@ -249,12 +253,15 @@ class GroupContext:
             group = self._group_ref()
             if self._cycle is not None or self.world == 1 or group is None or not registered(group):
                 return
+            if "gloo" not in self.backend:  # not run on NCCL yet: a header on every call
+                return
             if self._control is group:
                 self._control = self._subgroup("control", list(self.ranks), "gloo")
             self.control_group()  # on NCCL: the Gloo side group, made now by every member
             # where peers leave word while they wait (watchdog.tell, say_replaying)
             self.tag = f"{self.name}/{self._incarnation}"
             self._cycle = Cycle()
+            watch_replaying(self)
 
     def _passed_by_peers(self, seq: int, departure: tuple[str, str, str | None]) -> None:
         """While this rank waits in call ``seq``'s header on a replaying group: raise the
@@ -277,8 +284,7 @@ class GroupContext:
                        f"call #{seq} ranks {past} replayed, without a header, the call every "
                        f"rank agreed at this point of the previous step, where rank {rank} "
                        "made this call")
-        self.deviated = message
-        tell(self, message)
+        self.deviated = message = tell(self, message)
         raise CollectiveMismatchError(message)
 
     def gather_words(self, words: list[int], collective: str, label: object) -> torch.Tensor:

@@ -13,15 +13,18 @@ import hashlib
 
 class CollectiveMismatchError(RuntimeError):
     """Ranks called the same collective (or a send and its receive) with different
-    arguments; raised on every rank involved, before any payload moved."""
+    arguments; raised on every rank involved, before any payload moved — or, where the
+    others replayed the call without a header (``GroupContext.allow_replay``), before
+    any of theirs completed."""
 
 
 class CollectiveTimeoutError(RuntimeError):
     """A rank waited for the others past the group's timeout; names who never came."""
 
 
-def describe_call(collective: str, seq: int, fields: dict[str, object]) -> str:
-    """The text ranks agree on: one ``key=value`` per line (no length limit)."""
+def describe_call(collective: str, seq: int | None, fields: dict[str, object]) -> str:
+    """The text ranks agree on: one ``key=value`` per line (no length limit); ``seq``
+    None: the call's form, whatever its place in the sequence."""
     lines = [f"collective={collective}", f"call={seq}"]
     lines += [f"{k}={v}" for k, v in fields.items()]
     return "\n".join(lines)

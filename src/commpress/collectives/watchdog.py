@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -73,8 +74,12 @@ def _watch() -> None:
                    if not e[3] and now - e[2] > PUBLISH_AFTER_S]
             for token, (ctx, seq, since, _) in due:
                 _WATCHED[token] = (ctx, seq, since, True)
+            quiet = [c for c in _REPLAYING if c.last_replayed > c.last_said
+                     and now - c.last_replayed_at > PUBLISH_AFTER_S]
         for _, (ctx, seq, _, _) in due:
             _publish(ctx, seq)
+        for ctx in quiet:
+            say_replaying(ctx)
 
 
 def waiting_ranks(ctx: GroupContext, seq: int) -> set[int] | None:
@@ -119,34 +124,47 @@ def who(ctx: GroupContext, reported: set[int] | None, absent: str, present: str,
 
 # -- replayed calls (GroupContext.allow_replay): what a rank says while a wait is long ----
 
-POLL_S = 1.0  # how often a long wait on a replaying group looks at what its peers said
+POLL_S = 1.0  # when a long wait on a replaying group first looks at what its peers said
+POLL_MAX_S = 4.0  # and the longest it waits between looks (below GRACE_S: see tell)
+_REPLAYING: weakref.WeakSet = weakref.WeakSet()  # the contexts that replay calls
 
 
 def wait_polling(work, backend: str, on_slow: Callable[[], None]) -> Any:
-    """``work.wait()``, calling ``on_slow()`` (which may raise) every :data:`POLL_S` while
-    it lasts: on Gloo, whose ``wait(timeout)`` leaves the transfer running; ``work`` a
-    torch work or one of commpress's transfers holding one (``.work``). Elsewhere a plain
-    wait. A wait that ends in time costs nothing more."""
+    """``work.wait()``, calling ``on_slow()`` (which may raise) while it lasts — after
+    :data:`POLL_S`, then at doubling intervals up to :data:`POLL_MAX_S` (the store serves
+    every waiting rank) — on Gloo, whose ``wait(timeout)`` leaves the transfer running;
+    ``work`` a torch work or one of commpress's transfers holding one (``.work``).
+    Elsewhere a plain wait. A wait that ends in time costs nothing more."""
     inner = work if isinstance(work, dist.Work) else getattr(work, "work", None)
     if "gloo" not in backend or not isinstance(inner, dist.Work):
         return work.wait()
+    interval = POLL_S
     while True:
         try:
-            inner.wait(timedelta(seconds=POLL_S))
+            inner.wait(timedelta(seconds=interval))
             return work.wait()
         except RuntimeError as e:
-            if "timed out" not in str(e) or inner.is_completed():
+            if "timed out" not in str(e):
                 raise
+            if inner.is_completed():  # it finished as the wait gave up: not slow
+                return work.wait()
         on_slow()
+        interval = min(2 * interval, POLL_MAX_S)
 
 
-def tell(ctx: GroupContext, message: str) -> None:
-    """Leave ``message`` (a deviation) where the peers of ``ctx`` look while they wait."""
+def tell(ctx: GroupContext, message: str) -> str:
+    """Leave ``message`` (a deviation) where the peers of ``ctx`` look while they wait,
+    and wait up to :data:`GRACE_S` for each to have read it (the store may live in this
+    process, and go with it) → the message every rank raises: the first one left, if a
+    peer's came first."""
+    key = f"commpress/deviated/{ctx.tag}"
     try:
-        dist.distributed_c10d._get_default_store().set(f"commpress/deviated/{ctx.tag}",
-                                                       message)
+        store = dist.distributed_c10d._get_default_store()
+        message = store.compare_set(key, "", message).decode()
     except Exception:  # noqa: BLE001 - best effort: the peers then time out instead
-        pass
+        return message
+    reported(ctx, lambda rank: f"commpress/read/{ctx.tag}/{rank}")
+    return message
 
 
 def told(ctx: GroupContext) -> None:
@@ -160,14 +178,27 @@ def told(ctx: GroupContext) -> None:
         return
     if message is not None:
         ctx.deviated = message
+        with suppress(Exception):  # the rank that left it waits for this
+            store.set(f"commpress/read/{ctx.tag}/{ctx.rank}", b"1")
         raise CollectiveMismatchError(message)
+
+
+def watch_replaying(ctx: GroupContext) -> None:
+    """From now on, a ``ctx`` whose last call was replayed over :data:`PUBLISH_AFTER_S`
+    ago says so (:func:`say_replaying`) from the watchdog thread, wherever its rank is
+    blocked — in a transfer, a size exchange, a device sync — so a peer waiting in a
+    header at that call finds it out."""
+    with _WATCH_LOCK:
+        _REPLAYING.add(ctx)
+        _start_watchdog()
 
 
 def say_replaying(ctx: GroupContext) -> None:
     """This rank is in a long transfer after its last replayed call on ``ctx``: a peer
     waiting in a header at that call, or an earlier one, learns that this rank went past
     it without a header (:func:`passed_by_peers`)."""
-    _say(ctx, f"replayed {ctx.last_replayed}")
+    ctx.last_said = replayed = ctx.last_replayed
+    _say(ctx, f"replayed {replayed}")
 
 
 def say_waiting(ctx: GroupContext, seq: int) -> None:
