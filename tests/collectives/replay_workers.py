@@ -99,3 +99,23 @@ def part_ways(rank, world, how):
     except CollectiveMismatchError as e:
         after = str(e)
     return {"error": error, "seconds": seconds, "after": after}
+
+
+def plain_mismatch_then_go_on(rank, world):
+    """Two replayed steps, then a header mismatch at one call number (rank 1 passes
+    another label): every rank raises, and the group goes on working — steps replay
+    again."""
+    allow_replay(None)
+    ctx = context(dist.group.WORLD)
+    for _ in range(2):
+        _step(rank, SIZES, "none")
+    try:
+        agree(None, "probe", label=f"rank {min(rank, 1)}")
+        error = None
+    except CollectiveMismatchError as e:
+        error = str(e)
+    replayed = ctx.replayed
+    out = _step(rank, SIZES, "none")
+    want = sum(torch.arange(96, dtype=torch.float32) + 1000 * r for r in range(world))
+    return {"error": error, "replayed after": ctx.replayed - replayed,
+            "b": torch.equal(out["b"], want)}

@@ -36,3 +36,9 @@ def test_a_rank_that_parts_ways_alone_is_named_on_every_rank_within_seconds(how)
     if how != "size, then a header":  # one message, left by the rank that saw it (there,
         # the headers met, each rank naming its own call, as any header mismatch does)
         assert len({r["error"] for r in ranks}) == 1
+
+
+def test_a_header_mismatch_at_one_call_number_leaves_a_replaying_group_usable():
+    for r in spawn(workers.plain_mismatch_then_go_on, 3, timeout=120):
+        assert r["error"] is not None and "label differs" in r["error"], r
+        assert r["replayed after"] == 2 and r["b"], r  # b and c replayed, sums exact
