@@ -256,3 +256,21 @@ def test_ddp_across_sites_is_refused_or_said_and_ddp_inside_a_site_trains(layout
     said = " ".join(ranks[0]["said"])
     identical = "every site's local weights are identical at the first sync"
     assert (identical in said) == (layout == "world-ddp-inner"), said
+
+
+def test_a_state_of_the_former_sparse_preset_is_refused_by_name_or_loaded_as_diloco_topk():
+    from commpress.dp.saved_state import check_resume, envelope
+    from commpress.frontends.diloco import STATE_FORMAT, _former_sparse
+    from commpress.policy import Policy
+
+    former = Policy.from_dict({**Policy.preset("diloco-topk").to_dict(),
+                               "name": "diloco-sparse"})
+    saved = envelope(STATE_FORMAT, former, 0, 2)
+    now = Policy.preset("diloco-sparse")  # SparseLoCo's chunked top-k
+    with pytest.raises(InputError, match="policy.outer.grad.inter .*topk:ratio=0.02.* does "
+                       "not match this run.s .*chunktopk"):
+        check_resume(_former_sparse(saved, now), STATE_FORMAT, "DiLoCo", now, 0, 2, False,
+                     "advice")
+    topk = Policy.preset("diloco-topk")  # the explicit name of the former codec
+    assert check_resume(_former_sparse(saved, topk), STATE_FORMAT, "DiLoCo", topk, 0, 2,
+                        False, "advice")

@@ -435,11 +435,13 @@ class DiLoCo:
         model = named_parameters(self.model)
 
         def check() -> tuple[dict[str, Any], bool, list]:
-            converted = _from_format_2(state, self.fragments)
+            converted = _former_sparse(_from_format_2(state, self.fragments), self.policy)
             memory = check_resume(
                 converted, STATE_FORMAT, "DiLoCo", self.policy, rank, world, elastic,
                 "resume with the same sync_every, fragments, delay, outer optimizer, "
-                "policy and ranks, each rank from its own state (save every rank's: "
+                "policy (a 'diloco-sparse' state of top-k 2 %, saved before that preset "
+                "became SparseLoCo's chunked top-k: policy='diloco-topk') and ranks, "
+                "each rank from its own state (save every rank's: "
                 "commpress.save_rank_state(..., f'.../commpress-rank{rank}.pt')); another "
                 "number of ranks, or one rank's state on every rank: "
                 "load_state_dict(state, elastic=True)", {"config": asdict(self.config)},
@@ -473,6 +475,17 @@ class DiLoCo:
     def global_weights(self) -> list[torch.Tensor]:
         """``θ_global`` of each fragment (flat fp32): the same bits on every rank."""
         return [f.global_ for f in self.fragments]
+
+
+def _former_sparse(state: Any, policy: Policy) -> Any:
+    """A state saved under ``diloco-sparse`` when that preset was top-k 2 % (what
+    ``diloco-topk`` is now), resumed under ``diloco-topk``: as that policy's. Under any
+    other policy it is left to the policy check, which refuses it naming both."""
+    former = {**Policy.preset("diloco-topk").to_dict(), "name": "diloco-sparse"}
+    if (policy.name != "diloco-topk" or not isinstance(state, dict)
+            or state.get("policy") != former):
+        return state
+    return {**state, "policy": policy.to_dict()}
 
 
 def _from_format_2(state: Any, fragments: list[Fragment]) -> Any:
