@@ -68,6 +68,11 @@ ROWS: dict[str, dict] = {
     "diloco-int2ef": {"outer": "diloco-int2ef"},
     "diloco-sparse": {"outer": "diloco-sparse"},
     "diloco-topk": {"outer": "diloco-topk"},  # the former sparse preset: top-k 2 %, fp32
+    # the sparse preset without its error feedback's decay, and with 8-bit values
+    "diloco-sparse-nodecay": {"outer": os.path.join(HERE, "diloco_sparse_nodecay.yaml"),
+                              "outer_lr": 1.0, "outer_momentum": 0.0},
+    "diloco-sparse-8bit": {"outer": os.path.join(HERE, "diloco_sparse_8bit.yaml"),
+                           "outer_lr": 1.0, "outer_momentum": 0.0},
     # the sparse preset under other outer steps than its own (lr 1, no momentum)
     "diloco-sparse-lr07": {"outer": "diloco-sparse", "outer_lr": 0.7},
     "diloco-sparse-nesterov": {"outer": "diloco-sparse", "outer_lr": 0.7,
