@@ -133,8 +133,8 @@ def resume(rank, world, options, steps, split):
 
 
 def faults(rank, world):
-    """Sites that disagree on H (refused at construction), and a NaN on one site before a
-    sync (the outer step skipped on every rank, training goes on)."""
+    """Sites that disagree on H or on a codec's options (refused at construction), and a
+    NaN on one site before a sync (the outer step skipped on every rank, training goes on)."""
     data = workers._data()
     out = {}
     try:
@@ -142,6 +142,13 @@ def faults(rank, world):
         out["disagree"] = None
     except commpress.CollectiveMismatchError as e:
         out["disagree"] = str(e)
+    try:  # sites on other options of one codec
+        _build(rank, {"policy": {"name": "sparse", "outer": {"grad": {"intra": "none", "inter": {
+            "codec": f"chunktopk:k={64 if rank == 0 else 32}", "error_feedback": True,
+            "decay": 0.95}}}}})
+        out["codec options"] = None
+    except commpress.CollectiveMismatchError as e:
+        out["codec options"] = str(e)
     model, opt, sync = _build(rank, {"policy": "diloco-int4", "topology": Topology(1)})
     out["nan"] = _steps(model, opt, sync, data, rank, world, 0, 3 * H, nan_at=(H - 1, 1))
     out["finite"] = all(bool(torch.isfinite(p).all()) for p in model.parameters())

@@ -99,6 +99,7 @@ def test_disagreeing_sites_are_refused_and_a_nan_site_skips_the_outer_step_every
     ranks = _spawn(diloco_workers.faults)
     for r in ranks:
         assert "config differs" in r["disagree"], r["disagree"]
+        assert "policy differs" in r["codec options"] and "chunktopk:k=32" in r["codec options"]
         record = r["nan"]
         # the first sync saw rank 1's NaN: skipped on every rank, the sites restart from
         # θ_global and the next syncs apply
