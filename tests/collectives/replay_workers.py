@@ -25,8 +25,13 @@ def _step(rank, sizes, spec, async_b=False, between=None, before_b=None):
             before_b()
         x = torch.arange(numel, dtype=torch.float32) + 1000 * rank
         with replayable(key):
-            h = commpress.all_reduce(x, spec, op="sum", label=f"step.{key}",
-                                     async_op=async_b and key == "b")
+            if spec == "two levels":  # transfers on the node-level sub-groups
+                h = commpress.hierarchical_all_reduce(
+                    x, intra="none", inter="int8", topology=commpress.Topology(2), op="sum",
+                    label=f"step.{key}", async_op=async_b and key == "b")
+            else:
+                h = commpress.all_reduce(x, spec, op="sum", label=f"step.{key}",
+                                         async_op=async_b and key == "b")
         handles[key] = h
         out[key] = x
         if key == "b" and between is not None:
@@ -70,7 +75,7 @@ def change_alike(rank, world):
     return {"headers": headers, "b": torch.equal(out["b"], want)}
 
 
-def part_ways(rank, world, how):
+def part_ways(rank, world, how, spec="int8"):
     """Two agreed steps, then rank 1 alone parts ways in step 3 while the others replay:
     ``size`` (its call ``b`` is bigger), ``extra`` (it makes an unreplayable call before
     ``b``), ``size, then a header`` (``b`` bigger; the others leave their ``b`` in flight
@@ -78,7 +83,7 @@ def part_ways(rank, world, how):
     a call after it meets."""
     allow_replay(None)
     for _ in range(2):
-        _step(rank, SIZES, "int8", async_b=True)
+        _step(rank, SIZES, spec, async_b=True)
     sizes, between, before_b = SIZES, None, None
     if how.startswith("size") and rank == 1:
         sizes = dict(SIZES, b=200)
@@ -88,7 +93,7 @@ def part_ways(rank, world, how):
         between = lambda: agree(None, "probe", label="after b")  # noqa: E731
     start = time.monotonic()
     try:
-        _step(rank, sizes, "int8", async_b=True, between=between, before_b=before_b)
+        _step(rank, sizes, spec, async_b=True, between=between, before_b=before_b)
         error = None
     except (CollectiveMismatchError, CollectiveTimeoutError) as e:
         error = f"{type(e).__name__}: {e}"

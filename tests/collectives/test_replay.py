@@ -38,6 +38,17 @@ def test_a_rank_that_parts_ways_alone_is_named_on_every_rank_within_seconds(how)
         assert len({r["error"] for r in ranks}) == 1
 
 
+def test_a_rank_that_parts_ways_alone_in_a_two_level_collective_is_named_too():
+    # the others wait in transfers on the node-level sub-groups, which look at the notes
+    # of the group that made them
+    ranks = spawn(workers.part_ways, 4, ("size", "two levels"), ranks_per_node=2,
+                  timeout=120, pg_timeout_s=60)
+    for r in ranks:
+        assert r["error"] is not None and "CollectiveMismatchError" in r["error"], r
+        assert "tensor.numel differs (rank 1: 200; the others: 96)" in r["error"], r
+        assert r["seconds"] < 20 and r["after"] is not None, r
+
+
 def test_a_header_mismatch_at_one_call_number_leaves_a_replaying_group_usable():
     for r in spawn(workers.plain_mismatch_then_go_on, 3, timeout=120):
         assert r["error"] is not None and "label differs" in r["error"], r

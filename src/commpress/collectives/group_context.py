@@ -255,9 +255,7 @@ class GroupContext:
                 return
             if "gloo" not in self.backend:  # not run on NCCL yet: a header on every call
                 return
-            if self._control is group:
-                self._control = self._subgroup("control", list(self.ranks), "gloo")
-            self.control_group()  # on NCCL: the Gloo side group, made now by every member
+            self._control = self._subgroup("control", list(self.ranks), "gloo")
             # where peers leave word while they wait (watchdog.tell, say_replaying)
             self.tag = f"{self.name}/{self._incarnation}"
             self._cycle = Cycle()
@@ -345,6 +343,7 @@ class GroupContext:
         made = subgroups.make(self.name, self._incarnation, kind, ranks, backend,
                               group_timeout(group), self._store)
         self.subgroups.append(made)
+        _PARENTS[made] = weakref.ref(self)  # its transfers wait as this group's do
         return made
 
     def _wait(self, work, seq: int, collective: str, label: object,
@@ -413,6 +412,8 @@ def _gather_texts(text: str, group: dist.ProcessGroup) -> list[str]:
 # -- the registry: one context per live group ------------------------------------------
 
 _CONTEXTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# sub-group → (a weak reference to) the context of the group that made it
+_PARENTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _REGISTRY_LOCK = threading.Lock()
 
 
@@ -482,16 +483,13 @@ def wait_transfer(transfer: Any, group: dist.ProcessGroup) -> Any:
 
 
 def _replaying(group: dist.ProcessGroup) -> GroupContext | None:
-    """The replaying context ``group`` belongs to: its own, or its parent's for a level
-    sub-group (named ``commpress/<parent>/<incarnation>/...``)."""
+    """The replaying context ``group`` belongs to: its own, or its parent's for a
+    sub-group (a node level) the parent made."""
     ctx = _CONTEXTS.get(group)
-    if ctx is not None and ctx._cycle is not None:
-        return ctx
-    name = getattr(group, "group_name", "")
-    if not name.startswith("commpress/"):
-        return None
-    tag = name[len("commpress/"):].rsplit("/", 2)[0]
-    return next((c for c in live_contexts() if c._cycle is not None and c.tag == tag), None)
+    if ctx is None:
+        parent = _PARENTS.get(group)
+        ctx = parent() if parent is not None else None
+    return ctx if ctx is not None and ctx._cycle is not None else None
 
 
 def transfer_failed(group: dist.ProcessGroup, label: str,

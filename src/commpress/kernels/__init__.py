@@ -198,10 +198,11 @@ def topk_select(flat: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor,
 def chunk_topk_encode(flat: torch.Tensor, *, chunk: int, k: int, bits: int,
                       sigmas: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """SparseLoCo's chunked top-k code of flat ``x`` as packed ``(codes, indices,
-    table)``; see :func:`reference.chunk_topk_encode` (the Triton select where it runs)."""
+    table)``: the selection of :func:`reference.chunk_topk_select` (the Triton one where
+    it runs), packed by :func:`reference.pack_chunk_codes`."""
     impl = _impl(resolve("topk", device=flat.device), "triton_chunk_topk")
-    if impl is reference or not impl.supports(chunk, bits, flat.dtype):
-        return reference.chunk_topk_encode(flat, chunk=chunk, k=k, bits=bits, sigmas=sigmas)
+    if impl is not reference and not impl.supports(chunk, bits, flat.dtype):
+        impl = reference
     code, index, table = impl.chunk_topk_select(flat, chunk=chunk, k=k, bits=bits,
                                                 sigmas=sigmas)
     return reference.pack_chunk_codes(code, index, table, chunk=chunk, bits=bits)

@@ -493,8 +493,17 @@ def unpack_rows(packed: torch.Tensor, width: int, n: int) -> torch.Tensor:
 
 def chunk_topk_select(flat: torch.Tensor, *, chunk: int, k: int, bits: int,
                       sigmas: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`chunk_topk_encode` before packing → ``(codes, indices, table)`` as rows of
-    int64 codes, int64 chunk-local indices and the bf16 table."""
+    """SparseLoCo's code of flat ``x``, chunk by chunk of ``chunk`` elements (the last one
+    padded with zeros), before packing (:func:`pack_chunk_codes`) → ``(codes, indices,
+    table)``, one row per chunk:
+
+    - the ``k`` largest magnitudes of the chunk (ties to the lowest index; indices in
+      increasing order), as int64 chunk-local indices;
+    - each value's bin (int64): ``2**bits`` equal bins over the mean ± ``sigmas``
+      standard deviations of the chunk's kept values (beyond: the outer bins);
+    - the table: each bin's mean of the kept values that fell in it (bf16; an empty bin
+      its centre), which the decoder reads a code through. A chunk holding NaN or ±Inf
+      gets a table of NaN: it decodes to NaN whole, never to finite values."""
     n = flat.numel()
     rows = -(-n // chunk)
     levels = 1 << bits
@@ -535,34 +544,17 @@ def chunk_table(table: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
     return torch.where(finite, saturate(table, torch.bfloat16), float("nan")).to(torch.bfloat16)
 
 
-def chunk_topk_encode(flat: torch.Tensor, *, chunk: int, k: int, bits: int,
-                      sigmas: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """SparseLoCo's code of flat ``x``, chunk by chunk of ``chunk`` elements (the last one
-    padded with zeros) → ``(codes, indices, table)``, one row per chunk:
-
-    - the ``k`` largest magnitudes of the chunk (ties to the lowest index; indices in
-      increasing order), their chunk-local indices packed ``log2(chunk)`` bits each;
-    - each value's bin: ``2**bits`` equal bins over the mean ± ``sigmas`` standard
-      deviations of the chunk's kept values (beyond: the outer bins), packed ``bits``
-      bits each;
-    - the table: each bin's mean of the kept values that fell in it (bf16; an empty bin
-      its centre), which the decoder reads a code through. A chunk holding NaN or ±Inf
-      gets a table of NaN: it decodes to NaN whole, never to finite values.
-    """
-    code, index, table = chunk_topk_select(flat, chunk=chunk, k=k, bits=bits, sigmas=sigmas)
-    return pack_chunk_codes(code, index, table, chunk=chunk, bits=bits)
-
-
 def pack_chunk_codes(code: torch.Tensor, index: torch.Tensor, table: torch.Tensor, *,
                      chunk: int, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rows of codes and chunk-local indices → their packed bytes, with the table."""
+    """Rows of codes and chunk-local indices → their packed bytes (``bits`` and
+    ``log2(chunk)`` bits each), with the table."""
     index_bits = chunk.bit_length() - 1
     return pack_rows(code, bits), pack_rows(index, index_bits), table
 
 
 def chunk_topk_decode(codes: torch.Tensor, indices: torch.Tensor, table: torch.Tensor,
                       numel: int, *, chunk: int, k: int, bits: int) -> torch.Tensor:
-    """:func:`chunk_topk_encode` decoded → flat fp32 of ``numel`` elements: each kept
+    """Packed :func:`chunk_topk_select` decoded → flat fp32 of ``numel`` elements: each kept
     element its bin's table value, the rest zero; a chunk with a NaN table is NaN."""
     rows = table.shape[0]
     code = unpack_rows(codes.view(rows, -1), bits, k)
