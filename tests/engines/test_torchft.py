@@ -3,6 +3,7 @@ this process), two replica groups as two processes on Gloo, the Manager's proces
 compressed by commpress — healthy, with a replica killed inside a compressed all-reduce
 and a new one joining, and with replicas on different policies."""
 
+import math
 import multiprocessing
 import queue
 import time
@@ -196,3 +197,107 @@ def test_the_handle_saves_its_policy_refuses_anothers_and_stops_with_remove():
     comp.remove()
     with pytest.raises(RuntimeError, match="compression was removed"):
         comp.process_group.allreduce([torch.ones(2)], dist.ReduceOp.SUM)
+
+
+def run_ef(policy, syncs=6, kill_at=2, fragments=1):
+    """Two replica groups on :class:`commpress.torchft.DiLoCo` with ``policy``; replica 1
+    is killed (SIGKILL, by its process id) inside sync ``kill_at + 1`` — the quorum formed,
+    replica 0 waiting in the all-reduce — and a new replica 1 is started. Returns each
+    replica's record (the new one's for 1). Each process has a queue of its own: one
+    killed while writing holds only its own lock."""
+    import os
+    import signal
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2)
+    ctx = multiprocessing.get_context("spawn")
+    procs, queues, records = {}, {}, {}
+
+    def start(i, pause_at=None):
+        queues[i] = ctx.Queue()
+        procs[i] = ctx.Process(target=workers.ef_replica, args=(
+            i, lighthouse.address(), policy, syncs, queues[i], fragments, pause_at))
+        procs[i].start()
+
+    def messages():
+        for q in list(queues.values()):
+            try:
+                yield q.get_nowait()
+            except queue.Empty:
+                pass
+
+    try:
+        start(0)
+        start(1, pause_at=kill_at)
+        deadline = time.monotonic() + 2 * WAIT_S
+        while len(records) < 2:
+            got = list(messages())
+            if not got:
+                assert time.monotonic() < deadline, f"no result within {2 * WAIT_S} s (a hang)"
+                dead = [i for i, p in procs.items() if p.exitcode not in (None, 0)]
+                assert not dead, f"replica {dead[0]} exited with {procs[dead[0]].exitcode}"
+                time.sleep(0.2)
+            for message in got:
+                if message[0] == "paused":
+                    os.kill(message[2], signal.SIGKILL)
+                    procs[1].join(30)
+                    assert procs[1].exitcode == -signal.SIGKILL
+                    start(1)
+                elif message[0] != "step":
+                    i, record = message
+                    assert "exception" not in record, record["exception"]
+                    records[i] = record
+        for p in procs.values():
+            p.join(30)
+        return records
+    finally:
+        for p in procs.values():
+            if p.is_alive():
+                p.kill()
+        lighthouse.shutdown()
+
+
+@pytest.mark.parametrize("policy,fragments", [("diloco-int2ef", 1), ("diloco-sparse", 2)])
+def test_error_feedback_on_torchft_goes_on_identical_after_a_replica_is_killed(policy,
+                                                                                fragments):
+    records = run_ef(policy, fragments=fragments)
+    survivor, newcomer = records[0], records[1]
+    assert survivor["step"] == newcomer["step"] == 6
+    steps = sorted(set(survivor["committed"]) & set(newcomer["committed"]))
+    assert steps and min(steps) > 2, steps  # the newcomer committed after healing
+    assert all(survivor["committed"][s] == newcomer["committed"][s] for s in steps)
+    if fragments == 1:  # alpha 0: local weights are θ_global after a sync of every one
+        assert survivor["local"] == newcomer["local"]
+    stats = survivor["stats"]["outer.grad.inter"]  # each replica group is a site
+    assert 8 * stats["wire_bytes"] / stats["elements"] < (2.3 if policy == "diloco-int2ef"
+                                                           else 0.3)
+    # the memory rule, said: the newcomer heals with no memory; the survivor keeps its own
+    healed = [(line, held) for line, held in newcomer["said"] if "healed" in line]
+    assert healed and all(n == 0 for n in healed[0][1]), newcomer["said"]
+    assert "error-feedback memory starts fresh" in healed[0][0]
+    # the survivor's sync with the killed replica is discarded, its memory as before it
+    dropped = [(line, held) for line, held in survivor["said"] if "not committed" in line]
+    assert dropped and "its all-reduce failed" in dropped[0][0], survivor["said"]
+    kept = [(line, held) for line, held in survivor["said"] if "keeps its" in line]
+    assert kept and any(n > 0 for n in kept[0][1]), survivor["said"]
+    # the loss goes on: the last syncs' inner losses below the first ones', all finite
+    losses = survivor["losses"]
+    assert all(math.isfinite(x) for x in losses)
+    assert sum(losses[-H:]) < sum(losses[:H])
+
+
+def test_the_torchft_diloco_refuses_what_it_cannot_run_on():
+    from torchft.manager import Manager
+
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(InputError, match="manager=str is not allowed"):
+        commpress.torchft.DiLoCo("manager", model)
+    with pytest.raises(InputError, match="topology= is not allowed"):
+        commpress.torchft.DiLoCo(object.__new__(Manager), model, topology=commpress.Topology(1))
+    manager = object.__new__(Manager)
+    manager._use_async_quorum = True
+    with pytest.raises(InputError, match="use_async_quorum=True is not allowed"):
+        commpress.torchft.DiLoCo(manager, model)
+    manager._use_async_quorum = False
+    manager._pg = commpress.torchft.compress(ProcessGroupGloo(), "diloco-int4").process_group
+    with pytest.raises(InputError, match="Manager on CompressedProcessGroup is not allowed"):
+        commpress.torchft.DiLoCo(manager, model)

@@ -2,6 +2,7 @@
 own DiLoCo over its Manager, the Manager's process group plain or compressed by commpress.
 The lighthouse runs in the test's process."""
 
+import logging
 import os
 import time
 import traceback
@@ -139,3 +140,103 @@ def pg_pair(rank, store_port, policy, results, quorums=1):
         results.put((rank, {"values": out}))
     except Exception:  # noqa: BLE001 - the test shows it
         results.put((rank, {"exception": traceback.format_exc()}))
+
+
+def ef_replica(replica_id, lighthouse, policy, syncs, results, fragments=1, pause_at=None):
+    """A replica group training with :class:`commpress.torchft.DiLoCo` (error feedback
+    kept per fragment) until ``syncs`` syncs have committed. Puts ``("step", id, s)`` at
+    each committed sync, then its record. ``pause_at=k``: once ``k`` syncs committed, it
+    stops inside the next sync after the quorum formed, before its all-reduce (its peer
+    waits in it), and puts ``("paused", id, pid)``: the test kills it there."""
+    try:
+        results.put((replica_id, _train_ef(replica_id, lighthouse, policy, syncs, results,
+                                           fragments, pause_at)))
+    except Exception:  # noqa: BLE001 - the test shows it
+        results.put((replica_id, {"exception": traceback.format_exc()}))
+
+
+class _Said(logging.Handler):
+    """commpress's warnings, and the residuals each fragment held when one was said."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.lines, self.residuals, self.sync = [], [], None
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+        if self.sync is not None:
+            self.residuals.append([sum(len(level.get("residuals", {})) for level in
+                                       f.dp.state_dict()["grad"].values())
+                                   for f in self.sync.fragments])
+
+
+def _train_ef(replica_id, lighthouse, policy, syncs, results, fragments, pause_at):
+    from torchft.manager import Manager
+    from torchft.process_group import ProcessGroupGloo
+
+    torch.set_num_threads(1)
+    said = _Said()
+    logging.getLogger("commpress").addHandler(said)
+    logging.getLogger("commpress").addHandler(logging.StreamHandler())  # beside torchft's
+    data = workers._data()
+    model = workers._model(seed=replica_id)  # different starts: healing must fix that
+    inner = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    store = TCPStore("localhost", 0, 1, is_master=True)
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=TIMEOUT), min_replica_size=2, use_async_quorum=False,
+        load_state_dict=lambda s: (model.load_state_dict(s["model"]),
+                                   inner.load_state_dict(s["inner"])),
+        state_dict=lambda: {"model": model.state_dict(), "inner": inner.state_dict()},
+        replica_id=str(replica_id), store_addr="localhost", store_port=store.port,
+        rank=0, world_size=1, lighthouse_addr=lighthouse, timeout=TIMEOUT,
+        quorum_timeout=timedelta(seconds=120), connect_timeout=TIMEOUT)
+    sync = commpress.torchft.DiLoCo(manager, model, inner, sync_every=H, policy=policy,
+                                    fragments=fragments)
+    said.sync = sync
+    record = {"committed": {}, "losses": []}
+
+    def after_step(*_):  # after the synchronizer's own hook: what each commit left
+        step = manager.current_step()
+        if step and step not in record["committed"]:
+            record["committed"][step] = _hash_tensors(sync.global_weights())
+            results.put(("step", replica_id, step))
+
+    inner.register_step_post_hook(after_step)
+    if pause_at is not None:
+        start = sync._start
+
+        def pausing(*args):
+            if manager.current_step() == pause_at:
+                results.put(("paused", replica_id, os.getpid()))
+                time.sleep(600)
+            return start(*args)
+
+        sync._start = pausing
+    commpress.reset_stats()
+    step = 0
+    try:
+        while manager.current_step() < syncs and step < 8 * H * syncs:
+            x, y = workers._local_batch(data, step, replica_id, 2)
+            _, loss = model(x, y)
+            loss.backward()
+            inner.step()
+            inner.zero_grad()
+            record["losses"].append(loss.item())
+            step += 1
+        record["stats"] = commpress.stats()
+        record["step"] = manager.current_step()
+        record["said"] = list(zip(said.lines, said.residuals))
+        record["local"] = workers._hash_params(model)
+    finally:
+        sync.remove()
+        manager.shutdown(wait=False)
+    return record
+
+
+def _hash_tensors(tensors):
+    import hashlib
+
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()

@@ -34,21 +34,40 @@ is gone from the next quorum; torchft retries that as any fault).
 **What is compressed.** SUM and AVG all-reduces of float32, bfloat16 and float16 tensors
 (a 0-d loss too); float64 and integer tensors, and every other collective, are torchft's
 own.
-The codecs allowed here keep no state that another replica must share: no error-feedback
-memory and no stochastic-rounding counter. Error-feedback memory belongs to one tensor,
-and torchft hands the process group anonymous ones — after a retried step, another
-fragment or a new quorum, a memory would be added to the wrong values, or a rejoining
-replica would apply memory the others dropped. So such policies are refused here;
-:class:`commpress.DiLoCo` keeps them per fragment.
+The codecs allowed in the process group keep no state that another replica must share: no
+error-feedback memory and no stochastic-rounding counter. Error-feedback memory belongs to
+one tensor, and torchft hands the process group anonymous ones — after a retried step,
+another fragment or a new quorum, a memory would be added to the wrong values, or a
+rejoining replica would apply memory the others dropped. So such policies are refused
+there; :class:`DiLoCo` below keeps them per fragment.
 
-The call is synchronous (it returns once the reduced values are in the tensor), so
-torchft's ``fragment_sync_delay`` overlaps nothing; errors (a replica that died, a
-timeout) are raised into torchft, which reports them and does not commit the step.
+**Error feedback: commpress's DiLoCo on torchft's Manager.** :class:`DiLoCo` runs
+:class:`commpress.DiLoCo` — its fragments, each with its own error-feedback memory — on a
+``Manager`` instead of a fixed group: each sync forms torchft's quorum, all-reduces on the
+quorum's group, and applies the outer step only if torchft's commit vote passes. The
+memory rule:
+
+- a replica that heals (rejoins, or joins at the start) takes ``θ_global``, the outer
+  momentum and the schedule from a live peer, and its error-feedback memory starts fresh
+  — a peer's memory holds that peer's residuals, never this replica's;
+- live replicas keep their memory through quorum changes;
+- a sync that is not committed (a peer died in it, too few replicas) is discarded as
+  torchft discards a step: the fragment's weights go back to ``θ_global`` and its memory
+  back to what it held before the sync, so no residual of a discarded pseudo-gradient is
+  ever sent later.
+
+Each rule is said in the log when it applies.
+
+The process group's all-reduce is synchronous (it returns once the reduced values are in
+the tensor), so torchft's ``fragment_sync_delay`` overlaps nothing; errors (a replica that
+died, a timeout) are raised into torchft, which reports them and does not commit the step.
 Leave torchft's ``should_quantize`` off: it would quantize before this group sees it.
 """
 
 from __future__ import annotations
 
+import logging
+from dataclasses import asdict
 from datetime import timedelta
 from typing import Any
 
@@ -63,9 +82,12 @@ from commpress.collectives.agreement import agree
 from commpress.collectives.group_context import release
 from commpress.dp import DPBucket
 from commpress.frontends.diloco import LABEL, outer_policy
+from commpress.frontends.diloco import DiLoCo as SitesDiLoCo
+from commpress.frontends.parts.outer_fragments import Fragment, named_parameters, trained
 from commpress.policy import Policy
-from commpress.validate import InputError
+from commpress.validate import InputError, few
 
+log = logging.getLogger(__name__)
 WHAT = "commpress.torchft"
 _OPS = ((dist.ReduceOp.SUM, "sum"), (dist.ReduceOp.AVG, "avg"))
 # torchft's process groups that run collectives in this process on a c10d group
@@ -275,3 +297,180 @@ def _check_stateless(policy: Policy) -> None:
         raise InputError(f"{WHAT}: policy {policy.name!r} rounds stochastically, from "
                          "a counter a rejoining replica would not share; allowed: "
                          "rounding=nearest")
+
+
+class DiLoCo(SitesDiLoCo):
+    """:class:`commpress.DiLoCo` across torchft replica groups (module docstring: the
+    memory rule). ``manager``: torchft's ``Manager``, built with ``use_async_quorum=False``
+    on torchft's ``ProcessGroupGloo``, whose ``state_dict`` / ``load_state_dict`` carry
+    the model and the inner optimizer (a healing replica takes them from a live peer);
+    the other arguments are :class:`commpress.DiLoCo`'s, any policy of
+    :data:`commpress.OUTER_PRESETS` (error feedback too). Each member of the Manager's
+    group is one site.
+
+    Example::
+
+        manager = Manager(pg=ProcessGroupGloo(), use_async_quorum=False,
+                          state_dict=lambda: {"model": model.state_dict(),
+                                              "inner": inner.state_dict()}, ...)
+        sync = commpress.torchft.DiLoCo(manager, model, inner, sync_every=32,
+                                        policy="diloco-sparse")
+        for x, y in batches:
+            model(x, y).backward(); inner.step(); inner.zero_grad()  # syncs every 32
+    """
+
+    def __init__(self, manager: Any, model: torch.nn.Module,
+                 inner_optimizer: torch.optim.Optimizer | None = None, **kwargs: Any) -> None:
+        for name in ("group", "topology"):
+            if name in kwargs:
+                raise InputError(f"{WHAT}.DiLoCo: {name}= is not allowed; the sites are "
+                                 "the Manager's replica groups, one per member of its "
+                                 "process group")
+        _check_manager(manager)
+        self.manager = manager
+        self._before: dict[int, dict[str, Any]] = {}  # fragment → codec state before a sync
+        self._members: int | None = None
+        super().__init__(model, inner_optimizer, topology=Topology(1), **kwargs)
+        # torchft's healing (init_sync) gives every replica the same start: no check of
+        # distinct sites at the first sync, which a replica healing later would not join
+        self._first_sync = False
+
+    def _open(self, group: dist.ProcessGroup | None,
+              named: list[tuple[str, torch.Tensor]]) -> None:
+        # no group yet: each quorum brings its own (_begin_sync)
+        self.manager.register_state_dict_fn(STATE_KEY, self._load_healed, self._healing_state)
+
+    def _begin_sync(self) -> bool:
+        """torchft's quorum for this sync (a replica behind heals here: :meth:`_load_healed`);
+        on a new quorum's group the replicas agree on the run before any payload."""
+        self.manager.start_quorum()
+        if self.manager.errored() is not None:  # the quorum's group failed to form
+            return False
+        group = self.manager._pg.parent  # the c10d group torchft built for this quorum
+        if group is self.group:
+            return True
+        if self.manager.num_participants() != group.size():
+            raise InputError(f"{WHAT}.DiLoCo: {self.manager.num_participants()} of the "
+                             f"quorum's {group.size()} replicas take part in this sync; "
+                             "allowed: every replica (use_async_quorum=False, "
+                             "world_size_mode=DYNAMIC)")
+        if self.group is not None:
+            release(self.group, drain=False)
+        self.group = group
+        try:
+            self._agree_on_run(trained(self.model))
+        except CollectiveMismatchError:
+            raise  # replicas that can never agree: into the training loop, not retried
+        except Exception as e:  # noqa: BLE001 - a replica died: torchft skips the sync
+            self.manager.report_error(e)
+            return False
+        if self._members is not None:
+            log.warning("%s.DiLoCo: a new quorum of %d replicas (was %d) at inner step %d: "
+                        "this replica keeps its error-feedback memory", WHAT, group.size(),
+                        self._members, self.inner_steps)
+        self._members = group.size()
+        return True
+
+    def _start(self, fragment: Fragment, fields: dict[str, Any], agreed: bool) -> None:
+        self._before[fragment.index] = fragment.dp.state_dict()
+        super()._start(fragment, fields, agreed)
+
+    def _result(self, pending: Any) -> torch.Tensor | None:
+        try:
+            return super()._result(pending)
+        except CollectiveMismatchError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a replica died: torchft votes the sync out
+            self.manager.report_error(e)
+            return None
+
+    @torch.no_grad()
+    def _apply(self, fragment: Fragment, delta: torch.Tensor | None) -> None:
+        """The outer step if torchft commits the sync; else the sync is discarded."""
+        before = self._before.pop(fragment.index, None)
+        if self.manager.should_commit() and delta is not None:
+            super()._apply(fragment, delta)
+            return
+        fragment.set_local(named_parameters(self.model), fragment.global_)
+        if before is not None:
+            fragment.dp.load_state_dict(before, True)
+        log.warning("%s.DiLoCo: the sync of fragment %d at inner step %d was not committed "
+                    "(%s): its pseudo-gradient is discarded, the fragment restarts from "
+                    "θ_global and its error-feedback memory is back to before the sync",
+                    WHAT, fragment.index, self.inner_steps,
+                    "its all-reduce failed" if delta is None else "torchft's vote")
+
+    def _healing_state(self) -> dict[str, Any]:
+        """What a healing replica takes from this one: no codec state (the memory rule)."""
+        if self._pending:
+            raise RuntimeError(f"{WHAT}.DiLoCo: a healing state was asked for with an "
+                               "all-reduce in flight")
+        return {"format": STATE_KEY, "policy": self.policy.to_dict(),
+                "config": asdict(self.config), "inner_steps": self.inner_steps,
+                "syncs": self.syncs, "skipped": self.skipped,
+                "fragments": [{"names": list(f.names), "global": f.global_.clone(),
+                               "momentum": f.momentum.clone()} for f in self.fragments]}
+
+    def _load_healed(self, state: dict[str, Any]) -> None:
+        mine = self._healing_state()
+        for field in ("format", "policy", "config"):
+            if state.get(field) != mine[field]:
+                raise CollectiveMismatchError(
+                    f"{WHAT}.DiLoCo: the live replica this one heals from has {field} "
+                    f"{state.get(field)!r}; this replica has {mine[field]!r}")
+        names = [f["names"] for f in state["fragments"]]
+        if names != [f.names for f in self.fragments]:
+            raise CollectiveMismatchError(
+                f"{WHAT}.DiLoCo: the live replica this one heals from trains the "
+                f"parameters {few(sum(names, []))} in its fragments; this replica trains "
+                f"{few([n for f in self.fragments for n in f.names])}")
+        for f, saved in zip(self.fragments, state["fragments"]):
+            f.global_.copy_(saved["global"])
+            f.momentum.copy_(saved["momentum"])
+            f.dp.fresh()
+        self.inner_steps, self.syncs = state["inner_steps"], state["syncs"]
+        self.skipped = state["skipped"]
+        self._pending.clear()
+        self._before.clear()
+        log.warning("%s.DiLoCo: healed from a live replica at inner step %d: θ_global, the "
+                    "outer momentum and the schedule taken; this replica's error-feedback "
+                    "memory starts fresh", WHAT, self.inner_steps)
+
+    def load_state_dict(self, state: dict[str, Any], elastic: bool = False) -> None:
+        super().load_state_dict(state, elastic)
+        self._site_check = None  # replicas resume and heal on their own: no joint check
+
+    def _resume_group(self) -> dist.ProcessGroup | None:
+        return None  # each replica checks its own state; torchft heals those behind
+
+    def _identity(self) -> tuple[int, int]:
+        if self.group is None:
+            raise InputError(f"{WHAT}.DiLoCo: state_dict() before the first sync is not "
+                             "allowed; allowed: after a sync (a quorum gives the replica "
+                             "its rank)")
+        return super()._identity()
+
+
+STATE_KEY = "commpress.torchft.DiLoCo/1"
+
+
+def _check_manager(manager: Any) -> None:
+    """A Manager this DiLoCo can run on (one whose every replica joins each sync)."""
+    from torchft.manager import Manager, WorldSizeMode
+
+    if not isinstance(manager, Manager):
+        raise InputError(f"{WHAT}.DiLoCo: manager={type(manager).__name__} is not allowed; "
+                         "allowed: a torchft.Manager")
+    if getattr(manager, "_use_async_quorum", False):
+        raise InputError(f"{WHAT}.DiLoCo: a Manager with use_async_quorum=True is not "
+                         "allowed (a healing replica would sit out the sync with memory "
+                         "of its own); allowed: use_async_quorum=False")
+    mode = getattr(manager, "_replica_world_size_mode", WorldSizeMode.DYNAMIC)
+    if mode != WorldSizeMode.DYNAMIC:
+        raise InputError(f"{WHAT}.DiLoCo: a Manager with world_size_mode={mode} is not "
+                         "allowed (spares sit out syncs); allowed: WorldSizeMode.DYNAMIC")
+    pg = getattr(manager, "_pg", None)
+    if type(pg).__name__ not in _IN_PROCESS:
+        raise InputError(f"{WHAT}.DiLoCo: a Manager on {type(pg).__name__} is not allowed; "
+                         f"allowed: torchft's {', '.join(_IN_PROCESS)} (not wrapped by "
+                         f"{WHAT}.compress: the DiLoCo compresses its own all-reduces)")

@@ -206,23 +206,8 @@ class DiLoCo:
             raise InputError(f"DiLoCo: fragments={fragments} is not allowed for a model of "
                              f"{len(named)} trained parameters; allowed: at most "
                              f"{len(named)}")
-        self.group = new_hook_group(group)
-        spans = ddp_spanning_sites(model, self.group, self.topology)
-        # ranks that disagree on the schedule, the policy or the model are told so now
-        agree(self.group, "DiLoCo", label=LABEL, config=asdict(self.config),
-              policy=self.policy.to_dict(), trained=describe(named),
-              ddp_across_sites=bool(spans))
-        if spans:
-            raise InputError(f"DiLoCo: model is a DistributedDataParallel over {spans}: DDP "
-                             "would all-reduce every gradient between the sites in full "
-                             "precision each step, undoing what DiLoCo saves; allowed: DDP "
-                             "over each site's own ranks (DDP(model, process_group=<the "
-                             "site's group>)), or one rank per site without DDP "
-                             "(topology=commpress.Topology(1))")
-        make_levels_now(self.policy, self.topology, self.group, "outer")  # not on the thread
-        broadcast_coalesced([p.detach() for p in model.parameters()], group_source(self.group),
-                            self.group, named[0][1].device, "DiLoCo initial weights")
-        warn_if_uncompressed(self.policy, self.topology, self.group, "DiLoCo", axis="outer")
+        self.group: dist.ProcessGroup | None = None
+        self._open(group, named)
         # internal state
         self.fragments = [Fragment(i, part, self.policy, self.topology, LABEL)
                           for i, part in enumerate(split(named, fragments))]
@@ -238,6 +223,34 @@ class DiLoCo:
         self.syncs = 0
         self.skipped = 0  # outer steps skipped: a non-finite averaged pseudo-gradient
 
+    def _open(self, group: dist.ProcessGroup | None,
+              named: list[tuple[str, torch.Tensor]]) -> None:
+        """The sites' group, made and agreed on at construction; the sites start from rank
+        0's weights. (:class:`commpress.torchft.DiLoCo` opens a group per quorum instead.)"""
+        self.group = new_hook_group(group)
+        spans = ddp_spanning_sites(self.model, self.group, self.topology)
+        # ranks that disagree on the schedule, the policy or the model are told so now
+        self._agree_on_run(named, ddp_across_sites=bool(spans))
+        if spans:
+            raise InputError(f"DiLoCo: model is a DistributedDataParallel over {spans}: DDP "
+                             "would all-reduce every gradient between the sites in full "
+                             "precision each step, undoing what DiLoCo saves; allowed: DDP "
+                             "over each site's own ranks (DDP(model, process_group=<the "
+                             "site's group>)), or one rank per site without DDP "
+                             "(topology=commpress.Topology(1))")
+        broadcast_coalesced([p.detach() for p in self.model.parameters()],
+                            group_source(self.group), self.group, named[0][1].device,
+                            "DiLoCo initial weights")
+        warn_if_uncompressed(self.policy, self.topology, self.group, "DiLoCo", axis="outer")
+
+    def _agree_on_run(self, named: list[tuple[str, torch.Tensor]], **also: Any) -> None:
+        """Every rank of the group has this schedule, policy and trained set (else a
+        :class:`~commpress.CollectiveMismatchError` on every rank); the policy's levels
+        are made here, not on the all-reduce's thread."""
+        agree(self.group, "DiLoCo", label=LABEL, config=asdict(self.config),
+              policy=self.policy.to_dict(), trained=describe(named), **also)
+        make_levels_now(self.policy, self.topology, self.group, "outer")
+
     # -- the schedule ------------------------------------------------------------------
     def step(self) -> None:
         """Count one inner step; apply the fragments whose all-reduce is due, then start
@@ -247,15 +260,25 @@ class DiLoCo:
         for i in sorted(self._pending):
             if self._pending[i][0] == t:
                 self._apply(self.fragments[i], self._result(self._pending.pop(i)[1]))
-        starting = [f for f in self.fragments
-                    if t % self.config.sync_every == self.config.sync_offset(f.index)]
-        if starting:
+        if self._starting(t) and self._begin_sync():
+            starting = self._starting(self.inner_steps)  # a replica healed: the peers' step
             now = trained(self.model)
             fields = self._sync_fields(now)
             agreed = self._follow_the_model(now, fields)
             for fragment in starting:
                 self._start(fragment, fields, agreed)
                 agreed = False
+
+    def _starting(self, t: int) -> list[Fragment]:
+        """The fragments whose all-reduce starts after inner step ``t``."""
+        return [f for f in self.fragments
+                if t % self.config.sync_every == self.config.sync_offset(f.index)]
+
+    def _begin_sync(self) -> bool:
+        """Before fragments start their all-reduce: whether they run it (the sites'
+        group is fixed here; a torchft quorum is formed in
+        :class:`commpress.torchft.DiLoCo`)."""
+        return True
 
     def _follow_the_model(self, now: list[tuple[str, torch.Tensor]],
                           fields: dict[str, Any]) -> bool:
@@ -275,7 +298,7 @@ class DiLoCo:
         broadcast_coalesced(joined, group_source(self.group), self.group,
                             self.fragments[0].global_.device, "DiLoCo joining parameters")
         touched = apply_change(self.fragments, changed, named_parameters(self.model))
-        say_once(log, ("reformed", id(self), self.inner_steps), dist.get_rank(self.group),
+        say_once(log, ("reformed", id(self), self.inner_steps), self.group.rank(),
                  "DiLoCo: the trained parameters changed by inner step %d: %d left (%s), %d "
                  "joined (%s); fragments %s re-formed, their codecs (error-feedback memory) "
                  "fresh", self.inner_steps, len(changed.left), few(changed.left) or "-",
@@ -306,21 +329,21 @@ class DiLoCo:
             if site_check is not None:  # the first sync since a load: every site's verdict
                 raise_if_any(all_gather_objects(site_check.problem(), self.group,
                                                 "DiLoCo: resumed site state"),
-                             dist.get_rank(self.group), "resumed another site's state")
+                             self.group.rank(), "resumed another site's state")
             if local is not None:
                 warn_if_sites_identical(local, self.group, self.topology)
             fragment.dp.all_reduce(delta, self.group, op="avg", also_agree=sync)
 
         if self._thread is None:
-            all_reduce()
-            self._apply(fragment, delta)
+            self._apply(fragment, self._result((_run_now(all_reduce), delta)))
             return
         job = self._thread.submit(all_reduce)
         self._pending[fragment.index] = (self.inner_steps + self.config.delay, (job, delta))
 
-    @staticmethod
-    def _result(pending: Any) -> torch.Tensor:
-        if isinstance(pending, torch.Tensor):  # restored from a checkpoint
+    def _result(self, pending: Any) -> torch.Tensor | None:
+        """The averaged pseudo-gradient of an all-reduce started by :meth:`_start` (None:
+        it failed, and the failure was handed to torchft)."""
+        if pending is None or isinstance(pending, torch.Tensor):  # failed, or restored
             return pending
         job, delta = pending
         job.result()  # re-raises the all-reduce's error here, on the training thread
@@ -354,7 +377,7 @@ class DiLoCo:
         the inner optimizer's non-finite state — else its next forward and step would
         poison the fragment again, and with fragments every later sync (each fragment
         then restarts before its own sync comes). Said on every site it happens to."""
-        rank = dist.get_rank(self.group)
+        rank = self.group.rank()
         if rank == 0:
             log.warning("DiLoCo: the averaged pseudo-gradient of fragment %d at inner step %d "
                         "is not finite (a site's weights or gradients went non-finite): the "
@@ -450,7 +473,7 @@ class DiLoCo:
             return converted, memory, [check_layout(f, model) for f in converted["fragments"]]
 
         self.wait()  # the all-reduce in flight on the thread uses the group too
-        state, memory, layout = on_every_rank(self.group, "DiLoCo", check)
+        state, memory, layout = on_every_rank(self._resume_group(), "DiLoCo", check)
         for f, saved, named in zip(self.fragments, state["fragments"], layout):
             f.load_state_dict(saved, named, memory)
         device = self.fragments[0].global_.device
@@ -469,12 +492,26 @@ class DiLoCo:
         model = named_parameters(self.model)
         return [p for f in self.fragments for p in f.params(model)]
 
+    def _resume_group(self) -> dist.ProcessGroup | None:
+        """The ranks that resume together and agree on every rank's verdict."""
+        return self.group
+
     def _identity(self) -> tuple[int, int]:
-        return dist.get_rank(self.group), dist.get_world_size(self.group)
+        return self.group.rank(), self.group.size()
 
     def global_weights(self) -> list[torch.Tensor]:
         """``θ_global`` of each fragment (flat fp32): the same bits on every rank."""
         return [f.global_ for f in self.fragments]
+
+
+def _run_now(fn: Any) -> concurrent.futures.Future:
+    """``fn()`` run on this thread, its outcome held as a thread's job would hold it."""
+    done: concurrent.futures.Future = concurrent.futures.Future()
+    try:
+        done.set_result(fn())
+    except Exception as e:  # noqa: BLE001 - re-raised by _result, as a thread's would be
+        done.set_exception(e)
+    return done
 
 
 def _former_sparse(state: Any, policy: Policy) -> Any:
