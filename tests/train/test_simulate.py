@@ -152,6 +152,11 @@ def test_simulate_refuses_what_it_does_not_play():
         simulate(TrainConfig(engine="ddp", ddp_hook="powersgd:4", **base))
     with pytest.raises(ValueError, match="engine=ddp runs data parallelism only; got tp=2"):
         simulate(TrainConfig(tp=2, engine="ddp", **base))
+    # DiLoCo across sites needs two sites or more, played as trained
+    with pytest.raises(ValueError, match="outer='diloco-int4' runs DiLoCo across nodes.*one "
+                                         "node of 4"):
+        simulate(TrainConfig(**dict(base, engine="ddp", outer="diloco-int4",
+                                    ranks_per_node=4)))
 
 
 def test_simulate_cli_one_policy_and_a_comparison(tmp_path, capsys):
@@ -228,6 +233,10 @@ def _assert_same_state(a, b, path="state"):
 @pytest.mark.parametrize("policy,layout", [
     ("sdp4bit", {}),  # qWD weights, two-level gradients: every rank's codec state
     pytest.param("int2ef", dict(engine="ddp", micro_batches=2), marks=pytest.mark.slow),
+    # DiLoCo across 2 sites: every site's weights and optimizer, every played rank's outer
+    # codecs, a sync in flight across the stop (fragment 0 starts at step 3, lands at 4)
+    ("int2ef", dict(engine="ddp", micro_batches=1, outer="diloco-sparse", sync_every=6,
+                    fragments=2, outer_delay=1)),
     pytest.param("stateful-pp", dict(pp=2), marks=pytest.mark.slow),
     pytest.param("stateful-tp", dict(tp=2), marks=pytest.mark.slow),
 ])

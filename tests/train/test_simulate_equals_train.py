@@ -136,7 +136,8 @@ def _sweep(cases: list[dict]) -> None:
                  if x != y]
         what += [f"weight {n}" for n in a["weights"] if a["weights"][n] != b["weights"].get(n)]
         if what or a["weights"].keys() != b["weights"].keys():
-            differ.append(f"{case.get('engine', 'sharded')} {case['policy']} seed "
+            differ.append(f"{case.get('engine', 'sharded')} {case['policy']}"
+                          f"{' outer ' + case['outer'] if 'outer' in case else ''} seed "
                           f"{case['seed']} {os.path.basename(case['data'])}: "
                           f"{', '.join(what[:4])}")
     assert not differ, f"{len(differ)} of {len(cases)} cases differ:\n" + "\n".join(differ)
@@ -158,3 +159,18 @@ def test_simulate_equals_train_over_seeds_and_corpora(engine):
         _sweep(sweep_cases(engine) + [DRIFTED])
     else:
         _sweep(sweep_cases(engine, seeds=range(4)))
+
+
+def outer_cases(outer: str, sites: int, steps: int = 12, **schedule) -> list[dict]:
+    """``commpress train --outer``: DDP with commpress's hook inside each of ``sites``
+    sites of 4 / ``sites`` ranks, DiLoCo across them every 4 steps."""
+    return [dict(SWEEP_LAYOUT, engine="ddp", micro_batches=1, policy="int2ef", outer=outer,
+                 sync_every=4, ranks_per_node=4 // sites, seed=5, data=CORPORA["difflib"],
+                 steps=steps, **schedule)]
+
+
+def test_simulate_outer_equals_train_outer_on_2_and_4_sites():
+    # error feedback across sites (int2ef; the chunked top-k on 2 fragments with a delay)
+    # and inside them; the chunked top-k needs fragments of a chunk or more: gpt-tiny's
+    _sweep(outer_cases("diloco-int2ef", sites=2)
+           + outer_cases("diloco-sparse", sites=4, fragments=2, outer_delay=1))

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -298,7 +299,7 @@ class DiLoCo:
         broadcast_coalesced(joined, group_source(self.group), self.group,
                             self.fragments[0].global_.device, "DiLoCo joining parameters")
         touched = apply_change(self.fragments, changed, named_parameters(self.model))
-        say_once(log, ("reformed", id(self), self.inner_steps), self.group.rank(),
+        say_once(log, ("reformed", id(self), self.inner_steps), self._rank(),
                  "DiLoCo: the trained parameters changed by inner step %d: %d left (%s), %d "
                  "joined (%s); fragments %s re-formed, their codecs (error-feedback memory) "
                  "fresh", self.inner_steps, len(changed.left), few(changed.left) or "-",
@@ -357,41 +358,54 @@ class DiLoCo:
         (:meth:`_restart_from_global`)."""
         self.syncs += 1
         c = self.config
-        model = named_parameters(self.model)
-        if not bool(torch.isfinite(delta).all()):
-            self.skipped += 1
-            self._restart_from_global(fragment, model)
-            return
-        fragment.outer_step(delta, c.outer_lr, c.outer_momentum, c.nesterov)
-        if c.alpha == 0:
-            fragment.set_local(model, fragment.global_)
+        finite = bool(torch.isfinite(delta).all())
+        if finite:
+            fragment.outer_step(delta, c.outer_lr, c.outer_momentum, c.nesterov)
         else:
-            fragment.set_local(model, fragment.local(model).mul_(c.alpha).add_(
-                fragment.global_, alpha=1 - c.alpha))
+            self.skipped += 1
+            if self._rank() == 0:
+                log.warning("DiLoCo: the averaged pseudo-gradient of fragment %d at inner "
+                            "step %d is not finite (a site's weights or gradients went "
+                            "non-finite): the outer step is skipped on every site and the "
+                            "fragment restarts from θ_global", fragment.index, self.inner_steps)
+        for who, optimizer in self._each_site():
+            model = named_parameters(self.model)
+            if not finite:
+                self._restart_from_global(fragment, model, optimizer, who)
+            elif c.alpha == 0:
+                fragment.set_local(model, fragment.global_)
+            else:
+                fragment.set_local(model, fragment.local(model).mul_(c.alpha).add_(
+                    fragment.global_, alpha=1 - c.alpha))
+
+    def _each_site(self) -> Iterator[tuple[str, torch.optim.Optimizer | None]]:
+        """Each site this process holds — its name and inner optimizer — its weights in
+        the model meanwhile: here one, this rank's (a played run holds every site:
+        :class:`commpress.frontends.played.diloco.PlayedDiLoCo`)."""
+        yield f"rank {self._rank()}", self.inner_optimizer
+
+    def _rank(self) -> int:
+        return self.group.rank() if self.group is not None else 0
 
     @torch.no_grad()
-    def _restart_from_global(self, skipped: Fragment, model: dict[str, torch.Tensor]) -> None:
-        """After a skipped outer step: every site puts ``skipped``'s local weights back to
-        its ``θ_global`` (a decision read from decoded values alone: every rank alike); a
-        site whose other fragments are non-finite too does the same for them, and drops
-        the inner optimizer's non-finite state — else its next forward and step would
-        poison the fragment again, and with fragments every later sync (each fragment
-        then restarts before its own sync comes). Said on every site it happens to."""
-        rank = self.group.rank()
-        if rank == 0:
-            log.warning("DiLoCo: the averaged pseudo-gradient of fragment %d at inner step %d "
-                        "is not finite (a site's weights or gradients went non-finite): the "
-                        "outer step is skipped on every site and the fragment restarts from "
-                        "θ_global", skipped.index, self.inner_steps)
+    def _restart_from_global(self, skipped: Fragment, model: dict[str, torch.Tensor],
+                             optimizer: torch.optim.Optimizer | None, who: str) -> None:
+        """After a skipped outer step: the site ``who`` puts ``skipped``'s local weights
+        back to its ``θ_global`` (a decision read from decoded values alone: every rank
+        alike); a site whose other fragments are non-finite too does the same for them,
+        and drops the inner optimizer's non-finite state — else its next forward and step
+        would poison the fragment again, and with fragments every later sync (each
+        fragment then restarts before its own sync comes). Said on every site it happens
+        to."""
         skipped.set_local(model, skipped.global_)
         poisoned = [f for f in self.fragments if f is not skipped
                     and not bool(torch.isfinite(f.local(model)).all())]
         for f in poisoned:
             f.set_local(model, f.global_)
-        dropped = drop_nonfinite_state(self.inner_optimizer)
+        dropped = drop_nonfinite_state(optimizer)
         if poisoned or dropped:
-            log.warning("DiLoCo (rank %d): this site's weights were non-finite: fragments %s "
-                        "restart from θ_global%s", rank, [f.index for f in poisoned] or "none "
+            log.warning("DiLoCo (%s): this site's weights were non-finite: fragments %s "
+                        "restart from θ_global%s", who, [f.index for f in poisoned] or "none "
                         "other", f"; the inner optimizer's non-finite state of {dropped} "
                         "parameters is dropped (it starts again as for a new parameter)"
                         if dropped else "")

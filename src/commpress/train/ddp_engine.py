@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
@@ -21,12 +21,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from commpress.collectives.byte_stats import record
+from commpress.collectives.byte_stats import Stats, record
 from commpress.collectives.topology import Topology
 from commpress.frontends.ddp import DDPHookState, ddp_hook
 from commpress.frontends.diloco import DiLoCo
 from commpress.frontends.played.ddp import PlayedDDPHook
+from commpress.frontends.played.diloco import PlayedDiLoCo
 from commpress.frontends.sharded_optimizer import NonFiniteGradientError
+from commpress.validate import InputError
 
 log = logging.getLogger(__name__)
 
@@ -195,3 +197,114 @@ class DDPEngine:
             self.hook_state.load_state_dict(state["hook"])
         if self.outer is not None:
             self.outer.load_state_dict(state["outer"])
+
+
+class PlayedSites:
+    """``commpress simulate --outer``: ``sites`` sites of ``ranks_per_site`` played ranks
+    each, DDP inside a site (the commpress hook, played per site) and DiLoCo across the
+    sites (:class:`PlayedDiLoCo`) — the same engine as :class:`DDPEngine` with ``outer``,
+    every site in this process. The sites share one module: :meth:`held` swaps a site's
+    weights in (the parameters' storage, not a copy); each site has its own inner
+    optimizer and hook codecs. Between calls the module holds site 0's weights, which
+    are also what the run saves and reports as the model (a real run's rank 0's)."""
+
+    def __init__(self, module: nn.Module, policy, *, sites: int, ranks_per_site: int,
+                 stats: Stats, lr: float, weight_decay: float, max_grad_norm: float | None,
+                 nonfinite: str, outer: dict) -> None:
+        self.module, self.count, self.per_site = module, sites, ranks_per_site
+        self.params = list(module.parameters())
+        self._current = 0
+        self._weights: list[list[torch.Tensor] | None] = [None] + [
+            [p.detach().clone() for p in self.params] for _ in range(1, sites)]
+        self.optimizers = [replica_optimizer(module, lr, weight_decay) for _ in range(sites)]
+        self.hooks = [PlayedDDPHook(module, policy, ranks=ranks_per_site,
+                                    ranks_per_node=ranks_per_site, stats=stats)
+                      for _ in range(sites)]
+        self.outer = PlayedDiLoCo(module, self, ranks=sites * ranks_per_site,
+                                  ranks_per_site=ranks_per_site, stats=stats, **outer)
+        self.max_grad_norm, self.nonfinite = max_grad_norm, nonfinite
+        self.skipped_steps = 0
+        self.steps = 0
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """Site 0's: the learning-rate schedule's, copied to the others at each step."""
+        return self.optimizers[0]
+
+    def optimizer_of(self, site: int) -> torch.optim.Optimizer:
+        return self.optimizers[site]
+
+    @contextmanager
+    def held(self, site: int) -> Iterator[None]:
+        """``site``'s weights in the module for the block; site 0's after it."""
+        self._hold(site)
+        try:
+            yield
+        finally:
+            self._hold(0)
+
+    def _hold(self, site: int) -> None:
+        if site == self._current:
+            return
+        kept = [p.data for p in self.params]
+        for p, w in zip(self.params, self._weights[site]):
+            p.data = w
+        self._weights[self._current], self._weights[site] = kept, None
+        self._current = site
+
+    def site_of(self, rank: int) -> int:
+        return rank // self.per_site
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor, micro: int) -> float:
+        return ddp_forward_backward(self.module, x, y, micro)
+
+    def take(self, rank: int) -> None:
+        """Played rank ``rank``'s gradients into its site's hook."""
+        self.hooks[self.site_of(rank)].take(rank % self.per_site)
+
+    def step(self) -> bool:
+        """Every site's inner step (its hook's average, its optimizer), then DiLoCo's."""
+        stepped = []
+        for site in range(self.count):
+            with self.held(site):
+                self.hooks[site].finish()
+                opt = self.optimizers[site]
+                for group, first in zip(opt.param_groups, self.optimizers[0].param_groups):
+                    group["lr"] = first["lr"]
+                stepped.append(step_replica(self.module, opt, self.max_grad_norm,
+                                            self.nonfinite, f"simulated DDP step {self.steps} "
+                                            f"(site {site})"))
+        self.outer.step()
+        self.steps += 1
+        self.skipped_steps += not stepped[0]  # rank 0's count, as a real run reports
+        return stepped[0]
+
+    def fallback_decisions(self) -> dict[str, dict[str, int]]:
+        return {}  # played: nothing measured
+
+    def remove(self) -> None:
+        self.outer.remove()
+
+    def state_dict(self) -> dict:
+        with self.held(0):
+            others = [[w.clone() for w in self._weights[s]] for s in range(1, self.count)]
+        return {"sites": self.count, "weights": others,
+                "optimizers": [o.state_dict() for o in self.optimizers],
+                "hooks": [h.state_dict() for h in self.hooks], "outer": self.outer.state_dict(),
+                "steps": self.steps, "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("sites") != self.count:
+            raise InputError(f"simulate --outer: the saved state holds {state.get('sites')} "
+                             f"sites; this run plays {self.count}: resume with the same "
+                             "ranks and ranks per node")
+        self._hold(0)
+        for s, saved in enumerate(state["weights"], start=1):
+            for w, t in zip(self._weights[s], saved, strict=True):
+                w.copy_(t)
+        for o, saved in zip(self.optimizers, state["optimizers"], strict=True):
+            o.load_state_dict(saved)
+        for h, saved in zip(self.hooks, state["hooks"], strict=True):
+            h.load_state_dict(saved)
+        self.outer.load_state_dict(state["outer"])
+        self.steps, self.skipped_steps = state["steps"], state["skipped_steps"]

@@ -38,11 +38,11 @@ from commpress.parallel.pipeline import GPipe, PlayedP2P, ProcessP2P, Stage
 from commpress.parallel.tensor import codec_states, load_codec_states, tp_norm_weights
 from commpress.policy import Policy
 from commpress.train.config import TrainConfig
-from commpress.train.ddp_engine import DDPEngine
+from commpress.train.ddp_engine import DDPEngine, PlayedSites
 from commpress.validate import InputError
 
 COUNTERS = ("wire_bytes", "raw_bytes", "elements")
-FrontEnd = ShardedOptimizer | PlayedShardedOptimizer | DDPEngine
+FrontEnd = ShardedOptimizer | PlayedShardedOptimizer | DDPEngine | PlayedSites
 
 
 def hold(cfg: TrainConfig, played: bool, tp_group: dist.ProcessGroup | None,
@@ -71,14 +71,7 @@ class RealRank:
     def front_ends(self, stages: list[Stage], policy: Policy) -> list[FrontEnd]:
         cfg, topology = self.cfg, self.topology
         if cfg.engine == "ddp":
-            outer = cfg.diloco_options() if cfg.outer != "none" else None
-            if outer and cfg.dp // self.dp_per_node < 2:
-                raise InputError(
-                    f"outer={cfg.outer!r} runs DiLoCo across nodes, and the {cfg.dp} "
-                    f"data-parallel ranks here are one node of {self.dp_per_node} "
-                    "(ranks_per_node, else the launcher's LOCAL_WORLD_SIZE): DDP keeps them "
-                    "identical, so DiLoCo would send the whole model between identical "
-                    "replicas; allowed: 2 or more nodes (ranks_per_node=1: one rank per site)")
+            outer = outer_options(cfg, self.dp_per_node)
             if outer:
                 self.site_group = site_group(self.dp_per_node)
             return [DDPEngine(stages[0], self.site_group or self.dp_group, policy,
@@ -180,9 +173,6 @@ class PlayedReplica:
         if cfg.tp > 1 and (tp_group is None or dist.get_world_size(tp_group) != cfg.tp):
             raise InputError(f"tp={cfg.tp} needs a process group of {cfg.tp} ranks, one "
                              "per tensor-parallel slice; allowed: as simulate() starts them")
-        if cfg.engine == "ddp" and cfg.outer != "none":
-            raise InputError(f"outer={cfg.outer!r}: simulate does not play DiLoCo; "
-                             "allowed: commpress train --outer …")
         self.cfg, self.dp_per_node = cfg, dp_per_node
         self.tp_group = tp_group if cfg.tp > 1 else None
         self.tp_idx = dist.get_rank(tp_group) if cfg.tp > 1 else 0
@@ -202,9 +192,18 @@ class PlayedReplica:
         self.save_group = self.tp_group
         self.stats = Stats()  # the bytes every played rank sends, summed over the ranks
         self.tp_states: list | None = None  # with tp > 1: each rank's tensor-parallel codecs
+        self.sites: PlayedSites | None = None  # --outer: every site's weights, in turn
 
     def front_ends(self, stages: list[Stage], policy: Policy) -> list[FrontEnd]:
         cfg = self.cfg
+        outer = outer_options(cfg, self.dp_per_node) if cfg.engine == "ddp" else None
+        if outer:
+            self.sites = PlayedSites(stages[0], policy, sites=cfg.dp // self.dp_per_node,
+                                     ranks_per_site=self.dp_per_node, stats=self.stats,
+                                     lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                     max_grad_norm=cfg.max_grad_norm, nonfinite=cfg.nonfinite,
+                                     outer=outer)
+            return [self.sites]
         if cfg.engine == "ddp":
             hook = PlayedDDPHook(stages[0], policy, ranks=cfg.dp,
                                  ranks_per_node=self.dp_per_node, stats=self.stats)
@@ -260,7 +259,11 @@ class PlayedReplica:
     def rank_codecs(self, i: int, stages: list[Stage]) -> Iterator[None]:
         """With ``tp > 1``: the ``i``-th played rank's tensor-parallel codec states in the
         layers for the block (stochastic counters and error-feedback memory are each
-        rank's own)."""
+        rank's own); with ``--outer``, the weights of the rank's site."""
+        if self.sites is not None:
+            with self.sites.held(self.sites.site_of(i)):
+                yield
+            return
         if self.tp_states is None:
             yield
             return
@@ -315,6 +318,21 @@ def no_sync(opts: list[FrontEnd]) -> Iterator[None]:
         for opt in opts:
             stack.enter_context(opt.no_sync())
         yield
+
+
+def outer_options(cfg: TrainConfig, ranks_per_site: int) -> dict | None:
+    """``--outer``'s DiLoCo arguments (None without it), for sites of ``ranks_per_site``
+    data-parallel ranks: one node each."""
+    if cfg.outer == "none":
+        return None
+    if cfg.dp // ranks_per_site < 2:
+        raise InputError(
+            f"outer={cfg.outer!r} runs DiLoCo across nodes, and the {cfg.dp} "
+            f"data-parallel ranks here are one node of {ranks_per_site} "
+            "(ranks_per_node, else the launcher's LOCAL_WORLD_SIZE): DDP keeps them "
+            "identical, so DiLoCo would send the whole model between identical "
+            "replicas; allowed: 2 or more nodes (ranks_per_node=1: one rank per site)")
+    return cfg.diloco_options()
 
 
 def site_group(ranks_per_site: int) -> dist.ProcessGroup:
