@@ -235,8 +235,8 @@ def _assert_same_state(a, b, path="state"):
     pytest.param("int2ef", dict(engine="ddp", micro_batches=2), marks=pytest.mark.slow),
     # DiLoCo across 2 sites: every site's weights and optimizer, every played rank's outer
     # codecs, a sync in flight across the stop (fragment 0 starts at step 3, lands at 4)
-    ("int2ef", dict(engine="ddp", micro_batches=1, outer="diloco-sparse", sync_every=6,
-                    fragments=2, outer_delay=1)),
+    pytest.param("int2ef", dict(engine="ddp", micro_batches=1, outer="diloco-sparse",
+                                sync_every=6, fragments=2, outer_delay=1), id="int2ef-outer"),
     pytest.param("stateful-pp", dict(pp=2), marks=pytest.mark.slow),
     pytest.param("stateful-tp", dict(tp=2), marks=pytest.mark.slow),
 ])
