@@ -41,7 +41,11 @@ def simulate_needs(cfg: TrainConfig) -> dict[str, int]:
     policy = cfg.policy_object()
     numels = _bucket_numels(cfg, policy, ranks, rpn)
     path = GradPath(policy, Topology(rpn))
-    return {"global batch": _batch_bytes(cfg),
+    # --outer: every site's weights and AdamW moments, θ_global and the outer momentum
+    sites = cfg.dp // rpn if cfg.outer != "none" else 0
+    return {"every site's weights and optimizer": sites * sum(numels) * 12 + 8 * sum(numels)
+            if sites else 0,
+            "global batch": _batch_bytes(cfg),
             "one rank's logits": _logits_bytes(cfg, cfg.batch_size // (ranks * cfg.micro_batches)),
             "replica buffers": sum(numels) * _replica_bytes_per_element(cfg),
             "every rank's gradient codes": sum(_held_codes(path, n, ranks, rpn) for n in numels),
