@@ -199,23 +199,27 @@ def test_the_handle_saves_its_policy_refuses_anothers_and_stops_with_remove():
         comp.process_group.allreduce([torch.ones(2)], dist.ReduceOp.SUM)
 
 
-def run_ef(policy, syncs=6, kill_at=2, fragments=1):
-    """Two replica groups on :class:`commpress.torchft.DiLoCo` with ``policy``; replica 1
-    is killed (SIGKILL, by its process id) inside sync ``kill_at + 1`` — the quorum formed,
-    replica 0 waiting in the all-reduce — and a new replica 1 is started. Returns each
-    replica's record (the new one's for 1). Each process has a queue of its own: one
-    killed while writing holds only its own lock."""
+def run_ef(policy, syncs=6, kill_at=2, fragments=1, replicas=2, restart=True):
+    """``replicas`` replica groups on :class:`commpress.torchft.DiLoCo` with ``policy``;
+    the last is killed (SIGKILL, by its process id) inside sync ``kill_at + 1`` — the
+    quorum formed, the others waiting in the all-reduce — and, with ``restart``, a new one
+    is started. Returns each live replica's record (the new one's for the last). Each
+    process has a queue of its own: one killed while writing holds only its own lock."""
     import os
     import signal
 
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2)
     ctx = multiprocessing.get_context("spawn")
     procs, queues, records = {}, {}, {}
+    last = replicas - 1
 
-    def start(i, pause_at=None):
+    together = ctx.Barrier(replicas)  # the first quorum holds every replica
+
+    def start(i, pause_at=None, first=True):
         queues[i] = ctx.Queue()
         procs[i] = ctx.Process(target=workers.ef_replica, args=(
-            i, lighthouse.address(), policy, syncs, queues[i], fragments, pause_at))
+            i, lighthouse.address(), policy, syncs, queues[i], fragments, pause_at,
+            together if first else None))
         procs[i].start()
 
     def messages():
@@ -226,10 +230,12 @@ def run_ef(policy, syncs=6, kill_at=2, fragments=1):
                 pass
 
     try:
-        start(0)
-        start(1, pause_at=kill_at)
+        last = replicas - 1
+        for i in range(last):
+            start(i)
+        start(last, pause_at=kill_at)
         deadline = time.monotonic() + 2 * WAIT_S
-        while len(records) < 2:
+        while len(records) < (replicas if restart else last):
             got = list(messages())
             if not got:
                 assert time.monotonic() < deadline, f"no result within {2 * WAIT_S} s (a hang)"
@@ -239,9 +245,12 @@ def run_ef(policy, syncs=6, kill_at=2, fragments=1):
             for message in got:
                 if message[0] == "paused":
                     os.kill(message[2], signal.SIGKILL)
-                    procs[1].join(30)
-                    assert procs[1].exitcode == -signal.SIGKILL
-                    start(1)
+                    procs[last].join(30)
+                    assert procs[last].exitcode == -signal.SIGKILL
+                    if restart:
+                        start(last, first=False)
+                    else:
+                        del procs[last], queues[last]
                 elif message[0] != "step":
                     i, record = message
                     assert "exception" not in record, record["exception"]
@@ -298,6 +307,34 @@ def test_the_torchft_diloco_refuses_what_it_cannot_run_on():
     with pytest.raises(InputError, match="use_async_quorum=True is not allowed"):
         commpress.torchft.DiLoCo(manager, model)
     manager._use_async_quorum = False
+    manager._init_sync = False
+    with pytest.raises(InputError, match="init_sync=False is not allowed"):
+        commpress.torchft.DiLoCo(manager, model)
+    manager._init_sync = True
+    manager._user_state_dicts = {}
+    with pytest.raises(InputError, match="Manager without state_dict/load_state_dict is not"):
+        commpress.torchft.DiLoCo(manager, model)
+    manager._user_state_dicts = {commpress.torchft.STATE_KEY: dict}
+    with pytest.raises(InputError, match="already serves a DiLoCo's state"):
+        commpress.torchft.DiLoCo(manager, model)
+    manager._user_state_dicts = {"set_state_dict_fns": dict}
     manager._pg = commpress.torchft.compress(ProcessGroupGloo(), "diloco-int4").process_group
     with pytest.raises(InputError, match="Manager on CompressedProcessGroup is not allowed"):
         commpress.torchft.DiLoCo(manager, model)
+
+
+def test_a_quorum_that_shrinks_starts_the_survivors_memory_fresh():
+    # 3 replicas, one killed inside a sync and not replaced: the 2 left go on in a quorum
+    # of 2, where the memory's layout (the group's padded length, this rank's chunk)
+    # differs — so it starts fresh, said, rather than being added to other values
+    records = run_ef("diloco-int2ef", replicas=3, restart=False)
+    a, b = records[0], records[1]
+    assert a["step"] == b["step"] == 6
+    steps = sorted(set(a["committed"]) & set(b["committed"]))
+    assert steps == list(range(1, 7)), steps
+    assert all(a["committed"][s] == b["committed"][s] for s in steps)
+    for record in (a, b):
+        fresh = [(line, held) for line, held in record["said"]
+                 if "new quorum" in line and "starts fresh" in line]
+        assert fresh and "of 2 (was" in fresh[0][0] and "of 3)" in fresh[0][0], record["said"]
+        assert fresh[0][1] == [0]  # no residual left when it was said

@@ -142,15 +142,18 @@ def pg_pair(rank, store_port, policy, results, quorums=1):
         results.put((rank, {"exception": traceback.format_exc()}))
 
 
-def ef_replica(replica_id, lighthouse, policy, syncs, results, fragments=1, pause_at=None):
+def ef_replica(replica_id, lighthouse, policy, syncs, results, fragments=1, pause_at=None,
+               together=None):
     """A replica group training with :class:`commpress.torchft.DiLoCo` (error feedback
     kept per fragment) until ``syncs`` syncs have committed. Puts ``("step", id, s)`` at
     each committed sync, then its record. ``pause_at=k``: once ``k`` syncs committed, it
     stops inside the next sync after the quorum formed, before its all-reduce (its peer
-    waits in it), and puts ``("paused", id, pid)``: the test kills it there."""
+    waits in it), and puts ``("paused", id, pid)``: the test kills it there.
+    ``together``: a barrier the replicas pass once their Managers run, so that the first
+    quorum holds them all."""
     try:
         results.put((replica_id, _train_ef(replica_id, lighthouse, policy, syncs, results,
-                                           fragments, pause_at)))
+                                           fragments, pause_at, together)))
     except Exception:  # noqa: BLE001 - the test shows it
         results.put((replica_id, {"exception": traceback.format_exc()}))
 
@@ -170,7 +173,7 @@ class _Said(logging.Handler):
                                    for f in self.sync.fragments])
 
 
-def _train_ef(replica_id, lighthouse, policy, syncs, results, fragments, pause_at):
+def _train_ef(replica_id, lighthouse, policy, syncs, results, fragments, pause_at, together):
     from torchft.manager import Manager
     from torchft.process_group import ProcessGroupGloo
 
@@ -192,6 +195,8 @@ def _train_ef(replica_id, lighthouse, policy, syncs, results, fragments, pause_a
         quorum_timeout=timedelta(seconds=120), connect_timeout=TIMEOUT)
     sync = commpress.torchft.DiLoCo(manager, model, inner, sync_every=H, policy=policy,
                                     fragments=fragments)
+    if together is not None:
+        together.wait(120)
     said.sync = sync
     record = {"committed": {}, "losses": []}
 
@@ -216,7 +221,7 @@ def _train_ef(replica_id, lighthouse, policy, syncs, results, fragments, pause_a
     step = 0
     try:
         while manager.current_step() < syncs and step < 8 * H * syncs:
-            x, y = workers._local_batch(data, step, replica_id, 2)
+            x, y = workers._local_batch(data, step, replica_id, 4)  # up to 4 replicas
             _, loss = model(x, y)
             loss.backward()
             inner.step()

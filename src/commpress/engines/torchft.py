@@ -81,6 +81,7 @@ from commpress.collectives import CollectiveMismatchError, CollectiveTimeoutErro
 from commpress.collectives.agreement import agree
 from commpress.collectives.group_context import release
 from commpress.dp import DPBucket
+from commpress.dp.grad_path import make_levels_now
 from commpress.frontends.diloco import LABEL, outer_policy
 from commpress.frontends.diloco import DiLoCo as SitesDiLoCo
 from commpress.frontends.parts.outer_fragments import Fragment, named_parameters, trained
@@ -329,7 +330,8 @@ class DiLoCo(SitesDiLoCo):
         _check_manager(manager)
         self.manager = manager
         self._before: dict[int, dict[str, Any]] = {}  # fragment → codec state before a sync
-        self._members: int | None = None
+        self._place: tuple[int, int] | None = None  # (rank, size) the memory is laid out for
+        self._failure = "its all-reduce failed"  # why the last all-reduce failed
         super().__init__(model, inner_optimizer, topology=Topology(1), **kwargs)
         # torchft's healing (init_sync) gives every replica the same start: no check of
         # distinct sites at the first sync, which a replica healing later would not join
@@ -342,10 +344,11 @@ class DiLoCo(SitesDiLoCo):
 
     def _begin_sync(self) -> bool:
         """torchft's quorum for this sync (a replica behind heals here: :meth:`_load_healed`);
-        on a new quorum's group the replicas agree on the run before any payload."""
+        on a new quorum's group the replicas agree on the run before any payload. A sync
+        that cannot run is voted out here (:meth:`_discard_begun`)."""
         self.manager.start_quorum()
         if self.manager.errored() is not None:  # the quorum's group failed to form
-            return False
+            return self._discard_begun("the quorum's group did not form")
         group = self.manager._pg.parent  # the c10d group torchft built for this quorum
         if group is self.group:
             return True
@@ -354,34 +357,66 @@ class DiLoCo(SitesDiLoCo):
                              f"quorum's {group.size()} replicas take part in this sync; "
                              "allowed: every replica (use_async_quorum=False, "
                              "world_size_mode=DYNAMIC)")
-        if self.group is not None:
-            release(self.group, drain=False)
-        self.group = group
+        old, self.group = self.group, group
         try:
             self._agree_on_run(trained(self.model))
-        except CollectiveMismatchError:
-            raise  # replicas that can never agree: into the training loop, not retried
-        except Exception as e:  # noqa: BLE001 - a replica died: torchft skips the sync
+            make_levels_now(self.policy, self.topology, group, "outer")
+        except Exception as e:
+            self.group = old  # agreed again at the next quorum
+            if not _transient(e):
+                raise  # replicas that can never agree: into the training loop
             self.manager.report_error(e)
-            return False
-        if self._members is not None:
-            log.warning("%s.DiLoCo: a new quorum of %d replicas (was %d) at inner step %d: "
-                        "this replica keeps its error-feedback memory", WHAT, group.size(),
-                        self._members, self.inner_steps)
-        self._members = group.size()
+            return self._discard_begun(f"agreeing on the run failed ({type(e).__name__})")
+        if old is not None:
+            release(old, drain=False)
+        self._follow_the_quorum(group)
         return True
 
+    def _follow_the_quorum(self, group: dist.ProcessGroup) -> None:
+        """The memory rule at a new quorum: a live replica keeps its error-feedback memory
+        while its rank and the quorum's size stay (the memory is laid out by both: the
+        padded length of the group, this rank's chunk); otherwise it starts fresh."""
+        place, old = (group.rank(), group.size()), self._place
+        self._place = place
+        if old is None:
+            return
+        if place == old:
+            log.warning("%s.DiLoCo: a new quorum of %d replicas at inner step %d, this "
+                        "replica rank %d as before: it keeps its error-feedback memory", WHAT,
+                        place[1], self.inner_steps, place[0])
+            return
+        for f in self.fragments:
+            f.dp.fresh()
+        log.warning("%s.DiLoCo: a new quorum at inner step %d: this replica is rank %d of "
+                    "%d (was %d of %d); its error-feedback memory, laid out for the old "
+                    "quorum, starts fresh", WHAT, self.inner_steps, *place, *old)
+
+    def _discard_begun(self, why: str) -> bool:
+        """A sync begun (a quorum asked for) that runs no all-reduce: voted out as torchft
+        votes out a failed step, the starting fragments back to θ_global."""
+        self.manager.should_commit()
+        model = named_parameters(self.model)
+        for f in self._starting(self.inner_steps):
+            f.set_local(model, f.global_)
+        log.warning("%s.DiLoCo: the sync at inner step %d was not committed (%s): the "
+                    "fragments restart from θ_global", WHAT, self.inner_steps, why)
+        return False
+
     def _start(self, fragment: Fragment, fields: dict[str, Any], agreed: bool) -> None:
+        if not fragment.names:  # nothing to send: the begun sync is voted on all the same
+            self.manager.should_commit()
+            return
         self._before[fragment.index] = fragment.dp.state_dict()
         super()._start(fragment, fields, agreed)
 
     def _result(self, pending: Any) -> torch.Tensor | None:
         try:
             return super()._result(pending)
-        except CollectiveMismatchError:
-            raise
-        except Exception as e:  # noqa: BLE001 - a replica died: torchft votes the sync out
-            self.manager.report_error(e)
+        except Exception as e:
+            if not _transient(e):
+                raise  # a bad input or a mismatch would fail every retry alike
+            self.manager.report_error(e)  # a replica died: torchft votes the sync out
+            self._failure = f"its all-reduce failed: {type(e).__name__}"
             return None
 
     @torch.no_grad()
@@ -398,7 +433,7 @@ class DiLoCo(SitesDiLoCo):
                     "(%s): its pseudo-gradient is discarded, the fragment restarts from "
                     "θ_global and its error-feedback memory is back to before the sync",
                     WHAT, fragment.index, self.inner_steps,
-                    "its all-reduce failed" if delta is None else "torchft's vote")
+                    self._failure if delta is None else "torchft's vote")
 
     def _healing_state(self) -> dict[str, Any]:
         """What a healing replica takes from this one: no codec state (the memory rule)."""
@@ -412,12 +447,13 @@ class DiLoCo(SitesDiLoCo):
                                "momentum": f.momentum.clone()} for f in self.fragments]}
 
     def _load_healed(self, state: dict[str, Any]) -> None:
-        mine = self._healing_state()
-        for field in ("format", "policy", "config"):
-            if state.get(field) != mine[field]:
+        mine = {"format": STATE_KEY, "policy": self.policy.to_dict(),
+                "config": asdict(self.config)}
+        for field, value in mine.items():
+            if state.get(field) != value:
                 raise CollectiveMismatchError(
                     f"{WHAT}.DiLoCo: the live replica this one heals from has {field} "
-                    f"{state.get(field)!r}; this replica has {mine[field]!r}")
+                    f"{state.get(field)!r}; this replica has {value!r}")
         names = [f["names"] for f in state["fragments"]]
         if names != [f.names for f in self.fragments]:
             raise CollectiveMismatchError(
@@ -432,23 +468,47 @@ class DiLoCo(SitesDiLoCo):
         self.skipped = state["skipped"]
         self._pending.clear()
         self._before.clear()
+        self._place = None  # a fresh memory, laid out by the quorum it joins
         log.warning("%s.DiLoCo: healed from a live replica at inner step %d: θ_global, the "
                     "outer momentum and the schedule taken; this replica's error-feedback "
                     "memory starts fresh", WHAT, self.inner_steps)
 
     def load_state_dict(self, state: dict[str, Any], elastic: bool = False) -> None:
-        super().load_state_dict(state, elastic)
+        """Restore a state this class saved: θ_global, momentum and schedule; the
+        error-feedback memory starts fresh (laid out for the quorum that saved it), and an
+        all-reduce in flight when it was saved is discarded (torchft never voted on it).
+        Replicas resumed from different states are made alike by torchft's healing."""
+        super().load_state_dict(state, elastic=True)
+        if self._site_check is not None:
+            self._site_check.close()
         self._site_check = None  # replicas resume and heal on their own: no joint check
+        model = named_parameters(self.model)
+        for i in sorted(self._pending):
+            self.fragments[i].set_local(model, self.fragments[i].global_)
+        self._pending.clear()
+        self._place = None
+
+    def remove(self) -> None:
+        """:meth:`commpress.DiLoCo.remove`, and the Manager no longer serves this
+        synchronizer's state to healing replicas."""
+        super().remove()
+        self.manager._load_state_dict_fns.pop(STATE_KEY, None)
+        self.manager._user_state_dicts.pop(STATE_KEY, None)
 
     def _resume_group(self) -> dist.ProcessGroup | None:
         return None  # each replica checks its own state; torchft heals those behind
 
     def _identity(self) -> tuple[int, int]:
-        if self.group is None:
-            raise InputError(f"{WHAT}.DiLoCo: state_dict() before the first sync is not "
-                             "allowed; allowed: after a sync (a quorum gives the replica "
-                             "its rank)")
-        return super()._identity()
+        return self._place or (0, 0)  # its place in the last quorum (loads are elastic)
+
+
+def _transient(error: Exception) -> bool:
+    """A failure torchft recovers from by voting the sync out (a replica that died, a
+    timeout); not a mismatch or a bad input, which every retry would meet again."""
+    if isinstance(error, CollectiveMismatchError | InputError):
+        return False
+    return isinstance(error, CollectiveTimeoutError | dist.DistError | ConnectionError
+                      | TimeoutError) or "Gloo" in str(error) or "Connection" in str(error)
 
 
 STATE_KEY = "commpress.torchft.DiLoCo/1"
@@ -469,6 +529,20 @@ def _check_manager(manager: Any) -> None:
     if mode != WorldSizeMode.DYNAMIC:
         raise InputError(f"{WHAT}.DiLoCo: a Manager with world_size_mode={mode} is not "
                          "allowed (spares sit out syncs); allowed: WorldSizeMode.DYNAMIC")
+    if not getattr(manager, "_init_sync", True):
+        raise InputError(f"{WHAT}.DiLoCo: a Manager with init_sync=False is not allowed "
+                         "(replicas would keep the θ_global each started from); allowed: "
+                         "init_sync=True, torchft's healing of every replica at the start")
+    known = getattr(manager, "_user_state_dicts", {})
+    if STATE_KEY in known:
+        raise InputError(f"{WHAT}.DiLoCo: this Manager already serves a DiLoCo's state; "
+                         "allowed: one DiLoCo per Manager (remove() the other first)")
+    if not known:
+        raise InputError(f"{WHAT}.DiLoCo: a Manager without state_dict/load_state_dict is not "
+                         "allowed: a healing replica must take the model and the inner "
+                         "optimizer from a live peer; allowed: Manager(state_dict=lambda: "
+                         "{'model': model.state_dict(), 'inner': inner.state_dict()}, "
+                         "load_state_dict=...)")
     pg = getattr(manager, "_pg", None)
     if type(pg).__name__ not in _IN_PROCESS:
         raise InputError(f"{WHAT}.DiLoCo: a Manager on {type(pg).__name__} is not allowed; "

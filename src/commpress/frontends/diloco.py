@@ -239,6 +239,7 @@ class DiLoCo:
                              "over each site's own ranks (DDP(model, process_group=<the "
                              "site's group>)), or one rank per site without DDP "
                              "(topology=commpress.Topology(1))")
+        make_levels_now(self.policy, self.topology, self.group, "outer")  # not on the thread
         broadcast_coalesced([p.detach() for p in self.model.parameters()],
                             group_source(self.group), self.group, named[0][1].device,
                             "DiLoCo initial weights")
@@ -246,11 +247,9 @@ class DiLoCo:
 
     def _agree_on_run(self, named: list[tuple[str, torch.Tensor]], **also: Any) -> None:
         """Every rank of the group has this schedule, policy and trained set (else a
-        :class:`~commpress.CollectiveMismatchError` on every rank); the policy's levels
-        are made here, not on the all-reduce's thread."""
+        :class:`~commpress.CollectiveMismatchError` on every rank)."""
         agree(self.group, "DiLoCo", label=LABEL, config=asdict(self.config),
               policy=self.policy.to_dict(), trained=describe(named), **also)
-        make_levels_now(self.policy, self.topology, self.group, "outer")
 
     # -- the schedule ------------------------------------------------------------------
     def step(self) -> None:
@@ -450,7 +449,8 @@ class DiLoCo:
             STATE_FORMAT, self.policy, *self._identity(), config=asdict(self.config),
             inner_steps=self.inner_steps, syncs=self.syncs, skipped=self.skipped,
             fragments=[f.state_dict() for f in self.fragments],
-            pending={i: (due, r.clone()) for i, (due, r) in self._pending.items()},
+            pending={i: (due, r.clone()) for i, (due, r) in self._pending.items()
+                     if r is not None},  # None: failed, and torchft voted it out
             site=site_fingerprint(self._all_params(), self.inner_optimizer))
 
     def load_state_dict(self, state: dict[str, Any], elastic: bool = False) -> None:

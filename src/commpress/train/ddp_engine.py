@@ -231,17 +231,15 @@ class PlayedSites:
         """Site 0's: the learning-rate schedule's, copied to the others at each step."""
         return self.optimizers[0]
 
-    def optimizer_of(self, site: int) -> torch.optim.Optimizer:
-        return self.optimizers[site]
-
     @contextmanager
     def held(self, site: int) -> Iterator[None]:
-        """``site``'s weights in the module for the block; site 0's after it."""
+        """``site``'s weights in the module for the block; the site held before, after."""
+        before = self._current
         self._hold(site)
         try:
             yield
         finally:
-            self._hold(0)
+            self._hold(before)
 
     def _hold(self, site: int) -> None:
         if site == self._current:

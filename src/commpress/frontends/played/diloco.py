@@ -38,8 +38,6 @@ class SiteWeights(Protocol):
     def held(self, site: int) -> Any:
         """A context in which ``site``'s weights are the module's."""
 
-    def optimizer_of(self, site: int) -> torch.optim.Optimizer:
-        """``site``'s inner optimizer."""
 
 
 class PlayedDiLoCo(DiLoCo):
@@ -65,9 +63,11 @@ class PlayedDiLoCo(DiLoCo):
         grad_levels(self.policy, self.ranks, self.per_site, axis="outer")  # checks the layout
 
     def _each_site(self) -> Iterator[tuple[str, torch.optim.Optimizer | None]]:
+        # no inner optimizer, as the trainer's real DiLoCo holds none (it counts every
+        # inner step itself): a non-finite restart drops no optimizer state in either
         for site in range(self.sites.count):
             with self.sites.held(site):
-                yield f"site {site}", self.sites.optimizer_of(site)
+                yield f"site {site}", None
 
     @torch.no_grad()
     def _start(self, fragment: Fragment, fields: dict[str, Any], agreed: bool) -> None:
@@ -105,7 +105,7 @@ class PlayedDiLoCo(DiLoCo):
         self._site_check = None
         for row, saved in zip(self.rank_dps, ranks):
             for dp, s in zip(row[1:], saved):
-                dp.load_state_dict(s)
+                dp.load_state_dict(s, not elastic)
 
     def _identity(self) -> tuple[int, int]:
         return 0, self.ranks  # every played rank's state, saved as rank 0's
