@@ -14,7 +14,9 @@ Rows: ``torchft`` (its Gloo all-reduce, fp32), ``torchft-int8`` / ``torchft-int4
 Manager's process group wrapped by ``commpress.torchft.compress`` with ``diloco-int8`` /
 ``diloco-int4``), ``-buckets`` (torchft's DiLoCo with ``use_bucketization=True``: one
 all-reduce of a flat buffer per sync, not one per parameter), and ``local`` (the same loop
-without torchft: the compute floor).
+without torchft: the compute floor); ``commpress-int2ef`` / ``commpress-sparse``:
+``commpress.torchft.DiLoCo`` on the same Manager (its fragments, error feedback and outer
+step: ``diloco-int2ef`` Nesterov lr 0.7 momentum 0.9, ``diloco-sparse`` lr 1 no momentum).
 Columns: seconds per inner step (mean after the first two), compute utilization
 (``local``'s ÷ the row's) and bytes site 0 sent on its link per inner step, less what the
 ``local`` row sent (the start-up); then where a sync's time goes, per sync on site 0:
@@ -43,6 +45,9 @@ WARMUP = 2
 ROWS = {"torchft": (None, False), "torchft-int8": ("diloco-int8", False),
         "torchft-int4": ("diloco-int4", False), "torchft-buckets": (None, True),
         "torchft-int4-buckets": ("diloco-int4", True), "local": (None, False)}
+# commpress.torchft.DiLoCo on the same Manager: its own fragments and error feedback
+OURS = {"commpress-int2ef": "diloco-int2ef", "commpress-sparse": "diloco-sparse"}
+ROWS.update({row: (None, False) for row in OURS})
 
 
 # -- one site (runs inside its namespace) -------------------------------------------------
@@ -107,12 +112,20 @@ def site(args) -> dict:
     commpress.reset_stats()
     phases = SyncPhases(manager)
     try:
-        with DiLoCo(manager, [model], inner, outer, sync_every=args.sync_every,
-                    backup_device=torch.device("cpu"), pin_memory=False,
-                    use_bucketization=buckets):
+        if args.policy in OURS:
+            sync = commpress.torchft.DiLoCo(manager, model, inner, sync_every=args.sync_every,
+                                            policy=OURS[args.policy])
             for i in range(args.steps):
                 step(i)
                 walls.append(time.perf_counter())
+            sync.remove()
+        else:
+            with DiLoCo(manager, [model], inner, outer, sync_every=args.sync_every,
+                        backup_device=torch.device("cpu"), pin_memory=False,
+                        use_bucketization=buckets):
+                for i in range(args.steps):
+                    step(i)
+                    walls.append(time.perf_counter())
         stats = commpress.stats()
     finally:
         phases.restore()

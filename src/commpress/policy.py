@@ -52,7 +52,7 @@ import yaml
 
 from commpress.codecs import Codec, ErrorFeedback, codec
 from commpress.files import read_regular
-from commpress.validate import InputError
+from commpress.validate import InputError, check_float, check_int
 
 EP_KINDS = ("dispatch", "combine", "dispatch_grad", "combine_grad")
 AXES: dict[str, tuple[str, ...]] = {"dp": ("grad", "param"), "tp": ("act", "act_grad"),
@@ -94,12 +94,54 @@ class Rule:
         decided: a codec that is not lossless, or a memory (which changes what is sent)."""
         return self.error_feedback or not codec(self.codec).lossless
 
+    def promoted(self) -> Rule:
+        """This rule one rung up the guard's ladder (:func:`promote_codec`); exact keeps
+        no memory."""
+        up = promote_codec(self.codec)
+        return dataclasses.replace(self, codec=up,
+                                   error_feedback=self.error_feedback and up != "none")
+
     def to_dict(self) -> str | dict[str, Any]:
         if not self.error_feedback and not self.delta:
             return self.codec
         decay = {"decay": self.decay} if self.decay != 1.0 else {}
         return {"codec": self.codec, "error_feedback": self.error_feedback, **decay,
                 "delta": self.delta}
+
+
+@dataclass(frozen=True)
+class Guard:
+    """The convergence guard of a policy's data-parallel gradients: every ``every`` steps
+    each bucket measures the relative error of what its codes send
+    (:class:`commpress.Watch`), summed over the ranks; a bucket over ``max_rel_error`` in
+    ``window`` samples in a row — or whose codes decode non-finite where its input was
+    finite, at once — is promoted one rung (:func:`promote_codec`) on every rank alike."""
+
+    max_rel_error: float
+    window: int = 3
+    every: int = 10
+
+    def __post_init__(self) -> None:
+        check_float("guard.max_rel_error", self.max_rel_error, gt=0)
+        check_int("guard.window", self.window, ge=1)
+        check_int("guard.every", self.every, ge=1)
+
+    @classmethod
+    def from_value(cls, policy: str, value: Any) -> Guard:
+        """A guard from a policy file's ``guard:`` mapping (or a bare budget)."""
+        if isinstance(value, Guard):
+            return value
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return cls(float(value))
+        fields = {"max_rel_error", "window", "every"}
+        if not isinstance(value, dict) or not set(value) <= fields or "max_rel_error" not in value:
+            raise InputError(f"policy {policy!r}: guard={value!r} is not allowed; allowed: a "
+                             "mapping with max_rel_error (a positive number) and optionally "
+                             "window and every (whole numbers ≥ 1)")
+        return cls(**value)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"max_rel_error": self.max_rel_error, "window": self.window, "every": self.every}
 
 
 @dataclass(frozen=True)
@@ -111,6 +153,8 @@ class Policy:
     # "measured": each data-parallel bucket times its compressed and exact collectives on
     # the live group in its first calls and keeps compression only where it wins
     fallback: str = "off"
+    # the convergence guard of dp.grad (None: off)
+    guard: Guard | None = None
 
     def __post_init__(self) -> None:
         if self.fallback not in FALLBACKS:
@@ -170,7 +214,7 @@ class Policy:
         name = str(d.get("name", "custom"))
         rules: dict[str, Rule] = {}
         for axis, kinds in d.items():
-            if axis in ("name", "fallback"):
+            if axis in ("name", "fallback", "guard"):
                 continue
             if axis not in AXES:
                 raise InputError(f"policy {name!r}: unknown axis {axis!r}; allowed: "
@@ -199,7 +243,9 @@ class Policy:
         if not isinstance(fallback, str):
             raise InputError(f"policy {name!r}: fallback={fallback!r} is not allowed; "
                              f"allowed: {', '.join(FALLBACKS)}")
-        return cls(name=name, rules=rules, fallback=fallback)
+        guard = d.get("guard")
+        return cls(name=name, rules=rules, fallback=fallback,
+                   guard=None if guard is None else Guard.from_value(name, guard))
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Policy:
@@ -251,10 +297,26 @@ class Policy:
             return self
         return dataclasses.replace(self, fallback=fallback)
 
+    def with_guard(self, guard: Guard | dict | float | None) -> Policy:
+        """This policy with ``guard`` (None: as it is): how ``guard=`` of the front-ends
+        and ``--guard`` of the trainer set it."""
+        if guard is None:
+            return self
+        return dataclasses.replace(self, guard=Guard.from_value(self.name, guard))
+
+    def promoted(self, keys: tuple[str, ...]) -> Policy:
+        """This policy with the rules ``keys`` one rung up (:meth:`Rule.promoted`)."""
+        rules = dict(self.rules)
+        for key in keys:
+            rules[key] = rules[key].promoted()
+        return dataclasses.replace(self, rules=rules)
+
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"name": self.name}
         if self.fallback != "off":
             out["fallback"] = self.fallback
+        if self.guard is not None:
+            out["guard"] = self.guard.to_dict()
         for key, rule in sorted(self.rules.items()):
             parts = key.split(".")
             node = out.setdefault(parts[0], {})
@@ -271,6 +333,35 @@ class Policy:
 
 
 MAX_POLICY_BYTES = 1 << 16
+# the guard's ladder: each lossy codec's next rung ("none": exact)
+_NEXT_BITS = {"int2": "int4", "nf2": "int4", "int4": "int8", "int8": "none", "fp8": "bf16",
+              "bf16": "none", "fp16": "none"}
+
+
+def promote_codec(spec: str) -> str:
+    """The codec spec one rung up the guard's ladder: int2 / nf2 → int4 → int8 → exact,
+    fp8 → bf16 → exact; top-k keeps 4x the entries (chunked top-k 4x per chunk) until a
+    quarter or more would be kept, then exact; any other lossy codec → exact. Options the
+    next codec shares (group, Hadamard, scale dtype, rounding) are kept."""
+    built = codec(spec)
+    name, options = built.name, dict(vars(built))
+    if built.lossless or name == "none":
+        return "none"
+    if name in ("int2", "int4", "int8"):
+        up = _NEXT_BITS[name]
+        if up == "none":
+            return up
+        options.pop("packing", None)
+        return codec(f"{up}:" + ",".join(f"{k}={v}" for k, v in options.items())).spec()
+    if name == "topk":
+        ratio = 4 * options["ratio"]
+        return "none" if ratio >= 0.25 else codec(f"topk:ratio={ratio:g}").spec()
+    if name == "chunktopk":
+        k = 4 * options["k"]
+        return ("none" if 4 * k > options["chunk"] else
+                codec(f"chunktopk:chunk={options['chunk']},k={k},bits={options['bits']},"
+                      f"sigmas={options['sigmas']}").spec())
+    return _NEXT_BITS.get(name, "none")
 
 
 class _NoAliasLoader(yaml.SafeLoader):

@@ -199,12 +199,14 @@ def test_the_handle_saves_its_policy_refuses_anothers_and_stops_with_remove():
         comp.process_group.allreduce([torch.ones(2)], dist.ReduceOp.SUM)
 
 
-def run_ef(policy, syncs=6, kill_at=2, fragments=1, replicas=2, restart=True):
+def run_ef(policy, syncs=6, kill_at=2, fragments=1, replicas=2, restart=True,
+           init_sync=True):
     """``replicas`` replica groups on :class:`commpress.torchft.DiLoCo` with ``policy``;
     the last is killed (SIGKILL, by its process id) inside sync ``kill_at + 1`` — the
     quorum formed, the others waiting in the all-reduce — and, with ``restart``, a new one
     is started. Returns each live replica's record (the new one's for the last). Each
-    process has a queue of its own: one killed while writing holds only its own lock."""
+    process has a queue of its own: one killed while writing holds only its own lock.
+    ``kill_at=None``: nobody is killed, and a replica's exception is its record."""
     import os
     import signal
 
@@ -219,7 +221,7 @@ def run_ef(policy, syncs=6, kill_at=2, fragments=1, replicas=2, restart=True):
         queues[i] = ctx.Queue()
         procs[i] = ctx.Process(target=workers.ef_replica, args=(
             i, lighthouse.address(), policy, syncs, queues[i], fragments, pause_at,
-            together if first else None))
+            together if first else None, init_sync))
         procs[i].start()
 
     def messages():
@@ -233,7 +235,7 @@ def run_ef(policy, syncs=6, kill_at=2, fragments=1, replicas=2, restart=True):
         last = replicas - 1
         for i in range(last):
             start(i)
-        start(last, pause_at=kill_at)
+        start(last, pause_at=kill_at)  # None: never paused
         deadline = time.monotonic() + 2 * WAIT_S
         while len(records) < (replicas if restart else last):
             got = list(messages())
@@ -253,7 +255,7 @@ def run_ef(policy, syncs=6, kill_at=2, fragments=1, replicas=2, restart=True):
                         del procs[last], queues[last]
                 elif message[0] != "step":
                     i, record = message
-                    assert "exception" not in record, record["exception"]
+                    assert kill_at is None or "exception" not in record, record["exception"]
                     records[i] = record
         for p in procs.values():
             p.join(30)
@@ -307,10 +309,6 @@ def test_the_torchft_diloco_refuses_what_it_cannot_run_on():
     with pytest.raises(InputError, match="use_async_quorum=True is not allowed"):
         commpress.torchft.DiLoCo(manager, model)
     manager._use_async_quorum = False
-    manager._init_sync = False
-    with pytest.raises(InputError, match="init_sync=False is not allowed"):
-        commpress.torchft.DiLoCo(manager, model)
-    manager._init_sync = True
     manager._user_state_dicts = {}
     with pytest.raises(InputError, match="Manager without state_dict/load_state_dict is not"):
         commpress.torchft.DiLoCo(manager, model)
@@ -338,3 +336,12 @@ def test_a_quorum_that_shrinks_starts_the_survivors_memory_fresh():
                  if "new quorum" in line and "starts fresh" in line]
         assert fresh and "of 2 (was" in fresh[0][0] and "of 3)" in fresh[0][0], record["said"]
         assert fresh[0][1] == [0]  # no residual left when it was said
+
+
+def test_replicas_that_start_apart_without_healing_are_named_not_averaged():
+    # init_sync=False and other seeds: each replica's θ_global is its own start; averaging
+    # pseudo-gradients of different θ_global would keep them apart for good
+    records = run_ef("diloco-int2ef", kill_at=None, init_sync=False)
+    for record in records.values():
+        assert "CollectiveMismatchError" in record["exception"], record
+        assert "global_weights differs" in record["exception"], record["exception"][-600:]

@@ -143,17 +143,18 @@ def pg_pair(rank, store_port, policy, results, quorums=1):
 
 
 def ef_replica(replica_id, lighthouse, policy, syncs, results, fragments=1, pause_at=None,
-               together=None):
+               together=None, init_sync=True):
     """A replica group training with :class:`commpress.torchft.DiLoCo` (error feedback
     kept per fragment) until ``syncs`` syncs have committed. Puts ``("step", id, s)`` at
     each committed sync, then its record. ``pause_at=k``: once ``k`` syncs committed, it
     stops inside the next sync after the quorum formed, before its all-reduce (its peer
     waits in it), and puts ``("paused", id, pid)``: the test kills it there.
     ``together``: a barrier the replicas pass once their Managers run, so that the first
-    quorum holds them all."""
+    quorum holds them all. The replicas start from different weights (seeds): with
+    ``init_sync=False`` nothing heals them at the start."""
     try:
         results.put((replica_id, _train_ef(replica_id, lighthouse, policy, syncs, results,
-                                           fragments, pause_at, together)))
+                                           fragments, pause_at, together, init_sync)))
     except Exception:  # noqa: BLE001 - the test shows it
         results.put((replica_id, {"exception": traceback.format_exc()}))
 
@@ -173,7 +174,8 @@ class _Said(logging.Handler):
                                    for f in self.sync.fragments])
 
 
-def _train_ef(replica_id, lighthouse, policy, syncs, results, fragments, pause_at, together):
+def _train_ef(replica_id, lighthouse, policy, syncs, results, fragments, pause_at, together,
+              init_sync):
     from torchft.manager import Manager
     from torchft.process_group import ProcessGroupGloo
 
@@ -192,7 +194,7 @@ def _train_ef(replica_id, lighthouse, policy, syncs, results, fragments, pause_a
         state_dict=lambda: {"model": model.state_dict(), "inner": inner.state_dict()},
         replica_id=str(replica_id), store_addr="localhost", store_port=store.port,
         rank=0, world_size=1, lighthouse_addr=lighthouse, timeout=TIMEOUT,
-        quorum_timeout=timedelta(seconds=120), connect_timeout=TIMEOUT)
+        quorum_timeout=timedelta(seconds=120), connect_timeout=TIMEOUT, init_sync=init_sync)
     sync = commpress.torchft.DiLoCo(manager, model, inner, sync_every=H, policy=policy,
                                     fragments=fragments)
     if together is not None:

@@ -35,6 +35,7 @@ from commpress.collectives.mismatch import CollectiveMismatchError, CollectiveTi
 from commpress.collectives.p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
 from commpress.collectives.topology import Topology
 from commpress.collectives.totals import reset_stats, stats
+from commpress.collectives.watch import Watch
 
 __all__ = [
     "CollectiveMismatchError",
@@ -43,6 +44,7 @@ __all__ = [
     "Handle",
     "P2POp",
     "Topology",
+    "Watch",
     "all_gather",
     "all_to_all",
     "all_reduce",

@@ -20,6 +20,7 @@ import torch
 from commpress.codecs import Codec, ErrorFeedback, Packet, packet_to_bytes
 from commpress.codecs.base import itemsize, sum_rows
 from commpress.codecs.error_feedback import encode
+from commpress.collectives.watch import Watch, current
 
 Rows = torch.Tensor | list[torch.Tensor]
 
@@ -78,12 +79,33 @@ def encode_rows(codec: Codec, x: torch.Tensor, *, rng_stream: int, key: str,
     if padded is None:
         padded = [x.shape[1]] * x.shape[0]
     x = x.reshape(-1)
+    watch = current()
+    if watch is not None and codec.lossless and memory is None:
+        watch = None  # exact values: nothing to measure
     if splittable(codec):
-        return rows_of_parts(codec, encode(codec, x, rng_stream=rng_stream, key=key,
-                                           memory=memory), padded)
-    return [packet_to_bytes(encode(codec, part, rng_stream=rng_stream, key=f"{key}#{i}",
-                                   memory=memory))
-            for i, part in enumerate(x.split(padded))]
+        packet = encode(codec, x, rng_stream=rng_stream, key=key, memory=memory)
+        if watch is not None:
+            _measure(watch, codec, packet, x, memory, key)
+        return rows_of_parts(codec, packet, padded)
+    rows = []
+    for i, part in enumerate(x.split(padded)):
+        packet = encode(codec, part, rng_stream=rng_stream, key=f"{key}#{i}", memory=memory)
+        if watch is not None:
+            _measure(watch, codec, packet, part, memory, f"{key}#{i}")
+        rows.append(packet_to_bytes(packet))
+    return rows
+
+
+def _measure(watch: Watch, codec: Codec, packet: Packet, x: torch.Tensor,
+             memory: ErrorFeedback | None, key: str) -> None:
+    """What ``packet`` (the codes of ``x``) decodes to, against what the codec was given:
+    ``x``, or with error feedback ``x`` plus the memory (= decoded + the memory after)."""
+    decoded = codec.decode(packet).reshape(-1)[: x.numel()]
+    residual = memory.residuals.get(key) if memory is not None else None
+    if residual is None:
+        watch.add(x, decoded)
+        return
+    watch.add(decoded + residual.reshape(-1), decoded, residual, given=x)
 
 
 def _row_packet(codec: Codec, row: torch.Tensor, m_pad: int,

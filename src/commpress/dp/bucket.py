@@ -67,7 +67,8 @@ class DPBucket:
         self.policy, self.topology, self.label, self.grads = policy, topology, label, grads
         # axis "outer": DiLoCo's pseudo-gradients, by the policy's outer.grad rules; level:
         # one level's rule alone (GradPath)
-        self.reducer = reducer or (lambda: GradPath(policy, topology, label, axis, level))
+        self._grad_path_of = lambda p: GradPath(p, topology, label, axis, level)
+        self.reducer = reducer or (lambda: self._grad_path_of(policy))
         self.param_rule = param_rule or (policy.rule("dp", "param") if weights else None)
         self.reference: torch.Tensor | None = None
         self.fresh()
@@ -80,6 +81,23 @@ class DPBucket:
         self._fresh_param()
         self._fresh_choices()
         self._exact_grad: Reducer | None = None
+
+    def grad_alignment_under(self, policy: Policy) -> int:
+        """The gradient alignment this bucket would have under ``policy``'s rules."""
+        return self._grad_path_of(policy).alignment
+
+    def promote_grad(self, policy: Policy) -> None:
+        """Reduce gradients by ``policy``'s ``dp.grad`` rules from now on (the guard's
+        promotion, :mod:`commpress.dp.guard`): a fresh gradient path — its memory and
+        rounding streams start anew with the new codec; the weights' codecs are kept."""
+        self.policy = policy
+        self.reducer = lambda: self._grad_path_of(policy)
+        self.grad = self.reducer()
+        self._exact_grad = None
+        if "grad" in self.choices or (policy.fallback == "measured" and self.grad.lossy):
+            self.choices["grad"] = MeasuredChoice(self.label)
+        if not self.grad.lossy:
+            self.choices.pop("grad", None)
 
     def _fresh_choices(self) -> None:
         """fallback: measured — a choice per collective that is not exact already."""

@@ -85,6 +85,7 @@ from commpress.dp.grad_path import make_levels_now
 from commpress.frontends.diloco import LABEL, outer_policy
 from commpress.frontends.diloco import DiLoCo as SitesDiLoCo
 from commpress.frontends.parts.outer_fragments import Fragment, named_parameters, trained
+from commpress.frontends.parts.outer_sites import weights_checksum
 from commpress.policy import Policy
 from commpress.validate import InputError, few
 
@@ -359,7 +360,10 @@ class DiLoCo(SitesDiLoCo):
                              "world_size_mode=DYNAMIC)")
         old, self.group = self.group, group
         try:
-            self._agree_on_run(trained(self.model))
+            # θ_global too: replicas that started apart (init_sync=False, other seeds)
+            # would otherwise each keep their own for good
+            self._agree_on_run(trained(self.model), global_weights=weights_checksum(
+                self.global_weights()))
             make_levels_now(self.policy, self.topology, group, "outer")
         except Exception as e:
             self.group = old  # agreed again at the next quorum
@@ -529,10 +533,6 @@ def _check_manager(manager: Any) -> None:
     if mode != WorldSizeMode.DYNAMIC:
         raise InputError(f"{WHAT}.DiLoCo: a Manager with world_size_mode={mode} is not "
                          "allowed (spares sit out syncs); allowed: WorldSizeMode.DYNAMIC")
-    if not getattr(manager, "_init_sync", True):
-        raise InputError(f"{WHAT}.DiLoCo: a Manager with init_sync=False is not allowed "
-                         "(replicas would keep the θ_global each started from); allowed: "
-                         "init_sync=True, torchft's healing of every replica at the start")
     known = getattr(manager, "_user_state_dicts", {})
     if STATE_KEY in known:
         raise InputError(f"{WHAT}.DiLoCo: this Manager already serves a DiLoCo's state; "

@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -43,6 +43,7 @@ from commpress.collectives.handle import completed
 from commpress.dp import DPBucket
 from commpress.dp.fallback import tally
 from commpress.dp.grad_path import say_once, warn_if_uncompressed
+from commpress.dp.guard import GradGuard
 from commpress.dp.saved_state import check_resume, envelope, on_every_rank
 from commpress.frontends.parts import clip_guard
 from commpress.frontends.parts.buckets import (
@@ -58,7 +59,7 @@ from commpress.frontends.parts.buckets import (
 )
 from commpress.frontends.parts.replica_sync import broadcast_buffers, sync_initial_state
 from commpress.kernels.reference import sum_rows
-from commpress.policy import Policy
+from commpress.policy import Guard, Policy
 from commpress.validate import (
     InputError,
     check_float,
@@ -143,6 +144,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
             all-gather compressed and exact in its first steps and keeps compression only
             where it is faster (:mod:`commpress.dp.fallback`); None: the policy's
             (``fallback:`` in a policy file; default off).
+        guard: the convergence guard (:mod:`commpress.dp.guard`): a budget for the
+            relative error of each bucket's gradient codes, or ``{"max_rel_error": …,
+            "window": …, "every": …}``; a bucket over it is promoted to more bits on
+            every rank alike. None: the policy's (``guard:`` in a policy file; default off).
         **optimizer_kwargs: passed to ``optimizer_cls`` (lr, betas, weight_decay, ...).
     """
 
@@ -157,11 +162,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
                  norm_weights: dict[str, float] | None = None,
                  replication_key: ReplicationKey = tensor_parallel_key,
                  init_sync: str = "broadcast", broadcast_buffers: bool = True,
-                 fallback: str | None = None, **optimizer_kwargs: Any) -> None:
+                 fallback: str | None = None, guard: Guard | dict | float | None = None,
+                 **optimizer_kwargs: Any) -> None:
         _check_arguments(model, optimizer_cls, policy, nonfinite, bucket_numel, max_grad_norm,
                          init_sync, broadcast_buffers)
         self.model, named, group_of, group_options = parameter_groups(model)
-        self.policy = Policy.resolve(policy).with_fallback(fallback)
+        self.policy = Policy.resolve(policy).with_fallback(fallback).with_guard(guard)
         self.group = group if group is not None else (dist.group.WORLD if dist.is_initialized()
                                                       else None)
         self.world = dist.get_world_size(self.group) if self.group is not None else 1
@@ -199,7 +205,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
             replication_key, group_of)
         for b in self.buckets:
             b.materialize(self.rank, self.world)
+        # the convergence guard (a policy's guard:), over every bucket's gradient codecs
+        self.guard = (GradGuard(self.policy.guard, [b.dp for b in self.buckets],
+                                "ShardedOptimizer") if self.policy.guard is not None else None)
         if self.world > 1:
+            # the guard decides from every rank's signals at the same steps: one guard
+            agree(self.group, "ShardedOptimizer", label="guard",
+                  guard=None if self.guard is None else self.policy.guard.to_dict())
             sync_initial_state(self.model, self.buckets, self.group, self.rank, self.world,
                                init_sync)
             warn_if_uncompressed(self.policy, self.topology, self.group, "ShardedOptimizer")
@@ -269,7 +281,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
             b.grad_shard.copy_(b.grad_buffer)
             b.handle = completed(b.grad_shard)
         else:
-            with replayable(f"bucket {b.index}:grad"):
+            watching = (self.guard.watching(b.index, self.steps) if self.guard is not None
+                        else nullcontext())
+            with replayable(f"bucket {b.index}:grad"), watching:
                 b.handle = b.dp.reduce_scatter(b.grad_shard, b.grad_buffer, self.group,
                                                op="avg", async_op=True)
 
@@ -367,6 +381,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             b.handle = None
             b.ready.clear()
             b.grad_buffer.zero_()
+        if self.guard is not None and self.world > 1 and self.guard.sampling(self.steps):
+            self.guard.decide(self.steps, self.group)  # promotions apply from the next step
 
     def _take_norm(self, norm: float) -> float:
         self.last_grad_norm = norm
@@ -432,7 +448,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return envelope(STATE_FORMAT, self.policy, self.rank, self.world,
                         **buckets_state(self.buckets, self.optimizer),
                         steps=self.steps, skipped_steps=self.skipped_steps,
-                        codecs=[b.dp.state_dict() for b in self.buckets])
+                        codecs=[b.dp.state_dict() for b in self.buckets],
+                        **({"guard": self.guard.state_dict()} if self.guard else {}))
 
     @torch.no_grad()
     def consolidate_state_dict(self, to: int = 0) -> dict[str, Any] | None:
@@ -531,6 +548,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.state = self.optimizer.state
         for b, group in zip(self.buckets, self.param_groups, strict=True):
             group["param_group"] = b.group  # a state saved before groups named theirs
+        if self.guard is not None:  # promoted codecs first: their state's layout
+            self.guard.load_state_dict(state.get("guard"))
         for b, codecs in zip(self.buckets, state["codecs"], strict=True):
             b.dp.load_state_dict(codecs)
         self.steps = state["steps"]

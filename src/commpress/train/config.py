@@ -37,6 +37,10 @@ class TrainConfig:
                                       "collectives compressed and exact in its first steps "
                                       "and keeps compression only where it is faster; off; "
                                       "default: the policy's (off unless its file says)")
+    guard: str | None = _opt(None, "the convergence guard of the data-parallel gradients: a "
+                                   "relative-error budget (0.3), or max_rel_error=0.3,"
+                                   "window=3,every=10; a bucket over it is promoted to more "
+                                   "bits; default: the policy's (off unless its file says)")
     dp: int | None = _opt(None, "data-parallel degree; default: the ranks / (tp · pp)")
     tp: int = _opt(1, "tensor-parallel degree")
     pp: int = _opt(1, "pipeline-parallel degree")
@@ -110,6 +114,9 @@ class TrainConfig:
             raise InputError(f"engine=ddp runs data parallelism only; got tp={self.tp}, "
                              f"pp={self.pp}, ep={self.ep}: use engine=sharded for tp/pp/ep")
         self._check_experts()
+        if self.policy_object().guard is not None and self.engine != "sharded":
+            raise InputError(f"guard={self.guard!r} with engine={self.engine!r} is not allowed "
+                             "yet; allowed: the guard with engine=sharded (ShardedOptimizer)")
         hook = self.ddp_hook
         rank = hook.removeprefix("powersgd:")
         if hook not in ("allreduce", "fp16", "commpress") and not (
@@ -147,8 +154,10 @@ class TrainConfig:
             raise InputError("backend=nccl needs device=cuda; allowed with device=cpu: gloo")
 
     def policy_object(self) -> Policy:
-        """The run's :class:`Policy`: ``policy`` with ``fallback`` when given."""
-        return Policy.resolve(self.policy).with_fallback(self.fallback)
+        """The run's :class:`Policy`: ``policy`` with ``fallback`` and ``guard`` when
+        given."""
+        return Policy.resolve(self.policy).with_fallback(self.fallback).with_guard(
+            parse_guard(self.guard))
 
     def _check_experts(self) -> None:
         """Expert parallelism needs a mixture of experts it divides; tensor parallelism of
@@ -255,3 +264,17 @@ def policy_slug(policy: str) -> str:
 def field_help() -> dict[str, str]:
     """Field name → its ``--help`` text."""
     return {f.name: f.metadata["help"] for f in dataclasses.fields(TrainConfig)}
+
+
+def parse_guard(text: str | None) -> dict | float | None:
+    """``--guard``: a budget (``0.3``) or ``max_rel_error=0.3,window=3,every=10``."""
+    if text is None:
+        return None
+    try:
+        if "=" not in text:
+            return float(text)
+        return {k.strip(): (float(v) if k.strip() == "max_rel_error" else int(v))
+                for k, v in (part.split("=", 1) for part in text.split(","))}
+    except ValueError:
+        raise InputError(f"guard={text!r} is not allowed; allowed: a positive number (the "
+                         "relative-error budget) or max_rel_error=X,window=N,every=N") from None

@@ -180,6 +180,10 @@ class PlayedReplica:
             raise InputError("fallback=measured times the collectives on the live links, and "
                              "simulate plays its ranks in one process; allowed in simulate: "
                              "fallback off (commpress train --fallback measured measures)")
+        if cfg.policy_object().guard is not None:
+            raise InputError("guard: the convergence guard sums every rank's signals over "
+                             "real ranks, and simulate does not play it yet; allowed in "
+                             "simulate: no guard (commpress train --guard …)")
         if cfg.ep > 1:
             raise InputError(f"ep={cfg.ep}: simulate plays the ranks one after another, and "
                              "expert parallelism exchanges tokens between ranks at once; "

@@ -99,12 +99,27 @@ def plot_loss(history: list[dict[str, Any]], path: str, title: str = "") -> None
     ax.plot([r["step"] for r in history], [r["loss"] for r in history], label="train", lw=1)
     val = [r for r in history if "val_loss" in r]
     ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="validation")
+    mark_promotions(ax, history)
     ax.set(xlabel="step", ylabel="loss (nats/token)", title=title)
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def mark_promotions(ax: Any, history: list[dict[str, Any]], color: str = "red") -> None:
+    """A dashed line where the convergence guard promoted a bucket, labelled with it."""
+    first = True
+    for r in history:
+        for sampled in r.get("guard", []):
+            for e in sampled["promoted"]:
+                ax.axvline(r["step"], color=color, ls="--", lw=0.8, alpha=0.7,
+                           label="guard promotion" if first else None)
+                ax.annotate(f"b{e['bucket']}: {e['to'].split(':')[0].split('=')[-1]}",
+                            (r["step"], 1), xycoords=("data", "axes fraction"),
+                            fontsize=7, rotation=90, va="top", color=color)
+                first = False
 
 
 def plot_compare(histories: dict[str, list[dict]], summaries: dict[str, dict], path: str) -> None:
@@ -116,7 +131,9 @@ def plot_compare(histories: dict[str, list[dict]], summaries: dict[str, dict], p
 
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
     for name, hist in histories.items():
-        axes[0].plot([r["step"] for r in hist], [r["loss"] for r in hist], lw=1, label=name)
+        line, = axes[0].plot([r["step"] for r in hist], [r["loss"] for r in hist], lw=1,
+                             label=name)
+        mark_promotions(axes[0], hist, line.get_color())
         axes[1].plot([r["wall_s"] for r in hist], [r["loss"] for r in hist], lw=1, label=name)
     axes[0].set(xlabel="step", ylabel="train loss", title="loss vs step")
     axes[1].set(xlabel="wall time (s)", ylabel="train loss", title="loss vs wall time")

@@ -282,6 +282,11 @@ def run_steps(run: Run, writer: bool) -> dict[str, Any] | None:
                                  time.perf_counter() - wall0, run.skipped_steps,
                                  {k: v - before.get(k, 0)
                                   for k, v in run.held.wire_bytes().items()})
+            guarded = [g for g in (getattr(opt, "guard", None) for opt in run.opts)
+                       if g is not None]
+            sampled = [r for r in (g.take_record() for g in guarded) if r is not None]
+            if sampled:  # the convergence guard's signals and promotions of this step
+                record["guard"] = sampled
             if evaluates_at(cfg, step):
                 record["val_loss"] = run.evaluate()
             run.history.append(record)

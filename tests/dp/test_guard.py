@@ -1,0 +1,85 @@
+"""The convergence guard: its policy field, its ladder, and a guarded ShardedOptimizer on
+two Gloo ranks — an aggressive codec promoted, a healthy preset left alone, replicas
+bitwise identical through each promotion, a resume that decides the same."""
+
+import math
+
+import pytest
+
+from commpress.launch import spawn
+from commpress.policy import Guard, Policy, promote_codec
+from commpress.validate import InputError
+from tests.dp import guard_workers
+
+INT2 = {"name": "naive-int2", "dp": {"grad": "int2:hadamard=0"}}
+
+
+def test_the_ladder_goes_up_one_rung_at_a_time_to_exact():
+    assert promote_codec("int2").startswith("int4:group=128,hadamard=0")
+    assert promote_codec("int4:hadamard=128").startswith("int8:group=128,hadamard=128")
+    assert promote_codec("int8") == "none" and promote_codec("none") == "none"
+    assert promote_codec("nf2") == "int4" and promote_codec("fp8") == "bf16"
+    assert promote_codec("bf16") == "none" and promote_codec("sign") == "none"
+    assert promote_codec("topk:ratio=0.02") == "topk:ratio=0.08"
+    assert promote_codec("topk:ratio=0.08") == "none"
+    assert promote_codec("chunktopk").startswith("chunktopk:chunk=4096,k=256")
+    assert promote_codec("chunktopk:k=1024") == "none" or "k=4096" not in promote_codec(
+        "chunktopk:k=1024")
+    rule = Policy.from_dict({"dp": {"grad": {"codec": "int8", "error_feedback": True}}}
+                            ).rules["dp.grad"]
+    assert rule.promoted().codec == "none" and not rule.promoted().error_feedback
+
+
+def test_a_guard_is_read_from_a_policy_and_bad_values_are_refused_by_name():
+    p = Policy.from_dict({**INT2, "guard": {"max_rel_error": 0.3, "window": 2, "every": 5}})
+    assert p.guard == Guard(0.3, 2, 5)
+    assert Policy.from_dict(p.to_dict()) == p  # saved and read back alike
+    assert Policy.resolve("tlq").with_guard(0.5).guard == Guard(0.5)
+    for bad, field in [(0, "max_rel_error"), (-1.0, "max_rel_error"),
+                       (math.inf, "max_rel_error"), (math.nan, "max_rel_error"),
+                       ({"max_rel_error": 0.3, "window": 0}, "window"),
+                       ({"max_rel_error": 0.3, "every": 1.5}, "every")]:
+        with pytest.raises(InputError, match=f"guard.{field}"):
+            Policy.resolve("tlq").with_guard(bad)
+    with pytest.raises(InputError, match="guard=.*is not allowed; allowed: a mapping with "
+                                         "max_rel_error"):
+        Policy.from_dict({**INT2, "guard": {"budget": 0.3}})
+
+
+@pytest.fixture(scope="module")
+def naive():
+    """int2 without Hadamard or error feedback, guarded at 0.3 over 2 samples every step."""
+    guard = {"max_rel_error": 0.3, "window": 2, "every": 1}
+    return spawn(guard_workers.guarded, 2, (INT2, guard, 8), timeout=300)
+
+
+def test_an_aggressive_codec_is_promoted_on_every_rank_alike_and_replicas_stay_identical(naive):
+    a, b = naive
+    assert a["hashes"] == b["hashes"]  # bitwise replicas, through every promotion
+    assert a["events"] == b["events"] and a["events"], a["signals"]
+    first = a["events"][0]
+    assert first["step"] == 1 and first["rel_error"] > 0.3  # 2 samples in a row: steps 0, 1
+    assert "int2" in first["from"] and "int4" in first["to"]
+    assert a["codecs"][0] != a["codecs"][-1]
+    # once promoted, the signal falls under the budget: no further promotion
+    promoted = {e["bucket"] for e in a["events"]}
+    assert all(s[j] < 0.3 for s in a["signals"][4:] for j in promoted)
+    assert len(a["said"]) == len(a["events"]) and not b["said"]  # logged once, by rank 0
+
+
+def test_a_resumed_guarded_run_decides_the_same(naive):
+    guard = {"max_rel_error": 0.3, "window": 2, "every": 1}
+    resumed = spawn(guard_workers.guarded, 2, (INT2, guard, 8, 4), timeout=300)
+    assert resumed[0]["hashes"] == naive[0]["hashes"]
+    assert resumed[0]["events"] == naive[0]["events"]
+
+
+def test_a_healthy_preset_is_left_alone():
+    ranks = spawn(guard_workers.guarded, 2, ("sdp4bit", 0.5, 10), timeout=300)
+    assert ranks[0]["events"] == [] and ranks[0]["hashes"] == ranks[1]["hashes"]
+    assert all(0 < s < 0.5 for s in ranks[0]["signals"][0])  # measured, under budget
+
+
+def test_ranks_with_different_guards_are_refused_on_every_rank():
+    for message in spawn(guard_workers.differing_guards, 2, (), timeout=120):
+        assert message is not None and "guard" in message, message

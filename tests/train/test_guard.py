@@ -1,0 +1,48 @@
+"""The trainer's --guard: a naive int2 run promoted by the guard, its signals and
+promotions in metrics.jsonl and on the loss plot; what it cannot run is refused by name."""
+
+import json
+import os
+
+import pytest
+import yaml
+
+from commpress.train.config import TrainConfig
+from commpress.train.loop import train
+from commpress.validate import InputError
+
+BASE = dict(model="gpt-tiny", batch_size=8, seq_len=32, warmup=2, eval_every=0,
+            eval_batches=1, max_data_bytes=200_000, progress=False, bucket_numel=40_000,
+            nproc=2, ranks_per_node=2)
+
+
+def test_a_guarded_run_records_its_signals_and_promotions(tmp_path):
+    policy = tmp_path / "naive-int2.yaml"
+    policy.write_text(yaml.safe_dump({"dp": {"grad": "int2:hadamard=0"}}))
+    out = str(tmp_path / "run")
+    summary = train(TrainConfig(out=out, policy=str(policy), steps=6,
+                                guard="max_rel_error=0.3,window=2,every=1", **BASE))
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    sampled = [r for r in records if "guard" in r]
+    assert len(sampled) == 6  # every step sampled
+    promoted = [e for r in sampled for g in r["guard"] for e in g["promoted"]]
+    assert promoted and all("int4" in e["to"] for e in promoted[:1])
+    assert promoted[0]["step"] == 1  # two samples in a row over the budget: steps 0 and 1
+    config = json.load(open(os.path.join(out, "config.json")))
+    assert config["policy"]["guard"] == {"max_rel_error": 0.3, "window": 2, "every": 1}
+    assert os.path.exists(os.path.join(out, "loss.png")) and summary["steps"] == 6
+
+
+def test_what_the_guard_cannot_run_is_refused_by_name(tmp_path):
+    with pytest.raises(InputError, match="guard='lots' is not allowed"):
+        TrainConfig(policy="tlq", guard="lots", **BASE)
+    with pytest.raises(InputError, match="guard.max_rel_error"):
+        TrainConfig(policy="tlq", guard="-1", **BASE)
+    with pytest.raises(InputError, match="guard='0.3' with engine='ddp' is not allowed yet"):
+        TrainConfig(policy="tlq", guard="0.3", engine="ddp", **BASE)
+    from commpress.train.simulate import simulate
+
+    with pytest.raises(InputError, match="simulate does not play it yet"):
+        simulate(TrainConfig(policy="tlq", guard="0.3", out=str(tmp_path / "s"), steps=1,
+                             **BASE))
