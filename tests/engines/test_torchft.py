@@ -58,14 +58,24 @@ def run(policies, syncs=SYNCS, die=None, restart=False, failing=False):
                 continue
             assert failing or "exception" not in record, record["exception"]
             records[i] = record
-        for p in procs.values():
-            p.join(30)
-        return records
+        return joined(procs, records)
     finally:
-        for p in procs.values():
-            if p.is_alive():
-                p.kill()
-        lighthouse.shutdown()
+        stop(procs, lighthouse)
+
+
+def joined(procs, records):
+    """``records``, once every replica process has ended (or 30 s each)."""
+    for p in procs.values():
+        p.join(30)
+    return records
+
+
+def stop(procs, lighthouse):
+    """Kill the replica processes still alive, then the lighthouse."""
+    for p in procs.values():
+        if p.is_alive():
+            p.kill()
+    lighthouse.shutdown()
 
 
 def same_commits(a, b):
@@ -257,14 +267,9 @@ def run_ef(policy, syncs=6, kill_at=2, fragments=1, replicas=2, restart=True,
                     i, record = message
                     assert kill_at is None or "exception" not in record, record["exception"]
                     records[i] = record
-        for p in procs.values():
-            p.join(30)
-        return records
+        return joined(procs, records)
     finally:
-        for p in procs.values():
-            if p.is_alive():
-                p.kill()
-        lighthouse.shutdown()
+        stop(procs, lighthouse)
 
 
 @pytest.mark.parametrize("policy,fragments", [("diloco-int2ef", 1), ("diloco-sparse", 2)])

@@ -69,26 +69,33 @@ def _train(replica_id, lighthouse, policy, syncs, die_in_sync):
 
     manager.should_commit = watched_commit
     commpress.reset_stats()
-    step = 0
     try:
         with DiLoCo(manager, [model], inner, outer, sync_every=H, backup_device=torch.device("cpu"),
                     pin_memory=False):
             # after DiLoCo's own hook: the weights each commit left, with its step
             inner.register_step_post_hook(lambda *_: record["committed"].setdefault(
                 manager.current_step(), workers._hash_params(model)))
-            while manager.current_step() < syncs and step < 4 * H * syncs:
-                x, y = workers._local_batch(data, step, replica_id, 2)
-                _, loss = model(x, y)
-                loss.backward()
-                inner.step()
-                inner.zero_grad()
-                record["losses"].append(loss.item())
-                step += 1
+            _inner_steps(manager, model, inner, data, replica_id, 2, syncs, 4 * H * syncs,
+                         record)
         record["stats"] = commpress.stats()
         record["step"] = manager.current_step()
     finally:
         manager.shutdown(wait=False)
     return record
+
+
+def _inner_steps(manager, model, inner, data, replica_id, parts, syncs, most, record):
+    """Inner steps on this replica's part (of ``parts``) of each batch until ``syncs``
+    syncs have committed, or ``most`` steps; each loss into ``record``."""
+    step = 0
+    while manager.current_step() < syncs and step < most:
+        x, y = workers._local_batch(data, step, replica_id, parts)
+        _, loss = model(x, y)
+        loss.backward()
+        inner.step()
+        inner.zero_grad()
+        record["losses"].append(loss.item())
+        step += 1
 
 
 def _die_in_call(pg, n):
@@ -220,16 +227,8 @@ def _train_ef(replica_id, lighthouse, policy, syncs, results, fragments, pause_a
 
         sync._start = pausing
     commpress.reset_stats()
-    step = 0
     try:
-        while manager.current_step() < syncs and step < 8 * H * syncs:
-            x, y = workers._local_batch(data, step, replica_id, 4)  # up to 4 replicas
-            _, loss = model(x, y)
-            loss.backward()
-            inner.step()
-            inner.zero_grad()
-            record["losses"].append(loss.item())
-            step += 1
+        _inner_steps(manager, model, inner, data, replica_id, 4, syncs, 8 * H * syncs, record)
         record["stats"] = commpress.stats()
         record["step"] = manager.current_step()
         record["said"] = list(zip(said.lines, said.residuals))
