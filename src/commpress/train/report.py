@@ -109,17 +109,23 @@ def plot_loss(history: list[dict[str, Any]], path: str, title: str = "") -> None
 
 
 def mark_promotions(ax: Any, history: list[dict[str, Any]], color: str = "red") -> None:
-    """A dashed line where the convergence guard promoted a bucket, labelled with it."""
+    """A dashed line where the convergence guard promoted buckets, labelled with how many
+    went to which codec."""
     first = True
     for r in history:
-        for sampled in r.get("guard", []):
-            for e in sampled["promoted"]:
-                ax.axvline(r["step"], color=color, ls="--", lw=0.8, alpha=0.7,
-                           label="guard promotion" if first else None)
-                ax.annotate(f"b{e['bucket']}: {e['to'].split(':')[0].split('=')[-1]}",
-                            (r["step"], 1), xycoords=("data", "axes fraction"),
-                            fontsize=7, rotation=90, va="top", color=color)
-                first = False
+        promoted = [e for sampled in r.get("guard", []) for e in sampled["promoted"]]
+        if not promoted:
+            continue
+        codecs: dict[str, int] = {}
+        for e in promoted:  # "dp.grad=topk:ratio=0.04" → "topk:ratio=0.04"
+            short = e["to"].split(", ")[-1].split("=", 1)[-1].split(",")[0]
+            codecs[short] = codecs.get(short, 0) + 1
+        ax.axvline(r["step"], color=color, ls="--", lw=0.8, alpha=0.7,
+                   label="guard promotion" if first else None)
+        ax.annotate("; ".join(f"{n}× → {c}" for c, n in codecs.items()),
+                    (r["step"], 0.98), xycoords=("data", "axes fraction"), fontsize=7,
+                    rotation=90, va="top", ha="right", color=color)
+        first = False
 
 
 def plot_compare(histories: dict[str, list[dict]], summaries: dict[str, dict], path: str) -> None:
