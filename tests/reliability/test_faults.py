@@ -1,5 +1,7 @@
 """Faults: a killed rank, NaN gradients — errors, never hangs or silent corruption."""
 
+import pytest
+
 from commpress.launch import spawn
 from tests.reliability import workers
 from tests.reliability.killing import assert_survivors_name_the_dead_rank
@@ -30,3 +32,16 @@ def test_nan_gradient_raises_on_every_rank_when_asked():
         assert r["outcome"].startswith("raised: ShardedOptimizer step 2: the global gradient "
                                        "norm is nan")
         assert r["finite"]
+
+
+@pytest.mark.slow
+def test_a_rank_killed_in_a_guard_decision_leaves_no_codec_half_promoted():
+    results = spawn(workers.killed_in_a_guard_decision, 3, (2,), pg_timeout_s=PG_TIMEOUT,
+                    timeout=120, allow_errors=True)
+    assert_survivors_name_the_dead_rank(results, victim=2, timeout_s=PG_TIMEOUT)
+    survivors = [r for r in results if isinstance(r, dict)]
+    assert len(survivors) == 2
+    # the decision every bucket's promotion hung on was taken by no one: a decision is
+    # read from every rank's signals, so a survivor never promotes on its own
+    for r in survivors:
+        assert r["events"] == [] and set(r["codecs"]) == {"int2:hadamard=0"}, r

@@ -119,3 +119,37 @@ def raises(rank, world, kind):
         raise commpress.InputError("batch_size=3 is not allowed") if kind == "input" else \
             ValueError("an internal invariant broke")
     return rank
+
+
+def killed_in_a_guard_decision(rank, world, victim):
+    """A guarded optimizer (int2 without Hadamard, budget 0.3, deciding every step); the
+    victim SIGKILLs itself as step 0's decision starts — the one that would promote every
+    bucket (int2's error is over 0.7) — the others then in its gather.
+    Survivors report how they ended and each bucket's gradient codec after."""
+    data = _data()
+    model = _model()
+    policy = {"name": "naive-int2", "dp": {"grad": "int2:hadamard=0"}}
+    opt = commpress.ShardedOptimizer(model, torch.optim.AdamW, policy, lr=1e-3,
+                                     bucket_numel=20_000,
+                                     guard={"max_rel_error": 0.3, "window": 1, "every": 1})
+    killer = Killer(rank, victim, at_step=0)
+    decide = opt.guard.decide
+
+    def dying(step, group):
+        killer.mid_step(step)  # the victim dies here at step 0; the others go on into it
+        return decide(step, group)
+
+    opt.guard.decide = dying
+
+    def loop():
+        for step in range(1000):
+            x, y = _local_batch(data, step, rank, world)
+            _, loss = model(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+
+    outcome = killer.survive(loop)
+    outcome["codecs"] = [b.dp.policy.rules["dp.grad"].codec for b in opt.buckets]
+    outcome["events"] = [(e["step"], e["bucket"]) for e in opt.guard.events]
+    return outcome
