@@ -224,7 +224,6 @@ def run_ef(policy, syncs=6, kill_at=2, fragments=1, replicas=2, restart=True,
     ctx = multiprocessing.get_context("spawn")
     procs, queues, records = {}, {}, {}
     last = replicas - 1
-
     together = ctx.Barrier(replicas)  # the first quorum holds every replica
 
     def start(i, pause_at=None, first=True):
@@ -239,10 +238,9 @@ def run_ef(policy, syncs=6, kill_at=2, fragments=1, replicas=2, restart=True,
             try:
                 yield q.get_nowait()
             except queue.Empty:
-                pass
+                pass  # nothing from this replica yet
 
     try:
-        last = replicas - 1
         for i in range(last):
             start(i)
         start(last, pause_at=kill_at)  # None: never paused

@@ -94,10 +94,9 @@ class DPBucket:
         self.reducer = lambda: self._grad_path_of(policy)
         self.grad = self.reducer()
         self._exact_grad = None
-        if "grad" in self.choices or (policy.fallback == "measured" and self.grad.lossy):
+        self.choices.pop("grad", None)  # the new codec is measured anew
+        if policy.fallback == "measured" and self.grad.lossy:
             self.choices["grad"] = MeasuredChoice(self.label)
-        if not self.grad.lossy:
-            self.choices.pop("grad", None)
 
     def _fresh_choices(self) -> None:
         """fallback: measured — a choice per collective that is not exact already."""

@@ -52,7 +52,6 @@ class GradGuard:
         self.base = [b.policy for b in buckets]
         self.layout = [b.alignment for b in buckets]  # what each bucket's buffers fit
         self.watches = [Watch() for _ in buckets]
-        self.rungs = [0] * len(buckets)  # promotions taken, per bucket
         self.over = [0] * len(buckets)  # sampled steps in a row over the budget
         self.signals: list[float] = []  # the last sampled step's relative error per bucket
         self.events: list[dict[str, Any]] = []
@@ -108,7 +107,6 @@ class GradGuard:
             return None  # exact already
         before = describe(b, keys)
         b.promote_grad(self._next(j, b.policy))
-        self.rungs[j] += 1
         event = {"step": step, "bucket": j, "rel_error": signal, "from": before,
                  "to": describe(b, keys), "reason": "non-finite codes" if broken else
                  f"over {self.guard.max_rel_error:g} in {self.guard.window} samples"}
@@ -120,31 +118,34 @@ class GradGuard:
 
     # -- checkpoints -----------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"format": STATE_FORMAT, "rungs": list(self.rungs), "over": list(self.over),
+        return {"format": STATE_FORMAT, "over": list(self.over),
                 "events": [dict(e) for e in self.events]}
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
-        """Take the saved promotions (before the buckets' codec states are loaded: their
-        layout follows the codec) and counters; None: a state saved without the guard —
-        every bucket as the policy has it."""
+        """Take the saved promotions — each event is one rung of its bucket — before the
+        buckets' codec states are loaded (their layout follows the codec), and the
+        counters; None: a state saved without the guard, every bucket as the policy has
+        it."""
         if state is None:
-            state = {"format": STATE_FORMAT, "rungs": [0] * len(self.buckets),
-                     "over": [0] * len(self.buckets), "events": []}
-        rungs = state.get("rungs") if isinstance(state, dict) else None
-        if (state.get("format") if isinstance(state, dict) else None) != STATE_FORMAT or \
-                not isinstance(rungs, list) or len(rungs) != len(self.buckets):
+            state = {"format": STATE_FORMAT, "over": [0] * len(self.buckets), "events": []}
+        n = len(self.buckets)
+        ok = (isinstance(state, dict) and state.get("format") == STATE_FORMAT
+              and isinstance(state.get("over"), list) and len(state["over"]) == n
+              and isinstance(state.get("events"), list)
+              and all(isinstance(e, dict) and e.get("bucket") in range(n)
+                      for e in state["events"]))
+        if not ok:
             raise InputError(f"{self.what}: the saved guard state {_short(state)} is not "
                              f"allowed; allowed: {STATE_FORMAT!r} for {len(self.buckets)} "
                              "buckets, from this front-end's state_dict()")
-        for j, (b, base, n) in enumerate(zip(self.buckets, self.base, rungs)):
+        self.events = [dict(e) for e in state["events"]]
+        for j, (b, base) in enumerate(zip(self.buckets, self.base)):
             policy = base
-            for _ in range(int(n)):
+            for _ in range(sum(e["bucket"] == j for e in self.events)):
                 policy = self._next(j, policy)
             if policy != b.policy:
                 b.promote_grad(policy)
-            self.rungs[j] = int(n)
         self.over = [int(x) for x in state["over"]]
-        self.events = [dict(e) for e in state["events"]]
 
     def _next(self, j: int, policy: Policy) -> Policy:
         """Bucket ``j``'s policy one rung up: its lossy ``dp.grad`` rules promoted, or

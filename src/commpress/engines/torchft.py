@@ -511,8 +511,10 @@ def _transient(error: Exception) -> bool:
     timeout); not a mismatch or a bad input, which every retry would meet again."""
     if isinstance(error, CollectiveMismatchError | InputError):
         return False
+    # commpress names a transfer that failed or waited too long (CollectiveTimeoutError);
+    # what torch raises itself is a DistError
     return isinstance(error, CollectiveTimeoutError | dist.DistError | ConnectionError
-                      | TimeoutError) or "Gloo" in str(error) or "Connection" in str(error)
+                      | TimeoutError)
 
 
 STATE_KEY = "commpress.torchft.DiLoCo/1"
