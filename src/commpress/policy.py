@@ -111,20 +111,27 @@ class Rule:
 
 @dataclass(frozen=True)
 class Guard:
-    """The convergence guard of a policy's data-parallel gradients: every ``every`` steps
-    each bucket measures the relative error of what its codes send
-    (:class:`commpress.Watch`), summed over the ranks; a bucket over ``max_rel_error`` in
-    ``window`` samples in a row — or whose codes decode non-finite where its input was
-    finite, at once — is promoted one rung (:func:`promote_codec`) on every rank alike."""
+    """The convergence guard of a policy's gradients (``dp.grad``; DiLoCo's ``outer.grad``):
+    each bucket measures what its codes send (:class:`commpress.Watch`), summed over the
+    ranks, on sampled steps — every step until a bucket has ``window`` samples under its
+    codec (a run's first steps, and after each promotion), then every ``every`` steps. A
+    bucket over budget in ``window`` samples in a row — or whose codes decode non-finite
+    where its input was finite, at once — is promoted one rung (:func:`promote_codec`) on
+    every rank alike. The budget: ``max_rel_error`` on the relative error of what is sent
+    without error feedback (that error is lost), ``max_memory_ratio`` on an
+    error-feedback memory's norm relative to the gradient's (that error is only
+    delayed: a memory many gradients large has stopped catching up)."""
 
     max_rel_error: float
     window: int = 3
     every: int = 10
+    max_memory_ratio: float = 4.0
 
     def __post_init__(self) -> None:
         check_float("guard.max_rel_error", self.max_rel_error, gt=0)
         check_int("guard.window", self.window, ge=1)
         check_int("guard.every", self.every, ge=1)
+        check_float("guard.max_memory_ratio", self.max_memory_ratio, gt=0)
 
     @classmethod
     def from_value(cls, policy: str, value: Any) -> Guard:
@@ -133,15 +140,16 @@ class Guard:
             return value
         if isinstance(value, int | float) and not isinstance(value, bool):
             return cls(float(value))
-        fields = {"max_rel_error", "window", "every"}
+        fields = {f.name for f in dataclasses.fields(cls)}
         if not isinstance(value, dict) or not set(value) <= fields or "max_rel_error" not in value:
             raise InputError(f"policy {policy!r}: guard={value!r} is not allowed; allowed: a "
                              "mapping with max_rel_error (a positive number) and optionally "
-                             "window and every (whole numbers ≥ 1)")
+                             "window and every (whole numbers ≥ 1) and max_memory_ratio (a "
+                             "positive number)")
         return cls(**value)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"max_rel_error": self.max_rel_error, "window": self.window, "every": self.every}
+        return dataclasses.asdict(self)
 
 
 @dataclass(frozen=True)
@@ -153,7 +161,7 @@ class Policy:
     # "measured": each data-parallel bucket times its compressed and exact collectives on
     # the live group in its first calls and keeps compression only where it wins
     fallback: str = "off"
-    # the convergence guard of dp.grad (None: off)
+    # the convergence guard of the gradients' codecs (None: off)
     guard: Guard | None = None
 
     def __post_init__(self) -> None:

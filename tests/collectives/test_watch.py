@@ -49,11 +49,12 @@ def test_each_codecs_error_is_its_own_round_trip_and_fewer_bits_err_more(gradien
         direct = ((flat - back).norm() / flat.norm()).item()
         assert read["rel_error"] == pytest.approx(direct, rel=1e-6), spec
         assert read["elements"] == flat.numel() and read["memory_ratio"] == 0
+        assert read["plain_rel_error"] == read["rel_error"]  # no memory: all of it is lost
         errors[spec] = read["rel_error"]
     assert errors["int2"] > errors["int4"] > errors["int8"] > 0
     # exact values add nothing, and nothing is measured outside a watch
-    assert _watched("none", gradients) == {"rel_error": 0.0, "memory_ratio": 0.0,
-                                            "elements": 0}
+    assert _watched("none", gradients) == {"rel_error": 0.0, "plain_rel_error": 0.0,
+                                            "memory_ratio": 0.0, "elements": 0}
 
 
 def test_with_error_feedback_the_memory_and_the_compensated_value_are_measured(gradients):
@@ -69,6 +70,8 @@ def test_with_error_feedback_the_memory_and_the_compensated_value_are_measured(g
     e2 = memory.residuals["g"].reshape(-1)
     assert second["rel_error"] == pytest.approx((e2.norm() / (x + e1).norm()).item(), rel=1e-5)
     assert second["memory_ratio"] == pytest.approx((e2.norm() / x.norm()).item(), rel=1e-5)
+    # the memory carries that error on: none of it counts as lost
+    assert first["plain_rel_error"] == second["plain_rel_error"] == 0
 
 
 def test_a_watch_sees_its_own_threads_calls_only(gradients):

@@ -48,7 +48,8 @@ def guarded(rank, world, policy, guard, steps, resume_at=None, bucket_numel=40_0
         opt.zero_grad()
         out["hashes"].append(_hash_params(model))
         out["losses"].append(loss.item())
-        out["signals"].append(list(opt.guard.signals) if opt.guard else [])
+        out["signals"].append([g["plain_rel_error"] for g in opt.guard.signals]
+                              if opt.guard else [])
         out["codecs"].append([b.dp.grad.describe() if hasattr(b.dp.grad, "describe")
                               else repr(b.dp.policy.rules.get("dp.grad"))
                               for b in opt.buckets])
@@ -62,6 +63,61 @@ def differing_guards(rank, world):
     """Rank 0 guards with budget 0.3, rank 1 with 0.4: refused at construction."""
     try:
         _optimizer(_model(), "tlq", 0.3 if rank == 0 else 0.4, 40_000)
+    except commpress.CollectiveMismatchError as e:
+        return str(e)
+    return None
+
+
+def hooked(rank, world, policy, guard, steps, resume_at=None, overlap=True):
+    """The same run under DDP with commpress's hook (``bucket_numel`` 40 000): per step the
+    weights' hash, the guard's record (None: not sampled) and each hook bucket's codec; ``resume_at=k``: the
+    hook's, the model's and the optimizer's state saved at step k and loaded into a new
+    DDP module, hook and optimizer."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.set_num_threads(1)
+    said = _Said()
+    logging.getLogger("commpress").addHandler(said)
+    data = _data()
+
+    def build(seed):
+        model = DDP(_model(seed=seed), bucket_cap_mb=0.1)
+        state, hook = commpress.ddp_hook(model, policy, guard=guard, overlap=overlap,
+                                         bucket_numel=40_000)
+        model.register_comm_hook(state, hook)
+        return model, state, torch.optim.AdamW(model.parameters(), lr=3e-3)
+
+    model, state, opt = build(0)
+    out = {"hashes": [], "sampled": [], "codecs": []}
+    for step in range(steps):
+        if step == resume_at:
+            saved = {"model": model.module.state_dict(), "opt": opt.state_dict(),
+                     "hook": state.state_dict()}
+            state.remove()
+            model, state, opt = build(1)  # other weights: the load brings them all back
+            model.module.load_state_dict(saved["model"])
+            opt.load_state_dict(saved["opt"])
+            state.load_state_dict(saved["hook"])
+        x, y = _local_batch(data, step, rank, world)
+        _, loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out["hashes"].append(_hash_params(model.module))
+        out["sampled"].append(state.guard.take_record())
+        out["codecs"].append([repr(b.dp.policy.rules.get("dp.grad")) for b in state.buckets])
+    out["events"] = state.guard.events
+    out["said"] = [line for line in said.lines if "guard" in line]
+    state.remove()
+    return out
+
+
+def hooked_with_differing_guards(rank, world):
+    """Rank 0's hook guards with budget 0.3, rank 1's with 0.4: refused at construction."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    try:
+        commpress.ddp_hook(DDP(_model()), "int4", guard=0.3 if rank == 0 else 0.4)
     except commpress.CollectiveMismatchError as e:
         return str(e)
     return None

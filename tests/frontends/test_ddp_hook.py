@@ -14,6 +14,7 @@ import torch.nn as nn
 import commpress
 from commpress.frontends.ddp import grad_policy
 from commpress.launch import spawn
+from tests.dp import guard_workers
 from tests.frontends import ddp_workers
 
 STEPS = 6
@@ -252,3 +253,29 @@ def test_after_the_first_step_one_hook_bucket_a_step_carries_a_header(options):
     assert r["buckets"] >= 3, r
     assert r["headers"][0] == r["buckets"] and r["headers"][3:] == [1] * (STEPS - 3), r
     _assert_replicas_identical(ranks)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_guarded_hook_promotes_on_every_rank_alike_and_resumes_the_same(overlap):
+    """int2 without Hadamard, guarded at 0.3 over 2 samples: the hook's buckets are
+    promoted after the second iteration on both ranks (the decision taken where the hook
+    issues its calls, the communication thread with overlap), replicas stay bitwise
+    identical, and a run resumed at step 4 from the hook's state decides the same."""
+    naive = {"name": "naive-int2", "dp": {"grad": "int2:hadamard=0"}}
+    guard = {"max_rel_error": 0.3, "window": 2, "every": 4}
+    a, b = spawn(guard_workers.hooked, 2, (naive, guard, 7, None, overlap), timeout=300)
+    assert a["hashes"] == b["hashes"] and a["events"] == b["events"]
+    assert a["events"] and {e["step"] for e in a["events"]} == {1}, a["sampled"]
+    assert all("int4" in e["to"] for e in a["events"])
+    assert a["codecs"][0] != a["codecs"][1]  # in use from the next backward
+    assert len(a["said"]) == len(a["events"]) and not b["said"]  # logged once, by rank 0
+    # dense sampling after a promotion (steps 2, 3), then every 4 (step 4; not 5, 6)
+    assert [r is not None for r in a["sampled"]] == [True] * 5 + [False] * 2
+    assert all(e < 0.3 for e in a["sampled"][4]["rel_error"])  # int4 is under budget
+    resumed = spawn(guard_workers.hooked, 2, (naive, guard, 7, 4, overlap), timeout=300)
+    assert resumed[0]["hashes"] == a["hashes"] and resumed[0]["events"] == a["events"]
+
+
+def test_hooks_with_different_guards_are_refused_on_every_rank():
+    said = spawn(guard_workers.hooked_with_differing_guards, 2, (), timeout=120)
+    assert all(s is not None and "guard" in s for s in said), said

@@ -16,11 +16,12 @@ BASE = dict(model="gpt-tiny", batch_size=8, seq_len=32, warmup=2, eval_every=0,
             nproc=2, ranks_per_node=2)
 
 
-def test_a_guarded_run_records_its_signals_and_promotions(tmp_path):
+@pytest.mark.parametrize("engine", ["sharded", "ddp"])
+def test_a_guarded_run_records_its_signals_and_promotions(tmp_path, engine):
     policy = tmp_path / "naive-int2.yaml"
     policy.write_text(yaml.safe_dump({"dp": {"grad": "int2:hadamard=0"}}))
     out = str(tmp_path / "run")
-    summary = train(TrainConfig(out=out, policy=str(policy), steps=6,
+    summary = train(TrainConfig(out=out, policy=str(policy), steps=6, engine=engine,
                                 guard="max_rel_error=0.3,window=2,every=1", **BASE))
     with open(os.path.join(out, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f]
@@ -30,7 +31,8 @@ def test_a_guarded_run_records_its_signals_and_promotions(tmp_path):
     assert promoted and all("int4" in e["to"] for e in promoted[:1])
     assert promoted[0]["step"] == 1  # two samples in a row over the budget: steps 0 and 1
     config = json.load(open(os.path.join(out, "config.json")))
-    assert config["policy"]["guard"] == {"max_rel_error": 0.3, "window": 2, "every": 1}
+    assert config["policy"]["guard"] == {"max_rel_error": 0.3, "window": 2, "every": 1,
+                                         "max_memory_ratio": 4.0}
     assert os.path.exists(os.path.join(out, "loss.png")) and summary["steps"] == 6
 
 
@@ -39,8 +41,8 @@ def test_what_the_guard_cannot_run_is_refused_by_name(tmp_path):
         TrainConfig(policy="tlq", guard="lots", **BASE)
     with pytest.raises(InputError, match="guard.max_rel_error"):
         TrainConfig(policy="tlq", guard="-1", **BASE)
-    with pytest.raises(InputError, match="guard='0.3' with engine='ddp' is not allowed yet"):
-        TrainConfig(policy="tlq", guard="0.3", engine="ddp", **BASE)
+    with pytest.raises(InputError, match="guard='0.3' with ddp_hook='fp16' is not allowed"):
+        TrainConfig(policy="tlq", guard="0.3", engine="ddp", ddp_hook="fp16", **BASE)
     from commpress.train.simulate import simulate
 
     with pytest.raises(InputError, match="simulate does not play it yet"):

@@ -7,11 +7,13 @@ training loop samples every N steps, or one bucket, and pays nothing otherwise �
 encode also decodes its own rows and adds up, on the values' device:
 
 - ``‖v − v̂‖²`` and ``‖v‖²``, ``v`` what the codec was given (with error feedback: the
-  input plus the memory) and ``v̂`` what the peers decode;
+  input plus the memory) and ``v̂`` what the peers decode — kept apart for encodes with
+  and without error feedback, since a memory carries its encode's error to the next call;
 - with error feedback, ``‖e‖²`` and ``‖x‖²``: the memory left after the encode, and the
   input ``x`` (the gradient) it was added to.
 
-:meth:`Watch.read` turns them into the relative error ``‖v − v̂‖ / ‖v‖`` and the memory
+:meth:`Watch.read` turns them into the relative error ``‖v − v̂‖ / ‖v‖`` (of every encode;
+``plain_rel_error``: of those without error feedback, whose error is lost) and the memory
 ratio ``‖e‖ / ‖x‖`` (one host sync, when read). Sums, not per-call ratios: a watch over
 several calls (a bucket's reduce-scatter and all-gather, every bucket of a step) weighs
 each by its size. A call that sends exact values adds nothing: ``watched`` counts the
@@ -29,6 +31,9 @@ from contextvars import ContextVar
 
 import torch
 
+# what a watch sums: ‖v − v̂‖² and ‖v‖² of encodes without error feedback, the same of
+# encodes with it, and their memory ‖e‖² and input ‖x‖²
+SUMS = ("plain_err2", "plain2", "ef_err2", "ef2", "memory2", "given2")
 _CURRENT: ContextVar[Watch | None] = ContextVar("commpress_watch", default=None)
 
 
@@ -44,7 +49,7 @@ class Watch:
     """
 
     def __init__(self) -> None:
-        self._sums: torch.Tensor | None = None  # ‖v − v̂‖², ‖v‖², ‖e‖² (fp64)
+        self._sums: torch.Tensor | None = None  # SUMS, fp64
         self.elements = 0
         self.calls = 0
 
@@ -63,31 +68,41 @@ class Watch:
         with error feedback, ``memory`` (the residual after it) and ``given`` (the input
         before the memory was added); no host sync."""
         v = sent.detach().reshape(-1).double()
-        err = v - decoded.detach().reshape(-1)[: v.numel()].double()
+        err2 = (v - decoded.detach().reshape(-1)[: v.numel()].double()).square().sum()
+        norm2 = v.square().sum()
         zero = v.new_zeros(())
-        res = memory.detach().double().square().sum() if memory is not None else zero
-        x2 = given.detach().double().square().sum() if given is not None else zero
-        sums = torch.stack([err.square().sum(), v.square().sum(), res, x2])
+        if memory is None:
+            sums = torch.stack([err2, norm2, zero, zero, zero, zero])
+        else:
+            x2 = given.detach().double().square().sum() if given is not None else zero
+            sums = torch.stack([zero, zero, err2, norm2,
+                                memory.detach().double().square().sum(), x2])
         self._sums = sums if self._sums is None else self._sums + sums.to(self._sums.device)
         self.elements += v.numel()
         self.calls += 1
 
     def read(self) -> dict[str, float]:
-        """``rel_error`` and ``memory_ratio`` over everything watched (0 when nothing lossy
-        was encoded; NaN where the values were not finite), ``elements`` watched."""
-        if self._sums is None:
-            return {"rel_error": 0.0, "memory_ratio": 0.0, "elements": 0}
-        err2, norm2, res2, given2 = self._sums.tolist()
-        return {"rel_error": _ratio(err2, norm2), "memory_ratio": _ratio(res2, given2),
-                "elements": self.elements}
+        """Over everything watched (0 when nothing lossy was encoded; NaN where the values
+        were not finite): ``rel_error`` of every encode, ``plain_rel_error`` of those
+        without error feedback, ``memory_ratio``; ``elements`` watched."""
+        return {**signals(self.sums().tolist()), "elements": self.elements}
 
     def sums(self) -> torch.Tensor:
-        """The raw sums ``[‖v − v̂‖², ‖v‖², ‖e‖², ‖x‖²]`` (fp64; zeros before any encode):
-        what ranks add up to agree on one signal."""
-        return self._sums if self._sums is not None else torch.zeros(4, dtype=torch.float64)
+        """The raw sums (:data:`SUMS`; fp64, zeros before any encode): what ranks add up to
+        agree on one signal (:func:`signals`)."""
+        return (self._sums if self._sums is not None
+                else torch.zeros(len(SUMS), dtype=torch.float64))
 
     def reset(self) -> None:
         self._sums, self.elements, self.calls = None, 0, 0
+
+
+def signals(sums: list[float]) -> dict[str, float]:
+    """The signals of :data:`SUMS` (one rank's, or every rank's added up)."""
+    plain_err2, plain2, ef_err2, ef2, memory2, given2 = sums
+    return {"rel_error": _ratio(plain_err2 + ef_err2, plain2 + ef2),
+            "plain_rel_error": _ratio(plain_err2, plain2),
+            "memory_ratio": _ratio(memory2, given2)}
 
 
 def _ratio(num2: float, den2: float) -> float:

@@ -2,21 +2,27 @@
 bucket promoted to more bits before the loss suffers.
 
 A front-end holds one :class:`GradGuard` over its buckets when the policy has a
-:class:`~commpress.policy.Guard`. Every ``every`` steps (the sampled steps) each bucket's
-gradient collective runs inside the bucket's :class:`~commpress.Watch`, which sums the
-error of what its codes send where the data already is (no extra communication, no host
-sync per call). After the step's reductions :meth:`GradGuard.decide` gathers every rank's
-sums — one small gather per sampled step — and adds them in rank order, so every rank
-reads the same relative error ``‖v − v̂‖ / ‖v‖`` per bucket and takes the same decision:
+:class:`~commpress.policy.Guard`: the sharded optimizer's buckets, the DDP hook's, DiLoCo's
+fragments. On a sampled step each bucket's collective runs inside the bucket's
+:class:`~commpress.Watch`, which sums the error of what its codes send where the data
+already is (no extra communication, no host sync per call). After the step's reductions
+:meth:`GradGuard.decide` gathers every rank's sums — one small gather per sampled step —
+and adds them in rank order, so every rank reads the same signals per bucket and takes
+the same decision:
 
-- over ``max_rel_error`` in ``window`` sampled steps in a row: the bucket's lossy
-  ``dp.grad`` rules go one rung up (:func:`~commpress.policy.promote_codec`: int2 → int4
-  → int8 → exact), a fresh gradient path (its error-feedback memory restarts with the new
-  codec);
+- the relative error ``‖v − v̂‖ / ‖v‖`` of what is sent without error feedback (lost)
+  over ``max_rel_error``, or an error-feedback memory ``‖e‖ / ‖x‖`` over
+  ``max_memory_ratio`` (delayed, but no longer catching up), in ``window`` sampled steps
+  in a row: the bucket's lossy rules go one rung up (:func:`~commpress.policy.promote_codec`:
+  int2 → int4 → int8 → exact), a fresh path (its memory restarts with the new codec);
 - codes that decoded non-finite where the input was finite: promoted at once. Input that
   was non-finite already stays so and decides nothing.
 
-Each promotion is logged once (rank 0) with the bucket, the signal and the new codec,
+Steps are sampled every step until a bucket has ``window`` samples under its present
+codec — so the first decision comes ``window`` steps into the run, and a promoted bucket
+is judged again as soon — then every ``every`` steps.
+
+Each promotion is logged once (rank 0) with the bucket, the signals and the new codec,
 kept in :attr:`GradGuard.events` (the trainer's report marks them on the loss curve) and
 in the state dict, so a resume holds the same codecs. Buckets are not demoted after a
 quiet window: a codec that failed its budget once on this model's gradients would be
@@ -34,64 +40,84 @@ from typing import Any
 import torch.distributed as dist
 
 from commpress.collectives.agreement import all_gather_objects
-from commpress.collectives.watch import Watch
+from commpress.collectives.watch import SUMS, Watch, signals
 from commpress.dp.bucket import DPBucket
 from commpress.policy import Guard, Policy, Rule
 from commpress.validate import InputError
 
 log = logging.getLogger(__name__)
-STATE_FORMAT = "commpress.guard/1"
+STATE_FORMAT = "commpress.guard/2"
+FORMER_FORMAT = "commpress.guard/1"  # no sampling counts: read as sampled enough
 
 
 class GradGuard:
-    """The guard of ``buckets`` (each a :class:`DPBucket`) under ``guard``; ``what``
-    names the front-end in its log lines."""
+    """The guard of ``buckets`` (each a :class:`DPBucket`) under ``guard``, over their
+    ``kind`` rules (``"dp.grad"``; DiLoCo's fragments: ``"outer.grad"``); ``what`` names the
+    front-end in its log lines. ``aligned``: each bucket's buffers are laid out for its
+    alignment, so a rung that does not fit it goes to exact (a fragment's all-reduce pads
+    its own: False)."""
 
-    def __init__(self, guard: Guard, buckets: list[DPBucket], what: str) -> None:
-        self.guard, self.buckets, self.what = guard, buckets, what
+    def __init__(self, guard: Guard, buckets: list[DPBucket], what: str,
+                 kind: str = "dp.grad", aligned: bool = True) -> None:
+        self.guard, self.buckets, self.what, self.kind = guard, buckets, what, kind
         self.base = [b.policy for b in buckets]
-        self.layout = [b.alignment for b in buckets]  # what each bucket's buffers fit
+        self.layout = [b.alignment if aligned else None for b in buckets]
         self.watches = [Watch() for _ in buckets]
         self.over = [0] * len(buckets)  # sampled steps in a row over the budget
-        self.signals: list[float] = []  # the last sampled step's relative error per bucket
+        self.since = [0] * len(buckets)  # samples under the bucket's present codec
+        self.signals: list[dict[str, float]] = []  # the last decision's, per bucket
         self.events: list[dict[str, Any]] = []
         self._unreported: dict[str, Any] | None = None  # for the trainer's step record
 
-    def sampling(self, step: int) -> bool:
-        """Whether step ``step`` (0-based, every rank alike) is sampled."""
-        return step % self.guard.every == 0
+    def sampling(self, step: int, only: list[int] | None = None) -> bool:
+        """Whether step ``step`` (0-based, every rank alike) is sampled, for the buckets
+        ``only`` (default: all, decided together): every step while one of them has fewer
+        than ``window`` samples under its codec — the first decision comes at step
+        ``window - 1``, and a promoted bucket is judged again as soon — else every
+        ``every`` steps."""
+        young = any(self.since[j] < self.guard.window for j in self._indices(only)
+                    if lossy_keys(self.buckets[j].policy, self.kind))
+        return young or step % self.guard.every == 0
 
-    def watching(self, j: int, step: int) -> Any:
-        """The context bucket ``j``'s gradient collective of step ``step`` runs in."""
-        return self.watches[j].watching() if self.sampling(step) else nullcontext()
+    def watching(self, j: int, sampled: bool) -> Any:
+        """The context bucket ``j``'s collective runs in: its watch on a sampled step."""
+        return self.watches[j].watching() if sampled else nullcontext()
 
-    def decide(self, step: int, group: dist.ProcessGroup | None) -> list[dict[str, Any]]:
-        """After a sampled step's reductions: every rank's sums added in rank order, the
-        signal per bucket, and the promotions it calls for (taken here, on every rank
-        alike); returns them."""
-        mine = [w.sums()[:2].tolist() for w in self.watches]  # the one host sync
-        for w in self.watches:
-            w.reset()
+    def decide(self, step: int, group: dist.ProcessGroup | None,
+               only: list[int] | None = None) -> list[dict[str, Any]]:
+        """After a sampled step's reductions of the buckets ``only`` (default: all): every
+        rank's sums added in rank order, the signals per bucket, and the promotions they
+        call for (taken here, on every rank alike); returns them."""
+        indices = self._indices(only)
+        mine = [self.watches[j].sums().tolist() for j in indices]  # the one host sync
+        for j in indices:
+            self.watches[j].reset()
         ranks = (all_gather_objects(mine, group, f"{self.what} guard signals")
                  if group is not None and dist.is_initialized() and group.size() > 1
                  else [mine])
         taken = []
         self.signals = []
-        for j in range(len(self.buckets)):
-            err2 = sum(r[j][0] for r in ranks)
-            norm2 = sum(r[j][1] for r in ranks)
-            signal = _relative(err2, norm2)
+        for i, j in enumerate(indices):
+            sums = [sum(r[i][k] for r in ranks) for k in range(len(SUMS))]
+            signal = signals(sums)
             self.signals.append(signal)
-            if not math.isfinite(norm2):  # the input was non-finite: nothing to decide
-                self.over[j] = 0
+            plain_err2, plain2, ef_err2, ef2, memory2, given2 = sums
+            if not all(map(math.isfinite, (plain2, ef2, given2))):
+                self.over[j] = 0  # the input was non-finite: nothing to decide
                 continue
-            broken = not math.isfinite(err2)
-            self.over[j] = self.over[j] + 1 if broken or signal > self.guard.max_rel_error else 0
+            self.since[j] += 1
+            broken = not all(map(math.isfinite, (plain_err2, ef_err2, memory2)))
+            over = (signal["plain_rel_error"] > self.guard.max_rel_error
+                    or signal["memory_ratio"] > self.guard.max_memory_ratio)
+            self.over[j] = self.over[j] + 1 if broken or over else 0
             if broken or self.over[j] >= self.guard.window:
                 event = self._promote(j, step, signal, broken)
                 if event is not None:
                     taken.append(event)
-        self._unreported = {"step": step, "rel_error": list(self.signals), "promoted": taken}
+        self._unreported = {"step": step, "buckets": indices,
+                            "rel_error": [s["plain_rel_error"] for s in self.signals],
+                            "memory_ratio": [s["memory_ratio"] for s in self.signals],
+                            "promoted": taken}
         return taken
 
     def take_record(self) -> dict[str, Any] | None:
@@ -99,45 +125,59 @@ class GradGuard:
         record, self._unreported = self._unreported, None
         return record
 
-    def _promote(self, j: int, step: int, signal: float, broken: bool) -> dict[str, Any] | None:
+    def _indices(self, only: list[int] | None) -> list[int]:
+        return list(range(len(self.buckets))) if only is None else list(only)
+
+    def _promote(self, j: int, step: int, signal: dict[str, float],
+                 broken: bool) -> dict[str, Any] | None:
         b = self.buckets[j]
-        keys = lossy_grad_keys(b.policy)
+        keys = lossy_keys(b.policy, self.kind)
         self.over[j] = 0
         if not keys:
             return None  # exact already
         before = describe(b, keys)
         b.promote_grad(self._next(j, b.policy))
-        event = {"step": step, "bucket": j, "rel_error": signal, "from": before,
+        self.since[j] = 0
+        g = self.guard
+        event = {"step": step, "bucket": j, "rel_error": signal["plain_rel_error"],
+                 "memory_ratio": signal["memory_ratio"], "from": before,
                  "to": describe(b, keys), "reason": "non-finite codes" if broken else
-                 f"over {self.guard.max_rel_error:g} in {self.guard.window} samples"}
+                 f"over rel_error {g.max_rel_error:g} / memory_ratio "
+                 f"{g.max_memory_ratio:g} in {g.window} samples"}
         self.events.append(event)
         if _rank() == 0:
-            log.warning("%s guard: bucket %d at step %d, relative error %.4g (%s): %s → %s",
-                        self.what, j, step, signal, event["reason"], before, event["to"])
+            log.warning("%s guard: bucket %d at step %d, relative error %.4g, memory ratio "
+                        "%.4g (%s): %s → %s", self.what, j, step, signal["plain_rel_error"],
+                        signal["memory_ratio"], event["reason"], before, event["to"])
         return event
 
     # -- checkpoints -----------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"format": STATE_FORMAT, "over": list(self.over),
+        return {"format": STATE_FORMAT, "over": list(self.over), "since": list(self.since),
                 "events": [dict(e) for e in self.events]}
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
         """Take the saved promotions — each event is one rung of its bucket — before the
         buckets' codec states are loaded (their layout follows the codec), and the
         counters; None: a state saved without the guard, every bucket as the policy has
-        it."""
-        if state is None:
-            state = {"format": STATE_FORMAT, "over": [0] * len(self.buckets), "events": []}
+        it. A state of the first format (no ``since``) takes every bucket as sampled
+        enough."""
         n = len(self.buckets)
+        if state is None:
+            state = {"format": STATE_FORMAT, "over": [0] * n, "since": [0] * n, "events": []}
+        if isinstance(state, dict) and state.get("format") == FORMER_FORMAT:
+            state = {**state, "format": STATE_FORMAT, "since": [self.guard.window] * n}
+        counts = ("over", "since")
         ok = (isinstance(state, dict) and state.get("format") == STATE_FORMAT
-              and isinstance(state.get("over"), list) and len(state["over"]) == n
+              and all(isinstance(state.get(c), list) and len(state[c]) == n
+                      and all(isinstance(x, int) and x >= 0 for x in state[c]) for c in counts)
               and isinstance(state.get("events"), list)
               and all(isinstance(e, dict) and e.get("bucket") in range(n)
                       for e in state["events"]))
         if not ok:
             raise InputError(f"{self.what}: the saved guard state {_short(state)} is not "
-                             f"allowed; allowed: {STATE_FORMAT!r} for {len(self.buckets)} "
-                             "buckets, from this front-end's state_dict()")
+                             f"allowed; allowed: {STATE_FORMAT!r} for {n} buckets, from "
+                             "this front-end's state_dict()")
         self.events = [dict(e) for e in state["events"]]
         for j, (b, base) in enumerate(zip(self.buckets, self.base)):
             policy = base
@@ -145,22 +185,24 @@ class GradGuard:
                 policy = self._next(j, policy)
             if policy != b.policy:
                 b.promote_grad(policy)
-        self.over = [int(x) for x in state["over"]]
+        self.over, self.since = list(state["over"]), list(state["since"])
 
     def _next(self, j: int, policy: Policy) -> Policy:
-        """Bucket ``j``'s policy one rung up: its lossy ``dp.grad`` rules promoted, or
-        exact where the next codec's alignment does not fit the bucket's buffers."""
-        keys = lossy_grad_keys(policy)
+        """Bucket ``j``'s policy one rung up: its lossy rules promoted, or exact where the
+        next codec's alignment does not fit the bucket's buffers."""
+        keys = lossy_keys(policy, self.kind)
         up = policy.promoted(keys)
-        if self.layout[j] % self.buckets[j].grad_alignment_under(up):
+        layout = self.layout[j]
+        if layout is not None and layout % self.buckets[j].grad_alignment_under(up):
             up = dataclasses.replace(up, rules={**up.rules, **{k: Rule() for k in keys}})
         return up
 
 
-def lossy_grad_keys(policy: Policy) -> tuple[str, ...]:
-    """The policy's ``dp.grad`` rules that send lossy codes."""
+def lossy_keys(policy: Policy, kind: str = "dp.grad") -> tuple[str, ...]:
+    """The policy's ``kind`` rules (``dp.grad``, ``dp.grad.inter``, …) that send lossy
+    codes."""
     return tuple(k for k, r in sorted(policy.rules.items())
-                 if k.startswith("dp.grad") and r.lossy)
+                 if (k == kind or k.startswith(kind + ".")) and r.lossy)
 
 
 def describe(b: DPBucket, keys: tuple[str, ...]) -> str:

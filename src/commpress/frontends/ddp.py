@@ -39,6 +39,12 @@ in order inside DDP's callback — would give up the overlap.
 A failed bucket (a mismatch, a timeout) fails its DDP buckets' futures with that
 error, so DDP's backward raises it; every later bucket then fails at once rather than
 wait on a group that is out of step.
+
+With a convergence guard (``guard=``, :mod:`commpress.dp.guard`) each hook bucket's
+all-reduce of a sampled iteration runs in its watch, on the thread that issues it; after
+the iteration's last bucket, on the same thread and group, the ranks add up their signals
+and promote the buckets over budget — before DDP's futures complete, so the next backward
+already uses the new codecs, and a rank lost in the decision fails this backward.
 """
 
 # No ``from __future__ import annotations``: DDP compares the hook's annotations with
@@ -49,6 +55,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,14 +66,15 @@ from torch.nn.parallel import DistributedDataParallel
 
 from commpress.codecs import codec as build_codec
 from commpress.collectives import Topology, context
-from commpress.collectives.agreement import refuse
+from commpress.collectives.agreement import agree, refuse
 from commpress.collectives.comm import group_timeout
 from commpress.collectives.group_context import release, replayable
 from commpress.dp import DPBucket
 from commpress.dp.fallback import tally
+from commpress.dp.guard import GradGuard
 from commpress.dp.grad_path import make_levels_now, warn_if_uncompressed
 from commpress.dp.saved_state import check_resume, envelope, on_every_rank
-from commpress.policy import Policy, list_presets
+from commpress.policy import Guard, Policy, list_presets
 from commpress.validate import InputError, check_bool, check_int, few
 
 STATE_FORMAT = "commpress.DDPHookState/4"
@@ -167,7 +175,8 @@ class DDPHookState:
     def __init__(self, model: nn.Module, policy: str | dict | Policy = "none",
                  group: dist.ProcessGroup | None = None, topology: Topology | None = None,
                  label: str = "dp.grad", overlap: bool = True,
-                 bucket_numel: int = BUCKET_NUMEL, fallback: str | None = None) -> None:
+                 bucket_numel: int = BUCKET_NUMEL, fallback: str | None = None,
+                 guard: Guard | dict | float | None = None) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"ddp_hook: model must be the torch.nn.Module DDP wraps (or the "
                             f"DDP module); got {type(model).__name__} — call "
@@ -176,7 +185,7 @@ class DDPHookState:
         check_bool("ddp_hook: overlap", overlap)
         module = getattr(model, "module", model)
         # hyperparameters
-        self.policy = grad_policy(policy).with_fallback(fallback)
+        self.policy = grad_policy(policy).with_fallback(fallback).with_guard(guard)
         self.topology = topology or Topology()
         self.group = _ddp_group(model, group)
         self.overlap = overlap
@@ -199,6 +208,13 @@ class DDPHookState:
         self._removed = False
         self.hook_group: dist.ProcessGroup | None = self._make_hook_group()
         warn_if_uncompressed(self.policy, self.topology, self.hook_group, "ddp_hook")
+        # the convergence guard (a policy's guard:) over the hook buckets; the ranks decide
+        # from every rank's signals at the same iterations: one guard
+        self.guard = (GradGuard(self.policy.guard, [b.dp for b in self.buckets], "ddp_hook")
+                      if self.policy.guard is not None else None)
+        agree(self.hook_group, "ddp_hook", label="guard",
+              guard=None if self.guard is None else self.policy.guard.to_dict())
+        self.iterations = 0  # backward passes whose gradients the hook reduced
         # stats
         self.calls = 0
 
@@ -212,7 +228,9 @@ class DDPHookState:
         """This rank's codec state: error-feedback memory and rounding streams are each
         rank's own, so the state records the rank and the world size it belongs to."""
         return envelope(STATE_FORMAT, self.policy, *self._identity(), calls=self.calls,
-                        **self._fields(), codecs=[b.dp.state_dict() for b in self.buckets])
+                        iterations=self.iterations, **self._fields(),
+                        codecs=[b.dp.state_dict() for b in self.buckets],
+                        **({"guard": self.guard.state_dict()} if self.guard else {}))
 
     def load_state_dict(self, state: dict[str, Any], elastic: bool = False) -> None:
         """Restore a state this rank saved: another rank's, world size's, policy's or
@@ -228,9 +246,12 @@ class DDPHookState:
             "commpress.save_rank_state), with the same number of ranks, policy, model and "
             "bucket_numel (they fix the layout); another number of ranks, or one rank's "
             "state on every rank: load_state_dict(state, elastic=True)", self._fields()))
+        if self.guard is not None:  # promoted codecs first: their state's layout follows
+            self.guard.load_state_dict(state.get("guard"))
         for b, codecs in zip(self.buckets, state["codecs"], strict=True):
             b.dp.load_state_dict(codecs, memory)
         self.calls = state["calls"]
+        self.iterations = state.get("iterations", 0)  # a state saved before it was counted
 
     def _make_dp(self, index: int, names: list[str]) -> DPBucket:
         """Hook bucket ``index``'s reducer, of the parameters ``names``: the policy's."""
@@ -337,6 +358,8 @@ class DDPHookState:
             if last:
                 self._done_buckets = 0
             self._run(j, last)
+            if last:
+                self.iterations += 1
         # ``set_exception`` stores the error as the future's value, which DDP would read
         # as the gradient ("Unable to cast ... to Tensor"); raising it in ``then`` fails
         # the chained future instead, and DDP's backward raises with its message
@@ -344,15 +367,26 @@ class DDPHookState:
 
     def _run(self, j: int, last: bool) -> None:
         hb = self.buckets[j]
+        step, guard = self.iterations, self.guard
+        # whether this iteration is the guard's sample: decided here, in step order (the
+        # guard's counters move only in the decision that ends the previous iteration)
+        sampled = guard is not None and self.hook_group.size() > 1 and guard.sampling(step)
 
         def start() -> Callable[[], None]:
             if self._failure is not None:
                 raise RuntimeError(f"commpress.ddp_hook: not reducing bucket {j}: an earlier "
                                    f"bucket failed, so the hook's group is out of step "
                                    f"({type(self._failure).__name__}: {self._failure})")
-            with replayable(f"hook bucket {j}"):
+            with replayable(f"hook bucket {j}"), _watching(guard, j, sampled):
                 handle = hb.dp.all_reduce(hb.buffer, self.hook_group, op="avg", async_op=True)
-            return handle.wait
+
+            def finish() -> None:
+                with _watching(guard, j, sampled):  # a two-stage all-reduce encodes again
+                    handle.wait()
+                if sampled and last:  # every bucket of the iteration reduced before it
+                    guard.decide(step, self.hook_group)
+
+            return finish
 
         done = functools.partial(self._reduced, j)
         if not self.overlap:
@@ -387,6 +421,10 @@ class DDPHookState:
             hb_index, i = self._where[id(p)]
             if hb_index == j:
                 g.view(-1).copy_(hb.buffer[hb.offsets[i]: hb.offsets[i] + hb.numels[i]])
+
+
+def _watching(guard: GradGuard | None, j: int, sampled: bool) -> Any:
+    return guard.watching(j, sampled) if guard is not None else nullcontext()
 
 
 def ddp_ignored(model: nn.Module) -> set[str]:
@@ -469,7 +507,7 @@ def compressed_allreduce_hook(state: DDPHookState,
 def ddp_hook(model: nn.Module, policy: str | dict | Policy = "none",
              group: dist.ProcessGroup | None = None, topology: Topology | None = None,
              overlap: bool = True, bucket_numel: int = BUCKET_NUMEL,
-             fallback: str | None = None):
+             fallback: str | None = None, guard: Guard | dict | float | None = None):
     """``(state, hook)`` for ``DistributedDataParallel.register_comm_hook``.
 
     Args:
@@ -487,6 +525,10 @@ def ddp_hook(model: nn.Module, policy: str | dict | Policy = "none",
             its first calls and keeps compression only where it is faster
             (:mod:`commpress.dp.fallback`); None: the policy's (``fallback:`` in a policy
             file; default off).
+        guard: the convergence guard (:mod:`commpress.dp.guard`): a relative-error budget
+            (``0.3``) or ``{"max_rel_error": …, "window": …, "every": …,
+            "max_memory_ratio": …}``; buckets over it are promoted to more bits on every
+            rank alike. None: the policy's (``guard:`` in a policy file; default off).
 
     Example::
 
@@ -494,5 +536,5 @@ def ddp_hook(model: nn.Module, policy: str | dict | Policy = "none",
         model.register_comm_hook(*commpress.ddp_hook(model, "int2ef"))
     """
     state = DDPHookState(model, policy, group, topology, overlap=overlap,
-                         bucket_numel=bucket_numel, fallback=fallback)
+                         bucket_numel=bucket_numel, fallback=fallback, guard=guard)
     return state, compressed_allreduce_hook

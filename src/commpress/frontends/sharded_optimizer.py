@@ -281,7 +281,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             b.grad_shard.copy_(b.grad_buffer)
             b.handle = completed(b.grad_shard)
         else:
-            watching = (self.guard.watching(b.index, self.steps) if self.guard is not None
+            watching = (self.guard.watching(b.index, self.guard.sampling(self.steps))
+                        if self.guard is not None
                         else nullcontext())
             with replayable(f"bucket {b.index}:grad"), watching:
                 b.handle = b.dp.reduce_scatter(b.grad_shard, b.grad_buffer, self.group,

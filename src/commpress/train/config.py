@@ -114,9 +114,11 @@ class TrainConfig:
             raise InputError(f"engine=ddp runs data parallelism only; got tp={self.tp}, "
                              f"pp={self.pp}, ep={self.ep}: use engine=sharded for tp/pp/ep")
         self._check_experts()
-        if self.policy_object().guard is not None and self.engine != "sharded":
-            raise InputError(f"guard={self.guard!r} with engine={self.engine!r} is not allowed "
-                             "yet; allowed: the guard with engine=sharded (ShardedOptimizer)")
+        if (self.policy_object().guard is not None and self.engine == "ddp"
+                and self.ddp_hook != "commpress"):
+            raise InputError(f"guard={self.guard!r} with ddp_hook={self.ddp_hook!r} is not "
+                             "allowed; allowed: the guard with engine=sharded, or engine=ddp "
+                             "with ddp_hook=commpress (the hooks of torch send what they send)")
         hook = self.ddp_hook
         rank = hook.removeprefix("powersgd:")
         if hook not in ("allreduce", "fp16", "commpress") and not (
@@ -267,14 +269,16 @@ def field_help() -> dict[str, str]:
 
 
 def parse_guard(text: str | None) -> dict | float | None:
-    """``--guard``: a budget (``0.3``) or ``max_rel_error=0.3,window=3,every=10``."""
+    """``--guard``: a budget (``0.3``) or
+    ``max_rel_error=0.3,window=3,every=10,max_memory_ratio=4``."""
     if text is None:
         return None
     try:
         if "=" not in text:
             return float(text)
-        return {k.strip(): (float(v) if k.strip() == "max_rel_error" else int(v))
+        return {k.strip(): (float(v) if k.strip().startswith("max_") else int(v))
                 for k, v in (part.split("=", 1) for part in text.split(","))}
     except ValueError:
         raise InputError(f"guard={text!r} is not allowed; allowed: a positive number (the "
-                         "relative-error budget) or max_rel_error=X,window=N,every=N") from None
+                         "relative-error budget) or max_rel_error=X,window=N,every=N,"
+                         "max_memory_ratio=X") from None

@@ -23,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from commpress.collectives.byte_stats import Stats, record
 from commpress.collectives.topology import Topology
+from commpress.dp.guard import GradGuard
 from commpress.frontends.ddp import DDPHookState, ddp_hook
 from commpress.frontends.diloco import DiLoCo
 from commpress.frontends.played.ddp import PlayedDDPHook
@@ -148,6 +149,11 @@ class DDPEngine:
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor, micro: int) -> float:
         return ddp_forward_backward(self.model, x, y, micro,
                                     self.model.no_sync if self.played is None else None)
+
+    @property
+    def guard(self) -> GradGuard | None:
+        """The commpress hook's convergence guard, if it has one (the trainer records it)."""
+        return getattr(self.hook_state, "guard", None) if self.played is None else None
 
     def take(self, rank: int) -> None:
         """Played: rank ``rank``'s gradients into the hook's all-reduces."""
