@@ -70,9 +70,9 @@ def differing_guards(rank, world):
 
 def hooked(rank, world, policy, guard, steps, resume_at=None, overlap=True):
     """The same run under DDP with commpress's hook (``bucket_numel`` 40 000): per step the
-    weights' hash, the guard's record (None: not sampled) and each hook bucket's codec; ``resume_at=k``: the
-    hook's, the model's and the optimizer's state saved at step k and loaded into a new
-    DDP module, hook and optimizer."""
+    weights' hash, the guard's record (None: not sampled) and each hook bucket's codec;
+    ``resume_at=k``: the hook's, the model's and the optimizer's state saved at step k and
+    loaded into a new DDP module, hook and optimizer."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.set_num_threads(1)

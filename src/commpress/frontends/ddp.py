@@ -71,8 +71,8 @@ from commpress.collectives.comm import group_timeout
 from commpress.collectives.group_context import release, replayable
 from commpress.dp import DPBucket
 from commpress.dp.fallback import tally
-from commpress.dp.guard import GradGuard
 from commpress.dp.grad_path import make_levels_now, warn_if_uncompressed
+from commpress.dp.guard import GradGuard
 from commpress.dp.saved_state import check_resume, envelope, on_every_rank
 from commpress.policy import Guard, Policy, list_presets
 from commpress.validate import InputError, check_bool, check_int, few
