@@ -307,6 +307,8 @@ def test_the_torchft_diloco_refuses_what_it_cannot_run_on():
         commpress.torchft.DiLoCo("manager", model)
     with pytest.raises(InputError, match="topology= is not allowed"):
         commpress.torchft.DiLoCo(object.__new__(Manager), model, topology=commpress.Topology(1))
+    with pytest.raises(InputError, match="a convergence guard .* is not allowed yet"):
+        commpress.torchft.DiLoCo(object.__new__(Manager), model, guard=0.3)
     manager = object.__new__(Manager)
     manager._use_async_quorum = True
     with pytest.raises(InputError, match="use_async_quorum=True is not allowed"):

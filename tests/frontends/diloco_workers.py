@@ -341,3 +341,27 @@ def ddp_and_sites(rank, world, layout):
     sync.remove()
     return {"error": None, "said": said.messages, "local": _hash(model.parameters()),
             "global": _hash(sync.global_weights())}
+
+
+def guarded(rank, world, options, steps):
+    """``steps`` inner steps under a guarded synchronizer: per step the hashes and loss,
+    the guard's events, its records and the warnings it said on this rank."""
+    import logging
+
+    said = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("commpress").addHandler(handler)
+    data = workers._data()
+    model, opt, sync = _build(rank, options)
+    records = []
+    for step in range(steps):
+        _steps(model, opt, sync, data, rank, world, step, 1)
+        records.append(sync.guard.take_record())
+    sync.wait()
+    out = {"global": _hash(sync.global_weights()), "events": sync.guard.events,
+           "records": [r for r in records if r is not None],
+           "codecs": [repr(f.dp.policy.rules["outer.grad"]) for f in sync.fragments],
+           "said": [line for line in said if "guard" in line]}
+    sync.remove()
+    return out

@@ -275,3 +275,31 @@ def test_a_state_of_the_former_sparse_preset_is_refused_by_name_or_loaded_as_dil
     topk = Policy.preset("diloco-topk")  # the explicit name of the former codec
     assert check_resume(_former_sparse(saved, topk), STATE_FORMAT, "DiLoCo", topk, 0, 2,
                         False, "advice")
+
+
+NAIVE_OUTER = {"name": "naive-outer", "outer": {"grad": "int2:hadamard=0"}}
+
+
+def test_a_guarded_sync_promotes_each_fragment_on_every_site_alike():
+    """Pseudo-gradients in int2 without Hadamard, 2 fragments, the all-reduce delayed one
+    inner step (the decision runs on the communication thread): each fragment is promoted
+    at its second sync (window 2), on both sites alike, and the sites keep identical
+    θ_global; the decisions are recorded per fragment at the inner step that began them."""
+    options = {"policy": NAIVE_OUTER, "fragments": 2, "delay": 1,
+               "guard": {"max_rel_error": 0.2, "window": 2, "every": 2}}
+    a, b = spawn(diloco_workers.guarded, 2, (options, 12), timeout=300)
+    assert a["global"] == b["global"] and a["events"] == b["events"]
+    assert [(e["bucket"], e["step"]) for e in a["events"]] == [(0, 6), (1, 8)], a["records"]
+    assert all("int4" in e["to"] and e["rel_error"] > 0.2 for e in a["events"])
+    assert all("int4" in c for c in a["codecs"])
+    assert [(r["step"], r["buckets"]) for r in a["records"]][:4] == [
+        (2, [0]), (4, [1]), (6, [0]), (8, [1])]
+    assert len(a["said"]) == 2 and not b["said"]  # logged once, by rank 0
+
+
+def test_a_guarded_sync_resumes_with_its_promotions():
+    options = {"policy": NAIVE_OUTER, "fragments": 2, "delay": 1,
+               "guard": {"max_rel_error": 0.2, "window": 2, "every": 2}}
+    ranks = spawn(diloco_workers.resume, 2, (options, 14, 9), timeout=300)
+    for r in ranks:
+        assert r["resumed"] == r["straight"]

@@ -48,3 +48,22 @@ def test_what_the_guard_cannot_run_is_refused_by_name(tmp_path):
     with pytest.raises(InputError, match="simulate does not play it yet"):
         simulate(TrainConfig(policy="tlq", guard="0.3", out=str(tmp_path / "s"), steps=1,
                              **BASE))
+
+
+def test_a_guarded_run_across_sites_guards_the_pseudo_gradients_too(tmp_path):
+    """engine ddp with --outer: the hook's buckets and DiLoCo's fragment both guarded by
+    --guard (the hook's are exact here: never sampled); the fragment's int2
+    pseudo-gradients are promoted at its second sync, recorded with the inner step that
+    began it."""
+    outer = tmp_path / "naive-outer.yaml"
+    outer.write_text(yaml.safe_dump({"outer": {"grad": "int2:hadamard=0"}}))
+    out = str(tmp_path / "run")
+    train(TrainConfig(out=out, policy="none", engine="ddp", outer=str(outer), sync_every=2,
+                      steps=6, guard="max_rel_error=0.2,window=2,every=1",
+                      **{**BASE, "ranks_per_node": 1}))
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    sampled = [g for r in records for g in r.get("guard", [])]
+    assert {g["what"] for g in sampled} == {"DiLoCo"}
+    promoted = [e for g in sampled for e in g["promoted"]]
+    assert [e["step"] for e in promoted] == [4] and "int4" in promoted[0]["to"]

@@ -74,10 +74,12 @@ class GradGuard:
         ``only`` (default: all, decided together): every step while one of them has fewer
         than ``window`` samples under its codec — the first decision comes at step
         ``window - 1``, and a promoted bucket is judged again as soon — else every
-        ``every`` steps."""
-        young = any(self.since[j] < self.guard.window for j in self._indices(only)
-                    if lossy_keys(self.buckets[j].policy, self.kind))
-        return young or step % self.guard.every == 0
+        ``every`` steps; never when all of them are exact."""
+        lossy = [j for j in self._indices(only) if lossy_keys(self.buckets[j].policy, self.kind)]
+        if not lossy:
+            return False  # exact everywhere: nothing to judge, nothing to gather
+        return any(self.since[j] < self.guard.window for j in lossy) or (
+            step % self.guard.every == 0)
 
     def watching(self, j: int, sampled: bool) -> Any:
         """The context bucket ``j``'s collective runs in: its watch on a sampled step."""
@@ -114,7 +116,7 @@ class GradGuard:
                 event = self._promote(j, step, signal, broken)
                 if event is not None:
                     taken.append(event)
-        self._unreported = {"step": step, "buckets": indices,
+        self._unreported = {"step": step, "what": self.what, "buckets": indices,
                             "rel_error": [s["plain_rel_error"] for s in self.signals],
                             "memory_ratio": [s["memory_ratio"] for s in self.signals],
                             "promoted": taken}

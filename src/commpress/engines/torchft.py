@@ -328,6 +328,12 @@ class DiLoCo(SitesDiLoCo):
                 raise InputError(f"{WHAT}.DiLoCo: {name}= is not allowed; the sites are "
                                  "the Manager's replica groups, one per member of its "
                                  "process group")
+        if kwargs.get("guard") is not None or outer_policy(kwargs.get("policy", "diloco")).guard:
+            # a promotion decided in a sync that torchft then votes out would leave the
+            # replicas' codecs apart from the committed state
+            raise InputError(f"{WHAT}.DiLoCo: a convergence guard (guard=, or guard: in the "
+                             "policy) is not allowed yet; allowed: commpress.DiLoCo's guard "
+                             "on a fixed group, or no guard here")
         _check_manager(manager)
         self.manager = manager
         self._before: dict[int, dict[str, Any]] = {}  # fragment → codec state before a sync

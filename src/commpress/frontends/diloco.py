@@ -32,6 +32,13 @@ resume, DDP kept inside it — is :mod:`.outer_sites`.
 The all-reduces run on a process group of their own (the same ranks), so a delayed one
 on the communication thread never interleaves with the inner loop's collectives (DDP's,
 FSDP's) on the user's group.
+
+With a convergence guard (``guard=``, :mod:`commpress.dp.guard`) each fragment's sync
+measures what its pseudo-gradient's codes lose (without error feedback) or leave in the
+memory (with it); right after the all-reduce, on the thread and group that ran it, the
+sites add up their signals and promote the fragment's ``outer.grad`` codecs one rung when
+it was over budget in ``window`` of its syncs in a row — every sync sampled until a
+fragment has ``window`` samples under its codec, then every ``every``-th.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 from collections.abc import Iterator
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -51,6 +59,7 @@ from commpress.collectives.agreement import agree, all_gather_objects
 from commpress.collectives.group_context import release
 from commpress.dp.fallback import tally
 from commpress.dp.grad_path import make_levels_now, say_once, warn_if_uncompressed
+from commpress.dp.guard import GradGuard
 from commpress.dp.saved_state import check_resume, envelope, on_every_rank
 from commpress.frontends.ddp import new_hook_group
 from commpress.frontends.parts.outer_fragments import (
@@ -75,7 +84,7 @@ from commpress.frontends.parts.outer_sites import (
     weights_checksum,
 )
 from commpress.frontends.parts.replica_sync import broadcast_coalesced, group_source
-from commpress.policy import Policy, outer_presets, preset_outer_step, preset_rules
+from commpress.policy import Guard, Policy, outer_presets, preset_outer_step, preset_rules
 from commpress.validate import (
     InputError,
     check_bool,
@@ -173,6 +182,9 @@ class DiLoCo:
         fallback: ``"measured"``: each fragment times its sync compressed and exact in its
             first syncs and keeps compression only where it is faster
             (:mod:`commpress.dp.fallback`); None: the policy's (default off).
+        guard: the convergence guard of the fragments' pseudo-gradient codecs
+            (:mod:`commpress.dp.guard`; ``every`` and ``window`` count a fragment's
+            syncs); None: the policy's (``guard:`` in a policy file; default off).
 
     Example::
 
@@ -189,12 +201,13 @@ class DiLoCo:
                  nesterov: bool = True,
                  fragments: int = 1, delay: int = 0, alpha: float = 0.0,
                  group: dist.ProcessGroup | None = None,
-                 topology: Topology | None = None, fallback: str | None = None) -> None:
+                 topology: Topology | None = None, fallback: str | None = None,
+                 guard: Guard | dict | float | None = None) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"DiLoCo: model must be a torch.nn.Module; got "
                             f"{type(model).__name__}")
-        # hyperparameters
-        self.policy = outer_policy(policy).with_fallback(fallback)
+        # hyperparameters (the guard is part of the policy the sites agree on)
+        self.policy = outer_policy(policy).with_fallback(fallback).with_guard(guard)
         self.config = DiLoCoConfig(sync_every, fragments, delay,
                                    *outer_step(self.policy, outer_lr, outer_momentum),
                                    nesterov, alpha)
@@ -212,6 +225,9 @@ class DiLoCo:
         # internal state
         self.fragments = [Fragment(i, part, self.policy, self.topology, LABEL)
                           for i, part in enumerate(split(named, fragments))]
+        self.guard = (GradGuard(self.policy.guard, [f.dp for f in self.fragments], "DiLoCo",
+                                kind=LABEL, aligned=False)
+                      if self.policy.guard is not None else None)
         self.inner_steps = 0
         self._pending: dict[int, tuple[int, Any]] = {}  # fragment → (due step, result)
         self._thread = (concurrent.futures.ThreadPoolExecutor(1, "commpress-diloco")
@@ -324,6 +340,10 @@ class DiLoCo:
         # average pseudo-gradients of different steps: they agree on it in the all-reduce's
         # own round (orphans, if any, were agreed and refused before: _follow_the_model)
         sync = None if agreed else {"sync": "DiLoCo.sync", "step": step, **fields}
+        # the guard samples this fragment's sync by its count of syncs
+        guard = self.guard if self.group is not None and self.group.size() > 1 else None
+        sampled = guard is not None and guard.sampling((step - 1) // self.config.sync_every,
+                                                       [fragment.index])
 
         def all_reduce() -> None:
             if site_check is not None:  # the first sync since a load: every site's verdict
@@ -332,7 +352,10 @@ class DiLoCo:
                              self.group.rank(), "resumed another site's state")
             if local is not None:
                 warn_if_sites_identical(local, self.group, self.topology)
-            fragment.dp.all_reduce(delta, self.group, op="avg", also_agree=sync)
+            with guard.watching(fragment.index, sampled) if sampled else nullcontext():
+                fragment.dp.all_reduce(delta, self.group, op="avg", also_agree=sync)
+            if sampled:  # on every site alike, before the next sync of this fragment
+                guard.decide(step, self.group, [fragment.index])
 
         if self._thread is None:
             self._apply(fragment, self._result((_run_now(all_reduce), delta)))
@@ -449,6 +472,7 @@ class DiLoCo:
             STATE_FORMAT, self.policy, *self._identity(), config=asdict(self.config),
             inner_steps=self.inner_steps, syncs=self.syncs, skipped=self.skipped,
             fragments=[f.state_dict() for f in self.fragments],
+            **({"guard": self.guard.state_dict()} if self.guard else {}),
             pending={i: (due, r.clone()) for i, (due, r) in self._pending.items()
                      if r is not None},  # None: failed, and torchft voted it out
             site=site_fingerprint(self._all_params(), self.inner_optimizer))
@@ -488,6 +512,8 @@ class DiLoCo:
 
         self.wait()  # the all-reduce in flight on the thread uses the group too
         state, memory, layout = on_every_rank(self._resume_group(), "DiLoCo", check)
+        if self.guard is not None:  # promoted codecs first: their state follows them
+            self.guard.load_state_dict(state.get("guard"))
         for f, saved, named in zip(self.fragments, state["fragments"], layout):
             f.load_state_dict(saved, named, memory)
         device = self.fragments[0].global_.device

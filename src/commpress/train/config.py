@@ -252,7 +252,8 @@ class TrainConfig:
         return {"policy": self.outer, "sync_every": self.sync_every,
                 "fragments": self.fragments, "delay": self.outer_delay,
                 "outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum,
-                **({"fallback": self.fallback} if self.fallback else {})}
+                **({"fallback": self.fallback} if self.fallback else {}),
+                **({"guard": parse_guard(self.guard)} if self.guard else {})}
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

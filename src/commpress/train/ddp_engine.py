@@ -151,9 +151,12 @@ class DDPEngine:
                                     self.model.no_sync if self.played is None else None)
 
     @property
-    def guard(self) -> GradGuard | None:
-        """The commpress hook's convergence guard, if it has one (the trainer records it)."""
-        return getattr(self.hook_state, "guard", None) if self.played is None else None
+    def guards(self) -> list[GradGuard]:
+        """The convergence guards of the commpress hook and of DiLoCo, those that are on
+        (the trainer records them)."""
+        held = [getattr(self.hook_state, "guard", None) if self.played is None else None,
+                getattr(self.outer, "guard", None)]
+        return [g for g in held if g is not None]
 
     def take(self, rank: int) -> None:
         """Played: rank ``rank``'s gradients into the hook's all-reduces."""

@@ -282,9 +282,8 @@ def run_steps(run: Run, writer: bool) -> dict[str, Any] | None:
                                  time.perf_counter() - wall0, run.skipped_steps,
                                  {k: v - before.get(k, 0)
                                   for k, v in run.held.wire_bytes().items()})
-            guarded = [g for g in (getattr(opt, "guard", None) for opt in run.opts)
-                       if g is not None]
-            sampled = [r for r in (g.take_record() for g in guarded) if r is not None]
+            sampled = [r for r in (g.take_record() for opt in run.opts for g in guards(opt))
+                       if r is not None]
             if sampled:  # the convergence guard's signals and promotions of this step
                 record["guard"] = sampled
             if evaluates_at(cfg, step):
@@ -308,6 +307,16 @@ def step_record(cfg: TrainConfig, step: int, loss: float, seconds: float, wall_s
     return {"step": step + 1, "loss": loss, "lr": lr_at(cfg, step), "step_time_s": seconds,
             "tokens_per_s": cfg.batch_size * cfg.seq_len / seconds, "wall_s": wall_s,
             "wire_bytes_rank0": wire_bytes, "skipped": skipped}
+
+
+def guards(front_end: Any) -> list[Any]:
+    """The convergence guards a front-end holds: its ``guards`` (the DDP engine: its
+    hook's and DiLoCo's), else its ``guard`` (the sharded optimizer's), if on."""
+    held = getattr(front_end, "guards", None)
+    if held is not None:
+        return list(held)
+    guard = getattr(front_end, "guard", None)
+    return [] if guard is None else [guard]
 
 
 def evaluates_at(cfg: TrainConfig, step: int) -> bool:
