@@ -159,6 +159,11 @@ def lightning_runs(rank, world, directory, steps):
     dist.barrier()
     out["ef resumed"] = lightning_fit(rank, world, CommpressDDPStrategy(EF), steps, start=steps,
                                       ckpt_path=ckpt)
+    # the hook's convergence guard inside Lightning: int2 without Hadamard promoted
+    guarded = CommpressDDPStrategy({"name": "naive-int2", "dp": {"grad": "int2:hadamard=0"}},
+                                   guard={"max_rel_error": 0.3, "window": 2, "every": 1})
+    out["guarded"] = lightning_fit(rank, world, guarded, steps)
+    out["guarded"]["events"] = guarded.hook_state.guard.events
     # every fit above ended its hook's thread (and process group) with it
     out["hook threads left"] = sum(t.name == "commpress-ddp" for t in threading.enumerate())
     return out

@@ -105,6 +105,13 @@ def test_a_checkpoint_of_four_ranks_resumes_on_two_only_when_elastic(tmp_path):
     assert all(r["said"] == [] for r in ranks[1:])
 
 
+def test_the_hooks_guard_promotes_inside_lightning_on_every_rank_alike(two_ranks):
+    a, b = (r["lightning"]["guarded"] for r in two_ranks)
+    assert a["events"] and a["events"] == b["events"]
+    assert {e["step"] for e in a["events"]} == {1} and "int4" in a["events"][0]["to"]
+    assert a["hashes"] == b["hashes"]
+
+
 def test_each_fit_ends_its_hooks_thread(two_ranks):
     # five fits with CommpressDDPStrategy in one process: none leaves its thread behind
     assert [r["lightning"]["hook threads left"] for r in two_ranks] == [0, 0]

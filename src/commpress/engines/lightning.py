@@ -25,7 +25,7 @@ from typing import Any
 from commpress.collectives import Topology
 from commpress.engines import rank_state
 from commpress.frontends.ddp import BUCKET_NUMEL, DDPHookState, ddp_hook
-from commpress.policy import Policy
+from commpress.policy import Guard, Policy
 from commpress.validate import InputError, check_bool
 
 try:
@@ -49,6 +49,8 @@ class CommpressDDPStrategy(DDPStrategy):
         bucket_numel: elements per hook bucket.
         elastic: let a checkpoint saved on another number of ranks resume: the codecs then
             start fresh, said once (without it such a checkpoint is refused by name).
+        guard: the hook's convergence guard (as :func:`commpress.ddp_hook` takes it): its
+            promotions are in ``hook_state.guard.events`` and the checkpoint.
         **kwargs: passed to ``DDPStrategy`` (``find_unused_parameters``, timeout, …).
 
     Example::
@@ -62,7 +64,7 @@ class CommpressDDPStrategy(DDPStrategy):
     def __init__(self, policy: str | dict | Policy = "none", *,
                  topology: Topology | None = None, overlap: bool = True,
                  bucket_numel: int = BUCKET_NUMEL, elastic: bool = False,
-                 **kwargs: Any) -> None:
+                 guard: Guard | dict | float | None = None, **kwargs: Any) -> None:
         for taken in ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper"):
             if kwargs.get(taken) is not None:
                 raise InputError(f"CommpressDDPStrategy: {taken} is not allowed: the strategy "
@@ -74,6 +76,7 @@ class CommpressDDPStrategy(DDPStrategy):
         self.topology = topology
         self.overlap = overlap
         self.bucket_numel = bucket_numel
+        self.guard = guard
         self.hook_state: DDPHookState | None = None
         self._loaded_hook_state: dict | None = None  # from a checkpoint read before setup
         self._failed = False  # the current fit raised
@@ -81,7 +84,8 @@ class CommpressDDPStrategy(DDPStrategy):
     def _register_ddp_hooks(self) -> None:
         # DDPStrategy's own registers a hook on CUDA only; this one on any device
         self.hook_state, hook = ddp_hook(self.model, self.policy, topology=self.topology,
-                                         overlap=self.overlap, bucket_numel=self.bucket_numel)
+                                         overlap=self.overlap, bucket_numel=self.bucket_numel,
+                                         guard=self.guard)
         if self._loaded_hook_state is not None:
             self.hook_state.load_state_dict(self._loaded_hook_state, self.elastic)
             self._loaded_hook_state = None
