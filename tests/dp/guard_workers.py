@@ -32,7 +32,7 @@ def guarded(rank, world, policy, guard, steps, resume_at=None, bucket_numel=40_0
     data = _data()
     model = _model()
     opt = _optimizer(model, policy, guard, bucket_numel)
-    out = {"hashes": [], "signals": [], "codecs": [], "losses": []}
+    out = {"hashes": [], "signals": [], "codecs": [], "losses": [], "records": []}
     for step in range(steps):
         if step == resume_at:
             saved = {"model": model.state_dict(), "opt": opt.state_dict()}
@@ -50,6 +50,7 @@ def guarded(rank, world, policy, guard, steps, resume_at=None, bucket_numel=40_0
         out["losses"].append(loss.item())
         out["signals"].append([g["plain_rel_error"] for g in opt.guard.signals]
                               if opt.guard else [])
+        out["records"].append(opt.guard.take_record() if opt.guard else None)
         out["codecs"].append([b.dp.grad.describe() if hasattr(b.dp.grad, "describe")
                               else repr(b.dp.policy.rules.get("dp.grad"))
                               for b in opt.buckets])

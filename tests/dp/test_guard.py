@@ -78,6 +78,10 @@ def test_a_healthy_preset_is_left_alone():
     ranks = spawn(guard_workers.guarded, 2, ("sdp4bit", 0.5, 10), timeout=300)
     assert ranks[0]["events"] == [] and ranks[0]["hashes"] == ranks[1]["hashes"]
     assert all(0 < s < 0.5 for s in ranks[0]["signals"][0])  # measured, under budget
+    # qWD's weights: the gap of the gathered weights to the master ones, recorded
+    gaps = [r["weight_gap"] for r in ranks[0]["records"] if r is not None]
+    assert gaps[0] == [0.0] * len(gaps[0])  # the first step: nothing gathered lossily yet
+    assert all(0 < g < 0.05 for g in gaps[-1]), gaps  # int4 differences: a small gap
 
 
 def test_ranks_with_different_guards_are_refused_on_every_rank():

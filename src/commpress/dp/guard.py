@@ -37,6 +37,7 @@ import math
 from contextlib import nullcontext
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from commpress.collectives.agreement import all_gather_objects
@@ -86,12 +87,19 @@ class GradGuard:
         return self.watches[j].watching() if sampled else nullcontext()
 
     def decide(self, step: int, group: dist.ProcessGroup | None,
-               only: list[int] | None = None) -> list[dict[str, Any]]:
+               only: list[int] | None = None,
+               weights: list[torch.Tensor] | None = None) -> list[dict[str, Any]]:
         """After a sampled step's reductions of the buckets ``only`` (default: all): every
         rank's sums added in rank order, the signals per bucket, and the promotions they
-        call for (taken here, on every rank alike); returns them."""
+        call for (taken here, on every rank alike); returns them. ``weights``: per bucket,
+        this rank's ``[‖w − m‖², ‖m‖²]`` of the weights its last gather gave (``w``) and
+        the master weights they stand for (``m``): recorded as ``weight_gap``, decided on
+        by no rule (qWD's gap is the difference codec's error, carried by its reference)."""
         indices = self._indices(only)
-        mine = [self.watches[j].sums().tolist() for j in indices]  # the one host sync
+        rows = [self.watches[j].sums() for j in indices]
+        if weights is not None:
+            rows = [torch.cat([r, w.to(r)]) for r, w in zip(rows, weights, strict=True)]
+        mine = torch.stack(rows).tolist()  # the one host sync
         for j in indices:
             self.watches[j].reset()
         ranks = (all_gather_objects(mine, group, f"{self.what} guard signals")
@@ -99,8 +107,11 @@ class GradGuard:
                  else [mine])
         taken = []
         self.signals = []
+        gaps = []
         for i, j in enumerate(indices):
             sums = [sum(r[i][k] for r in ranks) for k in range(len(SUMS))]
+            if weights is not None:
+                gaps.append(_relative(*(sum(r[i][k] for r in ranks) for k in (-2, -1))))
             signal = signals(sums)
             self.signals.append(signal)
             plain_err2, plain2, ef_err2, ef2, memory2, given2 = sums
@@ -119,6 +130,7 @@ class GradGuard:
         self._unreported = {"step": step, "what": self.what, "buckets": indices,
                             "rel_error": [s["plain_rel_error"] for s in self.signals],
                             "memory_ratio": [s["memory_ratio"] for s in self.signals],
+                            **({"weight_gap": gaps} if weights is not None else {}),
                             "promoted": taken}
         return taken
 

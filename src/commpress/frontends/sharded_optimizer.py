@@ -383,7 +383,25 @@ class ShardedOptimizer(torch.optim.Optimizer):
             b.ready.clear()
             b.grad_buffer.zero_()
         if self.guard is not None and self.world > 1 and self.guard.sampling(self.steps):
-            self.guard.decide(self.steps, self.group)  # promotions apply from the next step
+            # promotions apply from the next step
+            self.guard.decide(self.steps, self.group, weights=self._weight_gaps())
+
+    @torch.no_grad()
+    def _weight_gaps(self) -> list[torch.Tensor]:
+        """Per bucket, this rank's ``[‖w − m‖², ‖m‖²]`` (fp64) over its shard: ``w`` the
+        weights the last all-gather gave, ``m`` the master weights they stand for — the
+        error of a lossy ``dp.param`` codec (qWD's differences); zeros where the weights
+        are gathered exactly."""
+        out = []
+        for b in self.buckets:
+            if b.dp.param_rule is None or not b.dp.weights_lossy:
+                out.append(torch.zeros(2, dtype=torch.float64, device=b.master.device))
+                continue
+            master = b.master.detach().double()
+            gathered = b.param_buffer[b.shard(self.rank, self.world)].double()
+            out.append(torch.stack([(gathered - master).square().sum(),
+                                    master.square().sum()]))
+        return out
 
     def _take_norm(self, norm: float) -> float:
         self.last_grad_norm = norm
