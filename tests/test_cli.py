@@ -187,3 +187,13 @@ def test_none_means_the_default_and_off_is_not_a_number(capsys):
     assert args.outer_momentum is None and args.outer_lr == 1.0
     err = _parse_error(capsys, ["train", "--outer-momentum", "off"])
     assert "--outer-momentum" in err and "'off'" in err
+
+
+def test_a_boolean_option_is_a_flag_against_its_default():
+    from commpress.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["train"]).tensorboard is False
+    assert parser.parse_args(["train", "--tensorboard"]).tensorboard is True
+    assert parser.parse_args(["train"]).progress is True
+    assert parser.parse_args(["train", "--no-progress"]).progress is False

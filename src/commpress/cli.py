@@ -128,9 +128,12 @@ def _add_train_options(p: argparse.ArgumentParser, skip: tuple[str, ...] = (),
         args = typing.get_args(hint)
         base = next((t for t in args if t is not type(None)), hint)
         text = helps[f.name]
-        if base is bool:
-            p.add_argument(f"--no-{f.name.replace('_', '-')}", dest=f.name, action="store_false",
-                           help=f"do not {text}")
+        if base is bool:  # a flag that turns the default around
+            if f.default:
+                p.add_argument(f"--no-{f.name.replace('_', '-')}", dest=f.name,
+                               action="store_false", help=f"do not {text}")
+            else:
+                p.add_argument(flag, dest=f.name, action="store_true", help=text)
             continue
         if f.default is not None and "default:" not in text:
             text = f"{text} (default: {f.default})"

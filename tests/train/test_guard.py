@@ -22,7 +22,8 @@ def test_a_guarded_run_records_its_signals_and_promotions(tmp_path, engine):
     policy.write_text(yaml.safe_dump({"dp": {"grad": "int2:hadamard=0"}}))
     out = str(tmp_path / "run")
     summary = train(TrainConfig(out=out, policy=str(policy), steps=6, engine=engine,
-                                guard="max_rel_error=0.3,window=2,every=1", **BASE))
+                                guard="max_rel_error=0.3,window=2,every=1", tensorboard=True,
+                                **BASE))
     with open(os.path.join(out, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f]
     sampled = [r for r in records if "guard" in r]
@@ -34,6 +35,15 @@ def test_a_guarded_run_records_its_signals_and_promotions(tmp_path, engine):
     assert config["policy"]["guard"] == {"max_rel_error": 0.3, "window": 2, "every": 1,
                                          "max_memory_ratio": 4.0}
     assert os.path.exists(os.path.join(out, "loss.png")) and summary["steps"] == 6
+    # the same signals as TensorBoard scalars, step by step, and the promotions as text
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = EventAccumulator(os.path.join(out, "tensorboard")).Reload()
+    what = sampled[0]["guard"][0]["what"]
+    shown = [e.value for e in board.Scalars(f"guard/{what}/rel_error/bucket0")]
+    assert shown == pytest.approx([r["guard"][0]["rel_error"][0] for r in sampled])
+    assert len(board.Scalars("loss/train")) == 6
+    assert f"guard/{what}/promoted/text_summary" in board.Tags()["tensors"]
 
 
 def test_what_the_guard_cannot_run_is_refused_by_name(tmp_path):

@@ -76,6 +76,8 @@ class TrainConfig:
     timeout_s: float = _opt(120.0, "seconds before a collective waiting for a dead peer fails")
     bucket_numel: int = _opt(1 << 20, "elements per gradient bucket")
     progress: bool = _opt(True, "show a progress bar on rank 0")
+    tensorboard: bool = _opt(False, "also write each step's loss, time, bytes and guard signals "
+                             "as TensorBoard scalars to OUT/tensorboard")
     dtype: str = _opt("fp32", "model dtype: fp32, bf16 or fp16 (master weights stay fp32)")
     engine: str = _opt("sharded", "data parallelism: sharded (commpress ZeRO) or ddp (torch DDP)")
     ddp_hook: str = _opt("commpress",

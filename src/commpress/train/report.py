@@ -8,6 +8,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from commpress.console import console
+from commpress.validate import InputError
 
 AXES = ("dp", "tp", "pp", "ep", "outer")
 
@@ -156,3 +157,43 @@ def plot_compare(histories: dict[str, list[dict]], summaries: dict[str, dict], p
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+class TensorBoardLog:
+    """``--tensorboard``: each step's record as TensorBoard scalars under ``directory``, as
+    the run goes — the loss, validation loss, learning rate, step time, bytes per axis, and
+    the convergence guard's signals per bucket (``guard/<front-end>/<signal>/bucket<j>``)
+    with each promotion as text. ``first_step``: a resumed run's first step; what an
+    earlier run wrote from it on is dropped from the view (TensorBoard's purge)."""
+
+    def __init__(self, directory: str, first_step: int = 1) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:  # pragma: no cover - tensorboard is pinned with the engines
+            raise InputError("tensorboard=True is not allowed without the tensorboard "
+                             "package; allowed: pip install tensorboard, or tensorboard="
+                             "False (metrics.jsonl holds the same numbers)") from None
+        self.writer = SummaryWriter(directory, purge_step=first_step)
+
+    def write(self, record: dict[str, Any]) -> None:
+        step, add = record["step"], self.writer.add_scalar
+        add("loss/train", record["loss"], step)
+        if "val_loss" in record:
+            add("loss/val", record["val_loss"], step)
+        add("lr", record["lr"], step)
+        add("step_time_s", record["step_time_s"], step)
+        for axis, sent in bytes_per_axis(record["wire_bytes_rank0"]).items():
+            if sent:
+                add(f"wire_bytes_rank0/{axis}", sent, step)
+        for sampled in record.get("guard", []):
+            where = f"guard/{sampled['what']}"
+            for signal in ("rel_error", "memory_ratio", "weight_gap"):
+                for j, value in zip(sampled["buckets"], sampled.get(signal, [])):
+                    add(f"{where}/{signal}/bucket{j}", value, step)
+            for e in sampled["promoted"]:
+                self.writer.add_text(f"{where}/promoted", f"bucket {e['bucket']}: {e['from']} "
+                                     f"→ {e['to']} ({e['reason']})", step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()

@@ -258,7 +258,7 @@ class Run:
 def run_steps(run: Run, writer: bool) -> dict[str, Any] | None:
     """The steps, evaluations and checkpoints of ``run`` from its start (or checkpoint);
     the ``writer`` writes the run directory and returns the summary."""
-    from commpress.train.report import TrainProgress
+    from commpress.train.report import TensorBoardLog, TrainProgress
 
     cfg = run.cfg
     if writer:  # before anyone saves: a killed run's half-written files go
@@ -272,6 +272,8 @@ def run_steps(run: Run, writer: bool) -> dict[str, Any] | None:
                    {run.held.mode: cfg.to_dict(),
                     "policy": run.policy.to_dict()})
     progress = TrainProgress(cfg.steps) if writer and cfg.progress else None
+    board = (TensorBoardLog(os.path.join(cfg.out, "tensorboard"), run.start_step + 1)
+             if writer and cfg.tensorboard else None)
     wall0 = time.perf_counter() - (run.history[-1]["wall_s"] if run.history else 0.0)
     try:
         for step in range(run.start_step, cfg.steps):
@@ -294,9 +296,13 @@ def run_steps(run: Run, writer: bool) -> dict[str, Any] | None:
                 run.save(step + 1)
             if progress is not None:
                 progress.update(record)
+            if board is not None:
+                board.write(record)
     finally:
         if progress is not None:
             progress.close()
+        if board is not None:
+            board.close()
     totals = run.held.totals()
     return write_outputs(cfg, run, totals) if writer else None
 
