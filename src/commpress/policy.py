@@ -96,10 +96,11 @@ class Rule:
 
     def promoted(self) -> Rule:
         """This rule one rung up the guard's ladder (:func:`promote_codec`); exact keeps
-        no memory."""
+        no memory and sends the values themselves, not differences."""
         up = promote_codec(self.codec)
         return dataclasses.replace(self, codec=up,
-                                   error_feedback=self.error_feedback and up != "none")
+                                   error_feedback=self.error_feedback and up != "none",
+                                   delta=self.delta and up != "none")
 
     def to_dict(self) -> str | dict[str, Any]:
         if not self.error_feedback and not self.delta:
@@ -120,18 +121,22 @@ class Guard:
     every rank alike. The budget: ``max_rel_error`` on the relative error of what is sent
     without error feedback (that error is lost), ``max_memory_ratio`` on an
     error-feedback memory's norm relative to the gradient's (that error is only
-    delayed: a memory many gradients large has stopped catching up)."""
+    delayed: a memory many gradients large has stopped catching up); and where the
+    sharded optimizer gathers weights lossily (``dp.param``), ``max_weight_gap`` on the
+    gathered weights' distance to the master weights, relative to them."""
 
     max_rel_error: float
     window: int = 3
     every: int = 10
     max_memory_ratio: float = 4.0
+    max_weight_gap: float = 0.05
 
     def __post_init__(self) -> None:
         check_float("guard.max_rel_error", self.max_rel_error, gt=0)
         check_int("guard.window", self.window, ge=1)
         check_int("guard.every", self.every, ge=1)
         check_float("guard.max_memory_ratio", self.max_memory_ratio, gt=0)
+        check_float("guard.max_weight_gap", self.max_weight_gap, gt=0)
 
     @classmethod
     def from_value(cls, policy: str, value: Any) -> Guard:
@@ -144,8 +149,8 @@ class Guard:
         if not isinstance(value, dict) or not set(value) <= fields or "max_rel_error" not in value:
             raise InputError(f"policy {policy!r}: guard={value!r} is not allowed; allowed: a "
                              "mapping with max_rel_error (a positive number) and optionally "
-                             "window and every (whole numbers ≥ 1) and max_memory_ratio (a "
-                             "positive number)")
+                             "window and every (whole numbers ≥ 1), max_memory_ratio and "
+                             "max_weight_gap (positive numbers)")
         return cls(**value)
 
     def to_dict(self) -> dict[str, Any]:

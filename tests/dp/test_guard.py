@@ -87,3 +87,20 @@ def test_a_healthy_preset_is_left_alone():
 def test_ranks_with_different_guards_are_refused_on_every_rank():
     for message in spawn(guard_workers.differing_guards, 2, (), timeout=120):
         assert message is not None and "guard" in message, message
+
+
+def test_weights_gathered_too_coarsely_are_promoted_and_a_resume_keeps_them():
+    """``naive`` gathers the weights themselves in int4 (SDP4Bit's qW): their gap to the
+    master weights is ~0.1, over the 0.05 budget in the samples of steps 1 and 2 (step 0
+    gathered nothing yet), so dp.param goes to int8 at step 2 on both ranks — replicas
+    identical throughout — and the gap falls under budget; the gradients' int4 stays
+    (under 0.5). A run resumed at step 5 holds the same codecs and weights."""
+    guard = {"max_rel_error": 0.5, "window": 2, "every": 1}
+    a, b = spawn(guard_workers.guarded, 2, ("naive", guard, 8), timeout=300)
+    assert a["hashes"] == b["hashes"] and a["events"] == b["events"]
+    assert {(e["kind"], e["step"]) for e in a["events"]} == {("dp.param", 2)}, a["records"]
+    assert all("int4" in e["from"] and "int8" in e["to"] and e["weight_gap"] > 0.05
+               for e in a["events"])
+    assert all(0 < gap < 0.05 for gap in a["records"][-1]["weight_gap"])
+    resumed = spawn(guard_workers.guarded, 2, ("naive", guard, 8, 5), timeout=300)
+    assert resumed[0]["hashes"] == a["hashes"] and resumed[0]["events"] == a["events"]

@@ -82,9 +82,26 @@ class DPBucket:
         self._fresh_choices()
         self._exact_grad: Reducer | None = None
 
-    def grad_alignment_under(self, policy: Policy) -> int:
-        """The gradient alignment this bucket would have under ``policy``'s rules."""
-        return self._grad_path_of(policy).alignment
+    def alignment_under(self, policy: Policy) -> int:
+        """The alignment this bucket would have under ``policy``'s rules."""
+        units = [self._grad_path_of(policy).alignment] if self.grads else []
+        if self.param_rule is not None:
+            units.append(max(policy.rule("dp", "param").build().alignment, 1))
+        return math.lcm(*units)
+
+    def promote_param(self, policy: Policy) -> None:
+        """Gather weights by ``policy``'s ``dp.param`` rule from now on (the guard's
+        promotion): a fresh weight codec. What qWD's differences are taken against — the
+        weights every replica gathered last — is kept, and the differences are taken with
+        the new codec; a rule without differences needs no reference."""
+        self.policy = policy
+        self.param_rule = policy.rule("dp", "param")
+        self._fresh_param()
+        if not self.sends_differences:
+            self.reference = None
+        self.choices.pop("param", None)  # the new codec is measured anew
+        if policy.fallback == "measured" and not self.param_rule.exact:
+            self.choices["param"] = MeasuredChoice("dp.param")
 
     def promote_grad(self, policy: Policy) -> None:
         """Reduce gradients by ``policy``'s ``dp.grad`` rules from now on (the guard's

@@ -53,18 +53,21 @@ FORMER_FORMAT = "commpress.guard/1"  # no sampling counts: read as sampled enoug
 
 class GradGuard:
     """The guard of ``buckets`` (each a :class:`DPBucket`) under ``guard``, over their
-    ``kind`` rules (``"dp.grad"``; DiLoCo's fragments: ``"outer.grad"``); ``what`` names the
-    front-end in its log lines. ``aligned``: each bucket's buffers are laid out for its
-    alignment, so a rung that does not fit it goes to exact (a fragment's all-reduce pads
-    its own: False)."""
+    ``kind`` rules (``"dp.grad"``; DiLoCo's fragments: ``"outer.grad"``) and, with
+    ``weights`` (the front-end measures its gathered weights: :meth:`decide`), their
+    ``dp.param`` rules; ``what`` names the front-end in its log lines. ``aligned``: each
+    bucket's buffers are laid out for its alignment, so a rung that does not fit it goes
+    to exact (a fragment's all-reduce pads its own: False)."""
 
     def __init__(self, guard: Guard, buckets: list[DPBucket], what: str,
-                 kind: str = "dp.grad", aligned: bool = True) -> None:
-        self.guard, self.buckets, self.what, self.kind = guard, buckets, what, kind
+                 kind: str = "dp.grad", aligned: bool = True, weights: bool = False) -> None:
+        self.guard, self.buckets, self.what = guard, buckets, what
+        self.kinds = (kind, "dp.param") if weights else (kind,)
         self.base = [b.policy for b in buckets]
         self.layout = [b.alignment if aligned else None for b in buckets]
         self.watches = [Watch() for _ in buckets]
-        self.over = [0] * len(buckets)  # sampled steps in a row over the budget
+        # per kind, sampled steps in a row over the budget
+        self.over = {k: [0] * len(buckets) for k in self.kinds}
         self.since = [0] * len(buckets)  # samples under the bucket's present codec
         self.signals: list[dict[str, float]] = []  # the last decision's, per bucket
         self.events: list[dict[str, Any]] = []
@@ -76,7 +79,7 @@ class GradGuard:
         than ``window`` samples under its codec — the first decision comes at step
         ``window - 1``, and a promoted bucket is judged again as soon — else every
         ``every`` steps; never when all of them are exact."""
-        lossy = [j for j in self._indices(only) if lossy_keys(self.buckets[j].policy, self.kind)]
+        lossy = [j for j in self._indices(only) if self._lossy(j)]
         if not lossy:
             return False  # exact everywhere: nothing to judge, nothing to gather
         return any(self.since[j] < self.guard.window for j in lossy) or (
@@ -108,25 +111,31 @@ class GradGuard:
         taken = []
         self.signals = []
         gaps = []
+        g = self.guard
         for i, j in enumerate(indices):
             sums = [sum(r[i][k] for r in ranks) for k in range(len(SUMS))]
-            if weights is not None:
-                gaps.append(_relative(*(sum(r[i][k] for r in ranks) for k in (-2, -1))))
             signal = signals(sums)
+            if weights is not None:
+                gap2, master2 = (sum(r[i][k] for r in ranks) for k in (-2, -1))
+                signal["weight_gap"] = _relative(gap2, master2)
+                gaps.append(signal["weight_gap"])
             self.signals.append(signal)
             plain_err2, plain2, ef_err2, ef2, memory2, given2 = sums
             if not all(map(math.isfinite, (plain2, ef2, given2))):
-                self.over[j] = 0  # the input was non-finite: nothing to decide
+                self.over[self.kinds[0]][j] = 0  # the input was non-finite: nothing to decide
                 continue
             self.since[j] += 1
             broken = not all(map(math.isfinite, (plain_err2, ef_err2, memory2)))
-            over = (signal["plain_rel_error"] > self.guard.max_rel_error
-                    or signal["memory_ratio"] > self.guard.max_memory_ratio)
-            self.over[j] = self.over[j] + 1 if broken or over else 0
-            if broken or self.over[j] >= self.guard.window:
-                event = self._promote(j, step, signal, broken)
-                if event is not None:
-                    taken.append(event)
+            over = {self.kinds[0]: broken or signal["plain_rel_error"] > g.max_rel_error
+                    or signal["memory_ratio"] > g.max_memory_ratio}
+            if weights is not None:  # non-finite master weights decide nothing
+                over["dp.param"] = signal["weight_gap"] > g.max_weight_gap
+            for kind, now in over.items():
+                self.over[kind][j] = self.over[kind][j] + 1 if now else 0
+                if (broken and kind == self.kinds[0]) or self.over[kind][j] >= g.window:
+                    event = self._promote(j, kind, step, signal, broken)
+                    if event is not None:
+                        taken.append(event)
         self._unreported = {"step": step, "what": self.what, "buckets": indices,
                             "rel_error": [s["plain_rel_error"] for s in self.signals],
                             "memory_ratio": [s["memory_ratio"] for s in self.signals],
@@ -142,33 +151,38 @@ class GradGuard:
     def _indices(self, only: list[int] | None) -> list[int]:
         return list(range(len(self.buckets))) if only is None else list(only)
 
-    def _promote(self, j: int, step: int, signal: dict[str, float],
+    def _lossy(self, j: int) -> bool:
+        return any(lossy_keys(self.buckets[j].policy, k) for k in self.kinds)
+
+    def _promote(self, j: int, kind: str, step: int, signal: dict[str, float],
                  broken: bool) -> dict[str, Any] | None:
         b = self.buckets[j]
-        keys = lossy_keys(b.policy, self.kind)
-        self.over[j] = 0
+        keys = lossy_keys(b.policy, kind)
+        self.over[kind][j] = 0
         if not keys:
             return None  # exact already
         before = describe(b, keys)
-        b.promote_grad(self._next(j, b.policy))
+        _apply(b, kind, self._next(j, b.policy, kind))
         self.since[j] = 0
         g = self.guard
-        event = {"step": step, "bucket": j, "rel_error": signal["plain_rel_error"],
-                 "memory_ratio": signal["memory_ratio"], "from": before,
+        budget = (f"over weight_gap {g.max_weight_gap:g}" if kind == "dp.param" else
+                  f"over rel_error {g.max_rel_error:g} / memory_ratio {g.max_memory_ratio:g}")
+        event = {"step": step, "bucket": j, "kind": kind, **signal, "from": before,
                  "to": describe(b, keys), "reason": "non-finite codes" if broken else
-                 f"over rel_error {g.max_rel_error:g} / memory_ratio "
-                 f"{g.max_memory_ratio:g} in {g.window} samples"}
+                 f"{budget} in {g.window} samples"}
+        event["rel_error"] = event.pop("plain_rel_error")
         self.events.append(event)
         if _rank() == 0:
-            log.warning("%s guard: bucket %d at step %d, relative error %.4g, memory ratio "
-                        "%.4g (%s): %s → %s", self.what, j, step, signal["plain_rel_error"],
-                        signal["memory_ratio"], event["reason"], before, event["to"])
+            log.warning("%s guard: bucket %d at step %d, %s (%s): %s → %s", self.what, j,
+                        step, ", ".join(f"{k} {v:.4g}" for k, v in signal.items()
+                                        if k != "rel_error"), event["reason"], before,
+                        event["to"])
         return event
 
     # -- checkpoints -----------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"format": STATE_FORMAT, "over": list(self.over), "since": list(self.since),
-                "events": [dict(e) for e in self.events]}
+        return {"format": STATE_FORMAT, "over": {k: list(v) for k, v in self.over.items()},
+                "since": list(self.since), "events": [dict(e) for e in self.events]}
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
         """Take the saved promotions — each event is one rung of its bucket — before the
@@ -178,38 +192,57 @@ class GradGuard:
         enough."""
         n = len(self.buckets)
         if state is None:
-            state = {"format": STATE_FORMAT, "over": [0] * n, "since": [0] * n, "events": []}
+            state = {"format": STATE_FORMAT, "over": {k: [0] * n for k in self.kinds},
+                     "since": [0] * n, "events": []}
         if isinstance(state, dict) and state.get("format") == FORMER_FORMAT:
-            state = {**state, "format": STATE_FORMAT, "since": [self.guard.window] * n}
-        counts = ("over", "since")
+            state = {**state, "format": STATE_FORMAT, "since": [self.guard.window] * n,
+                     "over": {**{k: [0] * n for k in self.kinds},
+                              self.kinds[0]: state.get("over")}}
         ok = (isinstance(state, dict) and state.get("format") == STATE_FORMAT
-              and all(isinstance(state.get(c), list) and len(state[c]) == n
-                      and all(isinstance(x, int) and x >= 0 for x in state[c]) for c in counts)
+              and isinstance(state.get("over"), dict) and set(state["over"]) == set(self.kinds)
+              and all(_counts(c, n) for c in [state.get("since"), *state["over"].values()])
               and isinstance(state.get("events"), list)
               and all(isinstance(e, dict) and e.get("bucket") in range(n)
+                      and e.get("kind", self.kinds[0]) in self.kinds
                       for e in state["events"]))
         if not ok:
             raise InputError(f"{self.what}: the saved guard state {_short(state)} is not "
                              f"allowed; allowed: {STATE_FORMAT!r} for {n} buckets, from "
                              "this front-end's state_dict()")
-        self.events = [dict(e) for e in state["events"]]
+        self.events = [{"kind": self.kinds[0], **e} for e in state["events"]]
         for j, (b, base) in enumerate(zip(self.buckets, self.base)):
             policy = base
-            for _ in range(sum(e["bucket"] == j for e in self.events)):
-                policy = self._next(j, policy)
+            for e in self.events:  # in the order they were taken
+                if e["bucket"] == j:
+                    policy = self._next(j, policy, e["kind"])
             if policy != b.policy:
-                b.promote_grad(policy)
-        self.over, self.since = list(state["over"]), list(state["since"])
+                for kind in self.kinds:
+                    _apply(b, kind, policy)
+        self.over = {k: list(v) for k, v in state["over"].items()}
+        self.since = list(state["since"])
 
-    def _next(self, j: int, policy: Policy) -> Policy:
-        """Bucket ``j``'s policy one rung up: its lossy rules promoted, or exact where the
-        next codec's alignment does not fit the bucket's buffers."""
-        keys = lossy_keys(policy, self.kind)
+    def _next(self, j: int, policy: Policy, kind: str) -> Policy:
+        """Bucket ``j``'s policy with its lossy ``kind`` rules one rung up, or exact where
+        the next codec's alignment does not fit the bucket's buffers."""
+        keys = lossy_keys(policy, kind)
         up = policy.promoted(keys)
         layout = self.layout[j]
-        if layout is not None and layout % self.buckets[j].grad_alignment_under(up):
+        if layout is not None and layout % self.buckets[j].alignment_under(up):
             up = dataclasses.replace(up, rules={**up.rules, **{k: Rule() for k in keys}})
         return up
+
+
+def _apply(b: DPBucket, kind: str, policy: Policy) -> None:
+    """``b`` under ``policy`` from now on, for its ``kind`` rules only."""
+    if kind == "dp.param":
+        b.promote_param(policy)
+    else:
+        b.promote_grad(policy)
+
+
+def _counts(value: Any, n: int) -> bool:
+    return (isinstance(value, list) and len(value) == n
+            and all(isinstance(x, int) and x >= 0 for x in value))
 
 
 def lossy_keys(policy: Policy, kind: str = "dp.grad") -> tuple[str, ...]:

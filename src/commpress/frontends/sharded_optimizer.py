@@ -207,7 +207,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             b.materialize(self.rank, self.world)
         # the convergence guard (a policy's guard:), over every bucket's gradient codecs
         self.guard = (GradGuard(self.policy.guard, [b.dp for b in self.buckets],
-                                "ShardedOptimizer") if self.policy.guard is not None else None)
+                                "ShardedOptimizer", weights=True)
+                      if self.policy.guard is not None else None)
         if self.world > 1:
             # the guard decides from every rank's signals at the same steps: one guard
             agree(self.group, "ShardedOptimizer", label="guard",
