@@ -1,18 +1,20 @@
 """The convergence guard: does it catch a codec too aggressive for the model, and what
 does it cost a healthy one?
 
-    python benchmarks/guard.py [--steps 200] [--seeds 0,1] [--model gpt-1m] [--fresh]
+    python benchmarks/guard.py [--steps 500] [--seeds 0,1,2] [--model gpt-1m] [--fresh]
 
 4 ranks as 2 nodes × 2 (``commpress train``, the sharded optimizer, Gloo), global batch
 16 × 128 bytes of text the tests never read (torch's ``_inductor`` Python sources).
-Rows: ``none`` (exact); ``naive-int2`` (``benchmarks/naive_int2.yaml``: int2 gradients
-without Hadamard or error feedback) and ``naive-topk`` (``benchmarks/naive_topk.yaml``:
-top-k 1 % without error feedback), each unguarded and guarded; ``sdp4bit`` unguarded and
-guarded. The guard: ``max_rel_error=0.3,window=3,every=10``; ``fast-guard``:
-``window=2,every=5``. Columns: validation loss at
-the end (mean ± sample std over the seeds), its gap to ``none``, the guard's promotions
-(how many, at which steps, to what), median step time, and gradient bits per element.
-Writes ``benchmarks/results/guard.{json,md}``.
+Rows, each unguarded and guarded: ``naive-topk`` (``benchmarks/naive_topk.yaml``: top-k
+1 % without error feedback), ``topk-ef`` (``benchmarks/topk_ef.yaml``: the same with error
+feedback), the healthy presets ``int2ef`` and ``sdp4bit``, and the hybrid paper's
+``naive`` (int4 everywhere: gradients without Hadamard, the weights themselves); ``none``
+(exact) and ``hybrid`` for reference. The guard: ``max_rel_error=0.3,window=3,every=10``
+with the defaults ``max_memory_ratio=4``, ``max_weight_gap=0.05``. Columns: validation
+loss at the end (mean ± sample std over the seeds), its gap to ``none``, the guard's
+promotions (at which steps, to what), median step time, and bits per element. Writes
+``benchmarks/results/guard.{json,md}`` and the guarded ``naive-topk``'s loss plot of the
+first seed (``guard_naive_topk_s<seed>.png``, promotions marked).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 import statistics
 
 import torch
@@ -31,16 +34,15 @@ from commpress.train.loop import train
 HERE = os.path.dirname(os.path.abspath(__file__))
 DATA = os.path.join(os.path.dirname(torch.__file__), "_inductor")
 GUARD = "max_rel_error=0.3,window=3,every=10"
-FAST = "max_rel_error=0.3,window=2,every=5"  # sampled twice as often, decided sooner
+NAIVE_TOPK = os.path.join(HERE, "naive_topk.yaml")
+TOPK_EF = os.path.join(HERE, "topk_ef.yaml")
 ROWS = {"none": ("none", None),
-        "naive-int2": (os.path.join(HERE, "naive_int2.yaml"), None),
-        "naive-int2+guard": (os.path.join(HERE, "naive_int2.yaml"), GUARD),
-        "naive-topk": (os.path.join(HERE, "naive_topk.yaml"), None),
-        "naive-topk+guard": (os.path.join(HERE, "naive_topk.yaml"), GUARD),
-        "naive-topk+fast-guard": (os.path.join(HERE, "naive_topk.yaml"), FAST),
-        "sdp4bit": ("sdp4bit", None),
-        "sdp4bit+guard": ("sdp4bit", GUARD),
-        "sdp4bit+fast-guard": ("sdp4bit", FAST)}
+        "naive-topk": (NAIVE_TOPK, None), "naive-topk+guard": (NAIVE_TOPK, GUARD),
+        "topk-ef": (TOPK_EF, None), "topk-ef+guard": (TOPK_EF, GUARD),
+        "int2ef": ("int2ef", None), "int2ef+guard": ("int2ef", GUARD),
+        "sdp4bit": ("sdp4bit", None), "sdp4bit+guard": ("sdp4bit", GUARD),
+        "naive": ("naive", None), "naive+guard": ("naive", GUARD),
+        "hybrid": ("hybrid", None)}
 
 
 def run(args, row: str, seed: int) -> dict:
@@ -52,16 +54,20 @@ def run(args, row: str, seed: int) -> dict:
     summary = train(cfg)
     with open(os.path.join(out, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f]
-    promoted = [(r["step"], e["bucket"], e["to"].split("=")[1].split(":")[0])
+    promoted = [(r["step"], e["bucket"], e.get("kind", "dp.grad"),
+                 e["to"].split("=")[1].split(":")[0])
                 for r in records for g in r.get("guard", []) for e in g["promoted"]]
+    if row == "naive-topk+guard" and seed == args.plot_seed:
+        shutil.copy(os.path.join(out, "loss.png"),
+                    os.path.join(RESULTS, f"guard_naive_topk_s{seed}.png"))
     return {"val": summary["final_val_loss"], "step_s": summary["step_time_s_median"],
             "bits": summary["bits_per_elem"], "promoted": promoted}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--seeds", default="0,1")
+    ap.add_argument("--steps", type=int, default=500)
+    ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--model", default="gpt-1m")
     ap.add_argument("--rows", default=",".join(ROWS))
     ap.add_argument("--fresh", action="store_true")
@@ -72,6 +78,7 @@ def main() -> None:
     cache_path = os.path.join(RESULTS, "guard.json")
     cache = {} if args.fresh or not os.path.exists(cache_path) else json.load(open(cache_path))
     seeds = [int(s) for s in args.seeds.split(",")]
+    args.plot_seed = seeds[0]
     rows = args.rows.split(",")
     for row in rows:
         for seed in seeds:
@@ -84,20 +91,31 @@ def main() -> None:
                     json.dump(cache, f, indent=1)
     ref = statistics.mean(cache[f"{args.model}|{args.steps}|none|{s}"]["val"] for s in seeds)
     lines = [f"# The convergence guard ({args.model}, 4 ranks as 2 × 2, {args.steps} steps, "
-             f"seeds {args.seeds}, guard {GUARD}, fast {FAST})", "",
-             "| row | val loss | gap to none | promotions (step: bucket → codec), seed "
-             f"{seeds[0]} | per seed | step ms | dp.grad bits |", "|---|---|---|---|---|---|---|"]
+             f"seeds {args.seeds}, guard {GUARD})", "",
+             "| row | val loss | gap to none | promotions (step: buckets, rules → codec), seed "
+             f"{seeds[0]} | per seed | step ms | bits per element |",
+             "|---|---|---|---|---|---|---|"]
     for row in rows:
         got = [cache[f"{args.model}|{args.steps}|{row}|{s}"] for s in seeds]
         vals = [g["val"] for g in got]
         sd = statistics.stdev(vals) if len(vals) > 1 else 0.0
-        first = ", ".join(f"{s}: b{b} → {c}" for s, b, c in got[0]["promoted"]) or "none"
-        bits = {k: round(v, 2) for k, v in got[0]["bits"].items() if k.startswith("dp.grad")}
+        first = "; ".join(f"{s}: {summary}" for s, summary in _steps(got[0]["promoted"])) or "none"
+        bits = {k: round(v, 2) for k, v in got[0]["bits"].items() if k.startswith("dp.")}
         lines.append(f"| {row} | {statistics.mean(vals):.4f} ± {sd:.4f} | "
                      f"{statistics.mean(vals) / ref - 1:+.2%} | {first} | "
                      f"{[len(g['promoted']) for g in got]} | "
                      f"{1e3 * statistics.median(g['step_s'] for g in got):.0f} | {bits} |")
     write_markdown("guard.md", lines)
+
+
+def _steps(promoted: list) -> list[tuple[int, str]]:
+    """Promotions by step: ``(step, "3 dp.grad → int4, 1 dp.param → int8")``."""
+    by_step: dict[int, dict[tuple[str, str], int]] = {}
+    for step, _, kind, codec in promoted:
+        counts = by_step.setdefault(step, {})
+        counts[(kind, codec)] = counts.get((kind, codec), 0) + 1
+    return [(step, ", ".join(f"{n} {kind} → {codec}" for (kind, codec), n in c.items()))
+            for step, c in sorted(by_step.items())]
 
 
 if __name__ == "__main__":

@@ -255,7 +255,7 @@ def test_after_the_first_step_one_hook_bucket_a_step_carries_a_header(options):
     _assert_replicas_identical(ranks)
 
 
-@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("overlap", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_a_guarded_hook_promotes_on_every_rank_alike_and_resumes_the_same(overlap):
     """int2 without Hadamard, guarded at 0.3 over 2 samples: the hook's buckets are
     promoted after the second iteration on both ranks (the decision taken where the hook
