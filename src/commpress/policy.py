@@ -154,7 +154,14 @@ class Guard:
         return cls(**value)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The guard as a policy file writes it: the budgets added since the first three
+        fields only where they are not the default (so a policy saved before them reads
+        back as the same policy)."""
+        out = dataclasses.asdict(self)
+        for f in dataclasses.fields(self)[3:]:
+            if out[f.name] == f.default:
+                del out[f.name]
+        return out
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,8 @@ def guarded(rank, world, policy, guard, steps, resume_at=None, bucket_numel=40_0
         out["losses"].append(loss.item())
         out["signals"].append([g["plain_rel_error"] for g in opt.guard.signals]
                               if opt.guard else [])
-        out["records"].append(opt.guard.take_record() if opt.guard else None)
+        taken = opt.guard.take_records() if opt.guard else []
+        out["records"].append(taken[0] if taken else None)  # one decision a step at most
         out["codecs"].append([b.dp.grad.describe() if hasattr(b.dp.grad, "describe")
                               else repr(b.dp.policy.rules.get("dp.grad"))
                               for b in opt.buckets])
@@ -105,7 +106,8 @@ def hooked(rank, world, policy, guard, steps, resume_at=None, overlap=True):
         opt.step()
         opt.zero_grad()
         out["hashes"].append(_hash_params(model.module))
-        out["sampled"].append(state.guard.take_record())
+        taken = state.guard.take_records()
+        out["sampled"].append(taken[0] if taken else None)  # one decision a step at most
         out["codecs"].append([repr(b.dp.policy.rules.get("dp.grad")) for b in state.buckets])
     out["events"] = state.guard.events
     out["said"] = [line for line in said.lines if "guard" in line]
@@ -122,3 +124,28 @@ def hooked_with_differing_guards(rank, world):
     except commpress.CollectiveMismatchError as e:
         return str(e)
     return None
+
+
+def consolidated(rank, world, policy, guard, steps):
+    """``steps`` guarded steps, the optimizer consolidated to rank 0 and loaded elastic
+    into a new one on every rank: each bucket's codecs before and after the load."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    data = _data()
+    model = _model()
+    opt = _optimizer(model, policy, guard, 40_000)
+    for step in range(steps):
+        x, y = _local_batch(data, step, rank, world)
+        _, loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    state = [opt.consolidate_state_dict(to=0)]
+    dist.broadcast_object_list(state, src=0)
+    before = [repr(b.dp.policy.rules) for b in opt.buckets]
+    opt.remove()
+    fresh = _optimizer(_model(seed=1), policy, guard, 40_000)
+    fresh.load_state_dict(state[0], elastic=True)
+    return {"before": before, "after": [repr(b.dp.policy.rules) for b in fresh.buckets],
+            "events": fresh.guard.events}

@@ -38,7 +38,9 @@ def test_a_guard_is_read_from_a_policy_and_bad_values_are_refused_by_name():
     for bad, field in [(0, "max_rel_error"), (-1.0, "max_rel_error"),
                        (math.inf, "max_rel_error"), (math.nan, "max_rel_error"),
                        ({"max_rel_error": 0.3, "window": 0}, "window"),
-                       ({"max_rel_error": 0.3, "every": 1.5}, "every")]:
+                       ({"max_rel_error": 0.3, "every": 1.5}, "every"),
+                       ({"max_rel_error": 0.3, "max_memory_ratio": 0}, "max_memory_ratio"),
+                       ({"max_rel_error": 0.3, "max_weight_gap": -1}, "max_weight_gap")]:
         with pytest.raises(InputError, match=f"guard.{field}"):
             Policy.resolve("tlq").with_guard(bad)
     with pytest.raises(InputError, match="guard=.*is not allowed; allowed: a mapping with "
@@ -104,3 +106,60 @@ def test_weights_gathered_too_coarsely_are_promoted_and_a_resume_keeps_them():
     assert all(0 < gap < 0.05 for gap in a["records"][-1]["weight_gap"])
     resumed = spawn(guard_workers.guarded, 2, ("naive", guard, 8, 5), timeout=300)
     assert resumed[0]["hashes"] == a["hashes"] and resumed[0]["events"] == a["events"]
+
+
+def _one_bucket_guard(policy, weights=False):
+    from commpress.collectives import Topology
+    from commpress.dp.bucket import DPBucket
+    from commpress.dp.guard import GradGuard
+
+    bucket = DPBucket(Policy.resolve(policy), Topology(1), weights=weights)
+    return GradGuard(Guard(0.3, window=3), [bucket], "test", weights=weights), bucket
+
+
+def test_codes_that_decode_non_finite_from_finite_input_promote_at_once_ef_or_not():
+    """What a watch sums for each case (as the encode measures it): codes decoded to inf
+    from a finite gradient promote at the first sample — with error feedback too, whose
+    memory stays finite while what it sent (decoded + memory) is not — and a gradient
+    that was non-finite already decides nothing; weights gathered non-finite from finite
+    masters promote dp.param at once."""
+    import torch
+
+    x = torch.ones(256)
+    bad = torch.full((256,), math.inf)
+    for policy, memory in [(INT2, None),
+                           ({"dp": {"grad": {"codec": "int2", "error_feedback": True}}},
+                            torch.zeros(256))]:
+        guard, bucket = _one_bucket_guard(policy)
+        if memory is None:
+            guard.watches[0].add(x, bad)
+        else:
+            guard.watches[0].add(bad + memory, bad, memory, given=x)
+        [event] = guard.decide(0, None)
+        assert event["reason"] == "non-finite codes" and "int4" in event["to"], policy
+        # a gradient that was non-finite already: no promotion, however long
+        guard, bucket = _one_bucket_guard(policy)
+        for step in range(5):
+            if memory is None:
+                guard.watches[0].add(bad, bad)
+            else:
+                guard.watches[0].add(bad + memory, bad, memory, given=bad)
+            assert guard.decide(step, None) == []
+        # ... and reads NaN, never a finite number
+        assert all(math.isnan(r["rel_error"][0]) or math.isnan(r["memory_ratio"][0])
+                   for r in guard.take_records())
+    guard, bucket = _one_bucket_guard("naive", weights=True)
+    guard.watches[0].add(x, x)
+    [event] = guard.decide(0, None, weights=[torch.tensor([math.inf, 4.0], dtype=torch.float64)])
+    assert event["kind"] == "dp.param" and event["reason"] == "non-finite codes"
+    assert "int8" in event["to"] and "int4" in event["from"]
+    assert guard.decide(1, None, weights=[torch.tensor([math.inf, math.inf],
+                                                       dtype=torch.float64)]) == []
+
+
+@pytest.mark.slow
+def test_a_consolidated_state_carries_the_promotions_to_any_number_of_ranks():
+    guard = {"max_rel_error": 0.3, "window": 2, "every": 1}
+    a, b = spawn(guard_workers.consolidated, 2, (INT2, guard, 3), timeout=300)
+    assert a["events"] and a["after"] == a["before"] == b["after"]
+    assert all("int4" in codecs for codecs in a["after"])

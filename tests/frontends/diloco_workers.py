@@ -357,10 +357,11 @@ def guarded(rank, world, options, steps):
     records = []
     for step in range(steps):
         _steps(model, opt, sync, data, rank, world, step, 1)
-        records.append(sync.guard.take_record())
+        records.extend(sync.guard.take_records())
     sync.wait()
+    records.extend(sync.guard.take_records())
     out = {"global": _hash(sync.global_weights()), "events": sync.guard.events,
-           "records": [r for r in records if r is not None],
+           "records": records,
            "codecs": [repr(f.dp.policy.rules["outer.grad"]) for f in sync.fragments],
            "said": [line for line in said if "guard" in line]}
     sync.remove()

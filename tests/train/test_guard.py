@@ -32,8 +32,7 @@ def test_a_guarded_run_records_its_signals_and_promotions(tmp_path, engine):
     assert promoted and all("int4" in e["to"] for e in promoted[:1])
     assert promoted[0]["step"] == 1  # two samples in a row over the budget: steps 0 and 1
     config = json.load(open(os.path.join(out, "config.json")))
-    assert config["policy"]["guard"] == {"max_rel_error": 0.3, "window": 2, "every": 1,
-                                         "max_memory_ratio": 4.0, "max_weight_gap": 0.05}
+    assert config["policy"]["guard"] == {"max_rel_error": 0.3, "window": 2, "every": 1}
     assert os.path.exists(os.path.join(out, "loss.png")) and summary["steps"] == 6
     # the same signals as TensorBoard scalars, step by step, and the promotions as text
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

@@ -100,14 +100,17 @@ class Watch:
 def signals(sums: list[float]) -> dict[str, float]:
     """The signals of :data:`SUMS` (one rank's, or every rank's added up)."""
     plain_err2, plain2, ef_err2, ef2, memory2, given2 = sums
-    return {"rel_error": _ratio(plain_err2 + ef_err2, plain2 + ef2),
-            "plain_rel_error": _ratio(plain_err2, plain2),
-            "memory_ratio": _ratio(memory2, given2)}
+    return {"rel_error": ratio(plain_err2 + ef_err2, plain2 + ef2),
+            "plain_rel_error": ratio(plain_err2, plain2),
+            "memory_ratio": ratio(memory2, given2)}
 
 
-def _ratio(num2: float, den2: float) -> float:
-    """``sqrt(num2 / den2)``; 0 for 0 / 0, inf for a positive error of nothing."""
-    if den2 > 0 or math.isnan(den2):
+def ratio(num2: float, den2: float) -> float:
+    """``sqrt(num2 / den2)``; NaN where either is not finite (never read as finite), 0
+    for 0 / 0, inf for a positive error of nothing."""
+    if not (math.isfinite(num2) and math.isfinite(den2)):
+        return math.nan
+    if den2 > 0:
         return math.sqrt(num2 / den2)
     return 0.0 if num2 == 0 else math.inf
 

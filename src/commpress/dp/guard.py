@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import threading
 from contextlib import nullcontext
 from typing import Any
 
@@ -41,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from commpress.collectives.agreement import all_gather_objects
-from commpress.collectives.watch import SUMS, Watch, signals
+from commpress.collectives.watch import SUMS, Watch, ratio, signals
 from commpress.dp.bucket import DPBucket
 from commpress.policy import Guard, Policy, Rule
 from commpress.validate import InputError
@@ -71,7 +72,8 @@ class GradGuard:
         self.since = [0] * len(buckets)  # samples under the bucket's present codec
         self.signals: list[dict[str, float]] = []  # the last decision's, per bucket
         self.events: list[dict[str, Any]] = []
-        self._unreported: dict[str, Any] | None = None  # for the trainer's step record
+        self._unreported: list[dict[str, Any]] = []  # for the trainer's step records
+        self._lock = threading.Lock()
 
     def sampling(self, step: int, only: list[int] | None = None) -> bool:
         """Whether step ``step`` (0-based, every rank alike) is sampled, for the buckets
@@ -96,13 +98,16 @@ class GradGuard:
         rank's sums added in rank order, the signals per bucket, and the promotions they
         call for (taken here, on every rank alike); returns them. ``weights``: per bucket,
         this rank's ``[‖w − m‖², ‖m‖²]`` of the weights its last gather gave (``w``) and
-        the master weights they stand for (``m``): recorded as ``weight_gap``, decided on
-        by no rule (qWD's gap is the difference codec's error, carried by its reference)."""
+        the master weights they stand for (``m``): the ``weight_gap`` its ``dp.param``
+        rules are judged by."""
         indices = self._indices(only)
         rows = [self.watches[j].sums() for j in indices]
         if weights is not None:
-            rows = [torch.cat([r, w.to(r)]) for r, w in zip(rows, weights, strict=True)]
-        mine = torch.stack(rows).tolist()  # the one host sync
+            rows = [torch.cat([r, w.to(r.device, r.dtype)])
+                    for r, w in zip(rows, weights, strict=True)]
+        # a watch that saw no lossy encode holds zeros on the CPU: one device for the stack
+        device = next((r.device for r in rows if r.device.type != "cpu"), torch.device("cpu"))
+        mine = torch.stack([r.to(device) for r in rows]).tolist()  # the one host sync
         for j in indices:
             self.watches[j].reset()
         ranks = (all_gather_objects(mine, group, f"{self.what} guard signals")
@@ -117,36 +122,54 @@ class GradGuard:
             signal = signals(sums)
             if weights is not None:
                 gap2, master2 = (sum(r[i][k] for r in ranks) for k in (-2, -1))
-                signal["weight_gap"] = _relative(gap2, master2)
+                signal["weight_gap"] = ratio(gap2, master2)
                 gaps.append(signal["weight_gap"])
             self.signals.append(signal)
-            plain_err2, plain2, ef_err2, ef2, memory2, given2 = sums
-            if not all(map(math.isfinite, (plain2, ef2, given2))):
-                self.over[self.kinds[0]][j] = 0  # the input was non-finite: nothing to decide
-                continue
             self.since[j] += 1
-            broken = not all(map(math.isfinite, (plain_err2, ef_err2, memory2)))
-            over = {self.kinds[0]: broken or signal["plain_rel_error"] > g.max_rel_error
-                    or signal["memory_ratio"] > g.max_memory_ratio}
-            if weights is not None:  # non-finite master weights decide nothing
-                over["dp.param"] = signal["weight_gap"] > g.max_weight_gap
-            for kind, now in over.items():
-                self.over[kind][j] = self.over[kind][j] + 1 if now else 0
-                if (broken and kind == self.kinds[0]) or self.over[kind][j] >= g.window:
+            # per kind: (over budget now, codes non-finite from finite values) — None where
+            # the values were non-finite already, which decides nothing
+            judged: dict[str, tuple[bool, bool] | None] = {}
+            plain_err2, plain2, ef_err2, ef2, memory2, given2 = sums
+            # error feedback sends input + a memory kept finite: what it sent is non-finite
+            # only where its codes decoded so (ef2 then is too), from finite input
+            if all(map(math.isfinite, (plain2, given2))):
+                broken = not all(map(math.isfinite, (plain_err2, ef_err2, ef2, memory2)))
+                judged[self.kinds[0]] = (signal["plain_rel_error"] > g.max_rel_error
+                                         or signal["memory_ratio"] > g.max_memory_ratio, broken)
+            else:
+                judged[self.kinds[0]] = None
+            if weights is not None:
+                judged["dp.param"] = (None if not math.isfinite(master2) else
+                                      (signal["weight_gap"] > g.max_weight_gap,
+                                       not math.isfinite(gap2)))
+            for kind, verdict in judged.items():
+                over, broken = verdict if verdict is not None else (False, False)
+                self.over[kind][j] = self.over[kind][j] + 1 if over or broken else 0
+                if broken or self.over[kind][j] >= g.window:
                     event = self._promote(j, kind, step, signal, broken)
                     if event is not None:
                         taken.append(event)
-        self._unreported = {"step": step, "what": self.what, "buckets": indices,
-                            "rel_error": [s["plain_rel_error"] for s in self.signals],
-                            "memory_ratio": [s["memory_ratio"] for s in self.signals],
-                            **({"weight_gap": gaps} if weights is not None else {}),
-                            "promoted": taken}
+        record = {"step": step, "what": self.what, "buckets": indices,
+                  "rel_error": [s["plain_rel_error"] for s in self.signals],
+                  "memory_ratio": [s["memory_ratio"] for s in self.signals],
+                  **({"weight_gap": gaps} if weights is not None else {}), "promoted": taken}
+        with self._lock:  # DiLoCo decides on its communication thread
+            self._unreported.append(record)
         return taken
 
-    def take_record(self) -> dict[str, Any] | None:
-        """The last sampled step's signals and promotions, once (None since)."""
-        record, self._unreported = self._unreported, None
-        return record
+    def take_records(self) -> list[dict[str, Any]]:
+        """The sampled steps' signals and promotions since the last call, once."""
+        with self._lock:
+            records, self._unreported = self._unreported, []
+        return records
+
+    def restart(self, indices: list[int]) -> None:
+        """Buckets ``indices`` hold other values from now on (DiLoCo re-formed those
+        fragments): their counts start again."""
+        for j in indices:
+            self.since[j] = 0
+            for counts in self.over.values():
+                counts[j] = 0
 
     def _indices(self, only: list[int] | None) -> list[int]:
         return list(range(len(self.buckets))) if only is None else list(only)
@@ -184,12 +207,10 @@ class GradGuard:
         return {"format": STATE_FORMAT, "over": {k: list(v) for k, v in self.over.items()},
                 "since": list(self.since), "events": [dict(e) for e in self.events]}
 
-    def load_state_dict(self, state: dict[str, Any] | None) -> None:
-        """Take the saved promotions — each event is one rung of its bucket — before the
-        buckets' codec states are loaded (their layout follows the codec), and the
-        counters; None: a state saved without the guard, every bucket as the policy has
-        it. A state of the first format (no ``since``) takes every bucket as sampled
-        enough."""
+    def check_state(self, state: dict[str, Any] | None) -> dict[str, Any]:
+        """A saved guard state as :meth:`load_state_dict` takes it, or an
+        :class:`InputError` naming it (run inside the front-end's agreed resume check, so
+        that every rank refuses together)."""
         n = len(self.buckets)
         if state is None:
             state = {"format": STATE_FORMAT, "over": {k: [0] * n for k in self.kinds},
@@ -209,6 +230,15 @@ class GradGuard:
             raise InputError(f"{self.what}: the saved guard state {_short(state)} is not "
                              f"allowed; allowed: {STATE_FORMAT!r} for {n} buckets, from "
                              "this front-end's state_dict()")
+        return state
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        """Take the saved promotions — each event is one rung of its bucket — before the
+        buckets' codec states are loaded (their layout follows the codec), and the
+        counters; None: a state saved without the guard, every bucket as the policy has
+        it. A state of the first format (no ``since``) takes every bucket as sampled
+        enough."""
+        state = self.check_state(state)
         self.events = [{"kind": self.kinds[0], **e} for e in state["events"]]
         for j, (b, base) in enumerate(zip(self.buckets, self.base)):
             policy = base
@@ -255,13 +285,6 @@ def lossy_keys(policy: Policy, kind: str = "dp.grad") -> tuple[str, ...]:
 def describe(b: DPBucket, keys: tuple[str, ...]) -> str:
     return ", ".join(f"{k}={b.policy.rules[k].codec}"
                      + ("+ef" if b.policy.rules[k].error_feedback else "") for k in keys)
-
-
-def _relative(err2: float, norm2: float) -> float:
-    """``sqrt(err2 / norm2)``: 0 for nothing lossy sent, NaN for non-finite input."""
-    if norm2 == 0:
-        return 0.0 if err2 == 0 else math.inf
-    return math.sqrt(err2 / norm2)
 
 
 def _rank() -> int:

@@ -240,12 +240,19 @@ class DDPHookState:
         state): what every rank holds alike is kept, while the error-feedback memory and
         rounding streams, laid out for the world that saved them, start fresh (said once,
         on rank 0)."""
-        memory = on_every_rank(self.group, "DDP hook", lambda: check_resume(
-            state, STATE_FORMAT, "DDP hook", self.policy, *self._identity(), elastic,
-            "resume each rank from its own state (every rank saves its own: "
-            "commpress.save_rank_state), with the same number of ranks, policy, model and "
-            "bucket_numel (they fix the layout); another number of ranks, or one rank's "
-            "state on every rank: load_state_dict(state, elastic=True)", self._fields()))
+        def check() -> bool:
+            memory = check_resume(
+                state, STATE_FORMAT, "DDP hook", self.policy, *self._identity(), elastic,
+                "resume each rank from its own state (every rank saves its own: "
+                "commpress.save_rank_state), with the same number of ranks, policy, model "
+                "and bucket_numel (they fix the layout); another number of ranks, or one "
+                "rank's state on every rank: load_state_dict(state, elastic=True)",
+                self._fields())
+            if self.guard is not None:  # refused on every rank together, before any load
+                self.guard.check_state(state.get("guard"))
+            return memory
+
+        memory = on_every_rank(self.group, "DDP hook", check)
         if self.guard is not None:  # promoted codecs first: their state's layout follows
             self.guard.load_state_dict(state.get("guard"))
         for b, codecs in zip(self.buckets, state["codecs"], strict=True):

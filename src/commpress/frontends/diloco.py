@@ -314,6 +314,8 @@ class DiLoCo:
         broadcast_coalesced(joined, group_source(self.group), self.group,
                             self.fragments[0].global_.device, "DiLoCo joining parameters")
         touched = apply_change(self.fragments, changed, named_parameters(self.model))
+        if self.guard is not None:  # a re-formed fragment's signals start again
+            self.guard.restart(touched)
         say_once(log, ("reformed", id(self), self.inner_steps), self._rank(),
                  "DiLoCo: the trained parameters changed by inner step %d: %d left (%s), %d "
                  "joined (%s); fragments %s re-formed, their codecs (error-feedback memory) "
@@ -508,6 +510,8 @@ class DiLoCo:
                 "load_state_dict(state, elastic=True)", {"config": asdict(self.config)},
                 formats={"commpress.DiLoCo/2": "a DiLoCo state of an older commpress "
                          "whose fragments do not have this model's sizes"})
+            if self.guard is not None:  # refused on every rank together, before any load
+                self.guard.check_state(converted.get("guard"))
             return converted, memory, [check_layout(f, model) for f in converted["fragments"]]
 
         self.wait()  # the all-reduce in flight on the thread uses the group too

@@ -510,7 +510,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             return None
         return {"format": CONSOLIDATED_FORMAT, "policy": self.policy.to_dict(),
                 "world_size": self.world, "buckets": buckets, "steps": self.steps,
-                "skipped_steps": self.skipped_steps}
+                "skipped_steps": self.skipped_steps,
+                **({"guard": self.guard.state_dict()} if self.guard else {})}
 
     def _check_consolidated(self, state: dict[str, Any]) -> tuple[int, list[str]]:
         """Refuse a consolidated state this run cannot load; its steps and checksums."""
@@ -529,6 +530,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 if not isinstance(t, torch.Tensor) or t.shape != (b.used,):
                     raise InputError(f"ShardedOptimizer (consolidated): bucket {i} {key} is "
                                      f"not a tensor of {b.used} elements")
+        if self.guard is not None:
+            self.guard.check_state(state.get("guard"))
         return state["steps"], [checksum(b["master"]) for b in saved]
 
     def _gather_shard(self, shard: torch.Tensor, to: int, label: str) -> torch.Tensor | None:
@@ -552,15 +555,21 @@ class ShardedOptimizer(torch.optim.Optimizer):
         said once, on rank 0)."""
         if elastic:
             return self._load_consolidated(state)
-        on_every_rank(self.group, "ShardedOptimizer", lambda: check_resume(
-            state, STATE_FORMAT, "ShardedOptimizer", self.policy, self.rank, self.world, False,
-            "resume each rank from its own state_dict() (every rank saves its own: "
-            "commpress.save_rank_state) with the same world size, policy and model; another "
-            "world size, or one file for every rank: load_state_dict(consolidated, "
-            "elastic=True) with the state consolidate_state_dict() returned",
-            buckets_identity(self.buckets),
-            formats={CONSOLIDATED_FORMAT: "a whole optimizer from consolidate_state_dict(): "
-                     "load it with load_state_dict(state, elastic=True)"}))
+
+        def check() -> None:
+            check_resume(
+                state, STATE_FORMAT, "ShardedOptimizer", self.policy, self.rank, self.world,
+                False, "resume each rank from its own state_dict() (every rank saves its own: "
+                "commpress.save_rank_state) with the same world size, policy and model; "
+                "another world size, or one file for every rank: load_state_dict("
+                "consolidated, elastic=True) with the state consolidate_state_dict() returned",
+                buckets_identity(self.buckets),
+                formats={CONSOLIDATED_FORMAT: "a whole optimizer from consolidate_state_dict(): "
+                         "load it with load_state_dict(state, elastic=True)"})
+            if self.guard is not None:  # refused on every rank together, before any load
+                self.guard.check_state(state.get("guard"))
+
+        on_every_rank(self.group, "ShardedOptimizer", check)
         load_buckets_state(self.buckets, self.optimizer, state)
         # torch's load_state_dict makes new group dicts: share them again (a scheduler
         # writing the old ones would no longer reach the shards)
@@ -603,6 +612,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                                         "params": inner["param_groups"][i]["params"]}
             # fresh codecs: this rank's memory of the old world means nothing here
             b.dp.fresh()
+        if self.guard is not None:  # the promotions are every rank's alike: kept
+            self.guard.load_state_dict(state.get("guard"))
         self.optimizer.load_state_dict(inner)
         self.param_groups = self.optimizer.param_groups
         self.state = self.optimizer.state

@@ -117,10 +117,11 @@ class TrainConfig:
                              f"pp={self.pp}, ep={self.ep}: use engine=sharded for tp/pp/ep")
         self._check_experts()
         if (self.policy_object().guard is not None and self.engine == "ddp"
-                and self.ddp_hook != "commpress"):
+                and self.ddp_hook != "commpress" and self.outer == "none"):
             raise InputError(f"guard={self.guard!r} with ddp_hook={self.ddp_hook!r} is not "
-                             "allowed; allowed: the guard with engine=sharded, or engine=ddp "
-                             "with ddp_hook=commpress (the hooks of torch send what they send)")
+                             "allowed; allowed: the guard with engine=sharded, engine=ddp "
+                             "with ddp_hook=commpress (the hooks of torch send what they "
+                             "send), or --outer (DiLoCo's pseudo-gradients guarded)")
         hook = self.ddp_hook
         rank = hook.removeprefix("powersgd:")
         if hook not in ("allreduce", "fp16", "commpress") and not (

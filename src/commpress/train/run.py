@@ -284,8 +284,7 @@ def run_steps(run: Run, writer: bool) -> dict[str, Any] | None:
                                  time.perf_counter() - wall0, run.skipped_steps,
                                  {k: v - before.get(k, 0)
                                   for k, v in run.held.wire_bytes().items()})
-            sampled = [r for r in (g.take_record() for opt in run.opts for g in guards(opt))
-                       if r is not None]
+            sampled = [r for opt in run.opts for g in guards(opt) for r in g.take_records()]
             if sampled:  # the convergence guard's signals and promotions of this step
                 record["guard"] = sampled
             if evaluates_at(cfg, step):
