@@ -149,3 +149,29 @@ def consolidated(rank, world, policy, guard, steps):
     fresh.load_state_dict(state[0], elastic=True)
     return {"before": before, "after": [repr(b.dp.policy.rules) for b in fresh.buckets],
             "events": fresh.guard.events}
+
+
+def hooked_with_a_corrupt_guard_state(rank, world):
+    """Two guarded steps under the DDP hook; its state saved, rank 1's guard counts
+    corrupted, and each rank's loaded back: what each rank raises."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.set_num_threads(1)
+    data = _data()
+    model = DDP(_model(), bucket_cap_mb=0.1)
+    state, hook = commpress.ddp_hook(model, "int4", guard=0.3, bucket_numel=40_000)
+    model.register_comm_hook(state, hook)
+    for step in range(2):
+        x, y = _local_batch(data, step, rank, world)
+        _, loss = model(x, y)
+        loss.backward()
+    saved = state.state_dict()
+    if rank == 1:
+        saved["guard"]["since"] = ["x"] * len(saved["guard"]["since"])
+    try:
+        state.load_state_dict(saved)
+        return None
+    except commpress.InputError as e:
+        return str(e)
+    finally:
+        state.remove(drain=False)

@@ -279,3 +279,11 @@ def test_a_guarded_hook_promotes_on_every_rank_alike_and_resumes_the_same(overla
 def test_hooks_with_different_guards_are_refused_on_every_rank():
     said = spawn(guard_workers.hooked_with_differing_guards, 2, (), timeout=120)
     assert all(s is not None and "guard" in s for s in said), said
+
+
+def test_a_corrupt_guard_state_on_one_rank_is_refused_on_every_rank():
+    """Were it refused by rank 1 alone, rank 0 would go on and wait for it in its next
+    backward; checked inside the agreed resume check, both ranks raise, naming rank 1."""
+    said = spawn(guard_workers.hooked_with_a_corrupt_guard_state, 2, (), timeout=120)
+    assert all(s is not None and "guard state" in s for s in said), said
+    assert "rank 1" in said[0], said[0]

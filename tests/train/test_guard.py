@@ -34,6 +34,8 @@ def test_a_guarded_run_records_its_signals_and_promotions(tmp_path, engine):
     config = json.load(open(os.path.join(out, "config.json")))
     assert config["policy"]["guard"] == {"max_rel_error": 0.3, "window": 2, "every": 1}
     assert os.path.exists(os.path.join(out, "loss.png")) and summary["steps"] == 6
+    assert os.path.exists(os.path.join(out, "guard.png"))  # the signals per bucket
+    assert summary["guard_promotions"] == len(promoted)
     # the same signals as TensorBoard scalars, step by step, and the promotions as text
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

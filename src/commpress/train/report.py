@@ -129,6 +129,45 @@ def mark_promotions(ax: Any, history: list[dict[str, Any]], color: str = "red") 
         first = False
 
 
+def plot_guard(history: list[dict[str, Any]], path: str,
+               budgets: dict[str, float] | None = None, title: str = "") -> bool:
+    """The convergence guard's signals per bucket over the sampled steps — one panel per
+    signal the run measured (relative error of what was sent without error feedback,
+    memory ratio, weight gap), the budget dashed, promotions marked; False (nothing
+    written) for a run without the guard's records."""
+    sampled = [(r["step"], g) for r in history for g in r.get("guard", [])]
+    if not sampled:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [s for s in ("rel_error", "memory_ratio", "weight_gap")
+             if any(any(v > 0 for v in g.get(s, [])) for _, g in sampled)] or ["rel_error"]
+    fig, axes = plt.subplots(1, len(names), figsize=(5 * len(names), 3.6), squeeze=False)
+    for ax, name in zip(axes[0], names):
+        lines: dict[str, tuple[list[int], list[float]]] = {}
+        for step, g in sampled:
+            for j, v in zip(g["buckets"], g.get(name, [])):
+                xs, ys = lines.setdefault(f"{g['what']} {j}", ([], []))
+                xs.append(step)
+                ys.append(v)
+        for label, (xs, ys) in lines.items():
+            ax.plot(xs, ys, ".-", lw=0.8, ms=2, label=label if len(lines) <= 8 else None)
+        if budgets and name in budgets:
+            ax.axhline(budgets[name], color="black", ls=":", lw=1, label="budget")
+        mark_promotions(ax, history)
+        ax.set(xlabel="step", ylabel=name.replace("_", " "),
+               title=f"{title} {name.replace('_', ' ')}".strip())
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def plot_compare(histories: dict[str, list[dict]], summaries: dict[str, dict], path: str) -> None:
     """Loss vs step, loss vs wall time, and bytes per axis, one panel each."""
     import matplotlib

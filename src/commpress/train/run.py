@@ -330,8 +330,9 @@ def evaluates_at(cfg: TrainConfig, step: int) -> bool:
 
 
 def write_outputs(cfg: TrainConfig, run: Run, totals: dict) -> dict[str, Any]:
-    """``metrics.jsonl``, ``summary.json`` and ``loss.png`` of ``run``; the summary."""
-    from commpress.train.report import plot_loss
+    """``metrics.jsonl``, ``summary.json``, ``loss.png`` and, with the convergence guard,
+    ``guard.png`` of ``run``; the summary."""
+    from commpress.train.report import plot_guard, plot_loss
 
     hist = run.history
     with open(os.path.join(cfg.out, "metrics.jsonl"), "w") as f:
@@ -368,9 +369,16 @@ def write_outputs(cfg: TrainConfig, run: Run, totals: dict) -> dict[str, Any]:
                           if v["elements"]},
         # fallback: measured — this rank's buckets by the way each collective went
         "fallback": run.fallback_decisions(),
+        # the convergence guard's promotions, all front-ends (each in metrics.jsonl)
+        "guard_promotions": sum(len(g["promoted"]) for r in hist for g in r.get("guard", [])),
         "out": cfg.out,
     }
     write_json(os.path.join(cfg.out, "summary.json"), summary)
     plot_loss(hist, os.path.join(cfg.out, "loss.png"), title=f"{name} "
               f"dp{cfg.dp}×tp{cfg.tp}×pp{cfg.pp}")
+    guard = run.policy.guard
+    plot_guard(hist, os.path.join(cfg.out, "guard.png"), title=name, budgets=None if guard is
+               None else {"rel_error": guard.max_rel_error,
+                          "memory_ratio": guard.max_memory_ratio,
+                          "weight_gap": guard.max_weight_gap})
     return summary
