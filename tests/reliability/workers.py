@@ -135,9 +135,9 @@ def killed_in_a_guard_decision(rank, world, victim):
     killer = Killer(rank, victim, at_step=0)
     decide = opt.guard.decide
 
-    def dying(step, group):
+    def dying(step, group, **kwargs):
         killer.mid_step(step)  # the victim dies here at step 0; the others go on into it
-        return decide(step, group)
+        return decide(step, group, **kwargs)
 
     opt.guard.decide = dying
 
