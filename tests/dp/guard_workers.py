@@ -5,7 +5,7 @@ import logging
 import torch
 
 import commpress
-from tests.frontends.workers import _data, _hash_params, _local_batch, _model
+from tests.frontends.workers import _data, _local_batch, _model, train_steps
 
 
 class _Said(logging.Handler):
@@ -41,13 +41,8 @@ def guarded(rank, world, policy, guard, steps, resume_at=None, bucket_numel=40_0
             opt = _optimizer(model, policy, guard, bucket_numel)
             model.load_state_dict(saved["model"])
             opt.load_state_dict(saved["opt"])
-        x, y = _local_batch(data, step, rank, world)
-        _, loss = model(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        out["hashes"].append(_hash_params(model))
-        out["losses"].append(loss.item())
+        out["losses"] += train_steps(model, opt, data, rank, world, step, 1,
+                                     out["hashes"])
         out["signals"].append([g["plain_rel_error"] for g in opt.guard.signals]
                               if opt.guard else [])
         taken = opt.guard.take_records() if opt.guard else []
@@ -100,12 +95,7 @@ def hooked(rank, world, policy, guard, steps, resume_at=None, overlap=True):
             model.module.load_state_dict(saved["model"])
             opt.load_state_dict(saved["opt"])
             state.load_state_dict(saved["hook"])
-        x, y = _local_batch(data, step, rank, world)
-        _, loss = model(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        out["hashes"].append(_hash_params(model.module))
+        train_steps(model, opt, data, rank, world, step, 1, out["hashes"])
         taken = state.guard.take_records()
         out["sampled"].append(taken[0] if taken else None)  # one decision a step at most
         out["codecs"].append([repr(b.dp.policy.rules.get("dp.grad")) for b in state.buckets])
@@ -135,12 +125,7 @@ def consolidated(rank, world, policy, guard, steps):
     data = _data()
     model = _model()
     opt = _optimizer(model, policy, guard, 40_000)
-    for step in range(steps):
-        x, y = _local_batch(data, step, rank, world)
-        _, loss = model(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+    train_steps(model, opt, data, rank, world, 0, steps)
     state = [opt.consolidate_state_dict(to=0)]
     dist.broadcast_object_list(state, src=0)
     before = [repr(b.dp.policy.rules) for b in opt.buckets]

@@ -297,6 +297,7 @@ def test_a_guarded_sync_promotes_each_fragment_on_every_site_alike():
     assert len(a["said"]) == 2 and not b["said"]  # logged once, by rank 0
 
 
+@pytest.mark.slow
 def test_a_guarded_sync_resumes_with_its_promotions():
     options = {"policy": NAIVE_OUTER, "fragments": 2, "delay": 1,
                "guard": {"max_rel_error": 0.2, "window": 2, "every": 2}}

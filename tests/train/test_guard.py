@@ -61,6 +61,7 @@ def test_what_the_guard_cannot_run_is_refused_by_name(tmp_path):
                              **BASE))
 
 
+@pytest.mark.slow
 def test_a_guarded_run_across_sites_guards_the_pseudo_gradients_too(tmp_path):
     """engine ddp with --outer: the hook's buckets and DiLoCo's fragment both guarded by
     --guard (the hook's are exact here: never sampled); the fragment's int2
