@@ -74,6 +74,7 @@ class GradGuard:
         self.events: list[dict[str, Any]] = []
         self._unreported: list[dict[str, Any]] = []  # for the trainer's step records
         self._lock = threading.Lock()
+        self._find_lossy()
 
     def sampling(self, step: int, only: list[int] | None = None) -> bool:
         """Whether step ``step`` (0-based, every rank alike) is sampled, for the buckets
@@ -81,7 +82,7 @@ class GradGuard:
         than ``window`` samples under its codec — the first decision comes at step
         ``window - 1``, and a promoted bucket is judged again as soon — else every
         ``every`` steps; never when all of them are exact."""
-        lossy = [j for j in self._indices(only) if self._lossy(j)]
+        lossy = [j for j in self._indices(only) if self._lossy[j]]
         if not lossy:
             return False  # exact everywhere: nothing to judge, nothing to gather
         return any(self.since[j] < self.guard.window for j in lossy) or (
@@ -115,7 +116,6 @@ class GradGuard:
                  else [mine])
         taken = []
         self.signals = []
-        gaps = []
         g = self.guard
         for i, j in enumerate(indices):
             sums = [sum(r[i][k] for r in ranks) for k in range(len(SUMS))]
@@ -123,7 +123,6 @@ class GradGuard:
             if weights is not None:
                 gap2, master2 = (sum(r[i][k] for r in ranks) for k in (-2, -1))
                 signal["weight_gap"] = ratio(gap2, master2)
-                gaps.append(signal["weight_gap"])
             self.signals.append(signal)
             self.since[j] += 1
             # per kind: (over budget now, codes non-finite from finite values) — None where
@@ -152,7 +151,8 @@ class GradGuard:
         record = {"step": step, "what": self.what, "buckets": indices,
                   "rel_error": [s["plain_rel_error"] for s in self.signals],
                   "memory_ratio": [s["memory_ratio"] for s in self.signals],
-                  **({"weight_gap": gaps} if weights is not None else {}), "promoted": taken}
+                  **({"weight_gap": [s["weight_gap"] for s in self.signals]}
+                     if weights is not None else {}), "promoted": taken}
         with self._lock:  # DiLoCo decides on its communication thread
             self._unreported.append(record)
         return taken
@@ -174,8 +174,9 @@ class GradGuard:
     def _indices(self, only: list[int] | None) -> list[int]:
         return list(range(len(self.buckets))) if only is None else list(only)
 
-    def _lossy(self, j: int) -> bool:
-        return any(lossy_keys(self.buckets[j].policy, k) for k in self.kinds)
+    def _find_lossy(self) -> None:
+        """Which buckets send lossy codes (asked per bucket call; changed by promotions)."""
+        self._lossy = [any(lossy_keys(b.policy, k) for k in self.kinds) for b in self.buckets]
 
     def _promote(self, j: int, kind: str, step: int, signal: dict[str, float],
                  broken: bool) -> dict[str, Any] | None:
@@ -186,6 +187,7 @@ class GradGuard:
             return None  # exact already
         before = describe(b, keys)
         _apply(b, kind, self._next(j, b.policy, kind))
+        self._find_lossy()
         self.since[j] = 0
         g = self.guard
         budget = (f"over weight_gap {g.max_weight_gap:g}" if kind == "dp.param" else
@@ -248,6 +250,7 @@ class GradGuard:
             if policy != b.policy:
                 for kind in self.kinds:
                     _apply(b, kind, policy)
+        self._find_lossy()
         self.over = {k: list(v) for k, v in state["over"].items()}
         self.since = list(state["since"])
 
