@@ -276,11 +276,13 @@ def test_a_guarded_hook_promotes_on_every_rank_alike_and_resumes_the_same(overla
     assert resumed[0]["hashes"] == a["hashes"] and resumed[0]["events"] == a["events"]
 
 
+@pytest.mark.slow
 def test_hooks_with_different_guards_are_refused_on_every_rank():
     said = spawn(guard_workers.hooked_with_differing_guards, 2, (), timeout=120)
     assert all(s is not None and "guard" in s for s in said), said
 
 
+@pytest.mark.slow
 def test_a_corrupt_guard_state_on_one_rank_is_refused_on_every_rank():
     """Were it refused by rank 1 alone, rank 0 would go on and wait for it in its next
     backward; checked inside the agreed resume check, both ranks raise, naming rank 1."""

@@ -16,7 +16,7 @@ BASE = dict(model="gpt-tiny", batch_size=8, seq_len=32, warmup=2, eval_every=0,
             nproc=2, ranks_per_node=2)
 
 
-@pytest.mark.parametrize("engine", ["sharded", "ddp"])
+@pytest.mark.parametrize("engine", ["sharded", pytest.param("ddp", marks=pytest.mark.slow)])
 def test_a_guarded_run_records_its_signals_and_promotions(tmp_path, engine):
     policy = tmp_path / "naive-int2.yaml"
     policy.write_text(yaml.safe_dump({"dp": {"grad": "int2:hadamard=0"}}))
